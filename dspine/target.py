@@ -1,0 +1,123 @@
+"""The target-model contract the decoding loop relies on, and ``load_target`` (architecture dispatch).
+
+Every reference target (``llama.py`` for Llama/Qwen3 dense, ``qwen3_5.py`` for the Qwen3.5 hybrid) is a
+``Target``. The decoding loop only ever calls:
+
+- ``new_cache(batch, capacity)`` -> ``ModelCache`` with ``lengths`` zero;
+- ``forward(ids [B,T], cache, n_valid=None, speculative=False, taps=())`` -> ``TargetOutput``. Row b's tokens
+  sit at positions ``cache.lengths[b] + t``. Without ``speculative`` the first ``n_valid[b]`` tokens
+  (default all T) are committed: ``lengths += n_valid`` and recurrent state advances over exactly those.
+  With ``speculative`` nothing is committed yet; ``commit(cache, n)`` then keeps the first ``n[b]`` tokens
+  (KV: a length change; GDN: ReplaySSM from the pre-verify checkpoint);
+- ``logits(hidden)`` -> float32 logits; ``embed(ids)``; ``head_weight`` (the lm_head, shared with the draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .cache import ModelCache
+from .checkpoint import ModelLoadError, read_config
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [B, T, H] after the final norm (feed to ``logits``)
+    taps: torch.Tensor | None  # [B, T, n_taps * H]: outputs of the requested layers, concatenated
+
+
+class Target(nn.Module):
+    """Base class: shared helpers; subclasses implement ``forward``/``new_cache``/``commit``."""
+
+    config: dict
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def max_position(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.head_weight.T).float()
+
+    def new_cache(self, batch: int, capacity: int) -> ModelCache:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(  # pragma: no cover - abstract
+        self,
+        ids: torch.Tensor,
+        cache: ModelCache,
+        n_valid: torch.Tensor | None = None,
+        speculative: bool = False,
+        taps: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        raise NotImplementedError
+
+    def commit(self, cache: ModelCache, n: torch.Tensor) -> None:
+        """Keep the first ``n[b]`` tokens of the pending speculative forward (default: KV-only models)."""
+        cache.lengths += n.to(cache.lengths)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [B, T, V] (fp32) with a fresh cache; no padding."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        return self.logits(self.forward(input_ids, cache).hidden)
+
+    def default_tap_ids(self, n: int = 5) -> list[int]:
+        return default_tap_ids(self.num_layers, n)
+
+
+def default_tap_ids(num_layers: int, n: int) -> list[int]:
+    """DFlash default taps: ``round(1 + i*(L-4)/(n-1))`` (half-to-even), ``[L//2]`` for one tap."""
+    if n == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Target:
+    """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target."""
+    path = Path(path)
+    cfg = read_config(path)
+    arch = (cfg.get("architectures") or [None])[0]
+    model_type = cfg.get("model_type")
+    if model_type in ("qwen3_5", "qwen3_5_text") or arch in (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+    ):
+        from .qwen3_5 import Qwen35Target
+
+        cls = Qwen35Target
+    elif model_type in ("llama", "qwen3") or arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        from .llama import DenseTarget
+
+        cls = DenseTarget
+    else:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: unsupported architecture "
+            f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
+            "supported: llama, qwen3, qwen3_5/qwen3_5_text"
+        )
+    return cls.from_pretrained(path, cfg, dtype=dtype, device=device)

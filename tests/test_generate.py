@@ -1,0 +1,168 @@
+"""Decoding loop: greedy speculative == greedy AR, sampled speculative ~ AR ~ exact target, stats, seeds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from fakes import LookaheadDraft, RandomDraft, ScriptedDraft
+
+from dspine import generate
+
+
+def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _mistakes(seed: int, rate: float):
+    def f(row, start, j):
+        return random.Random(hash((seed, row, start, j))).random() < rate
+
+    return f
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def target(request, llama_target, qwen3_target):
+    return {"llama": llama_target, "qwen3": qwen3_target}[request.param]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("bs", [2, 4, 8, 16])
+def test_greedy_speculative_equals_ar(target, batch, bs):
+    prompts = _prompts(batch, target.vocab_size, seed=batch * 100 + bs)
+    ar = generate(target, None, prompts, max_new_tokens=24)
+    script = [o.token_ids for o in ar]
+    for rate, dyn in [(0.0, None), (0.3, None), (0.3, 0.5), (1.0, None)]:
+        draft = ScriptedDraft(prompts, script, block_size=bs, mistake=_mistakes(bs, rate))
+        spec = generate(target, draft, prompts, max_new_tokens=24, dynamic_threshold=dyn)
+        for a, s in zip(ar, spec):
+            assert s.token_ids == a.token_ids
+            assert s.finish_reason == a.finish_reason
+            assert sum(s.stats.accept_histogram) == s.stats.verify_steps
+            if rate == 0.0 and dyn is None:  # a perfect draft commits a whole block per round
+                assert s.stats.verify_steps == -(-(len(a.token_ids) - 1) // bs)
+            if rate == 1.0:
+                assert s.stats.draft_tokens_accepted == 0
+
+
+def test_oracle_tau_equals_block_size(llama_target):
+    prompts = _prompts(4, 256, seed=3)
+    ar = generate(llama_target, None, prompts, max_new_tokens=33)
+    spec = generate(llama_target, ScriptedDraft(prompts, [o.token_ids for o in ar], 8), prompts, max_new_tokens=33)
+    for s in spec:  # 1 prefill token + 4 full rounds of 8
+        assert s.stats.verify_steps == 4 and s.stats.accept_length == 8.0
+        assert s.stats.accept_histogram == [0] * 7 + [4, 0]
+        assert s.stats.draft_tokens_proposed == 28 and s.stats.draft_tokens_accepted == 28
+
+
+def test_random_draft_tau_about_one(qwen3_target):
+    prompts = _prompts(4, 256, seed=4)
+    spec = generate(qwen3_target, RandomDraft(256, 8, stochastic=False), prompts, max_new_tokens=20)
+    ar = generate(qwen3_target, None, prompts, max_new_tokens=20)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    assert all(s.stats.accept_length < 1.5 for s in spec)
+
+
+def test_stop_tokens_and_length_mid_block(llama_target):
+    prompts = _prompts(6, 256, seed=5)
+    ar = generate(llama_target, None, prompts, max_new_tokens=30)
+    # stop on a token that appears mid-way in each row's greedy output
+    stops = [[o.token_ids[len(o.token_ids) // 2]] for o in ar]
+    ar_s = generate(llama_target, None, prompts, max_new_tokens=30, stop_token_ids=stops)
+    draft = ScriptedDraft(prompts, [o.token_ids for o in ar], 8, mistake=_mistakes(1, 0.1))
+    sp_s = generate(llama_target, draft, prompts, max_new_tokens=30, stop_token_ids=stops)
+    for a, s, st in zip(ar_s, sp_s, stops):
+        assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason == "stop"
+        assert s.token_ids[-1] == st[0] and st[0] not in s.token_ids[:-1]
+    for n in (1, 2, 5, 11):
+        sp = generate(llama_target, ScriptedDraft(prompts, [o.token_ids for o in ar], 8), prompts, max_new_tokens=n)
+        assert all(len(s.token_ids) == n and s.finish_reason == "length" for s in sp)
+        assert [s.token_ids for s in sp] == [o.token_ids[:n] for o in ar]
+
+
+def test_per_request_params_and_zero_tokens(llama_target):
+    prompts = _prompts(3, 256, seed=6)
+    outs = generate(llama_target, None, prompts, max_new_tokens=[0, 3, 5], temperature=[0.0, 1.0, 0.7], seed=[1, 2, 3])
+    assert [len(o.token_ids) for o in outs] == [0, 3, 5]
+    with pytest.raises(ValueError, match="prompt 1"):
+        generate(llama_target, None, [[1, 2], []])
+    with pytest.raises(ValueError, match="context"):
+        generate(llama_target, None, [[1] * 1000], max_new_tokens=100)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_sampled_output_independent_of_batch(llama_target, spec):
+    prompts = _prompts(5, 256, seed=7)
+    draft = RandomDraft(256, 4) if spec else None
+    kw = dict(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=[11, 12, 13, 14, 15])
+    together = generate(llama_target, draft, prompts, **kw)
+    for i, p in enumerate(prompts):
+        alone = generate(llama_target, draft, [p], **{**kw, "seed": kw["seed"][i]})
+        assert alone[0].token_ids == together[i].token_ids
+
+
+def _exact_joint(target, prompt, temperature):
+    """Exact p(x1, x2 | prompt) of the target at ``temperature`` (small vocab: enumerate x1)."""
+    V = target.vocab_size
+    p1 = (target.score(torch.tensor([prompt]))[0, -1] / temperature).softmax(-1)
+    ids = torch.tensor([prompt + [x] for x in range(V)])
+    p2 = (target.score(ids)[:, -1] / temperature).softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).flatten().double()
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    exp = probs * n
+    order = exp.argsort(descending=True)
+    c, e = counts[order].double(), exp[order]
+    big = e >= 5  # pool the tail so every cell has expected count >= 5
+    obs = torch.cat([c[big], c[~big].sum(0, keepdim=True)]).numpy()
+    ex = torch.cat([e[big], e[~big].sum(0, keepdim=True)]).numpy()
+    ex = ex * obs.sum() / ex.sum()
+    return float(chisquare(obs, ex).pvalue)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    from conftest import save_tiny_hf
+
+    from dspine import load_target
+
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("v16"), "qwen3", vocab=16, layers=2, head_scale=6.0))
+
+
+def _joint_counts(target, draft, prompt, n, temperature, **kw):
+    outs = generate(target, draft, [prompt] * n, max_new_tokens=2, temperature=temperature, seed=list(range(n)), **kw)
+    V = target.vocab_size
+    counts = torch.zeros(V * V, dtype=torch.long)
+    for o in outs:
+        counts[o.token_ids[0] * V + o.token_ids[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name,draft_fn",
+    [
+        ("ar", lambda: None),
+        ("one-hot q", lambda: RandomDraft(16, 4, stochastic=False)),
+        ("stochastic q", lambda: RandomDraft(16, 4, sharp=1.0)),
+        ("dynamic stop", lambda: RandomDraft(16, 4, sharp=1.0, dynamic=True)),
+    ],
+)
+def test_sampled_speculative_matches_target_distribution(small_vocab_target, name, draft_fn):
+    prompt = [3, 1, 4, 1, 5]
+    exact = _exact_joint(small_vocab_target, prompt, 1.0)
+    counts = _joint_counts(small_vocab_target, draft_fn(), prompt, 12000, 1.0)
+    assert _chi2_pvalue(counts, exact) > 1e-3, name
+
+
+def test_lookahead_truncation_is_detected(small_vocab_target):
+    """Negative control: a stopping rule that peeks at later samples biases the output, and the test sees it."""
+    prompt = [3, 1, 4, 1, 5]
+    exact = _exact_joint(small_vocab_target, prompt, 1.0)
+    counts = _joint_counts(small_vocab_target, LookaheadDraft(16, 4, sharp=3.0), prompt, 12000, 1.0)
+    assert _chi2_pvalue(counts, exact) < 1e-3
