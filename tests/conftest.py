@@ -45,10 +45,10 @@ def save_tiny_hf(
     )
     common.update(kw)
     if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{"tie_word_embeddings": True, **common}))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(
-            transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common)
+            transformers.Qwen3Config(**{"head_dim": 16, "tie_word_embeddings": False, **common})
         )
     else:
         raise ValueError(family)

@@ -1,0 +1,45 @@
+"""Acceptance rule: greedy prefix matching, and the exact output law of one speculative-sampling step."""
+
+from __future__ import annotations
+
+import torch
+
+from dspine.sampling import SamplingParams
+from dspine.verify import accept
+
+
+def _onehot(ids, V):
+    return torch.nn.functional.one_hot(torch.tensor(ids), V).float()
+
+
+def test_greedy_accepts_matching_prefix_and_respects_n_draft():
+    V = 5
+    p = _onehot([[1, 2, 3, 4]], V)  # target argmax after slots 0..3
+    props = torch.tensor([[1, 2, 0]])
+    v = accept(p, props, None, torch.tensor([3]), [SamplingParams()], [None], 4)
+    assert v.n_accepted.tolist() == [2] and v.tokens == [[1, 2, 3]]
+    v = accept(p, props, None, torch.tensor([1]), [SamplingParams()], [None], 4)  # dynamic: only x_1 verified
+    assert v.n_accepted.tolist() == [1] and v.tokens == [[1, 2]]
+    v = accept(p, torch.tensor([[1, 2, 3]]), None, torch.tensor([3]), [SamplingParams()], [None], 4)
+    assert v.tokens == [[1, 2, 3, 4]]
+
+
+def test_single_step_output_law_is_p():
+    """One drafted position: empirical law of the committed token == p for a q far from p."""
+    V, n = 6, 40000
+    p1 = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.1, 0.05])
+    q1 = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    sp = SamplingParams(temperature=1.0)
+    for i in range(n // 1000):
+        props = torch.multinomial(q1, 1000, replacement=True, generator=g)[:, None]
+        p = torch.stack([p1, torch.full((V,), 1 / V)])[None].expand(1000, -1, -1)
+        gens = [torch.Generator().manual_seed(i * 1000 + b) for b in range(1000)]
+        v = accept(
+            p, props, q1[None, None].expand(1000, 1, V), torch.ones(1000, dtype=torch.long), [sp] * 1000, gens, 2
+        )
+        for t in v.tokens:
+            counts[t[0]] += 1
+    freq = counts / n
+    assert (freq - p1).abs().max() < 0.01
