@@ -88,13 +88,7 @@ class DenseTarget(Target):
 
     @classmethod
     def from_pretrained(cls, path: Path, cfg: dict, dtype=torch.float32, device="cpu") -> DenseTarget:
-        for key in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        ):
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
             if key not in cfg:
                 raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
         with torch.device("meta"):

@@ -103,10 +103,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     cfg = read_config(path)
     arch = (cfg.get("architectures") or [None])[0]
     model_type = cfg.get("model_type")
-    if model_type in ("qwen3_5", "qwen3_5_text") or arch in (
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-    ):
+    if model_type in ("qwen3_5", "qwen3_5_text") or arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
         from .qwen3_5 import Qwen35Target
 
         cls = Qwen35Target

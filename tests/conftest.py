@@ -81,3 +81,13 @@ def qwen3_target(qwen3_dir):
     from dspine import load_target
 
     return load_target(qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def hybrid_target(tmp_path_factory):
+    """A tiny Qwen3.5-style hybrid (GDN, full, GDN, full) target."""
+    from test_qwen3_5 import save_tiny_qwen35
+
+    from dspine import load_target
+
+    return load_target(save_tiny_qwen35(tmp_path_factory.mktemp("hybrid")))

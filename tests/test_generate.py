@@ -23,9 +23,9 @@ def _mistakes(seed: int, rate: float):
     return f
 
 
-@pytest.fixture(params=["llama", "qwen3"])
-def target(request, llama_target, qwen3_target):
-    return {"llama": llama_target, "qwen3": qwen3_target}[request.param]
+@pytest.fixture(params=["llama", "qwen3", "hybrid"])
+def target(request, llama_target, qwen3_target, hybrid_target):
+    return {"llama": llama_target, "qwen3": qwen3_target, "hybrid": hybrid_target}[request.param]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
