@@ -94,7 +94,13 @@ def default_tap_ids(num_layers: int, n: int) -> list[int]:
     """DFlash default taps: ``round(1 + i*(L-4)/(n-1))`` (half-to-even), ``[L//2]`` for one tap."""
     if n == 1:
         return [num_layers // 2]
-    return [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    if len(set(ids)) < n or min(ids) < 0:
+        # tiny targets (L < n + 3): the formula repeats layers; fall back to distinct, evenly spaced
+        # inner layers (never the last one, whose HF hidden state is post-norm)
+        inner = max(1, num_layers - 1)
+        ids = sorted({min(inner - 1, round(i * (inner - 1) / max(1, n - 1))) for i in range(n)})
+    return ids
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Target:

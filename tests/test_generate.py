@@ -166,3 +166,35 @@ def test_lookahead_truncation_is_detected(small_vocab_target):
     exact = _exact_joint(small_vocab_target, prompt, 1.0)
     counts = _joint_counts(small_vocab_target, LookaheadDraft(16, 4, sharp=3.0), prompt, 12000, 1.0)
     assert _chi2_pvalue(counts, exact) < 1e-3
+
+
+def _random_dspine(target, bs: int, seed: int):
+    """A real DSpine draft with every weight random (writes and G_pred too) and a 'trained' confidence head."""
+    from dspine import init_draft
+
+    d = init_draft(target, num_layers=2, block_size=bs, seed=seed, intermediate_size=64, top_k=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "injection" in name or "confidence" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    d.confidence_trained = True
+    return d
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("dyn", [None, 0.5])
+def test_dspine_draft_greedy_equals_ar(target, bs, dyn):
+    prompts = _prompts(5, target.vocab_size, seed=bs)
+    ar = generate(target, None, prompts, max_new_tokens=20)
+    spec = generate(target, _random_dspine(target, bs, seed=1), prompts, max_new_tokens=20, dynamic_threshold=dyn)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    if dyn is not None:  # the confidence head really truncated some blocks
+        assert sum(s.stats.draft_tokens_proposed for s in spec) < sum(s.stats.verify_steps for s in spec) * (bs - 1)
+
+
+def test_dspine_draft_sampled_matches_target_distribution(small_vocab_target):
+    prompt = [3, 1, 4, 1, 5]
+    exact = _exact_joint(small_vocab_target, prompt, 1.0)
+    counts = _joint_counts(small_vocab_target, _random_dspine(small_vocab_target, 4, seed=2), prompt, 8000, 1.0)
+    assert _chi2_pvalue(counts, exact) > 1e-3
