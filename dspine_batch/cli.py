@@ -1,0 +1,242 @@
+"""The ``dspine-batch`` command line (click), in the style of simonw's ``llm``: discoverable help with
+examples, every generate option also settable as DSPINE_BATCH_<OPTION> or in a TOML job file (--config);
+precedence is flag > env > job file > default. Errors print one line and exit with the documented code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .config import GenerateConfig, load_toml
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, BatchError
+
+ENV = "DSPINE_BATCH_"
+
+
+def opt(*decls: str, **kw: Any) -> Callable:
+    """An option with a DSPINE_BATCH_* env var named after it, shown in --help."""
+    name = next(d for d in decls if d.startswith("--")).lstrip("-").split("/")[0].replace("-", "_").upper()
+    kw.setdefault("envvar", ENV + name)
+    kw.setdefault("show_envvar", True)
+    return click.option(*decls, **kw)
+
+
+def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value:
+        data = load_toml(value)
+        if isinstance(data.get("engine_args"), dict):
+            data["engine_arg"] = [f"{k}={v}" for k, v in data.pop("engine_args").items()]
+        for key in ("keep_columns", "stop"):
+            if isinstance(data.get(key), str):
+                data[key] = [data[key]]
+        if "inputs" in data or "input" in data:
+            ctx.meta["config_inputs"] = data.pop("inputs", None) or data.pop("input")
+        if "output" in data:
+            data["output_dir"] = data.pop("output")
+        ctx.default_map = {**(ctx.default_map or {}), **data}
+    return value
+
+
+GENERATE_EXAMPLES = """
+\b
+Examples:
+  dspine-batch generate examples/prompts.jsonl -o out/
+  dspine-batch generate data/*.parquet -o out/ --prompt-column question --id-column qid \\
+      --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
+  dspine-batch generate requests.jsonl -o out/           # OpenAI batch JSONL (custom_id + body)
+  dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
+  dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
+  dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
+
+\b
+Rows: the prompt column (default `prompt`; `messages` when there is no `prompt`) is rendered with the
+model's chat template unless --raw. Row ids come from --id-column (default `id` if present), else
+<file>:<row-index>. Columns named max_new_tokens, temperature, top_p, top_k, seed or stop override the
+sampling settings for their row (--no-row-params to ignore them).
+
+\b
+Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
+duplicated. Exit codes: 0 done, 75 interrupted (run again), 3 done but over --max-error-rate,
+2 usage error or different settings than the run in OUTDIR, 1 fatal.
+"""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="dspine-batch")
+def cli() -> None:
+    """Offline batch generation with DSpine speculative decoding and exactly-once resume.
+
+    \b
+    dspine-batch generate INPUT... -o OUTDIR   run (or resume) a job
+    dspine-batch status OUTDIR                 done / failed / remaining
+    dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
+    dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
+    """
+
+
+@cli.command(epilog=GENERATE_EXAMPLES)
+@click.argument("inputs", nargs=-1, type=click.Path(), metavar="INPUT...")
+@opt("-o", "--output", "output_dir", type=click.Path(file_okay=False), help="Output directory (Parquet parts).")
+@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
+              expose_value=False, help="TOML job file with any of these options (and `inputs`, `output`).")
+@opt("--engine", default="auto", show_default=True, metavar="auto|reference|sglang",
+     help="Generation backend. auto: the reference engine on CPU.")
+@opt("-m", "--model", default="embedded", show_default=True, help="Target model dir (HF layout), or `embedded`.")
+@opt("--draft", default="embedded", show_default=True, help="Draft model dir, `embedded`, or `none`.")
+@opt("--split", help="Split of a DatasetDict / local HF dataset dir.")
+@opt("--prompt-column", help="Column with the prompt text.  [default: prompt]")
+@opt("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@opt("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
+@opt("-s", "--system-prompt", help="System message added to every row.")
+@opt("--chat-template/--raw", "chat_template", default=None,
+     help="Render prompts with the model's chat template, or tokenize them as-is.  [default: template if the "
+          "model has one]")
+@opt("--max-new-tokens", type=int, default=256, show_default=True)
+@opt("-t", "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@opt("--top-p", type=float, default=1.0, show_default=True)
+@opt("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@opt("--seed", type=int, default=0, show_default=True,
+     help="Run seed; each (row, sample) gets its own seed derived from it.")
+@opt("--stop", multiple=True, help="Stop string (repeatable).")
+@opt("--num-samples", type=int, default=1, show_default=True, help="Samples per row.")
+@opt("--row-params/--no-row-params", default=True, show_default=True,
+     help="Let input columns override sampling settings per row.")
+@opt("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
+@opt("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
+@opt("--limit", type=int, help="Only the first N input rows.")
+@opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="Passed to the engine (repeatable).")
+@opt("--max-in-flight", type=int, default=64, show_default=True, help="Most requests open in the engine at once.")
+@opt("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
+@opt("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+     help="Bad rows: write a status=error row, or stop the job.")
+@opt("--max-error-rate", type=float, default=0.05, show_default=True, help="Exit 3 when errors exceed this.")
+@opt("--resume/--no-resume", default=True, show_default=True, help="Continue a run found in OUTDIR.")
+@opt("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
+@opt("--commit-rows", type=int, default=1000, show_default=True, help="Commit a part after this many rows...")
+@opt("--commit-seconds", type=float, default=5.0, show_default=True, help="...or after this many seconds.")
+@opt("--grace-seconds", type=float, default=20.0, show_default=True,
+     help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@opt("--progress", type=click.Choice(["auto", "bar", "log", "none"]), default="auto", show_default=True,
+     help="auto: a bar on a terminal, log lines otherwise.")
+@opt("--log-interval", type=float, default=10.0, show_default=True, help="Seconds between progress log lines.")
+@click.pass_context
+def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None, engine_arg: tuple[str, ...],
+             keep_columns: tuple[str, ...], stop: tuple[str, ...], **kw: Any) -> int:
+    """Generate completions for every row of INPUT (JSONL[.gz|.zst], Parquet file/dir/glob, a save_to_disk
+    dataset dir, a local HF dataset with --split, or OpenAI batch JSONL) into Parquet parts in OUTDIR."""
+    from .pipeline import generate as run_generate
+
+    inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
+    if not inputs:
+        raise click.UsageError("no INPUT given (pass files, or `inputs` in --config)")
+    if not output_dir:
+        raise click.UsageError("missing -o/--output OUTDIR")
+    args: dict[str, str] = {}
+    for item in engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--engine-arg")
+        args[key.strip()] = value
+    keep = [c.strip() for k in keep_columns for c in k.split(",") if c.strip()]
+    cfg = GenerateConfig(inputs=list(inputs), output=output_dir, engine_args=args, keep_columns=keep,
+                         stop=list(stop), **kw)
+    return run_generate(cfg)
+
+
+@cli.command()
+@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(outdir: str, as_json: bool) -> None:
+    """Done / failed / remaining rows, fingerprint and last commit time of OUTDIR (works while running).
+
+    \b
+    Example:
+      dspine-batch status out/
+    """
+    from .status import format_status, read_status
+
+    st = read_status(outdir)
+    click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
+
+
+@cli.command()
+@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON summary instead of text.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: acceptance histogram and tau by position.")
+def report(outdir: str, as_json: bool, plot: str | None) -> None:
+    """Summary of committed results: rows, tokens, tok/s, mean/median tau, accept rate, finish reasons, errors.
+
+    Also writes OUTDIR/_report.json.
+
+    \b
+    Examples:
+      dspine-batch report out/
+      dspine-batch report out/ --plot accept.png
+    """
+    from .report import format_report, plot_report, summarize, write_report
+
+    summary = summarize(outdir)
+    write_report(outdir, summary)
+    click.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
+    if plot:
+        plot_report(summary, plot)
+        click.echo(f"plot written to {plot}", err=True)
+
+
+@cli.command()
+@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--compact", is_flag=True, help="Merge small parts into larger ones first.")
+@click.option("--target-rows", type=int, default=1_000_000, show_default=True, help="Rows per compacted part.")
+def finalize(outdir: str, compact: bool, target_rows: int) -> int:
+    """Check that every input row x sample is in OUTDIR exactly once, then write _SUCCESS.
+
+    Run it after all shards finished. Exit 1 (and no _SUCCESS) when rows are missing or duplicated.
+
+    \b
+    Example:
+      dspine-batch finalize out/ --compact
+    """
+    from .finalize import finalize as run_finalize
+
+    return run_finalize(outdir, compact, target_rows)
+
+
+def _as_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, str) else list(v)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USAGE if e.exit_code == 2 else e.exit_code)
+    except click.Abort:
+        sys.exit(EXIT_INTERRUPTED)
+    except BatchError as e:
+        print(f"dspine-batch: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("dspine-batch: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except OSError as e:
+        if os.environ.get("DSPINE_BATCH_DEBUG"):
+            raise
+        print(f"dspine-batch: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()
