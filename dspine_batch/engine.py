@@ -8,6 +8,7 @@ stats are normalised in one place (``stats_from_sglang_meta`` -> ``sglang_stats`
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -106,12 +107,17 @@ ENGINE_NAMES = ("auto", "reference", "sglang")
 
 
 def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
-    """Build the engine the user asked for. ``auto`` is the reference engine on CPU (SGLang lands later).
+    """Build the engine the user asked for. ``auto`` is SGLang when it is installed and a GPU is present,
+    else the reference engine; it says which it picked and why on stderr.
 
     ``scripted`` (not shown in help) is the deterministic test engine; ``DSPINE_BATCH_TEST_ENGINE`` also
     selects it so subprocess tests need no special flags."""
     if name == "auto":
-        name = "reference"
+        from .sglang_engine import sglang_available
+
+        ok, why = sglang_available()
+        name = "sglang" if ok else "reference"
+        print(f"dspine-batch: --engine auto picked {name} ({why})", file=sys.stderr)
     if name == "scripted":
         from .scripted_engine import ScriptedEngine
 
@@ -121,8 +127,14 @@ def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) 
 
         return ReferenceEngine.load(model, draft, engine_args)
     if name == "sglang":
-        raise UsageError(
-            "--engine sglang is not available yet in this build (a later release adds it); "
-            "use --engine reference"
-        )
+        from .sglang_engine import SGLangEngine, sglang_available
+
+        ok, why = sglang_available()
+        if not ok:
+            raise UsageError(
+                f"--engine sglang is not available here: {why}; install the sglang extra in its own virtualenv "
+                "(bash scripts/setup_sglang_venv.sh) and run dspine-batch from it on a GPU machine, "
+                "or use --engine reference"
+            )
+        return SGLangEngine.load(model, draft, engine_args)
     raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")

@@ -1,0 +1,98 @@
+"""``DSpineWorkerV2``: SGLang 0.5.23's DFlash V2 worker, driven through its selector seam, plus the GDN commit.
+
+Everything DFlash does per round is reused unchanged (sglang-integration.md §5): prefill with FULL aux-hidden
+capture and draft-KV materialisation, the draft block ``[bonus, MASK x (B-1)]`` in TARGET_VERIFY mode, the
+target verify, greedy accept (exact match) or sampled accept, the overlap relay, CUDA graphs. The DSpine
+proposal itself enters where DFlash runs a DFlash2 candidate selector: because ``DSpineDraftModel`` exposes
+``candidate_selector``, the worker calls ``compute_candidates`` / ``build_lattice`` / ``sample_path`` (in the
+draft CUDA graph via ``_SelectorDraftSampler``, or eagerly via ``_propose_selector_block``), i.e. top-k,
+last-write refinement and the walk. Greedy rows are verified by exact match; sampled rows through
+``_selector_sampling_accept`` with the q rows of the walk (DSpark's q-aware chain rejection): lossless.
+
+Overrides:
+
+* ``__init__``: refuses non-CUDA devices, non-DSpine drafts and a block width above the draft's block (DFlash
+  only warns), attaches the target LM head to the draft before any capture.
+* ``_update_target_mamba_state_after_verify``: SGLang's DFLASH path commits through
+  ``update_mamba_state_after_mtp_verify``, which handles only KDA ReplaySSM (hence its guard refusing
+  ``--enable-linear-replayssm-spec`` for DFLASH on GDN targets). With a GDN ReplaySSM ring we commit through
+  ``spec_utils.commit_mamba_states_after_verify`` as EAGLE does, with the linear-chain accept index and the
+  step indices computed from the *pre-verify* lengths (``draft_math``).
+* ``_warm_eager_selector``: DFlash warms with hidden width H; ours is the packed width 2H + r.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.lora.layers import unwrap_lora_layer
+from sglang.srt.runtime_context import mamba_track_grid
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
+
+from . import draft_math as dm
+from .models.dspine_draft import DSpineDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+def gdn_replayssm_active(req_to_token_pool) -> bool:
+    """True when the target's mamba pool keeps a GDN (not KDA) ReplaySSM spec ring."""
+    pool = getattr(req_to_token_pool, "mamba_pool", None)
+    if pool is None or getattr(pool, "replayssm_is_kda", False):
+        return False
+    return bool(getattr(pool, "replayssm_spec_fold", False)) or getattr(pool, "replayssm_cache_base", None) is not None
+
+
+class DSpineWorkerV2(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
+        device = str(getattr(target_worker, "device", "cuda"))
+        if not device.startswith("cuda"):
+            raise RuntimeError(f"DSPINE needs a CUDA device (got {device!r}); on CPU use dspine's reference engine")
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        if not isinstance(self.draft_model, DSpineDraftModel):
+            raise RuntimeError(
+                f"DSPINE needs a DSpineDraftModel draft, got {type(self.draft_model).__name__} (check the draft "
+                "config's architectures and that the dspine plugin registered the model)")
+        draft_block = int(self.draft_model.spec.block_size)
+        if not 2 <= int(self.block_size) <= draft_block:
+            raise RuntimeError(
+                f"DSPINE block width {self.block_size} (--speculative-num-draft-tokens, anchor slot included) "
+                f"must be in 2..{draft_block} (the draft's block_size)")
+        lm_head = unwrap_lora_layer(getattr(self._target_worker.model_runner.model, "lm_head", None))
+        if lm_head is None or getattr(lm_head, "weight", None) is None:
+            raise RuntimeError("DSPINE needs the target's dense lm_head weight (quantized heads unsupported)")
+        self.draft_model.lm_head = lm_head
+        logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d",
+                    int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
+                    self.draft_model.transfer_rank)
+
+    def _warm_eager_selector(self) -> None:
+        hidden = torch.zeros((int(self.block_size), self.draft_model.packed_width),
+                             dtype=self.draft_model_runner.dtype, device=self.device)
+        self._propose_selector_block(
+            draft_logits_output=LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden),
+            bs=1, lm_head=self.draft_model.lm_head,
+            anchor_token_ids=torch.zeros((1,), dtype=torch.int64, device=self.device), sampling_info=None)
+
+    def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, seq_lens_post_verify,
+                                                commit_lens) -> None:
+        if not self._need_mamba_verify_commit:
+            return
+        model_runner = self.target_worker.model_runner
+        if not gdn_replayssm_active(model_runner.req_to_token_pool):
+            return super()._update_target_mamba_state_after_verify(
+                batch=batch, seq_lens_pre_verify=seq_lens_pre_verify, seq_lens_post_verify=seq_lens_post_verify,
+                commit_lens=commit_lens)
+        B = int(self.block_size)
+        interval = mamba_track_grid(batch.tree_cache.page_size) if batch.mamba_track_indices is not None else None
+        steps = dm.replayssm_step_indices(seq_lens_pre_verify, commit_lens, interval)
+        commit_mamba_states_after_verify(
+            self.target_worker, batch,
+            accept_lens=commit_lens.to(torch.int32),  # includes the bonus token
+            accept_index=dm.chain_accept_index(commit_lens, B),
+            draft_token_num=B,
+            prepared_step_indices=steps,
+        )

@@ -1,0 +1,493 @@
+"""The DSPINE SGLang plugin against the real sglang==0.5.23 on CPU (run in the sglang venv:
+``scripts/ci_sglang.sh``; skipped where ``import sglang`` fails).
+
+Covers what a CPU can show: the entry point loads in a fresh interpreter and registers the algorithm and the
+model; every flag of the seed command resolves with ``device="cpu"``; wrong checkpoints / block sizes fail
+clearly at resolution; ``SGLANG_PLUGINS`` without ``dspine`` is detected; SGLang parses our draft config as a
+*causal* DFlash-family draft; the ReplaySSM step indices equal SGLang's own; the recorded meta_info fixture is
+what 0.5.23 produces. The worker's GPU path is checked by the commands in the closing note of issue 5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+sglang = pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
+
+import torch  # noqa: E402
+
+from dspine.sglang import draft_math as dm  # noqa: E402
+from dspine.sglang import plugin  # noqa: E402
+from dspine.sglang.config import DSpineConfigError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = """sglang serve --model-path Qwen/Qwen3.8-27B --speculative-algorithm DSPINE \
+  --speculative-draft-model-path /path/to/Qwen3.8-27B-DSpine-b16 --speculative-num-draft-tokens 16 \
+  --dtype bfloat16 --attention-backend fa3 --speculative-draft-attention-backend fa3 \
+  --linear-attn-backend triton --enable-linear-replayssm-spec --mamba-ssm-dtype float32 \
+  --mamba-radix-cache-strategy extra_buffer --max-mamba-cache-size 64 --mem-fraction-static 0.80 \
+  --context-length 131072 --max-running-requests 8 --cuda-graph-max-bs-decode 8 --min-free-slots-delay 1 \
+  --sampling-backend flashinfer --reasoning-parser qwen3 --tool-call-parser qwen3_coder --trust-remote-code"""
+SEED_FIELDS = {
+    "model_path", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_draft_tokens", "dtype",
+    "attention_backend", "speculative_draft_attention_backend", "linear_attn_backend",
+    "enable_linear_replayssm_spec", "mamba_ssm_dtype", "mamba_radix_cache_strategy", "max_mamba_cache_size",
+    "mem_fraction_static", "context_length", "max_running_requests", "cuda_graph_max_bs_decode",
+    "min_free_slots_delay", "sampling_backend", "reasoning_parser", "tool_call_parser", "trust_remote_code",
+}
+
+
+def _run(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=REPO,
+                          timeout=timeout)
+
+
+# -- fixtures: a tiny Qwen3.5-style hybrid target and a tiny DSpine draft made by dspine's init_draft ------------
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_qwen3_5 import save_tiny_qwen35
+
+    from dspine import load_target
+    from dspine.draft import init_draft
+
+    root = tmp_path_factory.mktemp("sglang_tiny")
+    tdir = save_tiny_qwen35(root / "target", max_position_embeddings=262144)
+    target = load_target(tdir)
+    draft = init_draft(target, num_layers=2, block_size=16, transfer_rank=8, message_size=16, top_k=4,
+                       intermediate_size=64)
+    draft.save(root / "draft")
+    return SimpleNamespace(root=root, target=Path(tdir), draft=root / "draft", target_model=target)
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    plugin.register()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def extra_buffer_platform(monkeypatch):
+    """SGLang's own CUDA-only predicate for mamba extra_buffer (sglang-integration.md §13) stands in for a GPU
+    (the hybrid target makes SGLang pick extra_buffer even by default)."""
+    import sglang.srt.arg_groups.mamba_hook as mh
+
+    monkeypatch.setattr(mh, "_platform_supports_mamba_cache_extra_buffer", lambda *a, **k: True)
+
+
+def _seed_flags(tiny, **over):
+    from dspine_batch.sglang_engine import parse_server_flags
+
+    flags = parse_server_flags(shlex.split(SEED))
+    assert set(flags) == SEED_FIELDS  # every flag of the seed command, parsed by SGLang's own parser
+    flags.update(model_path=str(tiny.target), speculative_draft_model_path=str(tiny.draft))
+    flags.update(over)
+    return flags
+
+
+def _resolve(**flags):
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(**flags, device="cpu")
+    sa.resolve_once()
+    return sa, sa.resolved_dict()
+
+
+# -- 1. entry point ------------------------------------------------------------------------------------------------
+
+
+def test_entry_point_registers_algorithm_and_model_in_a_fresh_interpreter():
+    r = _run("""
+import sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+assert 'sglang.srt.models.registry' not in sys.modules, 'plugin must not import every model'
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm as S
+a = S.from_string('DSPINE')
+print('ALGO', type(a).__name__, a.is_dflash_family(), a.supports_target_verify_for_draft(), a.is_dflash())
+from sglang.srt.models.registry import ModelRegistry
+print('MODEL', ModelRegistry.models['DSpineDraftModel'].__module__)
+""")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ALGO DSpineAlgo True True False" in r.stdout
+    assert "MODEL dspine.sglang.models.dspine_draft" in r.stdout
+
+
+def test_sglang_plugins_without_dspine_is_detected_and_reported():
+    r = _run("""
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm as S
+try:
+    S.from_string('DSPINE'); print('RESOLVED')
+except ValueError as e:
+    print('SGLANG SAYS', e)
+from dspine.sglang.plugin import ensure_available
+try:
+    ensure_available(); print('NO PROBLEM')
+except RuntimeError as e:
+    print('WE SAY', e)
+""", env={"SGLANG_PLUGINS": "smg-zmq"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SGLANG SAYS Unknown speculative algorithm name: DSPINE" in r.stdout
+    assert "WE SAY DSPINE cannot run in SGLang: SGLANG_PLUGINS='smg-zmq' does not include 'dspine'" in r.stdout
+    assert plugin.plugins_env_problem({"SGLANG_PLUGINS": "a, dspine"}) is None
+    assert plugin.plugins_env_problem({}) is None
+    assert "add it" in plugin.plugins_env_problem({"SGLANG_PLUGINS": "a"})
+
+
+def test_register_is_idempotent_and_explicitly_callable():
+    from dspine.sglang.algo import register_algorithm
+
+    plugin.register()
+    plugin.register()
+    assert register_algorithm() is False  # already there: no duplicate-registration error
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    assert repr(SpeculativeAlgorithm.from_string("dspine")) == "DSpineAlgo('DSPINE')"
+    assert plugin.problems() == []
+
+
+def test_algo_has_every_method_the_scheduler_calls_on_an_algorithm():
+    """0.5.23 checks only is_*/supports_* on plugin classes; the scheduler also calls create_future_map,
+    carries_draft_hidden_states and need_topk, which the base CustomSpecAlgo lacks."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    from dspine.sglang.algo import DSpineAlgo
+
+    public = {n for n, v in vars(SpeculativeAlgorithm).items() if callable(v) and not n.startswith("_")}
+    public -= {"from_string", "register"}
+    assert not public - set(dir(DSpineAlgo)), public - set(dir(DSpineAlgo))
+    assert {"create_future_map", "carries_draft_hidden_states", "need_topk"} - set(dir(CustomSpecAlgo))
+    algo = SpeculativeAlgorithm.from_string("DSPINE")
+    assert algo.carries_draft_hidden_states() is False and algo.need_topk() is False
+    assert algo.supports_ragged_verify() is False and algo.has_draft_kv() is True
+
+
+# -- 2. the seed command resolves -------------------------------------------------------------------------------
+
+
+def test_seed_flags_resolve_with_dspine_on_cpu(tiny, extra_buffer_platform):
+    sa, d = _resolve(**_seed_flags(tiny))
+    assert d["speculative_algorithm"] == "DSPINE"
+    assert (d["speculative_num_steps"], d["speculative_eagle_topk"], d["speculative_num_draft_tokens"]) == (1, 1, 16)
+    assert d["max_running_requests"] == 8 and d["enable_linear_replayssm_spec"] is True
+    assert d["mamba_ssm_dtype"] == "float32" and d["mamba_radix_cache_strategy"] == "extra_buffer"
+    assert d["speculative_draft_attention_backend"] == "fa3" and d["context_length"] == 131072
+    sources = [s for s, _ in sa._resolved_overrides]
+    assert "handle_speculative_decoding.custom_algo" in sources  # our handler ran through SGLang's recorder
+
+
+def test_defaults_come_from_the_draft(tiny):
+    _, d = _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                    speculative_draft_model_path=str(tiny.draft))
+    assert d["speculative_num_draft_tokens"] == 16 and d["max_running_requests"] == 48
+    _, d = _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                    speculative_draft_model_path=str(tiny.draft), speculative_num_draft_tokens=8)
+    assert d["speculative_num_draft_tokens"] == 8  # fewer drafts than trained: exact for a causal block
+
+
+def test_unregistered_name_and_dflash_on_cpu_fail_as_sglang_says(tiny):
+    from sglang.srt.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="Unknown speculative algorithm name: DSPINX"):
+        ServerArgs(model_path=str(tiny.target), speculative_algorithm="DSPINX", device="cpu").resolve_once()
+
+
+# -- 3. clear errors -----------------------------------------------------------------------------------------------
+
+
+def _copy_draft(tiny, tmp_path, edit=None):
+    dst = tmp_path / "draft"
+    shutil.copytree(tiny.draft, dst)
+    if edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("num, match", [
+    (17, r"--speculative-num-draft-tokens 17 does not fit the draft's block_size 16: the value counts the anchor"),
+    (1, "does not fit"),
+])
+def test_wrong_block_size_is_a_clear_error(tiny, num, match):
+    with pytest.raises(ValueError, match=match):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tiny.draft), speculative_num_draft_tokens=num)
+
+
+def test_block_size_flags_must_agree(tiny):
+    with pytest.raises(ValueError, match="--speculative-dflash-block-size 8 differ"):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tiny.draft), speculative_num_draft_tokens=16,
+                 speculative_dflash_block_size=8)
+
+
+def _dflash_style(cfg):
+    cfg["architectures"] = ["DFlashDraftModel"]
+    del cfg["dspine_config"]
+
+
+def _other_target(cfg):
+    cfg["hidden_size"] = 128
+
+
+def _bad_rank(cfg):
+    cfg["dspine_config"]["transfer_rank"] = 10**6
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_dflash_style, "looks like a DFlash draft: use --speculative-algorithm DFLASH"),
+    (_other_target, "hidden_size"),
+    (_bad_rank, "dspine_config.transfer_rank"),
+])
+def test_wrong_draft_checkpoint_is_a_clear_error(tiny, tmp_path, edit, match):
+    bad = _copy_draft(tiny, tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE", speculative_draft_model_path=str(bad))
+
+
+def test_missing_or_unready_draft_is_a_clear_error(tiny, tmp_path):
+    from dspine.sglang.config import read_draft
+
+    # SGLang itself reads the draft config before any plugin hook (a hub-id error for a missing dir) ...
+    with pytest.raises((OSError, ValueError)):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tmp_path / "nope"))
+    # ... so the adapter checks it first with ours
+    with pytest.raises(ValueError, match="not a local directory"):
+        read_draft(tmp_path / "nope")
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy_draft(tiny, tmp_path)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["transfer_ready"] = torch.tensor(False)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="transfer_ready is false"):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE", speculative_draft_model_path=str(bad))
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"speculative_eagle_topk": 4}, "one linear chain"),
+    ({"tp_size": 2}, "one GPU per replica"),
+    ({"speculative_accept_threshold_single": 0.5}, "lossy"),
+])
+def test_unsupported_settings_are_refused(tiny, over, match):
+    with pytest.raises(ValueError, match=match):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tiny.draft), **over)
+
+
+def test_config_error_type():
+    assert issubclass(DSpineConfigError, ValueError)
+
+
+# -- 4. SGLang reads our draft as a causal DFlash-family draft ----------------------------------------------------
+
+
+def test_sglang_parses_the_draft_config_as_a_causal_block(tiny):
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.models.dflash import _get_dflash_layer_attention_params
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    from dspine.draft import parse_draft_config
+
+    cfg = get_config(str(tiny.draft), trust_remote_code=False)
+    parsed = parse_dflash_draft_config(draft_hf_config=cfg)
+    draft_cfg = json.loads((tiny.draft / "config.json").read_text())
+    assert parsed.resolve_block_size(default=None) == 16
+    assert parsed.mask_token_id == draft_cfg["dflash_config"]["mask_token_id"]
+    assert list(parsed.target_layer_ids) == draft_cfg["dflash_config"]["target_layer_ids"]
+    for i in range(cfg.num_hidden_layers):
+        _, kind = _get_dflash_layer_attention_params(cfg, i)
+        assert kind == AttentionType.DECODER  # causal in-block attention (DFlash's own drafts: ENCODER_ONLY)
+    spec = parse_draft_config(cfg.to_dict())  # what DSpineDraftModel.__init__ validates
+    assert spec.block_size == 16 and spec.transfer_rank == 8
+
+
+def test_replayssm_step_indices_equal_sglangs_own(monkeypatch):
+    import sglang.srt.speculative.spec_utils as su
+
+    monkeypatch.setattr(su, "mamba_track_grid", lambda page: 256)
+    seq_pre = torch.tensor([10, 254, 255, 500, 1023])
+    commit = torch.tensor([1, 4, 2, 16, 3], dtype=torch.int32)
+    B = 16
+    batch = SimpleNamespace(seq_lens=seq_pre, mamba_track_indices=torch.zeros(5, dtype=torch.int64),
+                            tree_cache=SimpleNamespace(page_size=1))
+    theirs = su._verify_commit_step_indices(batch=batch, accept_index=dm.chain_accept_index(commit, B),
+                                            accept_lens=commit, draft_token_num=B)
+    ours = dm.replayssm_step_indices(seq_pre, commit, 256)
+    assert torch.equal(ours[0], theirs[0].to(torch.int64)) and torch.equal(ours[1], theirs[1].to(torch.int64))
+    batch.mamba_track_indices = None
+    theirs = su._verify_commit_step_indices(batch=batch, accept_index=dm.chain_accept_index(commit, B),
+                                            accept_lens=commit, draft_token_num=B)
+    assert torch.equal(dm.replayssm_step_indices(seq_pre, commit, None)[0], theirs[0].to(torch.int64))
+
+
+# -- 5. meta_info and the adapter with the real parser ---------------------------------------------------------
+
+
+def test_recorded_meta_info_fixture_is_what_sglang_0_5_23_produces():
+    from sglang_meta_recorder import record_all
+
+    recorded = json.loads((Path(__file__).parent / "data" / "sglang_0_5_23_meta_info.json").read_text())
+    assert record_all() == recorded
+
+
+def test_engine_kwargs_from_the_seed_command_and_engine_args(tiny):
+    from sglang.srt.server_args import ServerArgs
+
+    from dspine_batch.sglang_engine import build_server_kwargs
+
+    flags = SEED.split(" ", 2)[2]
+    kw, _ = build_server_kwargs(str(tiny.target), str(tiny.draft),
+                                {"server_flags": flags, "mem-fraction-static": "0.7", "enable_metrics": "true"})
+    assert kw["model_path"] == str(tiny.target)  # --model/--draft win over the pasted command's paths
+    assert kw["speculative_draft_model_path"] == str(tiny.draft) and kw["speculative_algorithm"] == "DSPINE"
+    assert kw["mem_fraction_static"] == 0.7 and kw["enable_metrics"] is True
+    assert kw["enable_linear_replayssm_spec"] is True and kw["speculative_num_draft_tokens"] == 16
+    kw.update(model_path=str(tiny.target), speculative_draft_model_path=str(tiny.draft), device="cpu")
+    ServerArgs(**kw)  # every key is a real ServerArgs field (unknown ones raise TypeError)
+
+
+# -- 6. the draft model's strict loader (on a CPU shell with SGLang's parameter layout) ---------------------------
+
+
+def _shell_model(tiny):
+    """A DSpineDraftModel without SGLang's runtime context: SGLang's DFlash parameter names (fused qkv_proj /
+    gate_up_proj with shard loaders, the rest as in the checkpoint), our injection and buffers."""
+    from safetensors import safe_open
+    from torch import nn
+
+    from dspine.draft import Injection, parse_draft_config
+    from dspine.sglang.models.dspine_draft import DSpineDraftModel
+
+    cfg = json.loads((tiny.draft / "config.json").read_text())
+    spec = parse_draft_config(cfg)
+    m = DSpineDraftModel.__new__(DSpineDraftModel)
+    nn.Module.__init__(m)
+    shards: dict[str, list] = {}
+
+    def put(path: str, param):
+        mod = m
+        *parents, leaf = path.split(".")
+        for name in parents:
+            if not hasattr(mod, name):
+                mod.add_module(name, nn.Module())
+            mod = getattr(mod, name)
+        mod.register_parameter(leaf, param)
+
+    with safe_open(str(tiny.draft / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    for n in names:
+        if n.startswith(("injection.", "confidence_head.", "transfer_")):
+            continue
+        for part, fused in (("q_proj", "qkv_proj"), ("k_proj", None), ("v_proj", None),
+                            ("gate_proj", "gate_up_proj"), ("up_proj", None)):
+            if f".{part}." in n:
+                if fused:
+                    key = n.replace(part, fused)
+                    p = nn.Parameter(torch.zeros(1), requires_grad=False)
+                    p.weight_loader = lambda param, w, shard, key=key: shards.setdefault(key, []).append(shard)
+                    put(key, p)
+                break
+        else:
+            put(n, nn.Parameter(torch.zeros(shapes[n]), requires_grad=False))
+    m.injection = Injection(spec.hidden_size, spec.transfer_rank, spec.message_size, spec.num_layers)
+    m.register_buffer("transfer_codes", torch.zeros(spec.vocab_size, spec.transfer_rank))
+    m.register_buffer("transfer_ready", torch.tensor(False))
+    m._expected = DSpineDraftModel._expected_names(cfg)
+    return m, shards
+
+
+def _weights(tiny, drop=None, add=None, edit=None):
+    from safetensors.torch import load_file
+
+    w = load_file(str(tiny.draft / "model.safetensors"))
+    if drop:
+        w.pop(drop)
+    if add:
+        w[add] = torch.zeros(1)
+    if edit:
+        edit(w)
+    return [(f"model.{k}", v) for k, v in w.items()]  # the optional prefix
+
+
+def test_draft_loader_is_strict(tiny):
+    from safetensors.torch import load_file
+
+    m, shards = _shell_model(tiny)
+    m.load_weights(_weights(tiny))
+    ref = load_file(str(tiny.draft / "model.safetensors"))
+    assert bool(m.transfer_ready) and torch.equal(m.transfer_codes, ref["transfer_codes"])
+    assert torch.equal(m.injection.writes[1].weight, ref["injection.writes.1.weight"])
+    assert torch.equal(m.fc.weight, ref["fc.weight"])
+    assert sorted(shards["layers.0.self_attn.qkv_proj.weight"]) == ["k", "q", "v"]
+    assert sorted(shards["layers.1.mlp.gate_up_proj.weight"]) == [0, 1]
+    m, _ = _shell_model(tiny)
+    with pytest.raises(ValueError, match=r"missing \['injection.bias'\]"):
+        m.load_weights(_weights(tiny, drop="injection.bias"))
+    m, _ = _shell_model(tiny)
+    with pytest.raises(ValueError, match="unexpected \\['model.mystery.weight'\\]"):
+        m.load_weights(_weights(tiny, add="mystery.weight"))
+    m, _ = _shell_model(tiny)
+    with pytest.raises(ValueError, match="transfer_ready is false"):
+        m.load_weights(_weights(tiny, edit=lambda w: w.__setitem__("transfer_ready", torch.tensor(False))))
+    m, _ = _shell_model(tiny)
+    m.load_weights(_weights(tiny, add="lm_head.weight"))  # borrowed from the target: ignored
+
+
+# -- 7. the worker's seams in SGLang 0.5.23 (it cannot run without CUDA; its contract with DFlash can be checked) --
+
+
+def test_worker_overrides_match_dflash_seams():
+    import inspect
+
+    from sglang.srt.speculative import dflash_worker_v2 as dw
+    from sglang.srt.speculative import spec_utils
+
+    from dspine.sglang.models.dspine_draft import DSpineSelector
+    from dspine.sglang.worker import DSpineWorkerV2, gdn_replayssm_active
+
+    base = dw.DFlashWorkerV2
+    for name in ("_update_target_mamba_state_after_verify", "_warm_eager_selector", "__init__"):
+        assert inspect.signature(getattr(DSpineWorkerV2, name)).parameters.keys() == \
+            inspect.signature(getattr(base, name)).parameters.keys(), name
+    assert "prepared_step_indices" in inspect.signature(spec_utils.commit_mamba_states_after_verify).parameters
+    # the selector seam DFlash drives (_selector_lattice / _SelectorDraftSampler / _propose_selector_block)
+    src = inspect.getsource(dw)
+    assert "draft_model.compute_candidates(" in src and "candidate_selector.build_lattice(" in src
+    assert "self.selector.sample_path(" in src
+    for method, kws in (("build_lattice", {"candidate_ids", "unary_logits", "hidden_states", "anchor_token_ids"}),
+                        ("sample_path", {"candidate_ids", "scores", "uniforms", "temperatures", "greedy_mask"})):
+        assert set(inspect.signature(getattr(DSpineSelector, method)).parameters) - {"self"} == kws
+    pool = SimpleNamespace
+    assert gdn_replayssm_active(pool(mamba_pool=pool(replayssm_spec_fold=True, replayssm_is_kda=False)))
+    assert gdn_replayssm_active(pool(mamba_pool=pool(replayssm_cache_base=torch.zeros(1))))
+    assert not gdn_replayssm_active(pool(mamba_pool=pool(replayssm_spec_fold=True, replayssm_is_kda=True)))
+    assert not gdn_replayssm_active(pool(mamba_pool=None))
+
+
+def test_worker_refuses_cpu():
+    from dspine.sglang.worker import DSpineWorkerV2
+
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        DSpineWorkerV2(None, 0, 0, SimpleNamespace(device="cpu"))
