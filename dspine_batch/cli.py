@@ -78,6 +78,7 @@ def cli() -> None:
     dspine-batch status OUTDIR                 done / failed / remaining
     dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
     dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
+    dspine-batch slurm JOB.toml --submit       Slurm array job + finalize (docs/slurm.md)
     """
 
 
@@ -206,6 +207,64 @@ def finalize(outdir: str, compact: bool, target_rows: int) -> int:
     from .finalize import finalize as run_finalize
 
     return run_finalize(outdir, compact, target_rows)
+
+
+SLURM_EXAMPLES = """
+\b
+Examples:
+  dspine-batch slurm jobs/nightly-synth.toml -o /data/synth/2026-11-29            # write the scripts only
+  dspine-batch slurm jobs/nightly-synth.toml -o /data/synth/$(date +%F) --submit  # array + finalize (afterok)
+  dspine-batch slurm jobs/nightly-synth.toml -o OUT --submit --array 3,5          # resubmit shards 3 and 5
+  dspine-batch slurm jobs/x.toml -o OUT --set shards=16 --set partition=gpu -- --seed 7   # extra generate flags
+"""
+
+
+@cli.command(epilog=SLURM_EXAMPLES, context_settings={"ignore_unknown_options": True})
+@click.argument("job_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("generate_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("-o", "--output", "output_dir", help="OUTDIR (default: the job file's `output`).")
+@click.option("--template", help="cpu-reference, gpu-sglang, or a path (default: [slurm] template).")
+@click.option("--shards", type=int, help="Number of shards = array tasks (default: [slurm] shards).")
+@click.option("--array", "array", metavar="SPEC", help="Only these array indices (resubmitting failed shards).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a [slurm] key (repeatable).")
+@click.option("--submit/--no-submit", default=False, show_default=True, help="sbatch the scripts.")
+@click.option("--finalize/--no-finalize", default=True, show_default=True,
+              help="With --submit: also submit the finalize job (--dependency=afterok:<array job>).")
+@click.option("--json", "as_json", is_flag=True, help="Print what was rendered/submitted as JSON.")
+def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None, template: str | None,
+          shards: int | None, array: str | None, sets: tuple[str, ...], submit: bool, finalize: bool,
+          as_json: bool) -> None:
+    """Render the Slurm array job (one shard per task) and the finalize job of JOB_FILE, a generate --config
+    TOML with a [slurm] table (see jobs/nightly-synth.toml and docs/slurm.md); optionally submit both.
+
+    Arguments after `--` are passed to every `dspine-batch generate` of the array."""
+    from .slurm import render
+    from .slurm import submit as do_submit
+
+    overrides: dict[str, Any] = {"template": template, "shards": shards}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--set")
+        overrides[key.strip().replace("-", "_")] = value
+    args = [a for a in generate_args if a != "--"]
+    r = render(job_file, output_dir, overrides, array, args)
+    info: dict[str, Any] = {"array_script": str(r.array_script), "finalize_script": str(r.finalize_script),
+                            "outdir": r.outdir, "log_dir": r.log_dir, "shards": r.shards, "array": r.array}
+    if submit:
+        info = do_submit(r, finalize=finalize)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"array script:    {r.array_script}\nfinalize script: {r.finalize_script}")
+    if submit:
+        click.echo(f"submitted array job {info['array_job_id']} ({r.array}, {r.shards} shards) -> {r.outdir}")
+        if info.get("finalize_job_id"):
+            click.echo(f"submitted finalize job {info['finalize_job_id']} (afterok:{info['array_job_id']})")
+        click.echo(f"logs: {r.log_dir}   progress: dspine-batch status {r.outdir}")
+    else:
+        click.echo(f"submit with:\n  jid=$(sbatch --parsable {r.array_script})\n"
+                   f"  sbatch --dependency=afterok:$jid --kill-on-invalid-dep=yes {r.finalize_script}")
 
 
 def _as_list(v: Any) -> list[str]:

@@ -59,14 +59,19 @@ IDENTITY_FIELDS = ("split", "system_prompt", "chat_template", "max_new_tokens", 
                    "top_k", "seed", "stop", "num_samples", "row_params", "save_token_ids", "limit")
 
 
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a job file. Keys are option names with ``-`` or ``_``; a ``[generate]`` table is also accepted."""
+def load_toml_raw(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as e:
         raise UsageError(f"--config {path}: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path}: invalid TOML ({e})") from e
-    data = data.get("generate", data)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a job file. Keys are option names with ``-`` or ``_``; a ``[generate]`` table is also accepted.
+    A ``[slurm]`` table belongs to ``dspine-batch slurm`` and is ignored here."""
+    data = load_toml_raw(path)
+    data = data.get("generate", {k: v for k, v in data.items() if k != "slurm"})
     return {k.replace("-", "_"): v for k, v in data.items()}

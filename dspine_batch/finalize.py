@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import compact as compaction
 from .errors import EXIT_FATAL, EXIT_OK, UsageError
+from .keyset import fallback_id_hashes, key_hashes
 from .manifest import read_manifest
 from .mapping import RowIds
 from .pipeline import _write_success, log
-from .resume import Lock, list_parts, remove_staging
+from .resume import Lock, list_parts, read_state, remove_staging
 from .shard import shard_tag
 from .sources import iter_inputs, resolve_inputs
 
@@ -33,6 +35,26 @@ def expected_ids(manifest: dict) -> pa.Array:
     for batch in iter_inputs(files, read, cfg.get("limit")):
         chunks.append(pa.array(list(ids.assign_ids(batch)[0]), pa.string()))
     return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks else pa.array([], pa.string())
+
+
+def missing_by_shard(row_ids: list[str], shards: int, id_column: bool) -> dict[int, int]:
+    """How many of ``row_ids`` each shard owns (the same hash the run used to split rows)."""
+    hashes = (key_hashes if id_column else fallback_id_hashes)(row_ids)
+    counts = np.bincount((hashes % np.uint64(shards)).astype(np.int64), minlength=shards)
+    return {i: int(c) for i, c in enumerate(counts) if c}
+
+
+def shard_report(outdir: str, manifest: dict) -> tuple[list[str], list[str]]:
+    """(shards that never started, shards whose last run did not finish) from the per-shard state files."""
+    shards = int(manifest.get("num_shards", 1))
+    never, unfinished = [], []
+    for i in range(shards):
+        st = read_state(outdir, shard_tag(i, shards))
+        if not st:
+            never.append(f"{i}/{shards}")
+        elif st.get("state") != "done":
+            unfinished.append(f"{i}/{shards} ({st.get('state')}, {st.get('rows_done', 0):,} rows)")
+    return never, unfinished
 
 
 def audit(outdir: str, manifest: dict) -> list[str]:
@@ -60,6 +82,13 @@ def audit(outdir: str, manifest: dict) -> list[str]:
     if missing.num_rows:
         problems.append(f"{missing.num_rows:,} of {want.num_rows:,} input rows are missing, e.g. "
                         f"{missing['row_id'][0]} (run generate again)")
+        shards = int(manifest.get("num_shards", 1))
+        if shards > 1:
+            id_col = manifest["fingerprint_fields"]["columns"]["id"] is not None
+            by_shard = missing_by_shard(missing["row_id"].to_pylist(), shards, id_col)
+            problems.append("missing rows by shard: " + ", ".join(f"{i}/{shards}: {c:,}" for i, c in by_shard.items())
+                            + f" (rerun those shards: generate --shard I/{shards}, or array indices "
+                            + ",".join(str(i) for i in by_shard) + ")")
     if extra.num_rows:
         problems.append(f"{extra.num_rows:,} output rows match no input row, e.g. {extra['row_id'][0]}")
     return problems
@@ -80,10 +109,18 @@ def finalize(outdir: str, compact: bool, target_rows: int) -> int:
             merged = compaction.compact(outdir, target_rows)
             log(f"compacted {merged} parts into {len(list_parts(outdir))}")
         problems = audit(outdir, manifest)
+        never, unfinished = shard_report(outdir, manifest)
         if problems:
+            if never:
+                problems.append(f"shards never started: {', '.join(never)}")
+            if unfinished:
+                problems.append(f"shards not finished: {', '.join(unfinished)}")
             for p in problems:
                 print(f"dspine-batch: {p}", file=sys.stderr)
             return EXIT_FATAL
+        for what, items in (("never started (they own no rows)", never), ("ended without a final 'done'", unfinished)):
+            if items:
+                log(f"note: shards {what}: {', '.join(items)}; every row is present, so this is harmless")
         _write_success(outdir)
         log(f"complete: every input row x {manifest['config']['num_samples']} sample(s) present exactly once; "
             "_SUCCESS written")

@@ -208,6 +208,11 @@ def _run(cfg: GenerateConfig, files: list[InputFile], outdir: str, shard: tuple[
              "pid": os.getpid(), "attempt": attempt, "starts": int(prev.get("starts", 0)) + 1,
              "started_at": time.time(), "elapsed_before_s": float(prev.get("elapsed_s", 0.0)),
              "rows_before": done.rows, "error_rows_before": done.error_rows}
+    if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
+        job = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
+        state["slurm_job"] = job
+        log(f"shard {shard[0]}/{shard[1]}: Slurm job {job}, restart {attempt}, start {state['starts']} of this shard")
 
     def on_commit(stats: SinkStats) -> None:
         state.update(rows_done=done.rows + stats.rows, error_rows=done.error_rows + stats.error_rows,

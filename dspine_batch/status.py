@@ -45,6 +45,9 @@ def read_status(outdir: str) -> dict[str, Any]:
     total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
     all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and \
         len(shards) == manifest.get("num_shards", 1)
+    n_shards = int(manifest.get("num_shards", 1) or 1)
+    started = {s.get("shard") for s in shards}
+    missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
     last = max((s.get("last_commit_at") or 0 for s in shards), default=0)
     return {"outdir": os.path.abspath(outdir), "fingerprint": manifest.get("fingerprint"),
             "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
@@ -52,7 +55,7 @@ def read_status(outdir: str) -> dict[str, Any]:
             "rows_remaining": (total - done) if all_done else None,
             "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")),
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
-            "shards": shards}
+            "shards": shards, "shards_not_started": missing}
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -64,5 +67,9 @@ def format_status(st: dict[str, Any]) -> str:
              f"; {'complete (_SUCCESS)' if st['complete'] else 'not finalized'}"]
     for s in st["shards"]:
         what = "running" if s["running"] else s.get("state", "?")
-        lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}")
+        slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
+        lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
+                     f"{slurm}")
+    if st.get("shards_not_started"):
+        lines.append(f"  shards not started yet: {', '.join(st['shards_not_started'])}")
     return "\n".join(lines)
