@@ -88,13 +88,8 @@ class DenseTarget(Target):
 
     @classmethod
     def from_pretrained(cls, path: Path, cfg: dict, dtype=torch.float32, device="cpu") -> DenseTarget:
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-            if key not in cfg:
-                raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
-        with torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device).to(dtype)
-        model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        model = cls.empty(cfg, dtype, device, path, required)
 
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.")

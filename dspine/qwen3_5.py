@@ -224,7 +224,7 @@ class Qwen35Target(Target):
         if cfg.get("model_type") == "qwen3_5" and not isinstance(cfg.get("text_config"), dict):
             raise ModelLoadError(f"{path / 'config.json'}: model_type 'qwen3_5' needs a 'text_config' block")
         text = text_config(cfg)
-        for key in (
+        required = (
             "hidden_size",
             "num_hidden_layers",
             "num_attention_heads",
@@ -234,13 +234,8 @@ class Qwen35Target(Target):
             "linear_num_value_heads",
             "linear_key_head_dim",
             "linear_value_head_dim",
-        ):
-            if key not in text:
-                raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
-        with torch.device("meta"):
-            model = cls(text)
-        model = model.to_empty(device=device).to(dtype)
-        model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
+        )
+        model = cls.empty(text, dtype, device, path, required)
 
         def rename(name: str) -> str | None:
             if name.startswith(("mtp.", "model.visual.")):

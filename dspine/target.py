@@ -86,6 +86,18 @@ class Target(nn.Module):
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
         return self.logits(self.forward(input_ids, cache).hidden)
 
+    @classmethod
+    def empty(cls, cfg: dict, dtype: torch.dtype, device, path: Path, required: tuple[str, ...] = ()):
+        """Build the module on the meta device (no init cost), then allocate it uninitialised for loading."""
+        for key in required:
+            if key not in cfg:
+                raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
+        return model
+
     def default_tap_ids(self, n: int = 5) -> list[int]:
         return default_tap_ids(self.num_layers, n)
 

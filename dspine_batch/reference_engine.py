@@ -134,12 +134,7 @@ class ReferenceEngine:
         return self.tok.render_chat(messages)
 
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
-        ids = list(self.tok.eos_ids())
-        for s in stop:
-            t = self.tok.token_id(s)
-            if t is not None and t not in ids:
-                ids.append(t)
-        return tuple(ids)
+        return self.tok.stop_token_ids(stop)
 
     def close(self) -> None:
         self.target = self.draft = None

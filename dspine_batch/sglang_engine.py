@@ -335,12 +335,7 @@ class SGLangEngine:
         return self.tok.render_chat(messages)
 
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
-        ids = list(self.tok.eos_ids())
-        for s in stop:
-            t = self.tok.token_id(s)
-            if t is not None and t not in ids:
-                ids.append(t)
-        return tuple(ids)
+        return self.tok.stop_token_ids(stop)
 
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
         if self._engine is None:

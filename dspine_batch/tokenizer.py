@@ -93,6 +93,15 @@ class HFTokenizer:
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
+    def stop_token_ids(self, stop) -> tuple[int, ...]:
+        """EOS ids plus the ids of any stop strings that are single tokens (others are applied to the text)."""
+        ids = list(self.eos_ids())
+        for text in stop:
+            t = self.token_id(text)
+            if t is not None and t not in ids:
+                ids.append(t)
+        return tuple(ids)
+
     def eos_ids(self) -> list[int]:
         """EOS from the tokenizer config plus ``eos_token_id`` of config.json / generation_config.json."""
         ids: list[int] = []
