@@ -67,7 +67,7 @@ def _timeit(fn, reps: int) -> float:
 
 
 @torch.no_grad()
-def component_costs(target, draft, batch: int, ctx: int, bs: int, reps: int) -> dict:
+def component_costs(target, draft, batch: int, ctx: int, bs: int, reps: int, walks=("lazy", "cache")) -> dict:
     """Median seconds for an AR step, a verify forward of ``bs`` tokens, and a draft proposal."""
     prompts = torch.randint(0, target.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1))
     taps = tuple(draft.target_layer_ids)
@@ -86,10 +86,13 @@ def component_costs(target, draft, batch: int, ctx: int, bs: int, reps: int) -> 
         o = target.forward(block, cache, speculative=True, taps=taps)
         target.logits(o.hidden)
 
-    def propose():
-        draft.propose(dcache, one[:, 0], target, temps, [None] * batch, block_size=bs)
+    def propose(walk):
+        return lambda: draft.propose(dcache, one[:, 0], target, temps, [None] * batch, block_size=bs, walk=walk)
 
-    res = {"ar_step_s": _timeit(ar_step, reps), "verify_s": _timeit(verify, reps), "draft_s": _timeit(propose, reps)}
+    res = {"ar_step_s": _timeit(ar_step, reps), "verify_s": _timeit(verify, reps)}
+    for walk in walks:  # the default walk first: it is the one the end-to-end run uses
+        res[f"draft_{walk}_s"] = _timeit(propose(walk), reps)
+    res["draft_s"] = res[f"draft_{walks[0]}_s"]
     res["verify_over_ar"] = res["verify_s"] / res["ar_step_s"]
     res["draft_over_ar"] = res["draft_s"] / res["ar_step_s"]
     res["round_over_ar"] = (res["verify_s"] + res["draft_s"]) / res["ar_step_s"]
@@ -130,13 +133,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--components-only", action="store_true", help="skip the end-to-end runs")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(_resolve_model(args.model, tmp))
     draft = (
-        init_draft(target, num_layers=5, block_size=args.block_size) if args.draft == "random" else load_draft(args.draft)
+        init_draft(target, num_layers=5, block_size=args.block_size)
+        if args.draft == "random"
+        else load_draft(args.draft)
     )
     report = {
         "model": args.model,
@@ -149,11 +155,18 @@ def main() -> None:
         "end_to_end": {},
     }
     for c in args.concurrency:
-        report["components"][f"batch{c}"] = component_costs(target, draft, c, args.prompt_len, args.block_size, args.reps)
-        report["end_to_end"][f"concurrency{c}"] = end_to_end(
-            target, draft, c, max(args.prompts, c), args.prompt_len, args.new_tokens, args.block_size
+        report["components"][f"batch{c}"] = component_costs(
+            target, draft, c, args.prompt_len, args.block_size, args.reps
         )
-        print(json.dumps({f"concurrency{c}": [report["components"][f"batch{c}"], report["end_to_end"][f"concurrency{c}"]]}))
+        if not args.components_only:
+            report["end_to_end"][f"concurrency{c}"] = end_to_end(
+                target, draft, c, max(args.prompts, c), args.prompt_len, args.new_tokens, args.block_size
+            )
+        print(
+            json.dumps(
+                {f"concurrency{c}": [report["components"][f"batch{c}"], report["end_to_end"].get(f"concurrency{c}")]}
+            )
+        )
     print(json.dumps(report, indent=2))
 
 
