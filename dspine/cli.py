@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -21,18 +22,29 @@ def main() -> None:
       dspine info path/to/hf-model
       dspine init-draft path/to/hf-model out/draft --layers 2 --block-size 8
       dspine run path/to/hf-model --draft out/draft --prompt-ids 1,2,3 --max-new-tokens 16
+      dspine train embedded data.jsonl out/draft --layers 2 --block-size 8 --steps 500
     """
+
+
+def _target_path(path: str) -> Path:
+    """MODEL argument -> directory; 'embedded' is the converted SmolLM2 (a clear error if not installed)."""
+    from dspine import ModelLoadError
+
+    if path == "embedded":
+        from dspine.embedded import embedded_target_path
+
+        try:
+            return embedded_target_path()
+        except ModelLoadError as e:
+            raise click.ClickException(str(e)) from None
+    return Path(path)
 
 
 def _load_target(path: str):
     from dspine import ModelLoadError, load_target
 
-    if path == "embedded":
-        from dspine.embedded import embedded_target_path
-
-        path = str(embedded_target_path())
     try:
-        return load_target(path)
+        return load_target(_target_path(path))
     except ModelLoadError as e:
         raise click.ClickException(str(e)) from None
 
@@ -71,6 +83,79 @@ def init_draft_cmd(model: str, out: str, layers: int, block_size: int, seed: int
 
     d = init_draft(_load_target(model), num_layers=layers, block_size=block_size, seed=seed)
     d.save(out)
+    click.echo(out)
+
+
+@main.command()
+@click.argument("model")
+@click.argument("data", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out")
+@click.option("--init", "init_from", default=None, help="warm-start from this draft dir (else a fresh draft)")
+@click.option("--steps", default=1000, show_default=True, help="optimiser steps")
+@click.option("--lr", default=6e-4, show_default=True)
+@click.option("--batch-size", default=4, show_default=True, help="sequences per optimiser step")
+@click.option("--layers", default=2, show_default=True, help="draft decoder layers (fresh draft only)")
+@click.option("--block-size", default=16, show_default=True, help="block size, anchor slot included (fresh only)")
+@click.option("--intermediate-size", default=None, type=int, help="draft MLP width (default: the target's)")
+@click.option("--transfer-rank", default=None, type=int, help="transfer-space rank r (default: min(1024, H))")
+@click.option("--anchors", default=32, show_default=True, help="anchors (blocks) per sequence")
+@click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--time-budget", default=None, type=float, help="stop after this many seconds (saves first)")
+@click.option("--save-every", default=100, show_default=True, help="checkpoint every N steps")
+def train(
+    model: str,
+    data: str,
+    out: str,
+    init_from: str | None,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    layers: int,
+    block_size: int,
+    intermediate_size: int | None,
+    transfer_rank: int | None,
+    anchors: int,
+    max_len: int,
+    seed: int,
+    time_budget: float | None,
+    save_every: int,
+) -> None:
+    """Train a DSpine draft for MODEL on DATA (JSONL) and write a loadable draft dir to OUT.
+
+    DATA lines hold ``prompt_ids``/``response_ids`` (token ids; the loss covers the response), or
+    ``prompt``/``response`` text rendered with MODEL's chat template. Responses should be the target's own
+    (regenerated) outputs, see design §5. Runs on CUDA when available, else CPU.
+    """
+    import torch
+
+    from dspine import ModelLoadError, load_draft, load_target
+    from dspine.train import TrainConfig, load_examples
+    from dspine.train import train as run_training
+
+    path = _target_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = load_target(path, device=device)
+        draft = load_draft(init_from, device=device) if init_from else None
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from dspine_batch.tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(path)
+    try:
+        examples = load_examples(data, tokenizer, max_len=max_len)
+    except (ValueError, KeyError) as e:
+        raise click.ClickException(f"{data}: {e}") from None
+    if not examples:
+        raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
+    overrides = {k: v for k, v in (("intermediate_size", intermediate_size), ("transfer_rank", transfer_rank)) if v}
+    cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, anchors_per_seq=anchors, seed=seed,
+                      time_budget_s=time_budget, save_every=save_every)  # fmt: skip
+    run_training(target, examples, out, cfg, draft=draft, num_layers=layers, block_size=block_size,
+                 draft_overrides=overrides, log=lambda s: click.echo(s, err=True))  # fmt: skip
     click.echo(out)
 
 

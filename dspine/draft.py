@@ -372,6 +372,23 @@ class DraftAttention(Attention):
         o = attend(q, keys, values, mask, self.head_dim**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
+    def train_forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        """Training path: every block of a sequence at once, context K/V shared, explicit block-causal mask.
+
+        x [N, bs, H] (normed blocks), cos/sin of the block positions, ctx_k/ctx_v [1, H_kv, T, D] (this
+        layer's context keys/values), mask bool [N, 1, bs, T + bs] (``block_causal_mask``) -> [N, bs, H].
+        """
+        N, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(N, T, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(N, T, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(N, T, self.n_kv, self.head_dim)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [N, Hq, bs, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [N, Hkv, bs, D]
+        keys = torch.cat([ctx_k.expand(N, -1, -1, -1), k], dim=2)  # [N, Hkv, T_ctx + bs, D]
+        values = torch.cat([ctx_v.expand(N, -1, -1, -1), v.transpose(1, 2)], dim=2)
+        o = attend(q, keys, values, mask, self.head_dim**-0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(N, T, -1))
+
 
 class DraftLayer(nn.Module):
     """Qwen3 decoder layer (RMSNorm -> attention -> residual; RMSNorm -> SwiGLU -> residual)."""
@@ -386,6 +403,10 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, cos, sin, pos, kv, window, span):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, window, span)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def train_forward(self, x, cos, sin, ctx_k, ctx_v, mask):
+        x = x + self.self_attn.train_forward(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -470,6 +491,34 @@ class Proposal:
     confidence: torch.Tensor | None  # [B, bs-1] float32 c_i along the chosen path, or None
 
 
+@dataclass
+class TrainBlockOutput:
+    """What ``DSpineDraft.train_forward`` returns for the N blocks of one sequence (with gradients)."""
+
+    hidden: torch.Tensor  # [N, bs, H] after the last layer's injection and the final norm
+    last_pre: torch.Tensor  # [N, bs, H] last layer's output before its injection (refinement rewrites it)
+    last_feat: torch.Tensor  # [N, bs, r] f_L(i)
+    post_feats: list[torch.Tensor]  # per layer [N, bs, r]: features of the post-injection state (alignment)
+
+
+def block_causal_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None) -> torch.Tensor:
+    """Training mask [N, 1, bs, T + bs]: query (n, k) sees context rows j < a_n, block rows k' <= k.
+
+    Context is strict (< anchor): at inference the anchor's own target hidden is not known yet. With a
+    sliding window only rows j > a_n + k - window stay visible, exactly ``position_mask`` at inference.
+    """
+    dev = anchors.device
+    k = torch.arange(block_size, device=dev)
+    j = torch.arange(ctx_len, device=dev)
+    q_pos = anchors[:, None] + k[None, :]  # [N, bs]
+    ctx = j[None, None, :] < anchors[:, None, None]  # [N, 1, T]
+    if window is not None:
+        ctx = ctx & (j[None, None, :] > q_pos[:, :, None] - window)  # [N, bs, T]
+    ctx = ctx.expand(anchors.shape[0], block_size, ctx_len)
+    blk = (k[None, :] <= k[:, None])[None].expand(anchors.shape[0], -1, -1)  # [N, bs, bs]
+    return torch.cat([ctx, blk], dim=-1)[:, None]
+
+
 class DSpineDraft(nn.Module):
     """DSpine draft (§1-2): DFlash's context-as-K/V backbone with a causal block and adjacent injection.
 
@@ -513,6 +562,11 @@ class DSpineDraft(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
+
+    @property
+    def walk(self) -> str:
+        """Default proposal walk: the batched transition cache on accelerators, lazy refinement on CPU."""
+        return "lazy" if self.device.type == "cpu" else "cache"
 
     @property
     def confidence_enabled(self) -> bool:
@@ -566,12 +620,17 @@ class DSpineDraft(nn.Module):
 
     # -- block forward -----------------------------------------------------------------------------------------
 
-    def _inject(self, layer: int, h: torch.Tensor, f: torch.Tensor, anchor_pred: torch.Tensor) -> torch.Tensor:
-        """Write into slots 1..bs-1 of h [B, bs, H]; p_l(i) = f_l(i-d) if i-d >= 1 else sqrt(r)*code(anchor)."""
-        bs = h.shape[1]
-        src = torch.arange(1, bs, device=h.device) - self.injection_offsets[layer]  # [bs-1] predecessor slot
-        p = torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :])  # [B, bs-1, r]
-        return torch.cat([h[:, :1], self.injection.write(layer, h[:, 1:], f[:, 1:], p)], dim=1)  # slot 0 untouched
+    def _predecessors(self, layer: int, f: torch.Tensor, anchor_pred: torch.Tensor) -> torch.Tensor:
+        """p_l(i) = f_l(i-d) if i-d >= 1 else sqrt(r)*code(anchor), for slots 1..bs-1: f [B, bs, r] -> [B, bs-1, r]."""
+        src = torch.arange(1, f.shape[1], device=f.device) - self.injection_offsets[layer]  # [bs-1] predecessor slot
+        return torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :])
+
+    def _inject(
+        self, layer: int, h: torch.Tensor, f: torch.Tensor, anchor_pred: torch.Tensor, p: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Write into slots 1..bs-1 of h [B, bs, H] with predecessors p (default: predicted); slot 0 untouched."""
+        p = self._predecessors(layer, f, anchor_pred) if p is None else p  # [B, bs-1, r]
+        return torch.cat([h[:, :1], self.injection.write(layer, h[:, 1:], f[:, 1:], p)], dim=1)
 
     @torch.no_grad()
     def backbone(
@@ -612,6 +671,61 @@ class DSpineDraft(nn.Module):
         hidden = self.norm(x)
         logits = target.logits(hidden[:, 1:].to(target.dtype))  # [B, bs-1, V]
         return BlockOutput(hidden, logits, pre, feat, block_tokens[:, 0])
+
+    # -- training forward -------------------------------------------------------------------------------------
+
+    def train_forward(
+        self,
+        taps: torch.Tensor,
+        anchors: torch.Tensor,
+        block_tokens: torch.Tensor,
+        target: Target,
+        replace: torch.Tensor | None = None,
+        true_tokens: torch.Tensor | None = None,
+        replace_layers: int = 0,
+    ) -> TrainBlockOutput:
+        """All blocks of one sequence in one pass, with gradients (design §5; the inference twin is ``backbone``).
+
+        taps [T, n*H] are the target tap outputs of the whole sequence (row j = position j); anchors [N]
+        the block start positions; block_tokens [N, bs] the inputs (``[x_a, MASK...]``). Context K/V are
+        computed once per layer for all T rows and masked per block by ``block_causal_mask``, which gives
+        the same slot logits as ``extend_context`` of rows < a followed by ``backbone`` (tested).
+
+        Teacher-forced predecessor replacement (§5): blocks with ``replace[n]`` get, in layers
+        < ``replace_layers``, sqrt(r)*code(true previous token) (``true_tokens`` [N, bs] = x_a..x_{a+bs-1})
+        instead of the predicted predecessor features, so early training is not stuck on garbage messages.
+        """
+        self._check_ready()
+        T = taps.shape[0]
+        N, bs = block_tokens.shape
+        pos = anchors[:, None] + torch.arange(bs, device=anchors.device)  # [N, bs]
+        cos, sin = self.rotary(pos, self.dtype)
+        ccos, csin = self.rotary(torch.arange(T, device=anchors.device)[None], self.dtype)
+        ctx = self.hidden_norm(self.fc(taps.to(self.dtype)))[None]  # [1, T, H]
+        x = target.embed(block_tokens).to(self.dtype)  # [N, bs, H]
+        anchor_pred = self.injection.scale * self.transfer_codes[block_tokens[:, 0]]  # [N, r]
+        forced = None
+        if replace is not None and replace_layers > 0:
+            forced = self.injection.scale * self.transfer_codes[true_tokens[:, :-1]]  # [N, bs-1, r]
+        post = []
+        pre = feat = x
+        for i, layer in enumerate(self.layers):
+            ck, cv = layer.self_attn.context_kv(ctx, ccos, csin)  # [1, Hkv, T, D]
+            x = layer.train_forward(x, cos, sin, ck, cv, block_causal_mask(anchors, T, bs, self.windows[i]))
+            pre, feat = x, self.injection.features(i, x)
+            p = self._predecessors(i, feat, anchor_pred)  # [N, bs-1, r]
+            if forced is not None and i < replace_layers:
+                p = torch.where(replace[:, None, None], forced, p)
+            x = self._inject(i, x, feat, anchor_pred, p)
+            post.append(self.injection.features(i, x))
+        return TrainBlockOutput(self.norm(x), pre, feat, post)
+
+    def refine_train(self, out: TrainBlockOutput, pred: torch.Tensor) -> torch.Tensor:
+        """Refined, normed last-layer states of slots 1..bs-1 with given predecessors pred [N, bs-1] -> [N, bs-1, H].
+
+        The training twin of ``refine`` (with gradients); training passes the *true* previous tokens.
+        """
+        return self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred[..., None])[:, :, 0]
 
     # -- last-write refinement and the transition cache --------------------------------------------------------
 
@@ -669,8 +783,13 @@ class DSpineDraft(nn.Module):
         generators: list[torch.Generator | None],
         block_size: int | None = None,
         dynamic_threshold: float | None = None,
+        walk: str | None = None,
     ) -> Proposal:
         """Draft bs-1 tokens after ``anchor`` for every row (§2.4, §6.2).
+
+        ``walk``: "cache" builds the whole [n, k, k] transition cache in one batched pass (GPU-friendly);
+        "lazy" refines only the chosen predecessor per slot (CPU-friendly). Same tokens, same q. Default:
+        ``self.walk`` ("lazy" on CPU, "cache" on CUDA).
 
         Greedy rows (temperature 0) walk the transition cache by argmax; sampled rows draw x_i from
         q_i = softmax(scores[i, row(x_{i-1}), :] / T) over the k candidates by inverse CDF, consuming exactly
@@ -682,18 +801,51 @@ class DSpineDraft(nn.Module):
         if not 2 <= bs <= self.block_size:
             raise ValueError(f"block_size {bs} out of range 2..{self.block_size}")
         out = self.backbone(cache, anchor, target, bs)
-        tr = self.transition(out, target)
-        return self._walk(tr, temperature, generators, dynamic_threshold)
+        if (self.walk if walk is None else walk) == "cache":
+            tr = self.transition(out, target)
+            B = tr.cand.shape[0]
+            rows = torch.arange(B, device=tr.cand.device)
+
+            def row_scores(i: int, prev: torch.Tensor):
+                conf = None if tr.confidence is None else tr.confidence[rows, i, prev]
+                return tr.scores[rows, i, prev], conf
+
+            return self._walk(tr.cand, row_scores, temperature, generators, dynamic_threshold)
+        return self._walk_lazy(out, target, temperature, generators, dynamic_threshold)
+
+    def _walk_lazy(self, out: BlockOutput, target: Target, temperature, generators, threshold) -> Proposal:
+        """The walk with refinement computed only for the predecessor actually chosen (k× less work).
+
+        Equal to walking the full transition cache (the cache is the batched form of this sequential
+        definition); preferred where 15·k² refinements cost more than 15 sequential small steps (CPU).
+        """
+        B, n, V = out.logits.shape
+        k = min(self.top_k, V)
+        cand = out.logits.topk(k, dim=-1).indices  # [B, n, k]
+        w = target.head_weight[cand]  # [B, n, k, H]
+        rows = torch.arange(B, device=cand.device)
+
+        def row_scores(i: int, prev: torch.Tensor):
+            pred = out.anchor if i == 0 else cand[rows, i - 1, prev]  # [B]
+            refined = self._refine(out.last_pre[:, 1 + i, None], out.last_feat[:, 1 + i, None], pred[:, None])[:, 0]
+            scores = (w[:, i] @ refined.to(w.dtype)[:, :, None])[..., 0].float()  # [B, k]
+            conf = self.confidence(refined, pred) if self.confidence_enabled else None
+            return scores, conf
+
+        return self._walk(cand, row_scores, temperature, generators, threshold)
 
     def _walk(
         self,
-        tr: Transition,
+        cand: torch.Tensor,
+        row_scores,
         temperature: torch.Tensor,
         generators: list[torch.Generator | None],
         threshold: float | None,
     ) -> Proposal:
-        B, n, k = tr.cand.shape
-        dev = tr.cand.device
+        """Choose x_1..x_n slot by slot; ``row_scores(i, prev)`` gives slot i+1's candidate scores [B, k] (and
+        confidence [B] or None) given that slot i chose candidate ``prev`` [B] (ignored for slot 1)."""
+        B, n, k = cand.shape
+        dev = cand.device
         temperature = torch.as_tensor(temperature, dtype=torch.float32).to(dev).reshape(B)
         sampled = temperature > 0  # [B]
         sampled_rows = sampled.tolist()
@@ -715,11 +867,13 @@ class DSpineDraft(nn.Module):
         ks = torch.arange(k, device=dev)
         prev = torch.zeros(B, dtype=torch.long, device=dev)  # row into the cache: slot 1's rows are all equal
         tokens = torch.empty(B, n, dtype=torch.long, device=dev)
-        conf = None if tr.confidence is None else torch.empty(B, n, dtype=torch.float32, device=dev)
+        conf = None
         for i in range(n):
-            s = tr.scores[rows, i, prev]  # [B, k] scores of slot i+1 given the chosen predecessor
-            if conf is not None:
-                conf[:, i] = tr.confidence[rows, i, prev]  # computed before x_{i+1} is chosen
+            s, c = row_scores(i, prev)  # [B, k] scores of slot i+1 given the chosen predecessor
+            if c is not None:  # computed before x_{i+1} is chosen
+                if conf is None:
+                    conf = torch.empty(B, n, dtype=torch.float32, device=dev)
+                conf[:, i] = c
             pick = s.argmax(-1)
             if any_sampled:
                 probs = torch.softmax(s / temp, dim=-1)  # [B, k]: q_i restricted to the candidates
@@ -728,11 +882,11 @@ class DSpineDraft(nn.Module):
                 j = torch.minimum(j, torch.where(probs > 0, ks, 0).amax(-1))  # never an index with q = 0
                 pick = torch.where(sampled, j, pick)
                 q_small[:, i] = torch.where(sampled[:, None], probs, F.one_hot(pick, k).float())
-            tokens[:, i] = tr.cand[rows, i, pick]
+            tokens[:, i] = cand[rows, i, pick]
             prev = pick
         q = None
         if any_sampled:  # dense q: exactly the sampled distribution, zero off the candidates; greedy rows one-hot
-            q = torch.zeros(B, n, self.vocab_size, dtype=torch.float32, device=dev).scatter_(-1, tr.cand, q_small)
+            q = torch.zeros(B, n, self.vocab_size, dtype=torch.float32, device=dev).scatter_(-1, cand, q_small)
         n_draft = torch.full((B,), n, dtype=torch.long, device=dev)
         if threshold is not None and conf is not None:
             stop = conf < threshold  # [B, n]

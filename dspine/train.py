@@ -1,0 +1,413 @@
+"""Training a DSpine draft against a frozen target (design §5): capture, anchors, block-causal forward, losses.
+
+One readable file; the model-side pieces live in ``draft.py`` (``train_forward``, ``refine_train``,
+``block_causal_mask``). Works for any supported target on CPU or CUDA. Per sequence:
+
+1. **Capture** (``capture``): one frozen target forward gives the tap outputs (``draft.target_layer_ids``)
+   and the final-norm hidden state; the teacher for slot k of the block at anchor a is
+   ``softmax(lm_head(hidden[a+k-1]))``, i.e. the target's own next-token distribution. Captures are cached
+   per example (in the draft dtype) because the target is frozen: later epochs cost only the draft.
+2. **Anchors** (``sample_anchors``): uniform over positions whose token and successor are supervised,
+   capped per sequence (CPU needs few; SpecForge uses up to 512), sorted.
+3. **Blocks** ``[x_a, MASK x (bs-1)]`` at positions a..a+bs-1, all blocks of a sequence in one forward
+   with the block-causal mask; labels ``x_{a+k}``, cut at the first unsupervised slot, weights
+   ``w_k = exp(-(k-1)/gamma)``.
+4. **Losses** (``block_losses``), all normalised by the sum of weights over the batch:
+   backbone ``0.1 CE + 0.9 L1(p_draft, p_teacher)``; refinement over the top-k of the detached backbone
+   logits refined with the *true* previous token (``0.1 CE`` when the label is a candidate, ``0.9 L1`` vs
+   the teacher renormalised on the candidates, masked when its mass there is <= 1e-4); alignment
+   ``sum_l (1 - cos(f_l, code(y)))`` scaled by ``beta(step) * mean CE`` (detached) with beta ramping
+   0 -> 0.5; and teacher-forced predecessor replacement with probability ``p(step)``.
+
+Not implemented (documented in the model card): gradient accumulation with an RNG-replayed pre-pass (one
+optimiser step = one batch here, so the mean CE comes from the same pass), bf16 autocast, and the
+confidence-head second stage (the shipped draft keeps ``confidence_trained = false``, so decoding never
+uses the head).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .draft import DSpineDraft, TrainBlockOutput, init_draft
+from .target import Target
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class Example:
+    """One tokenised training sequence: prompt + response ids, and which tokens are supervised."""
+
+    ids: torch.Tensor  # [T] LongTensor
+    loss_mask: torch.Tensor  # [T] bool: True on response (assistant) tokens
+    dataset: str = ""
+
+
+def make_example(
+    prompt_ids: Sequence[int], response_ids: Sequence[int], dataset: str = "", max_len: int = 0
+) -> Example:
+    ids = list(prompt_ids) + list(response_ids)
+    mask = [False] * len(prompt_ids) + [True] * len(response_ids)
+    if max_len:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), dataset)
+
+
+def load_examples(path: str | Path, tokenizer=None, max_len: int = 1024, split: str | None = None) -> list[Example]:
+    """Read JSONL training data: ``prompt_ids``/``response_ids`` lists, or ``prompt``/``response`` text.
+
+    Text needs ``tokenizer`` (an ``HFTokenizer``-like object with ``render_chat`` and ``tok``): the prompt is
+    rendered with the chat template (generation prompt on) and the response encoded without special tokens,
+    followed by the EOS id. ``split`` keeps only lines whose ``split`` field matches.
+    """
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if split is not None and rec.get("split", split) != split:
+            continue
+        if "prompt_ids" in rec:
+            p, r = rec["prompt_ids"], rec["response_ids"]
+        elif "prompt" in rec:
+            if tokenizer is None:
+                raise ValueError(f"{path}:{n}: text records need a tokenizer")
+            p = tokenizer.render_chat([{"role": "user", "content": rec["prompt"]}])
+            r = tokenizer.tok.encode(rec["response"], add_special_tokens=False).ids + tokenizer.eos_ids()[:1]
+        else:
+            raise ValueError(f"{path}:{n}: need prompt_ids/response_ids or prompt/response")
+        if len(r) >= 2:
+            out.append(make_example(p, r, rec.get("dataset", ""), max_len))
+    return out
+
+
+@dataclass
+class Capture:
+    taps: torch.Tensor  # [T, n*H] target tap outputs (row j = position j)
+    hidden: torch.Tensor  # [T, H] final-norm hidden (teacher logits = lm_head(hidden))
+
+
+@torch.no_grad()
+def capture(target: Target, ids: torch.Tensor, tap_ids: Sequence[int], dtype: torch.dtype | None = None) -> Capture:
+    """One frozen target forward over a full sequence: tap outputs and final-norm hidden states."""
+    ids = ids.to(target.device)[None]
+    out = target.forward(ids, target.new_cache(1, ids.shape[1]), taps=tuple(tap_ids))
+    dtype = dtype or target.dtype
+    return Capture(out.taps[0].to(dtype), out.hidden[0])
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted anchors: uniform without replacement over a with loss_mask[a] and loss_mask[a+1] (a >= 1)."""
+    m = loss_mask.bool()
+    ok = torch.zeros_like(m)
+    ok[1:-1] = m[1:-1] & m[2:]
+    cand = ok.nonzero().flatten()
+    if len(cand) > max_anchors:
+        cand = cand[torch.randperm(len(cand), generator=generator)[:max_anchors]]
+    return cand.sort().values
+
+
+# ----------------------------------------------------------------------------------------------------------
+# schedules
+
+
+def replacement_probability(step: int, total: int, p: float = 0.5, hold: float = 1 / 6, end: float = 1 / 3) -> float:
+    """p(step): ``p`` until ``hold`` of training, linear to 0 at ``end``, 0 after (§5)."""
+    frac = step / max(1, total)
+    if frac <= hold:
+        return p
+    if frac >= end:
+        return 0.0
+    return p * (end - frac) / (end - hold)
+
+
+def alignment_beta(step: int, warmup: int, weight: float = 0.5) -> float:
+    """beta(step): linear 0 -> ``weight`` over ``warmup`` steps, then flat (§5)."""
+    return weight if warmup <= 0 else weight * min(1.0, step / warmup)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warmup then cosine to 0."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# losses
+
+
+@dataclass
+class LossSums:
+    """Weighted sums over a batch (divide by ``weight``); tensors carry gradients, floats are for logging."""
+
+    backbone: torch.Tensor
+    refine: torch.Tensor
+    align: torch.Tensor
+    ce: torch.Tensor  # sum w * CE (detached: the alignment scale, and a log)
+    weight: torch.Tensor
+    correct: torch.Tensor  # sum w * [argmax == label] (backbone, log only)
+    refine_correct: torch.Tensor  # sum w * [refined argmax == label] (log only)
+
+
+def block_targets(ex: Example, anchors: torch.Tensor, bs: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels [N, bs-1] (x_{a+k}) and weights [N, bs-1]: w_k = exp(-(k-1)/gamma), cut at the first unsupervised slot."""
+    T = ex.ids.shape[0]
+    k = torch.arange(1, bs)
+    idx = anchors[:, None] + k[None, :]  # [N, bs-1]
+    inside = idx < T
+    idx = idx.clamp(max=T - 1)
+    labels = ex.ids[idx]
+    ok = (inside & ex.loss_mask[idx]).long().cumprod(dim=1).bool()
+    w = torch.exp(-(k - 1).float() / gamma)[None, :] * ok
+    return labels, w
+
+
+def block_losses(
+    draft: DSpineDraft,
+    target: Target,
+    out: TrainBlockOutput,
+    teacher_hidden: torch.Tensor,
+    true_tokens: torch.Tensor,
+    labels: torch.Tensor,
+    w: torch.Tensor,
+    ce_weight: float = 0.1,
+    mass_threshold: float = 1e-4,
+) -> LossSums:
+    """The DSpine losses of one sequence's blocks, as weighted sums (§5).
+
+    teacher_hidden [N, bs-1, H] = target final-norm hidden at a+k-1; true_tokens [N, bs] = x_a..x_{a+bs-1}.
+    """
+    head = target.head_weight.detach()
+    N, n, H = teacher_hidden.shape
+    # 2-D matmuls: a strided 3-D operand makes torch broadcast the [V, H] head into a bmm (10x slower on CPU)
+    logits = target.logits(out.hidden[:, 1:].reshape(N * n, H).to(head.dtype)).view(N, n, -1)  # [N, bs-1, V] fp32
+    with torch.no_grad():
+        teacher = torch.softmax(target.logits(teacher_hidden.reshape(N * n, H).to(head.dtype)), dim=-1).view(N, n, -1)
+    logp = torch.log_softmax(logits, dim=-1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]  # [N, bs-1]
+    l1 = (logp.exp() - teacher).abs().sum(-1)
+    backbone = (w * ((ce_weight * ce) + (1 - ce_weight) * l1)).sum()
+
+    # refinement: candidates from the detached backbone logits, predecessor = the true previous token
+    k = min(draft.top_k, logits.shape[-1])
+    cand = logits.detach().topk(k, dim=-1).indices  # [N, bs-1, k]
+    refined = draft.refine_train(out, true_tokens[:, :-1])  # [N, bs-1, H]
+    scores = torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float()  # [N, bs-1, k]
+    rlogp = torch.log_softmax(scores, dim=-1)
+    hit = cand == labels[..., None]  # [N, bs-1, k]
+    covered = hit.any(-1)
+    rce = -(rlogp * hit).sum(-1)  # CE over candidates where the label is one of them
+    t_c = teacher.gather(-1, cand)  # [N, bs-1, k]
+    mass = t_c.sum(-1)
+    rl1 = (rlogp.exp() - t_c / mass.clamp_min(1e-12)[..., None]).abs().sum(-1)
+    refine = (w * (ce_weight * rce * covered + (1 - ce_weight) * rl1 * (mass > mass_threshold))).sum()
+
+    # alignment: post-injection features of every layer toward the label's code
+    codes = draft.transfer_codes[labels]  # [N, bs-1, r]
+    align = sum((w * (1 - F.cosine_similarity(f[:, 1:].float(), codes.float(), dim=-1))).sum() for f in out.post_feats)
+
+    with torch.no_grad():
+        correct = (w * (logits.argmax(-1) == labels)).sum()
+        rcorrect = (w * (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels)).sum()
+    return LossSums(backbone, refine, align, (w * ce).sum().detach(), w.sum(), correct, rcorrect)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    batch_size: int = 4  # sequences per optimiser step
+    anchors_per_seq: int = 32
+    gamma: float = 7.0
+    ce_weight: float = 0.1
+    alignment_weight: float = 0.5
+    alignment_warmup_steps: int = 146
+    replacement_probability: float = 0.5
+    replacement_hold_ratio: float = 1 / 6
+    replacement_end_ratio: float = 1 / 3
+    replacement_layers: int = 3
+    candidate_mass_threshold: float = 1e-4
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    seed: int = 0
+    time_budget_s: float | None = None  # stop (and save) after this many seconds of training
+    save_every: int = 100
+    log_every: int = 10
+
+
+def trainable_parameters(draft: DSpineDraft) -> list[torch.nn.Parameter]:
+    """Everything the draft owns; the target (embeddings, lm_head) is never part of it, codes are buffers."""
+    return [p for p in draft.parameters() if p.requires_grad]
+
+
+def train_step(
+    draft: DSpineDraft,
+    target: Target,
+    batch: list[tuple[Example, Capture]],
+    step: int,
+    cfg: TrainConfig,
+    gen: torch.Generator,
+) -> dict:
+    """Forward + backward of one batch (no optimiser step); returns floats for logging.
+
+    Freezes the target first (idempotent): its embeddings and lm_head are used by the draft's forward, and a
+    gradient must never reach them.
+    """
+    target.requires_grad_(False)
+    bs = draft.block_size
+    p_rep = replacement_probability(
+        step, cfg.steps, cfg.replacement_probability, cfg.replacement_hold_ratio, cfg.replacement_end_ratio
+    )
+    sums: list[LossSums] = []
+    dev = draft.device
+    for ex, cap in batch:
+        anchors = sample_anchors(ex.loss_mask, cfg.anchors_per_seq, gen)
+        if len(anchors) == 0:
+            continue
+        labels, w = block_targets(ex, anchors, bs, cfg.gamma)
+        idx = (anchors[:, None] + torch.arange(bs)[None, :]).clamp(max=len(ex.ids) - 1)
+        true_tokens = ex.ids[idx]  # [N, bs]
+        block = torch.full_like(true_tokens, draft.mask_token_id)
+        block[:, 0] = true_tokens[:, 0]
+        replace = torch.rand(len(anchors), generator=gen) < p_rep
+        anchors, labels, w, true_tokens, block, replace = (
+            t.to(dev) for t in (anchors, labels, w, true_tokens, block, replace)
+        )
+        out = draft.train_forward(
+            cap.taps, anchors, block, target, replace=replace, true_tokens=true_tokens,
+            replace_layers=min(cfg.replacement_layers, len(draft.layers)) if p_rep > 0 else 0,
+        )  # fmt: skip
+        th = cap.hidden[(anchors[:, None] + torch.arange(bs - 1, device=dev)[None, :]).clamp(max=len(ex.ids) - 1)]
+        sums.append(block_losses(draft, target, out, th, true_tokens, labels, w, cfg.ce_weight,
+                                 cfg.candidate_mass_threshold))  # fmt: skip
+    if not sums:
+        return {}
+    W = sum(s.weight for s in sums).clamp_min(1e-8)
+    mean_ce = sum(s.ce for s in sums) / W
+    beta = alignment_beta(step, cfg.alignment_warmup_steps, cfg.alignment_weight)
+    backbone = sum(s.backbone for s in sums) / W
+    refine = sum(s.refine for s in sums) / W
+    align = sum(s.align for s in sums) / W
+    loss = backbone + refine + beta * mean_ce * align
+    loss.backward()
+    return {
+        "loss": float(loss.detach()),
+        "backbone": float(backbone.detach()),
+        "refine": float(refine.detach()),
+        "align": float(align.detach()),
+        "ce": float(mean_ce),
+        "acc": float(sum(s.correct for s in sums) / W),
+        "refine_acc": float(sum(s.refine_correct for s in sums) / W),
+        "beta": beta,
+        "p_replace": p_rep,
+    }
+
+
+def save_checkpoint(draft: DSpineDraft, out_dir: str | Path, meta: dict) -> None:
+    """Save atomically (write a sibling dir, then swap), so a stopped run always leaves a loadable draft."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    draft.save(tmp)
+    (tmp / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old.exists():
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+
+
+def train(
+    target: Target,
+    examples: list[Example],
+    out_dir: str | Path | None,
+    cfg: TrainConfig,
+    draft: DSpineDraft | None = None,
+    num_layers: int = 2,
+    block_size: int = 16,
+    draft_overrides: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> DSpineDraft:
+    """Train ``draft`` (or a fresh ``init_draft(target, ...)``) on ``examples``; save to ``out_dir`` as it goes.
+
+    A fresh draft's final norm starts as a copy of the target's (both feed the same lm_head, so the
+    per-channel output scale starts where the head expects it; a cheap prior, not a measured win).
+    The target is frozen (``requires_grad_(False)``, no_grad capture); its embeddings and lm_head are used
+    by the draft but are never optimiser parameters. Returns the trained draft (train mode off).
+    """
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    target.requires_grad_(False).eval()
+    if draft is None:
+        draft = init_draft(target, num_layers=num_layers, block_size=block_size, seed=cfg.seed,
+                           **(draft_overrides or {}))  # fmt: skip
+        norm = getattr(target, "norm", None)
+        if norm is not None and norm.weight.shape == draft.norm.weight.shape and norm.offset == draft.norm.offset:
+            with torch.no_grad():
+                draft.norm.weight.copy_(norm.weight)
+    draft.train()
+    params = trainable_parameters(draft)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps, warmup))
+    captures: dict[int, Capture] = {}
+    order: list[int] = []
+    t0 = time.perf_counter()
+    meta = {"config": asdict(cfg), "examples": len(examples), "tokens": int(sum(len(e.ids) for e in examples))}
+    history: list[dict] = []
+    step = 0
+    for step in range(cfg.steps):
+        if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
+            log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
+            break
+        batch = []
+        for _ in range(cfg.batch_size):
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            i = order.pop()
+            if i not in captures:
+                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, draft.dtype)
+            batch.append((examples[i], captures[i]))
+        opt.zero_grad(set_to_none=True)
+        stats = train_step(draft, target, batch, step, cfg, gen)
+        if not stats:
+            continue
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        stats.update(step=step, lr=sched.get_last_lr()[0], grad_norm=float(gnorm), elapsed=time.perf_counter() - t0)
+        history.append(stats)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+        if out_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(draft, out_dir, {**meta, "steps_done": step + 1, "elapsed_s": time.perf_counter() - t0})
+    else:
+        step = cfg.steps
+    draft.eval()
+    meta.update(steps_done=step, elapsed_s=time.perf_counter() - t0, last=history[-1] if history else None)
+    if out_dir is not None:
+        save_checkpoint(draft, out_dir, meta)
+        with open(Path(out_dir) / "history.jsonl", "w") as fh:
+            fh.writelines(json.dumps(h) + "\n" for h in history)
+    return draft

@@ -1,0 +1,185 @@
+"""Acceptance length and wall-clock speedup of the embedded pair (SmolLM2-135M-Instruct + shipped DSpine draft).
+
+Two measurements, in one process, on the held-out prompts (``embedded_data.eval_prompts``: MT-Bench chat,
+HumanEval code, gsm_symbolic math; never used in training):
+
+1. **τ** per dataset, greedy and T=1 (design §8): per-request mean (macro: mean over requests of each
+   request's committed-tokens-per-verify-round) and per-round mean (micro: all committed tokens ÷ all
+   verify rounds). The bonus/correction token counts; the prefill token does not. Batched (``--batch``).
+2. **Speedup**: the same prompts decoded plainly and speculatively, alternating, at concurrency 1 (one
+   request at a time) and concurrency C (one batch of C); end-to-end tokens/s including prefill. The
+   greedy outputs of both are compared token for token (lossless check).
+
+Example::
+
+    python scripts/bench_acceptance.py --eval out/embedded/eval.jsonl --max-new-tokens 96 --json out/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def load_prompts(eval_file: str | None, per_dataset: int, model_dir: Path) -> dict[str, list[list[int]]]:
+    """dataset -> prompt token ids: from a regenerated ``eval.jsonl``, else rendered from the sources."""
+    out: dict[str, list[list[int]]] = {}
+    if eval_file and Path(eval_file).is_file():
+        for line in Path(eval_file).read_text().splitlines():
+            rec = json.loads(line)
+            out.setdefault(rec["dataset"], []).append(rec["prompt_ids"])
+    else:
+        import embedded_data as ed
+
+        tok = ed.load_tokenizer(model_dir)
+        for p in ed.eval_prompts(per_dataset):
+            out.setdefault(p.dataset, []).append(ed.render(tok, p.text))
+    return {d: v[:per_dataset] for d, v in sorted(out.items())}
+
+
+def tau(outs) -> dict:
+    rounds = sum(o.stats.verify_steps for o in outs)
+    toks = sum(o.stats.round_tokens for o in outs)
+    per_req = [o.stats.accept_length for o in outs if o.stats.verify_steps]
+    hist = [sum(h) for h in zip(*(o.stats.accept_histogram for o in outs))]
+    return {
+        "requests": len(outs),
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "verify_rounds": rounds,
+        "tau_macro": round(statistics.mean(per_req), 3) if per_req else None,
+        "tau_micro": round(toks / rounds, 3) if rounds else None,
+        "accept_histogram": hist,
+    }
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+class Clock:
+    """Wraps a bound method and records each call's wall time (where a round's time goes)."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name, orig = obj, name, getattr(obj, name)
+        self.times: list[float] = []
+
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.times.append(time.perf_counter() - t0)
+
+        setattr(obj, name, wrapped)
+
+    def close(self) -> list[float]:
+        delattr(self.obj, self.name)  # drop the instance attribute: the class method shows through again
+        return self.times
+
+
+def ms(times: list[float]) -> float | None:
+    return round(1000 * statistics.mean(times), 2) if times else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default=None, help="draft dir (default: the shipped embedded draft)")
+    ap.add_argument("--eval", default=None, help="eval.jsonl from train_embedded.py (default: render the sources)")
+    ap.add_argument("--per-dataset", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=16, help="batch size of the τ runs")
+    ap.add_argument("--block-size", type=int, default=None, help="verify block (default: the draft's)")
+    ap.add_argument("--speed-prompts", type=int, default=8, help="prompts in the speedup runs (mixed datasets)")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--skip-tau", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from dspine import generate, load_draft, load_target
+    from dspine.embedded import embedded_draft_path, embedded_target_path
+
+    model_dir = embedded_target_path()
+    target = load_target(model_dir)
+    draft = load_draft(args.draft or embedded_draft_path())
+    bs = args.block_size or draft.block_size
+    prompts = load_prompts(args.eval, args.per_dataset, model_dir)
+    stop = [2]  # <|im_end|>
+    M = args.max_new_tokens
+    res: dict = {"block_size": bs, "max_new_tokens": M, "threads": args.threads, "draft": str(args.draft or "shipped")}
+
+    if not args.skip_tau:
+        res["tau"] = {}
+        for name, temp in (("greedy", 0.0), ("T=1", 1.0)):
+            per = {}
+            for ds, ps in prompts.items():
+                outs = []
+                for i in range(0, len(ps), args.batch):
+                    outs += generate(target, draft, ps[i : i + args.batch], max_new_tokens=M, temperature=temp,
+                                     seed=list(range(i, i + len(ps[i : i + args.batch]))), stop_token_ids=stop,
+                                     block_size=bs)  # fmt: skip
+                per[ds] = tau(outs)
+                print(json.dumps({"tau": name, "dataset": ds, **per[ds]}), flush=True)
+            res["tau"][name] = per
+
+    if not args.skip_speed:
+        mixed = [p for group in zip(*prompts.values()) for p in group][: args.speed_prompts]
+        res["speed"] = {}
+        for c in (1, args.concurrency):
+            batches = [mixed[i : i + c] for i in range(0, len(mixed), c)]
+            t_ar = t_sp = 0.0
+            n_ar = n_sp = 0
+            same = True
+            ar_steps, verify_steps, draft_steps, sp_all = [], [], [], []
+            for b in batches:  # alternate plain and speculative per batch so load drift hits both alike
+                clock = Clock(target, "forward")
+                ar, dt = timed(lambda b=b: generate(target, None, b, max_new_tokens=M, stop_token_ids=stop))
+                ar_steps += clock.close()[1:]  # [0] is the prefill
+                t_ar += dt
+                n_ar += sum(len(o.token_ids) for o in ar)
+                clock, dclock = Clock(target, "forward"), Clock(draft, "propose")
+                sp, dt = timed(
+                    lambda b=b: generate(target, draft, b, max_new_tokens=M, stop_token_ids=stop, block_size=bs)
+                )
+                verify_steps += clock.close()[1:]
+                sp_all += sp
+                draft_steps += dclock.close()
+                t_sp += dt
+                n_sp += sum(len(o.token_ids) for o in sp)
+                same &= all(a.token_ids == s.token_ids for a, s in zip(ar, sp))
+            r = {
+                "prompts": len(mixed),
+                "plain_tok_s": round(n_ar / t_ar, 2),
+                "spec_tok_s": round(n_sp / t_sp, 2),
+                "speedup": round((n_sp / t_sp) / (n_ar / t_ar), 3),
+                "plain_s": round(t_ar, 1),
+                "spec_s": round(t_sp, 1),
+                "greedy_outputs_identical": same,
+                "tau_micro": tau(sp_all)["tau_micro"],
+                "ms_plain_step": ms(ar_steps),  # one target forward of 1 token per row
+                "ms_verify": ms(verify_steps),  # one target forward of bs tokens per row
+                "ms_draft_propose": ms(draft_steps),  # backbone + transition cache + walk
+            }
+            res["speed"][f"concurrency{c}"] = r
+            print(json.dumps({"speed": f"concurrency{c}", **r}), flush=True)
+
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

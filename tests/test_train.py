@@ -1,0 +1,201 @@
+"""DSpine trainer (design §5, §9 test 6 and 11): mask parity with inference, schedules, anchors, a smoke run.
+
+Tiny random Qwen3 target (hidden 64, vocab 256) saved by transformers; tiny drafts (2 layers, rank 16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspine.draft import DSpineDraft, block_causal_mask, init_draft, load_draft
+from dspine.target import load_target
+from dspine.train import (
+    TrainConfig,
+    alignment_beta,
+    block_targets,
+    capture,
+    make_example,
+    replacement_probability,
+    sample_anchors,
+    train,
+    train_step,
+)
+
+transformers = pytest.importorskip("transformers")
+
+V, H, BS = 256, 64, 6
+DRAFT_KW = dict(num_layers=2, block_size=BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these ops are tiny, and on a shared 2-core box OpenMP spin-waits cost 10-20x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=V, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("qwen3")
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    t = load_target(target_dir)
+    with torch.no_grad():
+        t.embed_tokens.weight.mul_(8.0)  # peaky teacher distributions: a random head is near uniform otherwise
+    return t
+
+
+@torch.no_grad()
+def randomize(draft: DSpineDraft, seed: int = 1) -> DSpineDraft:
+    """Non-zero injection writes and G_pred, so the parity test covers every path (init has them at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in draft.named_parameters():
+        if name.startswith("injection.") and not name.startswith("injection.readouts"):
+            p.normal_(0.0, 0.1 if name == "injection.bias" else 0.3, generator=g)
+        elif p.dim() == 2 and not name.startswith("injection.readouts"):
+            p.normal_(0.0, 0.08, generator=g)
+    return draft
+
+
+def _sequence(T: int = 40, prompt: int = 10, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V - 1, (T,), generator=g)
+    return make_example(ids[:prompt].tolist(), ids[prompt:].tolist())
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_mask_parity_with_incremental_inference(target, window):
+    """train_forward's block-causal (+SWA) mask gives the slot logits of extend_context + backbone."""
+    draft = randomize(init_draft(target, **DRAFT_KW, sliding_window=window or 8192))
+    if window is None:
+        draft.windows = [None] * len(draft.layers)
+    ex = _sequence()
+    cap = capture(target, ex.ids, draft.target_layer_ids)
+    anchors = torch.tensor([3, 11, 20, 33])
+    block = torch.full((len(anchors), BS), draft.mask_token_id)
+    block[:, 0] = ex.ids[anchors]
+    with torch.no_grad():
+        out = draft.train_forward(cap.taps, anchors, block, target)
+        train_logits = target.logits(out.hidden[:, 1:])
+        truth = ex.ids[(anchors[:, None] + torch.arange(BS)).clamp(max=len(ex.ids) - 1)]
+        refined = draft.refine_train(out, truth[:, :-1])
+    for n, a in enumerate(anchors.tolist()):
+        cache = draft.new_cache(1, 64)
+        draft.extend_context(cache, cap.taps[None, :a])
+        ref = draft.backbone(cache, ex.ids[a : a + 1], target)
+        torch.testing.assert_close(train_logits[n], ref.logits[0], rtol=1e-4, atol=1e-4)
+        for slot in (1, BS - 1):
+            want = draft.refine(ref, slot, truth[n, slot - 1 : slot])
+            torch.testing.assert_close(refined[n, slot - 1], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_block_causal_mask_shape_and_rules():
+    m = block_causal_mask(torch.tensor([4]), 10, 3, window=None)[0, 0]  # [bs, T + bs]
+    assert m.shape == (3, 13)
+    assert m[:, :4].all() and not m[:, 4:10].any()  # context strictly before the anchor
+    assert torch.equal(m[:, 10:], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+    w = block_causal_mask(torch.tensor([4]), 10, 3, window=3)[0, 0]
+    assert w[0, :4].tolist() == [False, False, True, True]  # slot 0 at pos 4 sees 2, 3
+    assert w[2, :4].tolist() == [False, False, False, False]  # slot 2 at pos 6 sees > 3 only
+
+
+def test_schedules_match_formulas():
+    S = 600
+    assert replacement_probability(0, S) == 0.5
+    assert replacement_probability(100, S) == 0.5  # = hold (1/6)
+    assert replacement_probability(150, S) == pytest.approx(0.5 * (1 / 3 - 0.25) / (1 / 3 - 1 / 6))
+    assert replacement_probability(200, S) == 0.0
+    assert replacement_probability(599, S) == 0.0
+    assert alignment_beta(0, 146) == 0.0
+    assert alignment_beta(73, 146) == pytest.approx(0.25)
+    assert alignment_beta(146, 146) == alignment_beta(1000, 146) == 0.5
+
+
+def test_anchors_respect_loss_mask():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        mask = torch.rand(60, generator=g) < 0.7
+        a = sample_anchors(mask, 8, g)
+        assert len(a) <= 8 and torch.equal(a, a.sort().values) and len(set(a.tolist())) == len(a)
+        assert all(mask[i] and mask[i + 1] and i >= 1 for i in a.tolist())
+    full = sample_anchors(torch.tensor([False] * 5 + [True] * 6), 100, g)
+    assert full.tolist() == [5, 6, 7, 8, 9]  # every valid position when under the cap
+
+
+def test_labels_cut_at_first_unsupervised_slot():
+    ex = make_example([1, 2, 3], [4, 5, 6, 7, 8])
+    ex.loss_mask[6] = False  # token 7 unsupervised
+    labels, w = block_targets(ex, torch.tensor([3]), 5, gamma=7.0)
+    assert labels.tolist() == [[5, 6, 7, 8]]
+    assert w[0, :2].tolist() == pytest.approx([1.0, math.exp(-1 / 7)])
+    assert w[0, 2:].tolist() == [0.0, 0.0]  # cut at token 7 and everything after it
+
+
+def test_training_smoke_loss_falls(target):
+    torch.manual_seed(0)
+    draft = init_draft(target, **DRAFT_KW)
+    draft.train()
+    cfg = TrainConfig(steps=20, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
+    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in (_sequence(seed=1), _sequence(seed=2))]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    head_before = target.head_weight.clone()
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        stats = train_step(draft, target, batch, step, cfg, gen)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(stats["backbone"] + stats["refine"])
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert torch.equal(target.head_weight, head_before)  # the target's head/embeddings never train
+    assert target.head_weight.grad is None
+
+
+def test_train_writes_loadable_draft(target, tmp_path):
+    exs = [_sequence(seed=s) for s in range(3)]
+    cfg = TrainConfig(steps=3, batch_size=2, anchors_per_seq=4, save_every=2, log_every=1)
+    draft = train(target, exs, tmp_path / "d", cfg, num_layers=1, block_size=4,
+                  draft_overrides=dict(transfer_rank=16, message_size=32, top_k=4, intermediate_size=96),
+                  log=lambda s: None)  # fmt: skip
+    loaded = load_draft(tmp_path / "d")
+    assert (tmp_path / "d" / "training.json").is_file()
+    for (n, a), b in zip(draft.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_cli_train_writes_loadable_draft(target_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [1, 2, 3, 4], "response_ids": list(range(10, 40))}) + "\n"
+                            for _ in range(2)))  # fmt: skip
+    out = tmp_path / "draft"
+    args = ["train", str(target_dir), str(data), str(out), "--steps", "2", "--layers", "1", "--block-size", "4",
+            "--transfer-rank", "16", "--intermediate-size", "64", "--anchors", "4", "--batch-size", "1"]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    d = load_draft(out)
+    assert d.block_size == 4 and len(d.layers) == 1 and d.transfer_rank == 16
+    bad = CliRunner().invoke(main, ["train", str(target_dir), str(data), str(out), "--init", str(tmp_path / "nope")])
+    assert bad.exit_code != 0 and "nope" in bad.output
