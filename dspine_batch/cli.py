@@ -88,7 +88,7 @@ def cli() -> None:
 @click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
               expose_value=False, help="TOML job file with any of these options (and `inputs`, `output`).")
 @opt("--engine", default="auto", show_default=True, metavar="auto|reference|sglang",
-     help="Generation backend. auto: the reference engine on CPU.")
+     help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
 @opt("-m", "--model", default="embedded", show_default=True, help="Target model dir (HF layout), or `embedded`.")
 @opt("--draft", default="embedded", show_default=True, help="Draft model dir, `embedded`, or `none`.")
 @opt("--split", help="Split of a DatasetDict / local HF dataset dir.")
