@@ -91,3 +91,12 @@ def hybrid_target(tmp_path_factory):
     from dspine import load_target
 
     return load_target(save_tiny_qwen35(tmp_path_factory.mktemp("hybrid")))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: decode-sized ops on a shared 2-core box lose 10-20x to OpenMP spin-waits otherwise."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

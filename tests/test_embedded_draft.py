@@ -36,13 +36,7 @@ def test_shipped_draft_loads():
     assert d.dtype == torch.float32  # stored in bf16, loaded in the requested dtype
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: decode-sized ops on a shared 2-core box lose 10x to OpenMP spin-waits otherwise."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,7 @@ V, H, BS = 256, 64, 6
 DRAFT_KW = dict(num_layers=2, block_size=BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these ops are tiny, and on a shared 2-core box OpenMP spin-waits cost 10-20x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
