@@ -60,8 +60,7 @@ class GenerationOutput:
 class _Row:
     """Mutable decoding state of one request."""
 
-    def __init__(self, index: int, prompt: list[int], sp: SamplingParams, block_size: int, device):
-        self.index = index
+    def __init__(self, prompt: list[int], sp: SamplingParams, block_size: int):
         self.prompt = prompt
         self.sp = sp
         self.tokens: list[int] = []
@@ -106,6 +105,19 @@ def _validate(target: Target, prompts: Sequence[Sequence[int]], params: Sequence
             )
 
 
+def _capacity(rows: list[_Row], extra: int) -> int:
+    """Cache positions a batch can need: its longest prompt + budget, plus ``extra`` verify slots."""
+    return max(len(r.prompt) + r.sp.max_new_tokens for r in rows) + extra
+
+
+def _drop_finished(run: list[_Row], caches: list) -> tuple[list[_Row], list]:
+    """The rows still running, and the caches cut down to them (a copy only when some row finished)."""
+    keep = [b for b, r in enumerate(run) if r.finish is None]
+    if len(keep) == len(run):
+        return run, caches
+    return [run[b] for b in keep], [c.select(keep) for c in caches]
+
+
 def _prefill(target: Target, rows: list[_Row], taps: tuple[int, ...], extra: int):
     """Right-padded prefill of all rows; returns the cache, the taps and the first sampled token per row."""
     dev = target.device
@@ -114,8 +126,7 @@ def _prefill(target: Target, rows: list[_Row], taps: tuple[int, ...], extra: int
     ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
     for b, r in enumerate(rows):
         ids[b, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-    cap = max(len(r.prompt) + r.sp.max_new_tokens for r in rows) + extra
-    cache = target.new_cache(len(rows), cap)
+    cache = target.new_cache(len(rows), _capacity(rows, extra))
     out = target.forward(ids, cache, n_valid=lens, taps=taps)
     last = out.hidden[torch.arange(len(rows), device=dev), lens - 1]  # [B, H]
     first = _sample_next(target.logits(last[:, None]), rows)
@@ -172,9 +183,7 @@ def generate(
     if draft is not None and bs < 2:
         raise ValueError(f"block_size must be >= 2 for speculative decoding, got {bs}")
     _validate(target, prompts, params, bs)
-    rows = [
-        _Row(i, p, sp, bs if draft is not None else 0, target.device) for i, (p, sp) in enumerate(zip(prompts, params))
-    ]
+    rows = [_Row(p, sp, bs if draft is not None else 0) for p, sp in zip(prompts, params)]
     todo = [r for r in rows if r.sp.max_new_tokens > 0]
     for r in rows:
         if r.sp.max_new_tokens == 0:
@@ -191,15 +200,12 @@ def _decode_ar(target: Target, rows: list[_Row]) -> None:
     cache, _, _, first = _prefill(target, rows, (), 0)
     for r, t in zip(rows, first):
         r.push([t])
-    active = list(range(len(rows)))
+    run, caches = rows, [cache]
     while True:
-        keep = [i for i in active if rows[i].finish is None]
-        if not keep:
+        run, caches = _drop_finished(run, caches)
+        if not run:
             return
-        if len(keep) != len(active):
-            cache = cache.select([active.index(i) for i in keep])
-            active = keep
-        run = [rows[i] for i in active]
+        (cache,) = caches
         ids = torch.tensor([[r.tokens[-1]] for r in run], dtype=torch.long, device=target.device)
         out = target.forward(ids, cache)
         for r, t in zip(run, _sample_next(target.logits(out.hidden), run)):
@@ -210,20 +216,16 @@ def _decode_spec(target: Target, draft, rows: list[_Row], bs: int, dynamic_thres
     dev = target.device
     taps = tuple(draft.target_layer_ids)
     cache, tap_h, lens, first = _prefill(target, rows, taps, bs)
-    dcache = draft.new_cache(len(rows), max(len(r.prompt) + r.sp.max_new_tokens for r in rows) + bs)
+    dcache = draft.new_cache(len(rows), _capacity(rows, bs))
     draft.extend_context(dcache, tap_h, lens)
     for r, t in zip(rows, first):
         r.push([t])
-    active = list(range(len(rows)))
+    run, caches = rows, [cache, dcache]
     while True:
-        keep = [i for i in active if rows[i].finish is None]
-        if not keep:
+        run, caches = _drop_finished(run, caches)
+        if not run:
             return
-        if len(keep) != len(active):
-            sel = [active.index(i) for i in keep]
-            cache, dcache = cache.select(sel), dcache.select(sel)
-            active = keep
-        run = [rows[i] for i in active]
+        cache, dcache = caches
         anchor = torch.tensor([r.tokens[-1] for r in run], dtype=torch.long, device=dev)
         temps = torch.tensor([r.sp.temperature for r in run], dtype=torch.float32, device=dev)
         prop = draft.propose(
