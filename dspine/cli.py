@@ -99,6 +99,12 @@ def init_draft_cmd(model: str, out: str, layers: int, block_size: int, seed: int
 @click.option("--intermediate-size", default=None, type=int, help="draft MLP width (default: the target's)")
 @click.option("--transfer-rank", default=None, type=int, help="transfer-space rank r (default: min(1024, H))")
 @click.option("--anchors", default=32, show_default=True, help="anchors (blocks) per sequence")
+@click.option(
+    "--draft-vocab",
+    default=None,
+    type=int,
+    help="propose from the N most frequent response tokens only (fresh draft; cheaper head)",
+)
 @click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--time-budget", default=None, type=float, help="stop after this many seconds (saves first)")
@@ -116,6 +122,7 @@ def train(
     intermediate_size: int | None,
     transfer_rank: int | None,
     anchors: int,
+    draft_vocab: int | None,
     max_len: int,
     seed: int,
     time_budget: float | None,
@@ -130,7 +137,7 @@ def train(
     import torch
 
     from dspine import ModelLoadError, load_draft, load_target
-    from dspine.train import TrainConfig, load_examples
+    from dspine.train import TrainConfig, choose_draft_vocab, load_examples
     from dspine.train import train as run_training
 
     path = _target_path(model)
@@ -152,6 +159,8 @@ def train(
     if not examples:
         raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
     overrides = {k: v for k, v in (("intermediate_size", intermediate_size), ("transfer_rank", transfer_rank)) if v}
+    if draft_vocab and draft is None:
+        overrides["draft_vocab"] = choose_draft_vocab(examples, draft_vocab, target.vocab_size)
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, anchors_per_seq=anchors, seed=seed,
                       time_budget_s=time_budget, save_every=save_every)  # fmt: skip
     run_training(target, examples, out, cfg, draft=draft, num_layers=layers, block_size=block_size,

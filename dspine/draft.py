@@ -83,6 +83,7 @@ class DraftSpec:
     use_confidence_head: bool
     confidence_trained: bool
     windows: tuple[int | None, ...]  # per layer: sliding window, or None for full attention
+    draft_vocab_size: int | None = None  # proposal head over this many target ids (None: the full vocabulary)
 
 
 def _fail(where: str, key: str, msg: str) -> NoReturn:
@@ -172,6 +173,10 @@ def parse_draft_config(cfg: dict, where: str = "config.json") -> DraftSpec:
     )  # fmt: skip
     message = _as_int(where, "dspine_config.message_size", ds["message_size"], 1, rule="need message_size >= 1")
     top_k = _as_int(where, "dspine_config.top_k", ds["top_k"], 1, V, rule=f"need 1 <= top_k <= vocab_size = {V}")
+    draft_vocab = ds.get("draft_vocab_size")
+    if draft_vocab is not None:
+        draft_vocab = _as_int(where, "dspine_config.draft_vocab_size", draft_vocab, top_k, V,
+                              rule=f"need top_k = {top_k} <= draft_vocab_size <= vocab_size = {V}")  # fmt: skip
     offsets = ds.get("injection_offsets", [1] * L)
     if not isinstance(offsets, list) or len(offsets) != L:
         _fail(where, "dspine_config.injection_offsets", f"must be a list of {L} integers (one per layer)")
@@ -230,6 +235,7 @@ def parse_draft_config(cfg: dict, where: str = "config.json") -> DraftSpec:
         use_confidence_head=use_head,
         confidence_trained=trained,
         windows=windows,
+        draft_vocab_size=draft_vocab,
     )
 
 
@@ -273,6 +279,7 @@ _DSPINE_OVERRIDES = (
     *TRAINING_DEFAULTS,
     "injection_offsets",
     "use_confidence_head",
+    "draft_vocab_size",
     "confidence_trained",
 )
 
@@ -305,6 +312,8 @@ def make_draft_config(target: Target, num_layers: int = 5, block_size: int = 16,
         "use_confidence_head": o.get("use_confidence_head", True),
         "confidence_trained": o.get("confidence_trained", False),
     }
+    if o.get("draft_vocab_size") is not None:
+        dspine["draft_vocab_size"] = int(o["draft_vocab_size"])
     return {
         "architectures": ["DSpineDraftModel"],
         "model_type": "qwen3",
@@ -467,7 +476,7 @@ class BlockOutput:
     """Everything one backbone pass over a block produces (``DSpineDraft.backbone``)."""
 
     hidden: torch.Tensor  # [B, bs, H] after the last layer's injection and the final norm
-    logits: torch.Tensor  # [B, bs-1, V] float32 backbone logits of slots 1..bs-1 (slot 0 is the anchor)
+    logits: torch.Tensor  # [B, bs-1, V'] float32 backbone logits of slots 1..bs-1 over the draft vocabulary
     last_pre: torch.Tensor  # [B, bs, H] last layer's output *before* its injection: what refinement rewrites
     last_feat: torch.Tensor  # [B, bs, r] f_L(i), the last layer's receiver features
     anchor: torch.Tensor  # [B] LongTensor, the block's slot-0 token
@@ -551,6 +560,14 @@ class DSpineDraft(nn.Module):
         self.confidence_head = ConfidenceHead(H, r) if use_head else None
         self.register_buffer("transfer_codes", torch.zeros(V, r))
         self.register_buffer("transfer_ready", torch.tensor(False))
+        # The proposal head's vocabulary (target ids, ascending), when smaller than the target's: the backbone
+        # logits are computed over these rows of the target head only (§ "draft vocabulary" in draft.py docs).
+        self.draft_vocab: torch.Tensor | None
+        if spec.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab", torch.arange(spec.draft_vocab_size))
+        else:
+            self.draft_vocab = None
+        self._head_rows: tuple[tuple, torch.Tensor] | None = None
         self.rotary = Rotary(RopeSpec.from_config(cfg, spec.head_dim))
 
     # -- basics ----------------------------------------------------------------------------------------------
@@ -595,6 +612,55 @@ class DSpineDraft(nn.Module):
                 f"target (vocab {target.vocab_size}, hidden {target.hidden_size}) does not match the draft "
                 f"(vocab {self.vocab_size}, hidden {self.hidden_size})"
             )
+
+    # -- the proposal head -------------------------------------------------------------------------------------
+
+    def head(self, target: Target) -> torch.Tensor:
+        """The rows of ``target.head_weight`` the backbone scores: [V', H] (the whole head without a draft vocab).
+
+        The backbone logits over a 49k-token head were most of a small draft's cost on CPU (8 slots x 49152 x
+        576 MACs, more than the target's own decode step); a draft vocabulary of the tokens the target actually
+        writes cuts that by V / V'. The rows are gathered once per head tensor and kept (frozen target).
+        """
+        w = target.head_weight
+        if self.draft_vocab is None:
+            return w
+        key = (w.data_ptr(), w.dtype, w.device, w._version, self.draft_vocab.data_ptr())
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, w.detach().index_select(0, self.draft_vocab.to(w.device)))
+        return self._head_rows[1]
+
+    def head_logits(self, hidden: torch.Tensor, target: Target) -> torch.Tensor:
+        """Backbone logits over the draft vocabulary: hidden [..., H] -> [..., V'] float32 (one 2-D GEMM)."""
+        if self.draft_vocab is None:
+            return target.logits(hidden.to(target.dtype))
+        w = self.head(target)
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype).contiguous()
+        return (flat @ w.T).float().view(*hidden.shape[:-1], -1)
+
+    def vocab_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> target token ids (identity without a draft vocab)."""
+        return idx if self.draft_vocab is None else self.draft_vocab[idx]
+
+    def vocab_index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (index into the draft vocabulary, present mask); absent ids get index 0 (mask them)."""
+        if self.draft_vocab is None:
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+        v = self.draft_vocab.to(ids.device)
+        idx = torch.searchsorted(v, ids).clamp(max=len(v) - 1)
+        return idx, v[idx] == ids
+
+    def check_vocab(self, where: str = "draft") -> None:
+        """A loaded ``draft_vocab`` must be strictly increasing target ids (a corrupt one would propose garbage)."""
+        v = self.draft_vocab
+        if v is None:
+            return
+        if v.dtype != torch.long or v.ndim != 1:
+            raise ModelLoadError(f"{where}: draft_vocab must be a 1-D int64 tensor, got {v.dtype} {tuple(v.shape)}")
+        if len(v) and (int(v.min()) < 0 or int(v.max()) >= self.vocab_size):
+            raise ModelLoadError(f"{where}: draft_vocab holds ids outside 0..{self.vocab_size - 1}")
+        if len(v) > 1 and not bool((v[1:] > v[:-1]).all()):
+            raise ModelLoadError(f"{where}: draft_vocab must be strictly increasing (sorted, no repeats)")
 
     # -- context -----------------------------------------------------------------------------------------------
 
@@ -669,7 +735,7 @@ class DSpineDraft(nn.Module):
             if inject:
                 x = self._inject(i, x, feat, anchor_pred)
         hidden = self.norm(x)
-        logits = target.logits(hidden[:, 1:].to(target.dtype))  # [B, bs-1, V]
+        logits = self.head_logits(hidden[:, 1:], target)  # [B, bs-1, V'] over the draft vocabulary
         return BlockOutput(hidden, logits, pre, feat, block_tokens[:, 0])
 
     # -- training forward -------------------------------------------------------------------------------------
@@ -763,7 +829,7 @@ class DSpineDraft(nn.Module):
         """
         B, n, V = out.logits.shape
         k = min(self.top_k, V)
-        cand = out.logits.topk(k, dim=-1).indices  # [B, n, k]
+        cand = self.vocab_ids(out.logits.topk(k, dim=-1).indices)  # [B, n, k] target ids
         pred = torch.cat([out.anchor[:, None, None].expand(B, 1, k), cand[:, :-1]], dim=1)  # [B, n, k]
         refined = self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred)  # [B, n, k, H]
         w = target.head_weight[cand]  # [B, n, k, H]
@@ -820,7 +886,7 @@ class DSpineDraft(nn.Module):
         """
         B, n, V = out.logits.shape
         k = min(self.top_k, V)
-        cand = out.logits.topk(k, dim=-1).indices  # [B, n, k]
+        cand = self.vocab_ids(out.logits.topk(k, dim=-1).indices)  # [B, n, k] target ids
         w = target.head_weight[cand]  # [B, n, k, H]
         rows = torch.arange(B, device=cand.device)
 
@@ -926,7 +992,14 @@ class DSpineDraft(nn.Module):
             self.confidence_head.proj.bias.zero_()
 
 
-def init_draft(target: Target, num_layers: int = 5, block_size: int = 16, seed: int = 0, **overrides) -> DSpineDraft:
+def init_draft(
+    target: Target,
+    num_layers: int = 5,
+    block_size: int = 16,
+    seed: int = 0,
+    draft_vocab: torch.Tensor | list[int] | None = None,
+    **overrides,
+) -> DSpineDraft:
     """A randomly initialised DSpine draft for ``target`` (fp32, on the target's device).
 
     Dimensions default to the target's (heads, KV heads, head_dim, intermediate size, RoPE, RMS eps); see
@@ -934,7 +1007,12 @@ def init_draft(target: Target, num_layers: int = 5, block_size: int = 16, seed: 
     ``mask_token_id`` when it has one, else to ``vocab_size - 1`` (the draft only needs a fixed id whose
     embedding marks "unknown"; a trained draft must keep the id it was trained with). Transfer codes are
     computed from ``target.head_weight`` (§2.2) and stored; readouts start at D^T; writes and G_pred at zero.
+    ``draft_vocab`` (target ids) restricts the proposal head to those tokens (sorted and de-duplicated here).
     """
+    vocab = None
+    if draft_vocab is not None:
+        vocab = torch.as_tensor(draft_vocab, dtype=torch.long).unique()  # sorted, no repeats
+        overrides["draft_vocab_size"] = len(vocab)
     cfg = make_draft_config(target, num_layers, block_size, **overrides)
     with torch.device("meta"):
         model = DSpineDraft(cfg, where="init_draft")
@@ -945,9 +1023,28 @@ def init_draft(target: Target, num_layers: int = 5, block_size: int = 16, seed: 
     with torch.no_grad():
         model.transfer_codes.copy_(space.codes.cpu())
         model.transfer_ready.fill_(True)
+        if vocab is not None:
+            model.draft_vocab.copy_(vocab)
         for readout in model.injection.readouts:
             readout.weight.copy_(space.directions.T.float().cpu())  # R_l = D^T
     return model.to(target.device).eval()
+
+
+def with_draft_vocab(draft: DSpineDraft, vocab: torch.Tensor | list[int]) -> DSpineDraft:
+    """A copy of ``draft`` whose proposal head covers only ``vocab`` (target ids): every weight is kept, so a
+    draft trained on the full head can be warm-started on a draft vocabulary (the head is the target's)."""
+    ids = torch.as_tensor(vocab, dtype=torch.long).unique()
+    cfg = copy.deepcopy(draft.config)
+    cfg["dspine_config"]["draft_vocab_size"] = len(ids)
+    new = DSpineDraft(cfg, confidence_head=draft.confidence_head is not None, where="with_draft_vocab")
+    state = {k: v for k, v in draft.state_dict().items() if k != "draft_vocab"}
+    missing, unexpected = new.load_state_dict({**state, "draft_vocab": ids}, strict=False)
+    if unexpected or [m for m in missing if not m.startswith("rotary.")]:
+        raise ValueError(f"with_draft_vocab: state mismatch (missing {missing}, unexpected {unexpected})")
+    new.confidence_trained = draft.confidence_trained
+    new = new.to(device=draft.device, dtype=draft.dtype).train(draft.training)
+    new.rotary.inv_freq = new.rotary.spec.inv_freq(device=draft.device)  # fp32, as load_draft keeps it
+    return new
 
 
 def _checkpoint_name(name: str) -> str | None:
@@ -978,4 +1075,5 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model = model.to_empty(device=device).to(dtype)
     model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
     load_state(model, path, rename=_checkpoint_name)
+    model.check_vocab(str(path / "model.safetensors"))
     return model.eval()

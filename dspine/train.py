@@ -92,6 +92,23 @@ def load_examples(path: str | Path, tokenizer=None, max_len: int = 1024, split: 
     return out
 
 
+def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` target ids a draft proposes from: the most frequent supervised (response) tokens of
+    ``examples``, filled up with the lowest ids not yet chosen (BPE ids roughly follow merge order, so low ids
+    are the tokenizer's most common pieces). Sorted ascending, as ``DSpineDraft.draft_vocab`` stores them.
+
+    A token outside the set can never be proposed (that slot is then a sure rejection), so ``size`` trades
+    coverage against the cost of the proposal head; ``bench_acceptance.py`` reports what it gives.
+    """
+    size = min(size, vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        counts += torch.bincount(ex.ids[ex.loss_mask], minlength=vocab_size)[:vocab_size]
+    # frequency first; ties (including every unseen id) broken by the lower id
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
 @dataclass
 class Capture:
     taps: torch.Tensor  # [T, n*H] target tap outputs (row j = position j)
@@ -104,7 +121,7 @@ def capture(target: Target, ids: torch.Tensor, tap_ids: Sequence[int], dtype: to
     ids = ids.to(target.device)[None]
     out = target.forward(ids, target.new_cache(1, ids.shape[1]), taps=tuple(tap_ids))
     dtype = dtype or target.dtype
-    return Capture(out.taps[0].to(dtype), out.hidden[0])
+    return Capture(out.taps[0].to(dtype), out.hidden[0].to(dtype))
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -191,25 +208,28 @@ def block_losses(
     """
     head = target.head_weight.detach()
     N, n, H = teacher_hidden.shape
-    # 2-D matmuls: a strided 3-D operand makes torch broadcast the [V, H] head into a bmm (10x slower on CPU)
-    logits = target.logits(out.hidden[:, 1:].reshape(N * n, H).to(head.dtype)).view(N, n, -1)  # [N, bs-1, V] fp32
+    # Both distributions live on the draft vocabulary (the whole vocabulary without one): the teacher is the
+    # target's distribution renormalised there, and CE is counted only where the label is in it.
+    logits = draft.head_logits(out.hidden[:, 1:], target)  # [N, bs-1, V'] fp32
     with torch.no_grad():
-        teacher = torch.softmax(target.logits(teacher_hidden.reshape(N * n, H).to(head.dtype)), dim=-1).view(N, n, -1)
+        teacher = torch.softmax(draft.head_logits(teacher_hidden, target), dim=-1)  # [N, bs-1, V']
     logp = torch.log_softmax(logits, dim=-1)
-    ce = -logp.gather(-1, labels[..., None])[..., 0]  # [N, bs-1]
+    label_idx, present = draft.vocab_index(labels)
+    ce = -logp.gather(-1, label_idx[..., None])[..., 0] * present  # [N, bs-1]
     l1 = (logp.exp() - teacher).abs().sum(-1)
     backbone = (w * ((ce_weight * ce) + (1 - ce_weight) * l1)).sum()
 
     # refinement: candidates from the detached backbone logits, predecessor = the true previous token
     k = min(draft.top_k, logits.shape[-1])
-    cand = logits.detach().topk(k, dim=-1).indices  # [N, bs-1, k]
+    cand_idx = logits.detach().topk(k, dim=-1).indices  # [N, bs-1, k] into the draft vocabulary
+    cand = draft.vocab_ids(cand_idx)  # target ids
     refined = draft.refine_train(out, true_tokens[:, :-1])  # [N, bs-1, H]
     scores = torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float()  # [N, bs-1, k]
     rlogp = torch.log_softmax(scores, dim=-1)
     hit = cand == labels[..., None]  # [N, bs-1, k]
     covered = hit.any(-1)
     rce = -(rlogp * hit).sum(-1)  # CE over candidates where the label is one of them
-    t_c = teacher.gather(-1, cand)  # [N, bs-1, k]
+    t_c = teacher.gather(-1, cand_idx)  # [N, bs-1, k]
     mass = t_c.sum(-1)
     rl1 = (rlogp.exp() - t_c / mass.clamp_min(1e-12)[..., None]).abs().sum(-1)
     refine = (w * (ce_weight * rce * covered + (1 - ce_weight) * rl1 * (mass > mass_threshold))).sum()
@@ -219,7 +239,7 @@ def block_losses(
     align = sum((w * (1 - F.cosine_similarity(f[:, 1:].float(), codes.float(), dim=-1))).sum() for f in out.post_feats)
 
     with torch.no_grad():
-        correct = (w * (logits.argmax(-1) == labels)).sum()
+        correct = (w * (draft.vocab_ids(logits.argmax(-1)) == labels)).sum()
         rcorrect = (w * (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels)).sum()
     return LossSums(backbone, refine, align, (w * ce).sum().detach(), w.sum(), correct, rcorrect)
 
@@ -250,6 +270,7 @@ class TrainConfig:
     time_budget_s: float | None = None  # stop (and save) after this many seconds of training
     save_every: int = 100
     log_every: int = 10
+    capture_dtype: str | None = None  # keep captures in this dtype ("bfloat16" halves their memory); None: the draft's
 
 
 def trainable_parameters(draft: DSpineDraft) -> list[torch.nn.Parameter]:
@@ -387,7 +408,8 @@ def train(
                 rng.shuffle(order)
             i = order.pop()
             if i not in captures:
-                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, draft.dtype)
+                cdt = getattr(torch, cfg.capture_dtype) if cfg.capture_dtype else draft.dtype
+                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, cdt)
             batch.append((examples[i], captures[i]))
         opt.zero_grad(set_to_none=True)
         stats = train_step(draft, target, batch, step, cfg, gen)

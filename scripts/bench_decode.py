@@ -126,7 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded", help="HF model dir, 'embedded' (SmolLM2) or 'random'")
     ap.add_argument("--draft", default="random", help="DSpine draft dir or 'random' (untrained, init_draft)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the draft's (16 for 'random')")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=100)
@@ -140,10 +140,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(_resolve_model(args.model, tmp))
     draft = (
-        init_draft(target, num_layers=5, block_size=args.block_size)
+        init_draft(target, num_layers=5, block_size=args.block_size or 16)
         if args.draft == "random"
         else load_draft(args.draft)
     )
+    args.block_size = args.block_size or draft.block_size
     report = {
         "model": args.model,
         "draft": args.draft,

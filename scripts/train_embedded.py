@@ -49,7 +49,7 @@ def stage_data(args, target, tok) -> None:
 
 
 def stage_train(args, target) -> None:
-    from dspine.train import TrainConfig, load_examples, train
+    from dspine.train import TrainConfig, choose_draft_vocab, load_examples, train
 
     work = Path(args.work)
     examples = load_examples(work / "train.jsonl")
@@ -65,6 +65,7 @@ def stage_train(args, target) -> None:
         warmup_ratio=args.warmup_ratio,
         replacement_probability=args.replacement_probability,
         alignment_warmup_steps=max(1, args.steps // 4),
+        capture_dtype=args.capture_dtype,
     )
     draft_overrides = dict(
         intermediate_size=args.intermediate_size, transfer_rank=args.transfer_rank, message_size=args.message_size,
@@ -76,6 +77,17 @@ def stage_train(args, target) -> None:
 
         draft = load_draft(args.init_draft)
         log(f"warm start from {args.init_draft}")
+    if args.draft_vocab:
+        vocab = choose_draft_vocab(examples, args.draft_vocab, target.vocab_size)
+        n_sup = sum(int(e.loss_mask.sum()) for e in examples)
+        inside = sum(int(torch.isin(e.ids[e.loss_mask], vocab).sum()) for e in examples)
+        log(f"draft vocabulary: {len(vocab)} ids cover {inside / n_sup:.4f} of {n_sup} training tokens")
+        if draft is None:
+            draft_overrides["draft_vocab"] = vocab
+        elif draft.draft_vocab is None:
+            from dspine.draft import with_draft_vocab
+
+            draft = with_draft_vocab(draft, vocab)
     train(target, examples, work / args.out_name, cfg, draft=draft, num_layers=args.layers,
           block_size=args.block_size, draft_overrides=draft_overrides, log=log)  # fmt: skip
 
@@ -118,6 +130,8 @@ def main() -> None:
     ap.add_argument("--warmup-ratio", type=float, default=0.04)
     ap.add_argument("--replacement-probability", type=float, default=0.5, help="0 for a warm-started stage")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=None, help="train: propose from the N most frequent tokens")
+    ap.add_argument("--capture-dtype", default=None, help="train: keep target captures in this dtype (bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     stages = set(args.stages.split(","))

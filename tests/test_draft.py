@@ -719,3 +719,67 @@ def test_lazy_walk_equals_transition_cache_walk():
     a, b = outs["cache"], outs["lazy"]
     assert _t.equal(a.tokens, b.tokens) and _t.equal(a.n_draft, b.n_draft)
     assert _t.allclose(a.q, b.q, atol=1e-5) and _t.allclose(a.confidence, b.confidence, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# draft vocabulary: the proposal head over a subset of the target's ids
+
+VOCAB = list(range(0, V, 3))  # 86 of 256 ids
+
+
+def test_draft_vocab_logits_are_the_full_logits_restricted(target):
+    full = make_draft(target)
+    sub = make_draft(target, draft_vocab=list(reversed(VOCAB)))  # any order in: stored sorted
+    assert sub.draft_vocab.tolist() == VOCAB and sub.config["dspine_config"]["draft_vocab_size"] == len(VOCAB)
+    cache, _ = fill_context(full, [5, 9])
+    cache2, _ = fill_context(sub, [5, 9])
+    anchor = torch.tensor([3, 7])
+    a, b = full.backbone(cache, anchor, target), sub.backbone(cache2, anchor, target)
+    assert b.logits.shape == (2, BS - 1, len(VOCAB))
+    torch.testing.assert_close(b.logits, a.logits[..., VOCAB])
+    p = greedy(sub, cache2, anchor, target)
+    assert set(p.tokens.flatten().tolist()) <= set(VOCAB)
+    ps = sub.propose(cache2, anchor, target, torch.ones(2), _gens([1, 2]))
+    assert set(ps.tokens.flatten().tolist()) <= set(VOCAB)
+    off = torch.ones(V, dtype=torch.bool)
+    off[VOCAB] = False
+    assert ps.q[..., off].abs().sum() == 0 and torch.allclose(ps.q.sum(-1), torch.ones(2, BS - 1))
+
+
+def test_draft_vocab_index_round_trip(target):
+    sub = make_draft(target, draft_vocab=VOCAB)
+    ids = torch.tensor([[0, 3, 4], [255, 6, 254]])
+    idx, present = sub.vocab_index(ids)
+    assert present.tolist() == [[True, True, False], [True, True, False]]
+    assert torch.equal(sub.vocab_ids(idx)[present], ids[present])
+
+
+def test_draft_vocab_save_load_and_bad_vocab(target, tmp_path):
+    sub = make_draft(target, draft_vocab=VOCAB)
+    sub.save(tmp_path)
+    back = load_draft(tmp_path)
+    assert torch.equal(back.draft_vocab, sub.draft_vocab)
+    back_bf16 = load_draft(tmp_path, dtype=torch.bfloat16)
+    assert back_bf16.draft_vocab.dtype == torch.long and torch.equal(back_bf16.draft_vocab, sub.draft_vocab)
+    for bad, msg in (([5, 3] + VOCAB[2:], "increasing"), (VOCAB[:-1] + [V + 4], "outside")):
+        _rewrite(tmp_path, lambda t, bad=bad: {**t, "draft_vocab": torch.tensor(bad)})
+        with pytest.raises(ModelLoadError, match=msg):
+            load_draft(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dspine_config"]["draft_vocab_size"] = 2  # < top_k
+    with pytest.raises(ModelLoadError, match="draft_vocab_size"):
+        parse_draft_config(cfg)
+
+
+def test_with_draft_vocab_keeps_every_weight(target):
+    from dspine.draft import with_draft_vocab
+
+    full = make_draft(target, confidence_trained=True)
+    sub = with_draft_vocab(full, VOCAB)
+    assert sub.draft_vocab.tolist() == VOCAB and sub.confidence_trained
+    for name, t in full.state_dict().items():
+        assert torch.equal(t, sub.state_dict()[name]), name
+    cache, _ = fill_context(full, [6])
+    cache2, _ = fill_context(sub, [6])
+    a, b = full.backbone(cache, torch.tensor([4]), target), sub.backbone(cache2, torch.tensor([4]), target)
+    torch.testing.assert_close(b.logits, a.logits[..., VOCAB])

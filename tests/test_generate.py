@@ -198,3 +198,33 @@ def test_dspine_draft_sampled_matches_target_distribution(small_vocab_target):
     exact = _exact_joint(small_vocab_target, prompt, 1.0)
     counts = _joint_counts(small_vocab_target, _random_dspine(small_vocab_target, 4, seed=2), prompt, 8000, 1.0)
     assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def _vocab_dspine(target, bs: int, seed: int, vocab: list[int]):
+    """``_random_dspine`` proposing from a subset of the target's ids (q is zero off the subset)."""
+    from dspine import init_draft
+
+    d = init_draft(target, num_layers=2, block_size=bs, seed=seed, intermediate_size=64, top_k=4, draft_vocab=vocab)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "injection" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return d
+
+
+def test_draft_vocab_greedy_equals_ar(target):
+    prompts = _prompts(4, target.vocab_size, seed=3)
+    ar = generate(target, None, prompts, max_new_tokens=20)
+    d = _vocab_dspine(target, 8, seed=1, vocab=list(range(0, target.vocab_size, 2)))
+    spec = generate(target, d, prompts, max_new_tokens=20)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+
+
+def test_draft_vocab_sampled_matches_target_distribution(small_vocab_target):
+    """Half the vocabulary can never be proposed: those tokens must still come out at the target's rate."""
+    prompt = [3, 1, 4, 1, 5]
+    exact = _exact_joint(small_vocab_target, prompt, 1.0)
+    d = _vocab_dspine(small_vocab_target, 4, seed=2, vocab=[0, 2, 5, 7, 8, 11, 13, 14])
+    counts = _joint_counts(small_vocab_target, d, prompt, 8000, 1.0)
+    assert _chi2_pvalue(counts, exact) > 1e-3

@@ -146,3 +146,29 @@ def test_chain_accept_index_and_replayssm_steps():
     # interval 256: row 1 goes 254 -> 258 (crosses at 256: state after step 256-254-1 = 1); row 2 255 -> 257
     last, track = dm.replayssm_step_indices(torch.tensor([10, 254, 255]), commit, 256)
     assert track.tolist() == [-1, 1, 0]
+
+
+@torch.no_grad()
+def test_draft_vocab_candidates_equal_reference_greedy(target):
+    """With a draft vocabulary the SGLang path takes candidates from head[vocab] and maps them back to ids."""
+    from test_draft import VOCAB
+
+    draft = make_draft(target, seed=4, draft_vocab=VOCAB)
+    cache, _ = fill_context(draft, [5, 12, 3])
+    anchor = torch.tensor([1, 2, 250])
+    B, bs, H = anchor.shape[0], draft.block_size, draft.hidden_size
+    ref = draft.propose(cache, anchor, target, torch.zeros(B), [None] * B)
+    tokens_in, layer_call = _sglang_style_block(draft, cache, anchor)
+    embeds = target.embed(tokens_in).reshape(-1, H)
+    anchor_pred = dm.anchor_predecessor(draft.injection, draft.transfer_codes, anchor)
+    packed = dm.block_forward(layer_call, len(draft.layers), embeds, bs, draft.injection, anchor_pred,
+                              draft.injection_offsets, draft.norm).view(B, bs, -1)[:, 1:]
+    normed, pre, feat = dm.unpack_hidden(packed, H)
+    rows = target.head_weight[draft.draft_vocab]
+    ids, _ = dm.vocab_candidates(normed.reshape(-1, H), rows, draft.draft_vocab, draft.top_k)
+    assert set(ids.flatten().tolist()) <= set(VOCAB)
+    cand = ids.view(B, bs - 1, -1)
+    scores = dm.transition_scores(draft.injection, draft.norm, len(draft.layers), pre, feat, cand, anchor,
+                                  draft.transfer_codes, target.head_weight)
+    tokens, _ = dm.walk(cand, scores, torch.zeros(B, bs - 1), torch.ones(B), torch.ones(B, dtype=torch.bool))
+    assert torch.equal(tokens, ref.tokens)

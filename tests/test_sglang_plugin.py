@@ -370,7 +370,7 @@ def test_engine_kwargs_from_the_seed_command_and_engine_args(tiny):
 # -- 6. the draft model's strict loader (on a CPU shell with SGLang's parameter layout) ---------------------------
 
 
-def _shell_model(tiny):
+def _shell_model(tiny, draft_dir=None):
     """A DSpineDraftModel without SGLang's runtime context: SGLang's DFlash parameter names (fused qkv_proj /
     gate_up_proj with shard loaders, the rest as in the checkpoint), our injection and buffers."""
     from safetensors import safe_open
@@ -379,7 +379,8 @@ def _shell_model(tiny):
     from dspine.draft import Injection, parse_draft_config
     from dspine.sglang.models.dspine_draft import DSpineDraftModel
 
-    cfg = json.loads((tiny.draft / "config.json").read_text())
+    draft_dir = draft_dir or tiny.draft
+    cfg = json.loads((draft_dir / "config.json").read_text())
     spec = parse_draft_config(cfg)
     m = DSpineDraftModel.__new__(DSpineDraftModel)
     nn.Module.__init__(m)
@@ -394,11 +395,11 @@ def _shell_model(tiny):
             mod = getattr(mod, name)
         mod.register_parameter(leaf, param)
 
-    with safe_open(str(tiny.draft / "model.safetensors"), "pt") as f:
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
         names = list(f.keys())
         shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
     for n in names:
-        if n.startswith(("injection.", "confidence_head.", "transfer_")):
+        if n.startswith(("injection.", "confidence_head.", "transfer_", "draft_vocab")):
             continue
         for part, fused in (("q_proj", "qkv_proj"), ("k_proj", None), ("v_proj", None),
                             ("gate_proj", "gate_up_proj"), ("up_proj", None)):
@@ -414,6 +415,12 @@ def _shell_model(tiny):
     m.injection = Injection(spec.hidden_size, spec.transfer_rank, spec.message_size, spec.num_layers)
     m.register_buffer("transfer_codes", torch.zeros(spec.vocab_size, spec.transfer_rank))
     m.register_buffer("transfer_ready", torch.tensor(False))
+    if spec.draft_vocab_size is not None:
+        m.register_buffer("draft_vocab", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+    else:
+        m.draft_vocab = None
+    m._head_rows = None
+    m.spec = spec
     m._expected = DSpineDraftModel._expected_names(cfg)
     return m, shards
 
@@ -453,6 +460,28 @@ def test_draft_loader_is_strict(tiny):
         m.load_weights(_weights(tiny, edit=lambda w: w.__setitem__("transfer_ready", torch.tensor(False))))
     m, _ = _shell_model(tiny)
     m.load_weights(_weights(tiny, add="lm_head.weight"))  # borrowed from the target: ignored
+
+
+def test_draft_vocab_is_loaded_and_used_for_candidates(tiny, tmp_path):
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from dspine.draft import load_draft, with_draft_vocab
+
+    vocab = torch.arange(0, 256, 5)
+    with_draft_vocab(load_draft(tiny.draft), vocab).save(tmp_path / "d")
+    m, _ = _shell_model(tiny, tmp_path / "d")
+    m.load_weights(list(load_file(str(tmp_path / "d" / "model.safetensors")).items()))
+    assert torch.equal(m.draft_vocab, vocab)
+    head = torch.randn(256, m.spec.hidden_size)
+    m.lm_head = SimpleNamespace(weight=head)
+    m.hidden_size = m.spec.hidden_size
+    m.candidate_selector = SimpleNamespace(top_k=4)
+    hidden = torch.randn(6, m.spec.hidden_size * 2 + m.spec.transfer_rank)
+    ids, vals = m.compute_candidates(hidden)
+    best = (hidden[:, : m.hidden_size] @ head.T)[:, vocab].topk(4, dim=-1)
+    assert torch.equal(ids, vocab[best.indices]) and torch.allclose(vals, best.values)
 
 
 # -- 7. the worker's seams in SGLang 0.5.23 (it cannot run without CUDA; its contract with DFlash can be checked) --

@@ -193,3 +193,39 @@ def test_cli_train_writes_loadable_draft(target_dir, tmp_path):
     assert d.block_size == 4 and len(d.layers) == 1 and d.transfer_rank == 16
     bad = CliRunner().invoke(main, ["train", str(target_dir), str(data), str(out), "--init", str(tmp_path / "nope")])
     assert bad.exit_code != 0 and "nope" in bad.output
+
+
+def test_choose_draft_vocab_frequency_then_low_ids():
+    from dspine.train import choose_draft_vocab
+
+    exs = [make_example([200, 201], [50, 50, 50, 60, 60, 70]), make_example([202], [60, 90])]
+    assert choose_draft_vocab(exs, 6, V).tolist() == [0, 1, 50, 60, 70, 90]  # every response id, then fill 0, 1
+    assert choose_draft_vocab(exs, 3, V).tolist() == [50, 60, 70]  # 50, 60 (3x each); 70 and 90 tie -> lower id
+    assert 200 not in choose_draft_vocab(exs, 8, V).tolist()  # prompt tokens are not counted
+
+
+def test_training_with_draft_vocab(target, tmp_path):
+    """The losses on a draft vocabulary: finite, falling, and labels outside it never reach the CE."""
+    from dspine.train import choose_draft_vocab
+
+    exs = [_sequence(seed=s) for s in range(2)]
+    vocab = choose_draft_vocab(exs, 64, V)
+    torch.manual_seed(0)
+    draft = init_draft(target, draft_vocab=vocab, **DRAFT_KW)
+    draft.train()
+    cfg = TrainConfig(steps=30, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
+    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in exs]
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        stats = train_step(draft, target, batch, step, cfg, gen)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(stats["backbone"] + stats["refine"])
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    draft.save(tmp_path)
+    assert torch.equal(load_draft(tmp_path).draft_vocab, vocab)

@@ -83,6 +83,14 @@ def candidates(normed: torch.Tensor, head_weight: torch.Tensor, top_k: int) -> t
     return ids, vals
 
 
+def vocab_candidates(normed: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor,
+                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over a draft vocabulary: head_rows [V', H] = head[vocab] -> (target ids [N, k], logits [N, k])."""
+    logits = (normed.to(head_rows.dtype) @ head_rows.T).float()
+    vals, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    return vocab.to(idx.device)[idx], vals
+
+
 def transition_scores(injection, norm, num_layers: int, pre: torch.Tensor, feat: torch.Tensor,
                       cand: torch.Tensor, anchor: torch.Tensor, codes: torch.Tensor,
                       head_weight: torch.Tensor) -> torch.Tensor:

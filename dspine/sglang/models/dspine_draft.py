@@ -87,6 +87,12 @@ class DSpineDraftModel(DFlashDraftModel):
         self.injection = Injection(spec.hidden_size, spec.transfer_rank, spec.message_size, spec.num_layers)
         self.register_buffer("transfer_codes", torch.zeros(spec.vocab_size, spec.transfer_rank))
         self.register_buffer("transfer_ready", torch.tensor(False))
+        # A draft vocabulary (dspine.draft.DSpineDraft.head): candidates come from these target ids only.
+        if spec.draft_vocab_size is not None:
+            self.register_buffer("draft_vocab", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
+        self._head_rows = None
         self.candidate_selector = DSpineSelector(self, spec.top_k)
         self.lm_head = None  # the target's; set by the worker
         self._expected = self._expected_names(cfg)
@@ -115,8 +121,13 @@ class DSpineDraftModel(DFlashDraftModel):
     def compute_candidates(self, hidden: torch.Tensor):
         """Top-k backbone candidates over the target head: packed hidden [N, 2H+r] -> ids, logits [N, k]."""
         normed = hidden[:, : self.hidden_size].contiguous()
-        ids, vals, _ = candidate_topk(normed, self.lm_head, self.candidate_selector.top_k)
-        return ids, vals.float()
+        if self.draft_vocab is None:
+            ids, vals, _ = candidate_topk(normed, self.lm_head, self.candidate_selector.top_k)
+            return ids, vals.float()
+        w = self.head_weight()
+        if self._head_rows is None or self._head_rows[0] != w.data_ptr():
+            self._head_rows = (w.data_ptr(), w.index_select(0, self.draft_vocab.to(w.device)))
+        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, self.candidate_selector.top_k)
 
     # -- forward -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -147,6 +158,8 @@ class DSpineDraftModel(DFlashDraftModel):
         ``embed_tokens.*``/``lm_head.*``/``confidence_head.*`` ignored, anything else unknown or missing fails."""
         params = dict(self.named_parameters())
         buffers = {"transfer_codes": self.transfer_codes, "transfer_ready": self.transfer_ready}
+        if self.draft_vocab is not None:
+            buffers["draft_vocab"] = self.draft_vocab
         seen: set[str] = set()
         unknown: list[str] = []
         for raw, tensor in weights:
