@@ -154,6 +154,18 @@ def alignment_beta(step: int, warmup: int, weight: float = 0.5) -> float:
     return weight if warmup <= 0 else weight * min(1.0, step / warmup)
 
 
+def schedule_step(step: int, total: int, elapsed_s: float, time_budget_s: float | None) -> int:
+    """The step the schedules (lr, replacement) use: ``step``, or further along when time runs out first.
+
+    A time-boxed CPU run rarely knows its step rate in advance (captures make the first epoch slower); pacing
+    the schedules by ``max(step / total, elapsed / budget)`` makes the cosine reach 0 when the run stops,
+    whichever limit ends it, instead of stopping at a high learning rate.
+    """
+    if time_budget_s is None or time_budget_s <= 0:
+        return step
+    return max(step, min(total, int(total * elapsed_s / time_budget_s)))
+
+
 def lr_factor(step: int, total: int, warmup: int) -> float:
     """Linear warmup then cosine to 0."""
     if step < warmup:
@@ -390,7 +402,6 @@ def train(
     params = trainable_parameters(draft)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps, warmup))
     captures: dict[int, Capture] = {}
     order: list[int] = []
     t0 = time.perf_counter()
@@ -412,13 +423,16 @@ def train(
                 captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, cdt)
             batch.append((examples[i], captures[i]))
         opt.zero_grad(set_to_none=True)
-        stats = train_step(draft, target, batch, step, cfg, gen)
+        sstep = schedule_step(step, cfg.steps, time.perf_counter() - t0, cfg.time_budget_s)
+        lr = cfg.lr * lr_factor(sstep, cfg.steps, warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        stats = train_step(draft, target, batch, sstep, cfg, gen)
         if not stats:
             continue
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        sched.step()
-        stats.update(step=step, lr=sched.get_last_lr()[0], grad_norm=float(gnorm), elapsed=time.perf_counter() - t0)
+        stats.update(step=step, lr=lr, grad_norm=float(gnorm), elapsed=time.perf_counter() - t0)
         history.append(stats)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))

@@ -17,9 +17,11 @@ from dspine.train import (
     alignment_beta,
     block_targets,
     capture,
+    lr_factor,
     make_example,
     replacement_probability,
     sample_anchors,
+    schedule_step,
     train,
     train_step,
 )
@@ -117,6 +119,14 @@ def test_schedules_match_formulas():
     assert alignment_beta(0, 146) == 0.0
     assert alignment_beta(73, 146) == pytest.approx(0.25)
     assert alignment_beta(146, 146) == alignment_beta(1000, 146) == 0.5
+
+
+def test_time_budget_paces_the_schedule():
+    assert schedule_step(10, 100, elapsed_s=5.0, time_budget_s=None) == 10
+    assert schedule_step(10, 100, elapsed_s=5.0, time_budget_s=100.0) == 10  # steps ahead of the clock
+    assert schedule_step(10, 100, elapsed_s=50.0, time_budget_s=100.0) == 50  # clock ahead of the steps
+    assert schedule_step(10, 100, elapsed_s=500.0, time_budget_s=100.0) == 100
+    assert lr_factor(schedule_step(10, 100, 99.9, 100.0), 100, 4) < 1e-3  # lr ~0 when the budget ends
 
 
 def test_anchors_respect_loss_mask():
