@@ -108,7 +108,7 @@ def init_draft_cmd(model: str, out: str, layers: int, block_size: int, seed: int
 @click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
 @click.option("--seed", default=0, show_default=True)
 @click.option(
-    "--time-budget", default=None, type=float, help="stop after this many seconds (saves first); the lr schedule ends then"
+    "--time-budget", default=None, type=float, help="stop after N seconds (saves first); the lr schedule ends then"
 )
 @click.option("--save-every", default=100, show_default=True, help="checkpoint every N steps")
 def train(
