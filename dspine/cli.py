@@ -170,6 +170,61 @@ def train(
     click.echo(out)
 
 
+@main.command("fit-confidence")
+@click.argument("model")
+@click.argument("data", type=click.Path(exists=True, dir_okay=False))
+@click.argument("draft_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", default=None, help="write the draft here (default: update DRAFT_DIR in place)")
+@click.option("--sequences", default=256, show_default=True, help="sequences to fit on (20% held out for the report)")
+@click.option("--anchors", default=32, show_default=True, help="blocks per sequence")
+@click.option("--greedy", is_flag=True, help="label = greedy acceptance (default: 1 - TV at T=1, design §5)")
+@click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
+@click.option("--seed", default=0, show_default=True)
+def fit_confidence_cmd(
+    model: str, data: str, draft_dir: str, out: str | None, sequences: int, anchors: int, greedy: bool,
+    max_len: int, seed: int,
+) -> None:  # fmt: skip
+    """Fit the confidence head of the draft in DRAFT_DIR (frozen backbone) on DATA, so decoding can stop
+    drafting early with ``dynamic_threshold`` (dspine-batch ``--dynamic-threshold``).
+
+    Example: ``dspine fit-confidence embedded out/train.jsonl out/draft --sequences 256``
+    """
+
+    import torch
+
+    from dspine import ModelLoadError, load_draft, load_target
+    from dspine.confidence import fit_confidence_on_examples
+    from dspine.train import load_examples
+
+    path = _target_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = load_target(path, device=device)
+        draft = load_draft(draft_dir, device=device)
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from dspine_batch.tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(path)
+    try:
+        examples = load_examples(data, tokenizer, max_len=max_len)
+    except (ValueError, KeyError) as e:
+        raise click.ClickException(f"{data}: {e}") from None
+    if not examples:
+        raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
+    try:
+        report = fit_confidence_on_examples(draft, target, examples, sequences, anchors_per_seq=anchors, seed=seed,
+                                            greedy=greedy, log=lambda s: click.echo(s, err=True))  # fmt: skip
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    dest = Path(out or draft_dir)
+    draft.save(dest)
+    (dest / "confidence.json").write_text(json.dumps(report, indent=2) + "\n")
+    click.echo(dest)
+
+
 @main.command()
 @click.argument("model")
 @click.option("--draft", default=None, help="DSpine draft dir (omit for plain decoding)")

@@ -19,10 +19,9 @@ One readable file; the model-side pieces live in ``draft.py`` (``train_forward``
    ``sum_l (1 - cos(f_l, code(y)))`` scaled by ``beta(step) * mean CE`` (detached) with beta ramping
    0 -> 0.5; and teacher-forced predecessor replacement with probability ``p(step)``.
 
-Not implemented (documented in the model card): gradient accumulation with an RNG-replayed pre-pass (one
-optimiser step = one batch here, so the mean CE comes from the same pass), bf16 autocast, and the
-confidence-head second stage (the shipped draft keeps ``confidence_trained = false``, so decoding never
-uses the head).
+The confidence head is a separate frozen-backbone stage (``confidence.py``). Not implemented (documented in
+the model card): gradient accumulation with an RNG-replayed pre-pass (one optimiser step = one batch here, so
+the mean CE comes from the same pass) and bf16 autocast.
 """
 
 from __future__ import annotations

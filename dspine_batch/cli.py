@@ -112,7 +112,9 @@ def cli() -> None:
 @opt("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
 @opt("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
 @opt("--limit", type=int, help="Only the first N input rows.")
-@opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE", help="Passed to the engine (repeatable).")
+@opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
+     help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
+          "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head).")
 @opt("--max-in-flight", type=int, default=64, show_default=True, help="Most requests open in the engine at once.")
 @opt("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @opt("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,

@@ -19,7 +19,7 @@ from .errors import FatalError, UsageError
 from .manifest import content_digest
 from .tokenizer import HFTokenizer
 
-ARGS = {"batch_size": int, "block_size": int, "threads": int}
+ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float}
 
 
 def _model_identity(path: Path) -> dict[str, Any]:
@@ -81,25 +81,30 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
-                 batch_size: int, block_size: int | None):
+                 batch_size: int, block_size: int | None, dynamic_threshold: float | None = None):
         self.target, self.draft, self.tok = target, draft, tokenizer
         self.model_path, self.draft_path = model_path, draft_path
         self.batch_size = batch_size
         self.block_size = block_size or (int(draft.block_size) if draft is not None else None)
+        # Confidence-based early stop of each proposal (lossless; needs a fitted confidence head, else ignored).
+        self.dynamic_threshold = dynamic_threshold if draft is not None and draft.confidence_enabled else None
         self._identity = {"engine": "reference", "model": _model_identity(model_path),
                           "draft": _model_identity(draft_path) if draft_path else None,
                           "block_size": self.block_size, "dtype": "float32"}
+        if self.dynamic_threshold is not None:
+            self._identity["dynamic_threshold"] = self.dynamic_threshold
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
-        opts: dict[str, int] = {}
+        opts: dict[str, Any] = {}
         for k, v in args.items():
             if k not in ARGS:
                 raise UsageError(f"--engine-arg {k}: unknown for the reference engine ({', '.join(ARGS)})")
             try:
                 opts[k] = ARGS[k](v)
             except ValueError as e:
-                raise UsageError(f"--engine-arg {k}={v}: expected an integer") from e
+                kind = "an integer" if ARGS[k] is int else "a number"
+                raise UsageError(f"--engine-arg {k}={v}: expected {kind}") from e
         import torch
 
         from dspine import load_draft, load_target
@@ -114,7 +119,8 @@ class ReferenceEngine:
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = HFTokenizer(model_path)
-        return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), opts.get("block_size"))
+        return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), opts.get("block_size"),
+                   opts.get("dynamic_threshold"))
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -164,7 +170,8 @@ class ReferenceEngine:
                             temperature=[r.params.temperature for r in batch], top_p=[r.params.top_p for r in batch],
                             top_k=[r.params.top_k for r in batch], seed=[r.params.seed for r in batch],
                             stop_token_ids=[list(r.params.stop_token_ids) for r in batch],
-                            block_size=self.block_size if self.draft is not None else None)
+                            block_size=self.block_size if self.draft is not None else None,
+                            dynamic_threshold=self.dynamic_threshold)
         except ValueError as e:
             if len(batch) == 1:
                 return [Result(batch[0].key, batch[0].sample_index, prompt_tokens=len(batch[0].prompt_ids),

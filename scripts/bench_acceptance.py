@@ -8,11 +8,13 @@ HumanEval code, gsm_symbolic math; never used in training):
    verify rounds). The bonus/correction token counts; the prefill token does not. Batched (``--batch``).
 2. **Speedup**: the same prompts decoded plainly and speculatively, alternating, at concurrency 1 (one
    request at a time) and concurrency C (one batch of C); end-to-end tokens/s including prefill. The
-   greedy outputs of both are compared token for token (lossless check).
+   greedy outputs of both are compared token for token (lossless check). ``--variants`` times several
+   speculative settings (block size, confidence threshold) against the same plain runs, interleaved per batch.
 
 Example::
 
     python scripts/bench_acceptance.py --eval out/embedded/eval.jsonl --max-new-tokens 96 --json out/bench.json
+    python scripts/bench_acceptance.py --skip-tau --variants 8 4 8@0.3 --speed-prompts 8 --concurrency 8
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ def ms(times: list[float]) -> float | None:
     return round(1000 * statistics.mean(times), 2) if times else None
 
 
+def _variant(text: str) -> tuple[int, float | None]:
+    """"8" -> (8, None); "8@0.3" -> (8, 0.3)."""
+    bs, _, thr = text.partition("@")
+    return int(bs), (float(thr) if thr else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default=None, help="draft dir (default: the shipped embedded draft)")
@@ -99,6 +107,12 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--batch", type=int, default=16, help="batch size of the τ runs")
     ap.add_argument("--block-size", type=int, default=None, help="verify block (default: the draft's)")
+    ap.add_argument("--dynamic-threshold", type=float, default=None, help="confidence stop (needs a fitted head)")
+    ap.add_argument(
+        "--variants", nargs="*", default=None, metavar="BS[@THRESHOLD]",
+        help="speed runs: speculative settings timed against the same plain runs, e.g. 8 4 8@0.3 (default: one, "
+        "from --block-size/--dynamic-threshold)",
+    )  # fmt: skip
     ap.add_argument("--speed-prompts", type=int, default=8, help="prompts in the speedup runs (mixed datasets)")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--skip-tau", action="store_true")
@@ -118,7 +132,10 @@ def main() -> None:
     prompts = load_prompts(args.eval, args.per_dataset, model_dir)
     stop = [2]  # <|im_end|>
     M = args.max_new_tokens
-    res: dict = {"block_size": bs, "max_new_tokens": M, "threads": args.threads, "draft": str(args.draft or "shipped")}
+    thr = args.dynamic_threshold
+    res: dict = {"block_size": bs, "dynamic_threshold": thr, "max_new_tokens": M, "threads": args.threads,
+                 "draft": str(args.draft or "shipped"), "confidence_trained": draft.confidence_enabled}  # fmt: skip
+    variants = [_variant(v) for v in args.variants] if args.variants else [(bs, thr)]
 
     if not args.skip_tau:
         res["tau"] = {}
@@ -129,7 +146,7 @@ def main() -> None:
                 for i in range(0, len(ps), args.batch):
                     outs += generate(target, draft, ps[i : i + args.batch], max_new_tokens=M, temperature=temp,
                                      seed=list(range(i, i + len(ps[i : i + args.batch]))), stop_token_ids=stop,
-                                     block_size=bs)  # fmt: skip
+                                     block_size=bs, dynamic_threshold=thr)  # fmt: skip
                 per[ds] = tau(outs)
                 print(json.dumps({"tau": name, "dataset": ds, **per[ds]}), flush=True)
             res["tau"][name] = per
@@ -139,41 +156,48 @@ def main() -> None:
         res["speed"] = {}
         for c in (1, args.concurrency):
             batches = [mixed[i : i + c] for i in range(0, len(mixed), c)]
-            t_ar = t_sp = 0.0
-            n_ar = n_sp = 0
-            same = True
-            ar_steps, verify_steps, draft_steps, sp_all = [], [], [], []
-            for b in batches:  # alternate plain and speculative per batch so load drift hits both alike
+            t_ar, n_ar, ar_steps = 0.0, 0, []
+            runs = {v: {"t": 0.0, "n": 0, "same": True, "verify": [], "draft": [], "outs": []} for v in variants}
+            for b in batches:  # alternate plain and speculative per batch so load drift hits all alike
                 clock = Clock(target, "forward")
                 ar, dt = timed(lambda b=b: generate(target, None, b, max_new_tokens=M, stop_token_ids=stop))
                 ar_steps += clock.close()[1:]  # [0] is the prefill
                 t_ar += dt
                 n_ar += sum(len(o.token_ids) for o in ar)
-                clock, dclock = Clock(target, "forward"), Clock(draft, "propose")
-                sp, dt = timed(
-                    lambda b=b: generate(target, draft, b, max_new_tokens=M, stop_token_ids=stop, block_size=bs)
-                )
-                verify_steps += clock.close()[1:]
-                sp_all += sp
-                draft_steps += dclock.close()
-                t_sp += dt
-                n_sp += sum(len(o.token_ids) for o in sp)
-                same &= all(a.token_ids == s.token_ids for a, s in zip(ar, sp))
-            r = {
-                "prompts": len(mixed),
-                "plain_tok_s": round(n_ar / t_ar, 2),
-                "spec_tok_s": round(n_sp / t_sp, 2),
-                "speedup": round((n_sp / t_sp) / (n_ar / t_ar), 3),
-                "plain_s": round(t_ar, 1),
-                "spec_s": round(t_sp, 1),
-                "greedy_outputs_identical": same,
-                "tau_micro": tau(sp_all)["tau_micro"],
-                "ms_plain_step": ms(ar_steps),  # one target forward of 1 token per row
-                "ms_verify": ms(verify_steps),  # one target forward of bs tokens per row
-                "ms_draft_propose": ms(draft_steps),  # backbone + transition cache + walk
-            }
-            res["speed"][f"concurrency{c}"] = r
-            print(json.dumps({"speed": f"concurrency{c}", **r}), flush=True)
+                for (vbs, vthr), run in runs.items():
+                    clock, dclock = Clock(target, "forward"), Clock(draft, "propose")
+                    sp, dt = timed(lambda b=b, vbs=vbs, vthr=vthr: generate(
+                        target, draft, b, max_new_tokens=M, stop_token_ids=stop, block_size=vbs,
+                        dynamic_threshold=vthr))  # fmt: skip
+                    run["verify"] += clock.close()[1:]
+                    run["draft"] += dclock.close()
+                    run["outs"] += sp
+                    run["t"] += dt
+                    run["n"] += sum(len(o.token_ids) for o in sp)
+                    run["same"] &= all(a.token_ids == s.token_ids for a, s in zip(ar, sp))
+            res["speed"][f"concurrency{c}"] = per_c = {}
+            for (vbs, vthr), run in runs.items():
+                outs = run["outs"]
+                proposed = sum(o.stats.draft_tokens_proposed for o in outs)
+                rounds = sum(o.stats.verify_steps for o in outs)
+                r = {
+                    "block_size": vbs,
+                    "dynamic_threshold": vthr,
+                    "prompts": len(mixed),
+                    "plain_tok_s": round(n_ar / t_ar, 2),
+                    "spec_tok_s": round(run["n"] / run["t"], 2),
+                    "speedup": round((run["n"] / run["t"]) / (n_ar / t_ar), 3),
+                    "plain_s": round(t_ar, 1),
+                    "spec_s": round(run["t"], 1),
+                    "greedy_outputs_identical": run["same"],
+                    "tau_micro": tau(outs)["tau_micro"],
+                    "drafts_per_round": round(proposed / max(1, rounds), 3),
+                    "ms_plain_step": ms(ar_steps),  # one target forward of 1 token per row
+                    "ms_verify": ms(run["verify"]),  # one target forward of up to bs tokens per row
+                    "ms_draft_propose": ms(run["draft"]),  # backbone + walk
+                }
+                per_c[f"bs{vbs}" + (f"@{vthr}" if vthr is not None else "")] = r
+                print(json.dumps({"speed": f"concurrency{c}", **r}), flush=True)
 
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ Stages (run all by default, or pick with ``--stages``):
   template) into ``WORK/train.jsonl`` and ``WORK/eval.jsonl``; resumable.
 - ``train``: ``dspine.train.train`` on ``WORK/train.jsonl`` -> ``WORK/draft`` (checkpoints every
   ``--save-every`` steps, so a time-boxed run still leaves a usable draft).
+- ``confidence``: fit the draft's confidence head (frozen backbone, ``dspine.confidence``) on a sample of
+  ``WORK/train.jsonl``, in place; writes ``confidence.json`` beside the weights.
 - ``ship``: copy the draft to ``dspine/assets/smollm2-dspine`` in bf16 (fits the 50 MB budget).
 - ``eval``: ``bench_acceptance.py`` on the held-out split (τ greedy/T=1, speedup at concurrency 1 and 8).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -92,11 +95,30 @@ def stage_train(args, target) -> None:
           block_size=args.block_size, draft_overrides=draft_overrides, log=log)  # fmt: skip
 
 
+def stage_confidence(args, target) -> None:
+    from dspine.confidence import fit_confidence_on_examples
+    from dspine.draft import load_draft
+    from dspine.train import load_examples
+
+    src = Path(args.draft_dir or Path(args.work) / args.out_name)
+    draft = load_draft(src)
+    examples = load_examples(Path(args.work) / "train.jsonl")
+    report = fit_confidence_on_examples(draft, target, examples, args.confidence_sequences,
+                                        anchors_per_seq=args.anchors, seed=args.seed, log=log)  # fmt: skip
+    draft.save(src)
+    (src / "confidence.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(f"confidence head fitted: {src}")
+
+
 def stage_ship(args) -> None:
     from dspine.draft import load_draft
 
-    d = load_draft(Path(args.draft_dir or Path(args.work) / "draft")).to(torch.bfloat16)
+    src = Path(args.draft_dir or Path(args.work) / args.out_name)
+    d = load_draft(src).to(torch.bfloat16)
     d.save(ASSET)
+    for name in ("training.json", "confidence.json"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, ASSET / name)
     size = sum(f.stat().st_size for f in ASSET.glob("*.safetensors"))
     log(f"shipped {ASSET} ({size / 1e6:.1f} MB)")
 
@@ -104,7 +126,7 @@ def stage_ship(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="out/embedded")
-    ap.add_argument("--stages", default="data,train,ship,eval")
+    ap.add_argument("--stages", default="data,train,confidence,ship,eval")
     ap.add_argument("--n-chat", type=int, default=160)
     ap.add_argument("--n-code", type=int, default=120)
     ap.add_argument("--n-math", type=int, default=120)
@@ -131,6 +153,7 @@ def main() -> None:
     ap.add_argument("--replacement-probability", type=float, default=0.5, help="0 for a warm-started stage")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-vocab", type=int, default=None, help="train: propose from the N most frequent tokens")
+    ap.add_argument("--confidence-sequences", type=int, default=256, help="confidence: sequences to fit on")
     ap.add_argument("--capture-dtype", default=None, help="train: keep target captures in this dtype (bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -140,11 +163,13 @@ def main() -> None:
     from dspine.embedded import embedded_target_path
 
     path = embedded_target_path()
-    target = load_target(path) if stages & {"data", "train"} else None
+    target = load_target(path) if stages & {"data", "train", "confidence"} else None
     if "data" in stages:
         stage_data(args, target, ed.load_tokenizer(path))
     if "train" in stages:
         stage_train(args, target)
+    if "confidence" in stages:
+        stage_confidence(args, target)
     if "ship" in stages:
         stage_ship(args)
     if "eval" in stages:

@@ -119,6 +119,32 @@ def test_engine_matches_dspine_generate_and_reports_stats(tiny):
     assert all(r.verify_steps is None and r.accept_length is None for r in plain)
 
 
+def test_dynamic_threshold_engine_arg(tiny, tmp_path):
+    """``--engine-arg dynamic_threshold=X`` stops proposals early with a fitted confidence head (same greedy
+    output, fewer drafts); without a fitted head it is ignored; a non-number is a usage error."""
+    import torch
+
+    from dspine import load_draft
+    from dspine_batch.errors import UsageError
+
+    model, draft_dir = tiny
+    d = load_draft(draft_dir)
+    with torch.no_grad():
+        d.confidence_head.proj.weight.zero_()
+        d.confidence_head.proj.bias.fill_(-2.0)  # c = 0.12 everywhere: below 0.5, so every proposal stops at 0
+    d.confidence_trained = True
+    d.save(tmp_path / "fitted")
+    reqs = _requests(_engine(tiny))
+    full = list(_engine(tiny).run(iter(reqs), 8))
+    cut = list(_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5").run(iter(reqs), 8))
+    assert [r.token_ids for r in cut] == [r.token_ids for r in full]
+    assert all(r.draft_tokens_proposed == 0 for r in cut) and all(r.draft_tokens_proposed > 0 for r in full)
+    unfitted = _engine(tiny, dynamic_threshold="0.5")
+    assert unfitted.dynamic_threshold is None and "dynamic_threshold" not in unfitted.identity()
+    with pytest.raises(UsageError, match="expected a number"):
+        _engine(tiny, dynamic_threshold="high")
+
+
 def test_per_request_sampling_and_bounded_batches(tiny):
     eng = _engine(tiny, draft=False, batch_size="2")
     reqs = _requests(eng, n=3, temperature=1.0, seed=3)
