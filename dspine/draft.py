@@ -1077,3 +1077,38 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     load_state(model, path, rename=_checkpoint_name)
     model.check_vocab(str(path / "model.safetensors"))
     return model.eval()
+
+
+DECODE_DEFAULTS = "decode.json"
+
+
+def read_decode_defaults(path: str | Path) -> dict:
+    """Measured decode settings shipped beside a draft (``decode.json``): ``block_size`` and/or
+    ``dynamic_threshold``, used by engines when the user sets none. Absent file: ``{}``.
+
+    They live outside ``config.json`` because they describe the hardware the draft was measured on (a CPU
+    wants shorter verify blocks than a GPU), not the model; ``BENCHMARKS.md`` holds the measurements.
+    """
+    f = Path(path) / DECODE_DEFAULTS
+    if not f.is_file():
+        return {}
+    try:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{f}: expected a JSON object")
+    out: dict = {}
+    for key, value in raw.items():
+        if key.startswith("_"):  # comments / provenance
+            continue
+        if key == "block_size":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+                raise ModelLoadError(f"{f}: block_size must be an integer >= 2, got {value!r}")
+        elif key == "dynamic_threshold":
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                raise ModelLoadError(f"{f}: dynamic_threshold must be a number in [0, 1], got {value!r}")
+        else:
+            raise ModelLoadError(f"{f}: unknown key {key!r} (block_size, dynamic_threshold)")
+        out[key] = value
+    return out

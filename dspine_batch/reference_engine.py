@@ -108,6 +108,7 @@ class ReferenceEngine:
         import torch
 
         from dspine import load_draft, load_target
+        from dspine.draft import read_decode_defaults
 
         if "threads" in opts:
             torch.set_num_threads(opts["threads"])
@@ -116,11 +117,16 @@ class ReferenceEngine:
         try:
             target = load_target(model_path, dtype=torch.float32, device="cpu")
             drafter = load_draft(draft_path) if draft_path else None
+            defaults = read_decode_defaults(draft_path) if draft_path else {}
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = HFTokenizer(model_path)
-        return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), opts.get("block_size"),
-                   opts.get("dynamic_threshold"))
+        # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
+        block_size = opts.get("block_size", defaults.get("block_size"))
+        if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
+            raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
+        return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
+                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")))
 
     def identity(self) -> dict[str, Any]:
         return self._identity

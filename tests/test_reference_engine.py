@@ -145,6 +145,31 @@ def test_dynamic_threshold_engine_arg(tiny, tmp_path):
         _engine(tiny, dynamic_threshold="high")
 
 
+def test_decode_json_defaults_and_overrides(tiny, tmp_path):
+    """A draft's decode.json sets block_size/dynamic_threshold unless --engine-arg does; bad values are usage
+    errors naming the file."""
+    import json
+    import shutil
+
+    from dspine_batch.errors import UsageError
+
+    model, draft_dir = tiny
+    d = tmp_path / "draft"
+    shutil.copytree(draft_dir, d)
+    (d / "decode.json").write_text(json.dumps({"_measured": "BENCHMARKS.md", "block_size": 3}))
+    assert _engine((model, d)).block_size == 3
+    assert _engine((model, d), block_size="4").block_size == 4
+    assert _engine((model, d)).identity()["block_size"] == 3
+    with pytest.raises(UsageError, match="supports 2..4"):
+        _engine((model, d), block_size="9")
+    (d / "decode.json").write_text(json.dumps({"block_size": "eight"}))
+    with pytest.raises(UsageError, match=r"decode\.json: block_size must be an integer"):
+        _engine((model, d))
+    (d / "decode.json").write_text(json.dumps({"speed": 1}))
+    with pytest.raises(UsageError, match="unknown key 'speed'"):
+        _engine((model, d))
+
+
 def test_per_request_sampling_and_bounded_batches(tiny):
     eng = _engine(tiny, draft=False, batch_size="2")
     reqs = _requests(eng, n=3, temperature=1.0, seed=3)
