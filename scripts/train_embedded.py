@@ -116,9 +116,11 @@ def stage_ship(args) -> None:
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
     d = load_draft(src).to(torch.bfloat16)
     d.save(ASSET)
-    for name in ("training.json", "confidence.json"):
+    # training records of earlier stages stay: this run's goes in as training_<out-name>.json
+    record = "training.json" if args.out_name == "draft" else f"training_{args.out_name}.json"
+    for name, dest in (("training.json", record), ("confidence.json", "confidence.json")):
         if (src / name).is_file():
-            shutil.copyfile(src / name, ASSET / name)
+            shutil.copyfile(src / name, ASSET / dest)
     size = sum(f.stat().st_size for f in ASSET.glob("*.safetensors"))
     log(f"shipped {ASSET} ({size / 1e6:.1f} MB)")
 
