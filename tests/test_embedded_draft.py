@@ -24,7 +24,9 @@ def test_shipped_draft_config_is_valid_and_small():
     assert spec.hidden_size == SMOLLM2["hidden_size"] and spec.vocab_size == SMOLLM2["vocab_size"]
     assert spec.num_target_layers == SMOLLM2["num_target_layers"]
     assert all(0 <= i < 30 for i in spec.target_layer_ids)
-    assert spec.confidence_trained is False  # the head is not trained: decoding must not use it
+    assert spec.draft_vocab_size == 8192  # proposes from the 8,192 most frequent response tokens
+    if spec.confidence_trained:  # fitted by `dspine fit-confidence`; its report ships beside the weights
+        assert (path / "confidence.json").is_file()
     assert (path / "model.safetensors").stat().st_size <= 50 * 1024 * 1024
     assert (path / "README.md").is_file()
 
@@ -66,3 +68,6 @@ def test_greedy_with_shipped_draft_equals_plain_greedy(smollm2):
     for p, s in zip(plain, spec):
         assert s.token_ids == p.token_ids
         assert s.stats.verify_steps >= 1
+    if draft.confidence_enabled:  # early-stopped proposals are still lossless
+        cut = generate(smollm2, draft, prompts, max_new_tokens=16, stop_token_ids=[2], dynamic_threshold=0.35)
+        assert [c.token_ids for c in cut] == [p.token_ids for p in plain]
