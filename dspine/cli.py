@@ -86,6 +86,35 @@ def init_draft_cmd(model: str, out: str, layers: int, block_size: int, seed: int
     click.echo(out)
 
 
+def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None):
+    """Target (CUDA when available), the draft in ``draft_dir`` (or None) and DATA's examples, for ``train``
+    and ``fit-confidence``; load and data errors become one-line click errors."""
+    import torch
+
+    from dspine import ModelLoadError, load_draft, load_target
+    from dspine.train import load_examples
+
+    path = _target_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        target = load_target(path, device=device)
+        draft = load_draft(draft_dir, device=device) if draft_dir else None
+    except ModelLoadError as e:
+        raise click.ClickException(str(e)) from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from dspine_batch.tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(path)
+    try:
+        examples = load_examples(data, tokenizer, max_len=max_len)
+    except (ValueError, KeyError) as e:
+        raise click.ClickException(f"{data}: {e}") from None
+    if not examples:
+        raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
+    return target, draft, examples
+
+
 @main.command()
 @click.argument("model")
 @click.argument("data", type=click.Path(exists=True, dir_okay=False))
@@ -136,30 +165,10 @@ def train(
     ``prompt``/``response`` text rendered with MODEL's chat template. Responses should be the target's own
     (regenerated) outputs, see design §5. Runs on CUDA when available, else CPU.
     """
-    import torch
-
-    from dspine import ModelLoadError, load_draft, load_target
-    from dspine.train import TrainConfig, choose_draft_vocab, load_examples
+    from dspine.train import TrainConfig, choose_draft_vocab
     from dspine.train import train as run_training
 
-    path = _target_path(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        target = load_target(path, device=device)
-        draft = load_draft(init_from, device=device) if init_from else None
-    except ModelLoadError as e:
-        raise click.ClickException(str(e)) from None
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from dspine_batch.tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer(path)
-    try:
-        examples = load_examples(data, tokenizer, max_len=max_len)
-    except (ValueError, KeyError) as e:
-        raise click.ClickException(f"{data}: {e}") from None
-    if not examples:
-        raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
+    target, draft, examples = _training_inputs(model, data, max_len, init_from)
     overrides = {k: v for k, v in (("intermediate_size", intermediate_size), ("transfer_rank", transfer_rank)) if v}
     if draft_vocab and draft is None:
         overrides["draft_vocab"] = choose_draft_vocab(examples, draft_vocab, target.vocab_size)
@@ -185,35 +194,13 @@ def fit_confidence_cmd(
     max_len: int, seed: int,
 ) -> None:  # fmt: skip
     """Fit the confidence head of the draft in DRAFT_DIR (frozen backbone) on DATA, so decoding can stop
-    drafting early with ``dynamic_threshold`` (dspine-batch ``--dynamic-threshold``).
+    drafting early with ``dynamic_threshold`` (dspine-batch ``--engine-arg dynamic_threshold=X``).
 
     Example: ``dspine fit-confidence embedded out/train.jsonl out/draft --sequences 256``
     """
-
-    import torch
-
-    from dspine import ModelLoadError, load_draft, load_target
     from dspine.confidence import fit_confidence_on_examples
-    from dspine.train import load_examples
 
-    path = _target_path(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        target = load_target(path, device=device)
-        draft = load_draft(draft_dir, device=device)
-    except ModelLoadError as e:
-        raise click.ClickException(str(e)) from None
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from dspine_batch.tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer(path)
-    try:
-        examples = load_examples(data, tokenizer, max_len=max_len)
-    except (ValueError, KeyError) as e:
-        raise click.ClickException(f"{data}: {e}") from None
-    if not examples:
-        raise click.ClickException(f"{data}: no usable examples (need >= 2 response tokens)")
+    target, draft, examples = _training_inputs(model, data, max_len, draft_dir)
     try:
         report = fit_confidence_on_examples(draft, target, examples, sequences, anchors_per_seq=anchors, seed=seed,
                                             greedy=greedy, log=lambda s: click.echo(s, err=True))  # fmt: skip

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .draft import DSpineDraft
 from .target import Target
-from .train import Capture, Example, block_targets, sample_anchors
+from .train import Capture, Example, block_targets, capture, sample_anchors
 
 
 @dataclass
@@ -52,6 +52,7 @@ def confidence_data(
     gen = torch.Generator().manual_seed(seed)
     bs = draft.block_size
     head = target.head_weight
+    dev = draft.device
     parts: list[tuple[torch.Tensor, ...]] = []
     for ex, cap in batch:
         anchors = sample_anchors(ex.loss_mask, anchors_per_seq, gen)
@@ -62,7 +63,6 @@ def confidence_data(
         true_tokens = ex.ids[idx]  # [N, bs]
         block = torch.full_like(true_tokens, draft.mask_token_id)
         block[:, 0] = true_tokens[:, 0]
-        dev = draft.device
         anchors, true_tokens, block, w = (t.to(dev) for t in (anchors, true_tokens, block, w))
         out = draft.train_forward(cap.taps, anchors, block, target)
         logits = draft.head_logits(out.hidden[:, 1:], target)  # [N, n, V']
@@ -85,10 +85,6 @@ def confidence_data(
     if not parts:
         raise ValueError("no supervised slots in the confidence data")
     return ConfidenceData(*(torch.cat(t) for t in zip(*parts)))
-
-
-def _features(draft: DSpineDraft, data: ConfidenceData) -> torch.Tensor:
-    return torch.cat([data.refined, data.code], dim=-1)
 
 
 def confidence_report(draft: DSpineDraft, data: ConfidenceData) -> dict:
@@ -122,7 +118,7 @@ def fit_confidence(
     if draft.confidence_head is None:
         raise ValueError("this draft has no confidence head (use_confidence_head is false)")
     head = draft.confidence_head.proj
-    x = _features(draft, train_data)
+    x = torch.cat([train_data.refined, train_data.code], dim=-1)  # the head's input [h~ ; code]
     y = train_data.y
     w = torch.zeros(x.shape[1], dtype=torch.float32, requires_grad=True)
     m = float(y.mean().clamp(1e-4, 1 - 1e-4))
@@ -161,8 +157,6 @@ def fit_confidence_on_examples(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Capture up to ``sequences`` examples (a seeded sample), hold ``eval_fraction`` out, fit, report."""
-    from .train import capture
-
     rng = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(examples), generator=rng)[:sequences].tolist()
     n_eval = int(round(eval_fraction * len(order))) if len(order) > 1 else 0

@@ -103,9 +103,9 @@ def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int) 
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ex in examples:
         counts += torch.bincount(ex.ids[ex.loss_mask], minlength=vocab_size)[:vocab_size]
-    # frequency first; ties (including every unseen id) broken by the lower id
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+    # frequency first; ties (including every unseen id) broken by the lower id (a stable sort keeps id order)
+    order = torch.argsort(-counts, stable=True)
+    return order[:size].sort().values
 
 
 @dataclass
@@ -402,6 +402,7 @@ def train(
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
     captures: dict[int, Capture] = {}
+    capture_dtype = getattr(torch, cfg.capture_dtype) if cfg.capture_dtype else draft.dtype
     order: list[int] = []
     t0 = time.perf_counter()
     meta = {"config": asdict(cfg), "examples": len(examples), "tokens": int(sum(len(e.ids) for e in examples))}
@@ -418,8 +419,7 @@ def train(
                 rng.shuffle(order)
             i = order.pop()
             if i not in captures:
-                cdt = getattr(torch, cfg.capture_dtype) if cfg.capture_dtype else draft.dtype
-                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, cdt)
+                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, capture_dtype)
             batch.append((examples[i], captures[i]))
         opt.zero_grad(set_to_none=True)
         sstep = schedule_step(step, cfg.steps, time.perf_counter() - t0, cfg.time_budget_s)

@@ -14,42 +14,17 @@ from dspine.draft import init_draft, load_draft
 from dspine.target import load_target
 from dspine.train import capture, make_example
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+import test_train as tt  # noqa: E402  (its tiny peaky Qwen3 target and draft shape)
 
-V, H, BS = 256, 64, 6
-DRAFT_KW = dict(num_layers=2, block_size=BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
+BS, DRAFT_KW, H, V = tt.BS, tt.DRAFT_KW, tt.H, tt.V
+target_dir, target = tt.target_dir, tt.target  # the same module-scoped fixtures, one instance per module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=V, max_position_embeddings=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("qwen3")
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    t = load_target(target_dir)
-    with torch.no_grad():
-        t.embed_tokens.weight.mul_(8.0)  # peaky target distributions, so acceptance varies across slots
-    return t
-
-
-@torch.no_grad()
 def _random_draft(target, seed: int = 1):
-    d = init_draft(target, **DRAFT_KW, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    for name, p in d.named_parameters():
-        if p.dim() == 2 and not name.startswith("confidence_head"):
-            p.normal_(0.0, 0.08, generator=g)
-    return d.eval()
+    return tt.randomize(init_draft(target, **DRAFT_KW, seed=seed), seed).eval()
 
 
 def _greedy_example(target, prompt_len: int = 8, n: int = 40, seed: int = 0):

@@ -115,6 +115,26 @@ def test_walk_matches_reference_proposal(target, temps):
     assert tokens.shape == (B, n)
 
 
+def _sglang_block_hidden(draft, target, cache, anchor):
+    """The plugin's block forward for ``anchor`` [B]: (normed, pre, feat) of slots 1..bs-1."""
+    B, bs, H = anchor.shape[0], draft.block_size, draft.hidden_size
+    tokens_in, layer_call = _sglang_style_block(draft, cache, anchor)
+    embeds = target.embed(tokens_in).reshape(-1, H)
+    anchor_pred = dm.anchor_predecessor(draft.injection, draft.transfer_codes, anchor)
+    packed = dm.block_forward(layer_call, len(draft.layers), embeds, bs, draft.injection, anchor_pred,
+                              draft.injection_offsets, draft.norm).view(B, bs, -1)[:, 1:]
+    return dm.unpack_hidden(packed, H)
+
+
+def _sglang_greedy_walk(draft, target, pre, feat, cand, anchor):
+    """The plugin's transition scores and greedy walk over candidates ``cand`` [B, bs-1, k] -> tokens."""
+    B, n = cand.shape[:2]
+    scores = dm.transition_scores(draft.injection, draft.norm, len(draft.layers), pre, feat, cand, anchor,
+                                  draft.transfer_codes, target.head_weight)
+    tokens, _ = dm.walk(cand, scores, torch.zeros(B, n), torch.ones(B), torch.ones(B, dtype=torch.bool))
+    return tokens
+
+
 @torch.no_grad()
 def test_full_sglang_style_proposal_equals_reference_greedy(target):
     """block_forward -> candidates -> transition_scores -> walk reproduces DSpineDraft.propose (greedy)."""
@@ -123,18 +143,9 @@ def test_full_sglang_style_proposal_equals_reference_greedy(target):
     anchor = torch.tensor([1, 2, 254, 100])
     B, bs, H = anchor.shape[0], draft.block_size, draft.hidden_size
     ref = draft.propose(cache, anchor, target, torch.zeros(B), [None] * B)
-    tokens_in, layer_call = _sglang_style_block(draft, cache, anchor)
-    embeds = target.embed(tokens_in).reshape(-1, H)
-    anchor_pred = dm.anchor_predecessor(draft.injection, draft.transfer_codes, anchor)
-    packed = dm.block_forward(layer_call, len(draft.layers), embeds, bs, draft.injection, anchor_pred,
-                              draft.injection_offsets, draft.norm).view(B, bs, -1)[:, 1:]
-    normed, pre, feat = dm.unpack_hidden(packed, H)
+    normed, pre, feat = _sglang_block_hidden(draft, target, cache, anchor)
     ids, _ = dm.candidates(normed.reshape(-1, H), target.head_weight, draft.top_k)
-    cand = ids.view(B, bs - 1, -1)
-    scores = dm.transition_scores(draft.injection, draft.norm, len(draft.layers), pre, feat, cand, anchor,
-                                  draft.transfer_codes, target.head_weight)
-    tokens, _ = dm.walk(cand, scores, torch.zeros(B, bs - 1), torch.ones(B), torch.ones(B, dtype=torch.bool))
-    assert torch.equal(tokens, ref.tokens)
+    assert torch.equal(_sglang_greedy_walk(draft, target, pre, feat, ids.view(B, bs - 1, -1), anchor), ref.tokens)
 
 
 def test_chain_accept_index_and_replayssm_steps():
@@ -158,17 +169,8 @@ def test_draft_vocab_candidates_equal_reference_greedy(target):
     anchor = torch.tensor([1, 2, 250])
     B, bs, H = anchor.shape[0], draft.block_size, draft.hidden_size
     ref = draft.propose(cache, anchor, target, torch.zeros(B), [None] * B)
-    tokens_in, layer_call = _sglang_style_block(draft, cache, anchor)
-    embeds = target.embed(tokens_in).reshape(-1, H)
-    anchor_pred = dm.anchor_predecessor(draft.injection, draft.transfer_codes, anchor)
-    packed = dm.block_forward(layer_call, len(draft.layers), embeds, bs, draft.injection, anchor_pred,
-                              draft.injection_offsets, draft.norm).view(B, bs, -1)[:, 1:]
-    normed, pre, feat = dm.unpack_hidden(packed, H)
+    normed, pre, feat = _sglang_block_hidden(draft, target, cache, anchor)
     rows = target.head_weight[draft.draft_vocab]
     ids, _ = dm.vocab_candidates(normed.reshape(-1, H), rows, draft.draft_vocab, draft.top_k)
     assert set(ids.flatten().tolist()) <= set(VOCAB)
-    cand = ids.view(B, bs - 1, -1)
-    scores = dm.transition_scores(draft.injection, draft.norm, len(draft.layers), pre, feat, cand, anchor,
-                                  draft.transfer_codes, target.head_weight)
-    tokens, _ = dm.walk(cand, scores, torch.zeros(B, bs - 1), torch.ones(B), torch.ones(B, dtype=torch.bool))
-    assert torch.equal(tokens, ref.tokens)
+    assert torch.equal(_sglang_greedy_walk(draft, target, pre, feat, ids.view(B, bs - 1, -1), anchor), ref.tokens)

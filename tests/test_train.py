@@ -149,15 +149,10 @@ def test_labels_cut_at_first_unsupervised_slot():
     assert w[0, 2:].tolist() == [0.0, 0.0]  # cut at token 7 and everything after it
 
 
-def test_training_smoke_loss_falls(target):
-    torch.manual_seed(0)
-    draft = init_draft(target, **DRAFT_KW)
-    draft.train()
-    cfg = TrainConfig(steps=20, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
-    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in (_sequence(seed=1), _sequence(seed=2))]
+def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
+    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; backbone + refine loss per step."""
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    head_before = target.head_weight.clone()
     gen = torch.Generator().manual_seed(0)
     losses = []
     for step in range(cfg.steps):
@@ -166,6 +161,17 @@ def test_training_smoke_loss_falls(target):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(stats["backbone"] + stats["refine"])
+    return losses
+
+
+def test_training_smoke_loss_falls(target):
+    torch.manual_seed(0)
+    draft = init_draft(target, **DRAFT_KW)
+    draft.train()
+    cfg = TrainConfig(steps=20, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
+    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in (_sequence(seed=1), _sequence(seed=2))]
+    head_before = target.head_weight.clone()
+    losses = _train_losses(draft, target, batch, cfg)
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     assert torch.equal(target.head_weight, head_before)  # the target's head/embeddings never train
@@ -225,16 +231,7 @@ def test_training_with_draft_vocab(target, tmp_path):
     draft.train()
     cfg = TrainConfig(steps=30, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
     batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in exs]
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for step in range(cfg.steps):
-        opt.zero_grad()
-        stats = train_step(draft, target, batch, step, cfg, gen)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(stats["backbone"] + stats["refine"])
+    losses = _train_losses(draft, target, batch, cfg)
     assert all(math.isfinite(x) for x in losses)
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     draft.save(tmp_path)
