@@ -140,6 +140,14 @@ def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None)
     "--time-budget", default=None, type=float, help="stop after N seconds (saves first); the lr schedule ends then"
 )
 @click.option("--save-every", default=100, show_default=True, help="checkpoint every N steps")
+@click.option("--gamma", default=7.0, show_default=True, help="slot weights exp(-(k-1)/gamma)")
+@click.option(
+    "--autocast",
+    type=click.Choice(["bfloat16"]),
+    default=None,
+    envvar="DSPINE_TRAIN_AUTOCAST",
+    help="run the draft's forward/backward under bf16 autocast (fp32 master weights; ~1.7x faster steps on AMX CPUs)",
+)
 def train(
     model: str,
     data: str,
@@ -158,6 +166,8 @@ def train(
     seed: int,
     time_budget: float | None,
     save_every: int,
+    gamma: float,
+    autocast: str | None,
 ) -> None:
     """Train a DSpine draft for MODEL on DATA (JSONL) and write a loadable draft dir to OUT.
 
@@ -173,7 +183,8 @@ def train(
     if draft_vocab and draft is None:
         overrides["draft_vocab"] = choose_draft_vocab(examples, draft_vocab, target.vocab_size)
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, anchors_per_seq=anchors, seed=seed,
-                      time_budget_s=time_budget, save_every=save_every)  # fmt: skip
+                      time_budget_s=time_budget, save_every=save_every, gamma=gamma,
+                      autocast=autocast)  # fmt: skip
     run_training(target, examples, out, cfg, draft=draft, num_layers=layers, block_size=block_size,
                  draft_overrides=overrides, log=lambda s: click.echo(s, err=True))  # fmt: skip
     click.echo(out)

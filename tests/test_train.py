@@ -157,7 +157,8 @@ def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
     losses = []
     for step in range(cfg.steps):
         opt.zero_grad()
-        stats = train_step(draft, target, batch, step, cfg, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16"):
+            stats = train_step(draft, target, batch, step, cfg, gen)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(stats["backbone"] + stats["refine"])
@@ -176,6 +177,35 @@ def test_training_smoke_loss_falls(target):
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     assert torch.equal(target.head_weight, head_before)  # the target's head/embeddings never train
     assert target.head_weight.grad is None
+
+
+def test_bf16_autocast_trains_fp32_weights(target, tmp_path):
+    """Autocast changes the GEMM precision only: weights, grads and the saved draft stay fp32, losses fall,
+    and the first step's losses stay close to the fp32 ones (same batch, same init)."""
+    exs = [_sequence(seed=1), _sequence(seed=2)]
+    cfg = TrainConfig(steps=20, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
+    runs = {}
+    for mode in (None, "bfloat16"):
+        torch.manual_seed(0)
+        draft = init_draft(target, **DRAFT_KW)
+        draft.train()
+        batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in exs]
+        cfg.autocast = mode
+        runs[mode] = (_train_losses(draft, target, batch, cfg), draft)
+    losses, draft = runs["bfloat16"]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    grads = [p.grad for p in draft.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 for g in grads)
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+    assert losses != runs[None][0]  # bf16 GEMMs really ran (bit-equal losses would mean autocast did nothing)
+    assert abs(losses[0] - runs[None][0][0]) < 0.05 * runs[None][0][0]
+    # the train() loop applies it too and writes an fp32 draft
+    cfg2 = TrainConfig(steps=2, batch_size=2, anchors_per_seq=4, autocast="bfloat16", log_every=1)
+    train(target, exs, tmp_path / "d", cfg2, num_layers=1, block_size=4, log=lambda s: None,
+          draft_overrides=dict(transfer_rank=16, message_size=32, top_k=4, intermediate_size=96))  # fmt: skip
+    saved = load_draft(tmp_path / "d").state_dict().values()
+    assert all(t.dtype in (torch.float32, torch.long, torch.bool) for t in saved)
 
 
 def test_train_writes_loadable_draft(target, tmp_path):
