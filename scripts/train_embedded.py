@@ -46,9 +46,17 @@ def stage_data(args, target, tok) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ev = ed.eval_prompts(args.eval_per_dataset)
     tr = ed.train_prompts(args.n_chat, args.n_code, args.n_math, seed=args.seed, eval_per_dataset=args.eval_per_dataset)
+    seen: set[str] = set()
+    if args.prior_counts:  # prompts an earlier data stage already regenerated go last: new data first
+        n_chat, n_code, n_math = (int(x) for x in args.prior_counts.split(","))
+        seen = {p.text for p in ed.train_prompts(n_chat, n_code, n_math, seed=args.seed,
+                                                 eval_per_dataset=args.eval_per_dataset)}  # fmt: skip
     # Interleave datasets so a time-boxed regeneration still covers all three.
     by = {d: [p for p in tr if p.dataset == d] for d in ed.DATASETS}
     mixed = [by[d][i] for i in range(max(map(len, by.values()))) for d in ed.DATASETS if i < len(by[d])]
+    mixed = [p for p in mixed if p.text not in seen] + [p for p in mixed if p.text in seen]
+    if seen:
+        log(f"{sum(p.text in seen for p in mixed)} prompts of the earlier stage go last")
     log(f"prompts: eval {len(ev)}, train {len(tr)}")
     ed.regenerate(target, tok, ev, work / "eval.jsonl", args.max_new_tokens, batch=args.regen_batch, log=log)
     ed.regenerate(target, tok, mixed, work / "train.jsonl", args.max_new_tokens, batch=args.regen_batch, log=log)
@@ -140,6 +148,8 @@ def main() -> None:
     ap.add_argument("--eval-per-dataset", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--regen-batch", type=int, default=16)
+    ap.add_argument("--prior-counts", default=None, metavar="CHAT,CODE,MATH",
+                    help="data: regenerate the prompts an earlier stage with these --n-* counts used last")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per optimiser step")

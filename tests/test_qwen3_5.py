@@ -243,9 +243,11 @@ def test_cache_select_and_concat(q35):
     assert merged.lengths.tolist() == [9, 9, 14]
     nxt = _ids(3, 1, 5)
     out = q35.logits(q35(nxt, merged).hidden)
+    # 5e-5, not 1e-5: a one-token decode against a merged cache and a full-sequence score take different
+    # GEMM/GEMV kernels whose fp32 rounding depends on the CPU (1.1e-5 on an AMX Xeon; below 1e-5 on EPYC)
     for row, (src, i) in enumerate([(a, 0), (a, 1), (b, 0)]):
         ref = q35.score(torch.cat([src[i], nxt[row]])[None])[0, -1]
-        assert (out[row, 0] - ref).abs().max().item() < 1e-5
+        assert (out[row, 0] - ref).abs().max().item() < 5e-5
     sub = merged.select([2, 0])
     out2 = q35.logits(q35(nxt[[2, 0]], sub).hidden)
     ref2 = q35.score(torch.cat([b[0], nxt[2], nxt[2]])[None])[0, -1]
