@@ -293,6 +293,13 @@ def trainable_parameters(draft: DSpineDraft) -> list[torch.nn.Parameter]:
     return [p for p in draft.parameters() if p.requires_grad]
 
 
+def _autocast(cfg: TrainConfig, device: torch.device):
+    """bf16 autocast on ``device`` when ``cfg.autocast`` asks for it, else a no-op context."""
+    if not cfg.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, cfg.autocast))
+
+
 def train_step(
     draft: DSpineDraft,
     target: Target,
@@ -326,13 +333,14 @@ def train_step(
         anchors, labels, w, true_tokens, block, replace = (
             t.to(dev) for t in (anchors, labels, w, true_tokens, block, replace)
         )
-        out = draft.train_forward(
-            cap.taps, anchors, block, target, replace=replace, true_tokens=true_tokens,
-            replace_layers=min(cfg.replacement_layers, len(draft.layers)) if p_rep > 0 else 0,
-        )  # fmt: skip
         th = cap.hidden[(anchors[:, None] + torch.arange(bs - 1, device=dev)[None, :]).clamp(max=len(ex.ids) - 1)]
-        sums.append(block_losses(draft, target, out, th, true_tokens, labels, w, cfg.ce_weight,
-                                 cfg.candidate_mass_threshold))  # fmt: skip
+        with _autocast(cfg, dev):  # forward and losses only; backward runs outside, in the recorded dtypes
+            out = draft.train_forward(
+                cap.taps, anchors, block, target, replace=replace, true_tokens=true_tokens,
+                replace_layers=min(cfg.replacement_layers, len(draft.layers)) if p_rep > 0 else 0,
+            )  # fmt: skip
+            sums.append(block_losses(draft, target, out, th, true_tokens, labels, w, cfg.ce_weight,
+                                     cfg.candidate_mass_threshold))  # fmt: skip
     if not sums:
         return {}
     W = sum(s.weight for s in sums).clamp_min(1e-8)
@@ -407,7 +415,6 @@ def train(
     warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
     captures: dict[int, Capture] = {}
     capture_dtype = getattr(torch, cfg.capture_dtype) if cfg.capture_dtype else draft.dtype
-    amp_dtype = getattr(torch, cfg.autocast) if cfg.autocast else None
     order: list[int] = []
     t0 = time.perf_counter()
     meta = {"config": asdict(cfg), "examples": len(examples), "tokens": int(sum(len(e.ids) for e in examples))}
@@ -431,9 +438,7 @@ def train(
         lr = cfg.lr * lr_factor(sstep, cfg.steps, warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        amp = torch.autocast(draft.device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-        with amp:
-            stats = train_step(draft, target, batch, sstep, cfg, gen)
+        stats = train_step(draft, target, batch, sstep, cfg, gen)
         if not stats:
             continue
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

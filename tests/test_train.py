@@ -157,8 +157,7 @@ def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
     losses = []
     for step in range(cfg.steps):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16"):
-            stats = train_step(draft, target, batch, step, cfg, gen)
+        stats = train_step(draft, target, batch, step, cfg, gen)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(stats["backbone"] + stats["refine"])
