@@ -265,3 +265,30 @@ def test_training_with_draft_vocab(target, tmp_path):
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     draft.save(tmp_path)
     assert torch.equal(load_draft(tmp_path).draft_vocab, vocab)
+
+
+def test_cli_train_resume_and_teacher_forced(target_dir, tmp_path):
+    """``--resume`` continues OUT's run (a changed setting is a one-line error); ``--teacher-forced`` trains."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+    from dspine.train_state import read_state
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [1, 2, 3, 4], "response_ids": list(range(10 + i, 40))}) + "\n"
+                            for i in range(3)))  # fmt: skip
+    out = tmp_path / "draft"
+    base = ["train", str(target_dir), str(data), str(out), "--layers", "1", "--block-size", "4", "--transfer-rank",
+            "16", "--intermediate-size", "64", "--anchors", "4", "--batch-size", "1", "--teacher-forced"]  # fmt: skip
+    r = CliRunner().invoke(main, [*base, "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert read_state(out).step == 2 and json.loads((out / "training.json").read_text())["teacher_forced_examples"] == 3
+    r = CliRunner().invoke(main, [*base, "--steps", "3", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert "resuming" in r.output and read_state(out).step == 3
+    bad = CliRunner().invoke(main, [*base, "--steps", "4", "--resume", "--lr", "0.1"])
+    assert bad.exit_code != 0 and "lr=" in bad.output and "Traceback" not in bad.output
+    other = CliRunner().invoke(main, [*base[:-1], "--steps", "4", "--resume"])  # same tokens, other label mode
+    assert other.exit_code != 0 and "other data" in other.output
