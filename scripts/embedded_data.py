@@ -297,6 +297,17 @@ def read_prompts(path: Path) -> tuple[list[Prompt], list[Prompt]]:
     return ev, tr
 
 
+def first_per_dataset(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first ``n`` prompts of each dataset, in their order (a smoke run's share of a prompt file)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        seen[p.dataset] = seen.get(p.dataset, 0) + 1
+        if seen[p.dataset] <= n:
+            out.append(p)
+    return out
+
+
 def main() -> None:
     import argparse
 

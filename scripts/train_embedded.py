@@ -76,6 +76,9 @@ def prompt_lists(args) -> tuple[list, list]:
         if args.prior_counts:
             raise SystemExit("--prior-counts needs the source packages; it cannot be used with --prompts")
         ev, tr = ed.read_prompts(Path(args.prompts))
+        if args.prompts_per_dataset:  # a smoke run: the first N of each dataset and split
+            n = args.prompts_per_dataset
+            ev, tr = ed.first_per_dataset(ev, n), ed.first_per_dataset(tr, n)
     else:
         ev = ed.eval_prompts(args.eval_per_dataset)
         tr = ed.train_prompts(args.n_chat, args.n_code, args.n_math, seed=args.seed,
@@ -266,6 +269,7 @@ def main() -> None:
                     help="data/train: regenerated responses, the sources' own answers on target labels, or both")
     ap.add_argument("--data-time-budget", type=float, default=None, help="data: stop regenerating after N seconds")
     ap.add_argument("--prompts", default=None, help="data: prompts exported by `embedded_data.py export`")
+    ap.add_argument("--prompts-per-dataset", type=int, default=None, help="data: at most N per dataset from --prompts")
     ap.add_argument("--resume", action="store_true", help="train: continue WORK/OUT_NAME's checkpoint exactly")
     ap.add_argument("--model", default=None, help="a GGUF file or model dir (default: the installed embedded target)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -74,3 +74,8 @@ def test_prompt_file_round_trip_and_errors(tmp_path):
     f.write_text('{"dataset": "poetry", "split": "eval", "text": "ok"}\n')
     with pytest.raises(SystemExit, match=r"prompts\.jsonl:1: split must be"):
         ed.read_prompts(f)
+
+
+def test_first_per_dataset_keeps_order():
+    ps = [ed.Prompt(d, "train", f"{d}{i}") for i in range(3) for d in ("chat", "code")]
+    assert [p.text for p in ed.first_per_dataset(ps, 2)] == ["chat0", "code0", "chat1", "code1"]
