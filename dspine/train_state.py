@@ -9,7 +9,9 @@ data, the remaining steps then replay bit for bit on CPU fp32.
 
 Resuming with different data or a setting that changes the result is refused with one line naming the
 setting: silently mixing two runs would make a checkpoint's history a lie. ``steps``, ``time_budget_s``,
-``save_every`` and ``log_every`` may change (extending a finished run is the point of resuming).
+``save_every`` and ``log_every`` may change (extending a finished run is the point of resuming), and so may
+``alignment_warmup_steps``, which ``train_embedded.py`` derives from ``steps``. A resumed run with other
+values continues correctly but is no longer bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 STATE_FILE = "trainer_state.pt"
-MAY_CHANGE = frozenset({"steps", "time_budget_s", "save_every", "log_every"})
+MAY_CHANGE = frozenset({"steps", "time_budget_s", "save_every", "log_every", "alignment_warmup_steps"})
 
 
 class ResumeError(ValueError):

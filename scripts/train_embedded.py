@@ -164,8 +164,13 @@ def stage_train(args, target) -> None:
             from dspine.draft import with_draft_vocab
 
             draft = with_draft_vocab(draft, vocab)
-    train(target, examples, work / args.out_name, cfg, draft=draft, num_layers=args.layers,
-          block_size=args.block_size, draft_overrides=draft_overrides, log=log, resume=args.resume)  # fmt: skip
+    from dspine.train_state import ResumeError
+
+    try:
+        train(target, examples, work / args.out_name, cfg, draft=draft, num_layers=args.layers,
+              block_size=args.block_size, draft_overrides=draft_overrides, log=log, resume=args.resume)  # fmt: skip
+    except ResumeError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def stage_confidence(args, target) -> None:

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_train.sh"
 
 
-def _sh(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
+def _sh(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
 
 
@@ -84,7 +84,7 @@ def test_cpu_tiny_run_end_to_end(tmp_path):
     assert len(parts) >= 2 and all(p["bytes"] <= 50_000_000 for p in parts)
     work = tmp_path / "work"
     r = _sh("--bundle", str(bundle), "--work", str(work), "--device", "cpu", "--tiny", "--data-source", "mix",
-            env={"THREADS": "1"})  # fmt: skip
+            env={"THREADS": "1"}, timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     tau = json.loads((work / "tau.json").read_text())
     assert set(tau) >= {"chat", "code", "math"} and tau["greedy_tau_mean"] >= 1.0
