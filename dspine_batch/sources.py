@@ -205,7 +205,7 @@ class _ZstdFrames(io.RawIOBase):
             raise UsageError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from e
         self._raw, self._dctx = raw, zstandard.ZstdDecompressor()
         self._frame: Any = None  # the decompressobj of the current frame; None before the first byte
-        self._out, self._pos = b"", 0
+        self._out, self._pos = memoryview(b""), 0
 
     def readable(self) -> bool:
         return True
@@ -223,7 +223,7 @@ class _ZstdFrames(io.RawIOBase):
                     self._frame = self._dctx.decompressobj()
                 parts.append(self._frame.decompress(data))
                 data = self._frame.unused_data if self._frame.eof else b""
-            self._out, self._pos = b"".join(parts), 0
+            self._out, self._pos = memoryview(b"".join(parts)), 0
         n = min(len(buffer), len(self._out) - self._pos)
         buffer[:n] = self._out[self._pos:self._pos + n]
         self._pos += n
