@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from test_train import _train_stats
 
 from dspine.draft import init_draft
 from dspine.teacher import greedy_next, teacher_forced_targets
@@ -71,21 +72,14 @@ def test_teacher_forced_examples_train(llama_target):
     exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
     batch = [(ex, capture(llama_target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
     cfg = TrainConfig(steps=25, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
-    gen = torch.Generator().manual_seed(0)
-    stats = []
-    for step in range(cfg.steps):
-        opt.zero_grad()
-        stats.append(train_step(draft, llama_target, batch, step, cfg, gen))
-        opt.step()
+    stats = _train_stats(draft, llama_target, batch, cfg)
     loss = [s["backbone"] + s["refine"] for s in stats]
     assert all(math.isfinite(x) for x in loss)
     assert max(loss[-3:]) < 0.75 * loss[0], loss
     assert stats[-1]["acc"] > stats[0]["acc"]
     with pytest.raises(ValueError, match="greedy"):
-        train_step(draft, llama_target, [(exs[0], capture(llama_target, exs[0].ids, draft.target_layer_ids))], 0,
-                   cfg, gen)  # fmt: skip
+        no_labels = capture(llama_target, exs[0].ids, draft.target_layer_ids)
+        train_step(draft, llama_target, [(exs[0], no_labels)], 0, cfg, torch.Generator())
 
 
 def test_load_examples_reads_teacher_forced_flag(tmp_path):

@@ -149,19 +149,23 @@ def test_labels_cut_at_first_unsupervised_slot():
     assert w[0, 2:].tolist() == [0.0, 0.0]  # cut at token 7 and everything after it
 
 
-def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
-    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; backbone + refine loss per step."""
+def _train_stats(draft, target, batch, cfg: TrainConfig) -> list[dict]:
+    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; its stats per step."""
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     gen = torch.Generator().manual_seed(0)
-    losses = []
+    stats = []
     for step in range(cfg.steps):
         opt.zero_grad()
-        stats = train_step(draft, target, batch, step, cfg, gen)
+        stats.append(train_step(draft, target, batch, step, cfg, gen))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(stats["backbone"] + stats["refine"])
-    return losses
+    return stats
+
+
+def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
+    """Backbone + refine loss per step of ``_train_stats``."""
+    return [s["backbone"] + s["refine"] for s in _train_stats(draft, target, batch, cfg)]
 
 
 def test_training_smoke_loss_falls(target):
