@@ -19,6 +19,10 @@ One readable file; the model-side pieces live in ``draft.py`` (``train_forward``
    ``sum_l (1 - cos(f_l, code(y)))`` scaled by ``beta(step) * mean CE`` (detached) with beta ramping
    0 -> 0.5; and teacher-forced predecessor replacement with probability ``p(step)``.
 
+Examples marked ``teacher_forced`` (text the target did not write) take their labels from the target's argmax
+instead of their own tokens, cut at the first in-block disagreement (``teacher.py``). Every checkpoint holds
+what a stopped run needs to continue exactly (``train_state.py``; ``train(resume=True)``).
+
 The confidence head is a separate frozen-backbone stage (``confidence.py``). ``TrainConfig.autocast =
 "bfloat16"`` runs the draft's forward and backward under bf16 autocast with fp32 master weights (on CPUs
 with AMX, bf16 GEMMs run ~4x faster than fp32 ones; the teacher distribution stays fp32). Not implemented:
