@@ -51,7 +51,15 @@ from tqdm.auto import tqdm
 from .draft import DSpineDraft, TrainBlockOutput, init_draft, load_draft
 from .target import Target
 from .teacher import greedy_next, teacher_forced_targets
-from .train_state import STATE_FILE, TrainerState, check_resumable, data_fingerprint, read_state, write_state
+from .train_state import (
+    STATE_FILE,
+    ResumeError,
+    TrainerState,
+    check_resumable,
+    data_fingerprint,
+    read_state,
+    write_state,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # data
@@ -500,6 +508,11 @@ def train(
     target.requires_grad_(False).eval()
     fingerprint = data_fingerprint(examples)
     state = read_state(checkpoint_dir(out_dir)) if resume and out_dir is not None else None
+    if resume and state is None and out_dir is not None and (Path(out_dir) / "config.json").is_file():
+        raise ResumeError(
+            f"{out_dir}: a draft without {STATE_FILE} (saved before checkpoints were resumable, or not by training); "
+            "warm-start from it into a new output directory instead"
+        )
     if state is not None:
         check_resumable(state, asdict(cfg), fingerprint, Path(out_dir) / STATE_FILE)
         draft = load_draft(out_dir, device=target.device)

@@ -131,6 +131,9 @@ def test_resume_refuses_other_data_or_settings(llama_target, tmp_path):
     (out / STATE_FILE).write_bytes(b"not a checkpoint")
     with pytest.raises(ResumeError, match=STATE_FILE):
         _run(llama_target, out, _cfg(steps=2), resume=True)
+    (out / STATE_FILE).unlink()  # a draft dir from before resumable checkpoints: never overwritten by a fresh run
+    with pytest.raises(ResumeError, match="without trainer_state.pt"):
+        _run(llama_target, out, _cfg(steps=2), resume=True)
 
 
 def test_fingerprint_sees_label_mode_and_tokens():
