@@ -149,7 +149,7 @@ def stage_train(args, target) -> None:
     )  # fmt: skip
     draft = None
     if args.init_draft:  # warm start (a second stage on more data); the draft's own shape wins
-        from dspine.draft import load_draft
+        from dspine.draft_io import load_draft
 
         draft = load_draft(args.init_draft, device=target.device)
         log(f"warm start from {args.init_draft}")
@@ -161,7 +161,7 @@ def stage_train(args, target) -> None:
         if draft is None:
             draft_overrides["draft_vocab"] = vocab
         elif draft.draft_vocab is None:
-            from dspine.draft import with_draft_vocab
+            from dspine.draft_io import with_draft_vocab
 
             draft = with_draft_vocab(draft, vocab)
     from dspine.train_state import ResumeError
@@ -175,7 +175,7 @@ def stage_train(args, target) -> None:
 
 def stage_confidence(args, target) -> None:
     from dspine.confidence import fit_confidence_on_examples
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
     from dspine.train import load_examples
 
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
@@ -196,7 +196,7 @@ def stage_tau(args, target) -> dict:
     from bench_acceptance import tau
 
     from dspine import generate
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
 
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
     draft = load_draft(src, device=target.device)
@@ -220,7 +220,7 @@ def stage_tau(args, target) -> dict:
 
 
 def stage_ship(args) -> None:
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
 
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
     d = load_draft(src).to(torch.bfloat16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_train import _train_stats
 
-from dspine.draft import init_draft
+from dspine.draft_io import init_draft
 from dspine.teacher import greedy_next, teacher_forced_targets
 from dspine.train import TrainConfig, block_targets, capture, make_example, train_step
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspine.draft import load_draft
+from dspine.draft_io import load_draft
 from dspine.train import TrainConfig, make_example, save_checkpoint, train
 from dspine.train_state import STATE_FILE, ResumeError, data_fingerprint, read_state
 
@@ -148,7 +148,7 @@ def test_fingerprint_sees_label_mode_and_tokens():
 
 
 def test_save_checkpoint_replaces_stale_temp_dir(llama_target, tmp_path):
-    from dspine.draft import init_draft
+    from dspine.draft_io import init_draft
 
     d = init_draft(llama_target, num_layers=1, block_size=4, transfer_rank=16, intermediate_size=64)
     out = tmp_path / "d"
