@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
-from batch_helpers import prompts, read_output, run_cli, write_jsonl
+from helpers import prompts, read_output, run_cli, write_jsonl
 
 from dspine_batch import compact
 from dspine_batch.resume import STATE_DIR, list_parts, load_done
