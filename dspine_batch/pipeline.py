@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -49,12 +50,14 @@ def log(msg: str) -> None:
 
 def default_output(inputs: list[str]) -> str:
     """``-o`` when not given: ``<name of the first input>-out`` in the working directory, e.g.
-    ``prompts.parquet`` -> ``./prompts-out``; the same command line always maps to the same folder, so
-    rerunning it resumes."""
-    name = Path(inputs[0].rstrip("/")).name.split("*")[0] or "dspine"
+    ``prompts.parquet`` -> ``./prompts-out``, ``data/*.parquet`` -> ``./data-out``; the same command line
+    always maps to the same folder, so rerunning it resumes."""
+    parts = Path(inputs[0].rstrip("/")).parts or ("dspine",)
+    name = re.split(r"[*?\[]", parts[-1])[0]
     for suffix in (".gz", ".zst", ".jsonl", ".json", ".parquet", ".arrow"):
         name = name.removesuffix(suffix)
-    return os.path.abspath(f"{name.rstrip('-_.') or 'dspine'}-out")
+    name = name.strip("-_.") or (parts[-2] if len(parts) > 1 and parts[-2] != "/" else "dspine")
+    return os.path.abspath(f"{name}-out")
 
 
 # -- steps ------------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import ROOT, prompts, read_output, run_cli, spawn, write_jsonl
 from click.testing import CliRunner
+from helpers import ROOT, prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.cli import cli
 from dspine_batch.resume import list_parts
