@@ -1,8 +1,11 @@
 """The engine boundary: what the pipeline asks of any generation backend, and nothing more.
 
-The pipeline only sees ``Request`` in and ``Result`` out through ``Engine.run``; which engine runs (scripted
-test engine, the CPU reference engine over ``dspine.generate``, SGLang) must not change anything else. SGLang-shaped
-stats are normalised in one place (``stats_from_sglang_meta`` -> ``sglang_stats``) because the names drift.
+The pipeline only sees ``Request`` in and ``Result`` out through ``Engine.run``, plus the engine's
+``tokenizer`` (prompts -> ids, stop ids); which engine runs (scripted test engine, the CPU reference engine over
+``dspine.generate``, SGLang) must not change anything else. Engines are found by name in ``ENGINES`` (name ->
+loader); tests put the scripted engine behind the default names with ``engines_replaced``. ``SamplingParams``
+holds the generation defaults of the whole tool. SGLang-shaped stats are normalised in one place
+(``stats_from_sglang_meta`` -> ``sglang_stats``) because the names drift.
 """
 
 from __future__ import annotations

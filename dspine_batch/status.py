@@ -7,6 +7,7 @@ nobody holds its lock: the process was killed without a chance to say so).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -36,8 +37,6 @@ def read_status(outdir: str) -> dict[str, Any]:
     state_dir = os.path.join(outdir, STATE_DIR)
     for name in sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []:
         if name.startswith("state-") and name.endswith(".json"):
-            import json
-
             with open(os.path.join(state_dir, name)) as f:
                 st = json.load(f)
             tag = name[len("state-"):-len(".json")]

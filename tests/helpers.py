@@ -30,6 +30,7 @@ import torch
 from dspine.cache import KVCache, ModelCache
 from dspine_batch.cli import main
 from dspine_batch.engine import engines_replaced
+from dspine_batch.keyset import fallback_id_hashes, key_hash
 from dspine_batch.scripted_engine import ScriptedEngine
 
 # -- dspine_batch -------------------------------------------------------------------------------------------------
@@ -83,6 +84,14 @@ def spawn(args: list[str], cwd: Path = ROOT, **extra_env: str) -> subprocess.Pop
     """``dspine-batch ARGS`` as a subprocess on the scripted engine (through ``tests/scripted_cli.py``)."""
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripted_cli.py"), *args],
                             env=subprocess_env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+
+
+def shard_of(row_id: str, n: int, id_column: bool = True) -> int:
+    """The shard that owns ``row_id``, computed the way the pipeline selects rows. Runs without an id column
+    hash ``<file>:<index>`` ids by index (``keyset.index_hashes``), so pass ``id_column=False`` for them."""
+    if id_column:
+        return key_hash(row_id) % n
+    return int(fallback_id_hashes([row_id])[0]) % n
 
 
 def read_output(outdir: Path, drop: tuple[str, ...] = VOLATILE) -> list[dict]:

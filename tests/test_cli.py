@@ -9,11 +9,11 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import ROOT, prompts, read_output, run_cli, spawn, write_jsonl
+from helpers import ROOT, prompts, read_output, run_cli, shard_of, spawn, write_jsonl
 
 from dspine_batch.cli import cli
 from dspine_batch.resume import list_parts
-from dspine_batch.shard import parse_shard, shard_of
+from dspine_batch.shard import parse_shard
 
 
 def test_help_is_discoverable():
