@@ -86,6 +86,7 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 GENERATE_EXAMPLES = """
 \b
 Examples:
+  dspine-batch generate prompts.parquet                  # output in ./prompts-out (run again to resume)
   dspine-batch generate examples/prompts.jsonl -o out/
   dspine-batch generate data/*.parquet -o out/ --prompt-column question --id-column qid \\
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1

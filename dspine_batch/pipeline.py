@@ -255,10 +255,9 @@ def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int |
     return min(total, limit) if limit is not None else total
 
 
-def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int:
+def _open_output(job: Job, engine: Engine, use_chat: bool) -> tuple[Any, dict[str, Any], DoneSet]:
+    """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set."""
     cfg, columns, outdir = job.cfg, job.columns, job.outdir
-    tokenizer = engine.tokenizer
-    use_chat = _use_chat(cfg, columns, tokenizer)
     schema = output_schema(columns.keep_schema(), cfg.save_token_ids)
     settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat}
     fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(job.files), "settings": settings,
@@ -274,9 +273,16 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     if done.rows or removed:
         log(f"resuming: {done.rows:,} rows already committed in {done.next_seq} parts "
             f"({time.monotonic() - t0:.2f}s); {removed} unfinished staging file(s) discarded")
+    return schema, manifest, done
+
+
+def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int:
+    cfg, outdir, tokenizer = job.cfg, job.outdir, engine.tokenizer
+    use_chat = _use_chat(cfg, job.columns, tokenizer)
+    schema, manifest, done = _open_output(job, engine, use_chat)
     defaults = SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p), max(cfg.top_k, 0),
                               cfg.seed, tokenizer.stop_token_ids(cfg.stop), tuple(cfg.stop))
-    mapper = RowMapper(MapSettings(columns, defaults, cfg.num_samples, cfg.system_prompt, use_chat), tokenizer,
+    mapper = RowMapper(MapSettings(job.columns, defaults, cfg.num_samples, cfg.system_prompt, use_chat), tokenizer,
                        engine.max_context)
     state = ShardState(outdir, job.tag)
     state.start(job.shard, manifest["fingerprint"], done)

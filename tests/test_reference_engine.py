@@ -98,7 +98,7 @@ def _engine(tiny, draft=True, **args):
 
 def _requests(engine, n=4, **p):
     texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
-    return [Request(f"r{i}", 0, engine.render_chat([{"role": "user", "content": texts[i % 5]}]),
+    return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
                     SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
             for i in range(n)]
 
