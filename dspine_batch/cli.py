@@ -37,7 +37,7 @@ class KeyValue(click.ParamType):
         return key.strip(), val
 
 
-class Number(click.FloatRange):
+class FiniteFloatRange(click.FloatRange):
     """A float range that also refuses nan and inf (which compare false with every bound)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
@@ -103,8 +103,9 @@ sampling settings for their row (--no-row-params to ignore them).
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted (run again), 3 done but over --max-error-rate,
-2 usage error or different settings than the run in OUTDIR, 1 fatal.
+duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
+3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
+or bad data: running again would fail the same way).
 """
 
 
@@ -141,8 +142,8 @@ def cli() -> None:
             help="Render prompts with the model's chat template, or tokenize them as-is.  [default: template if the "
                  "model has one]")
 @env_option("--max-new-tokens", type=click.IntRange(min=1))
-@env_option("-t", "--temperature", type=Number(min=0), help="0 = greedy.")
-@env_option("--top-p", type=Number(min=0, max=1, min_open=True))
+@env_option("-t", "--temperature", type=FiniteFloatRange(min=0), help="0 = greedy.")
+@env_option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True))
 @env_option("--top-k", type=click.IntRange(min=-1), help="0 or -1 = off.")
 @env_option("--seed", type=int, help="Run seed; each (row, sample) gets its own seed derived from it.")
 @env_option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -158,16 +159,16 @@ def cli() -> None:
 @env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @env_option("--on-error", type=click.Choice(["skip", "fail"]),
             help="Bad rows: write a status=error row, or stop the job.")
-@env_option("--max-error-rate", type=Number(min=0, max=1), help="Exit 3 when errors exceed this.")
+@env_option("--max-error-rate", type=FiniteFloatRange(min=0, max=1), help="Exit 3 when errors exceed this.")
 @env_option("--resume/--no-resume", help="Continue a run found in OUTDIR.")
 @env_option("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
 @env_option("--commit-rows", type=click.IntRange(min=1), help="Commit a part after this many rows...")
-@env_option("--commit-seconds", type=Number(min=0, min_open=True), help="...or after this many seconds.")
-@env_option("--grace-seconds", type=Number(min=0),
+@env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
+@env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
 @env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
-@env_option("--log-interval", type=Number(min=0), help="Seconds between progress log lines.")
+@env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
