@@ -52,7 +52,7 @@ def _run(model: str, draft: str, args: dict, reqs):
     eng = SGLangEngine.load(model, draft, args)
     try:
         t0 = time.perf_counter()
-        res = {r.key: r for r in eng.run(reqs, max_in_flight=8)}
+        res = {r.row_id: r for r in eng.run(reqs, max_in_flight=8)}
         return res, time.perf_counter() - t0, eng
     finally:
         eng.close()
