@@ -52,6 +52,8 @@ INIT_STD = 0.02  # HF ``initializer_range`` default for Qwen3/Llama
 
 
 class BlockKeys(Protocol):
+    """Where a layer's attention keys come from: the one thing inference and training do differently."""
+
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's own k, v [N, H_kv, bs, D] -> (keys, values, mask) the block's queries attend to."""
         ...
@@ -230,7 +232,6 @@ class DSpineDraft(nn.Module):
         super().__init__()
         spec = parse_draft_config(cfg, where)
         self.config = cfg
-        self.spec = spec
         H, V, r = spec.hidden_size, spec.vocab_size, spec.transfer_rank
         self.hidden_size, self.vocab_size, self.transfer_rank = H, V, r
         self.block_size = spec.block_size
