@@ -179,8 +179,9 @@ def train(
 
     DATA lines hold ``prompt_ids``/``response_ids`` (token ids; the loss covers the response), or
     ``prompt``/``response`` text rendered with MODEL's chat template. Responses should be the target's own
-    (regenerated) outputs, see design §5; other text needs ``--teacher-forced`` (or ``"teacher_forced": true``
-    per line). Runs on CUDA when available, else CPU. ``--resume`` continues a stopped run exactly.
+    (regenerated) outputs, see docs/design.md, "The DSpine draft"; other text needs ``--teacher-forced`` (or
+    ``"teacher_forced": true`` per line). Runs on CUDA when available, else CPU. ``--resume`` continues a stopped
+    run exactly.
     """
     from dspine.train import TrainConfig, choose_draft_vocab
     from dspine.train import train as run_training
@@ -208,7 +209,7 @@ def train(
 @click.option("--out", default=None, help="write the draft here (default: update DRAFT_DIR in place)")
 @click.option("--sequences", default=256, show_default=True, help="sequences to fit on (20% held out for the report)")
 @click.option("--anchors", default=32, show_default=True, help="blocks per sequence")
-@click.option("--greedy", is_flag=True, help="label = greedy acceptance (default: 1 - TV at T=1, design §5)")
+@click.option("--greedy", is_flag=True, help="label = greedy acceptance (default: 1 - TV at T=1)")
 @click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
 @click.option("--seed", default=0, show_default=True)
 def fit_confidence_cmd(

@@ -52,6 +52,8 @@ INIT_STD = 0.02  # HF ``initializer_range`` default for Qwen3/Llama
 
 
 class BlockKeys(Protocol):
+    """Where a layer's attention keys come from: the one thing inference and training do differently."""
+
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's own k, v [N, H_kv, bs, D] -> (keys, values, mask) the block's queries attend to."""
         ...
@@ -230,7 +232,6 @@ class DSpineDraft(nn.Module):
         super().__init__()
         spec = parse_draft_config(cfg, where)
         self.config = cfg
-        self.spec = spec
         H, V, r = spec.hidden_size, spec.vocab_size, spec.transfer_rank
         self.hidden_size, self.vocab_size, self.transfer_rank = H, V, r
         self.block_size = spec.block_size
@@ -487,33 +488,16 @@ class DSpineDraft(nn.Module):
 
     # -- last-write refinement ---------------------------------------------------------------------------------
 
-    def _refine(self, pre: torch.Tensor, feat: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
-        """Re-apply the last layer's write with predecessor code(pred), then the final norm.
-
-        pre [..., 1 or k, H], feat [..., 1 or k, r], pred [..., k] LongTensor -> [..., k, H]
-        """
-        p = self.injection.scale * self.transfer_codes[pred]  # [..., k, r]
-        return self.norm(self.injection.write(len(self.layers) - 1, pre, feat, p))
-
     def refine_slots(self, out: BlockOutput, pred: torch.Tensor) -> torch.Tensor:
-        """Refined, normed last-layer states of slots 1..bs-1 given predecessors (with gradients when enabled).
+        """Re-apply the last layer's write to slots 1..bs-1 with predecessor code(pred), then the final norm.
 
         pred [N, bs-1] -> [N, bs-1, H] (training passes the *true* previous tokens), or pred [N, bs-1, k] ->
-        [N, bs-1, k, H] (the transition cache: every candidate predecessor).
+        [N, bs-1, k, H] (the transition cache: every candidate predecessor). With gradients when enabled.
         """
-        if pred.ndim == 2:
-            return self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred[..., None])[:, :, 0]
-        return self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred)
-
-    @torch.no_grad()
-    def refine(self, out: BlockOutput, slot: int, pred: torch.Tensor) -> torch.Tensor:
-        """Refined, normed last-layer state h~(slot | pred) [B, H] for one slot (1..bs-1) and pred [B] tokens.
-
-        The sequential definition the transition cache batches: score it with ``target.head_weight``.
-        """
-        if not 1 <= slot < out.hidden.shape[1]:
-            raise ValueError(f"slot {slot} out of range 1..{out.hidden.shape[1] - 1}")
-        return self._refine(out.last_pre[:, slot, None], out.last_feat[:, slot, None], pred[:, None])[:, 0]
+        p = self.injection.scale * self.transfer_codes[pred if pred.ndim == 3 else pred[..., None]]  # [N, n, k, r]
+        refined = self.norm(self.injection.write(len(self.layers) - 1, out.last_pre[:, 1:, None],
+                                                 out.last_feat[:, 1:, None], p))  # fmt: skip
+        return refined if pred.ndim == 3 else refined[:, :, 0]
 
     @torch.no_grad()
     def confidence(self, refined: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:

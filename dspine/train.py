@@ -1,7 +1,8 @@
-"""Training a DSpine draft against a frozen target (design §5): capture, anchors, block-causal forward, losses.
+"""Training a DSpine draft against a frozen target: capture, anchors, block-causal forward, losses.
 
-One readable file; the model-side pieces live in ``draft.py`` (``train_forward``, ``refine_slots``,
-``block_causal_mask``). Works for any supported target on CPU or CUDA. Per sequence:
+The method is in ``docs/design.md``, "The DSpine draft". One readable file; the model-side pieces live in
+``draft.py`` (``train_forward``, ``refine_slots``, ``block_causal_mask``). Works for any supported target on
+CPU or CUDA. Per sequence:
 
 1. **Capture** (``capture``): one frozen target forward gives the tap outputs (``draft.target_layer_ids``)
    and the final-norm hidden state; the teacher for slot k of the block at anchor a is
@@ -186,7 +187,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
 
 
 def replacement_probability(step: int, total: int, p: float = 0.5, hold: float = 1 / 6, end: float = 1 / 3) -> float:
-    """p(step): ``p`` until ``hold`` of training, linear to 0 at ``end``, 0 after (§5)."""
+    """p(step): ``p`` until ``hold`` of training, linear to 0 at ``end``, 0 after."""
     frac = step / max(1, total)
     if frac <= hold:
         return p
@@ -196,7 +197,7 @@ def replacement_probability(step: int, total: int, p: float = 0.5, hold: float =
 
 
 def alignment_beta(step: int, warmup: int, weight: float = 0.5) -> float:
-    """beta(step): linear 0 -> ``weight`` over ``warmup`` steps, then flat (§5)."""
+    """beta(step): linear 0 -> ``weight`` over ``warmup`` steps, then flat."""
     return weight if warmup <= 0 else weight * min(1.0, step / warmup)
 
 
@@ -260,7 +261,7 @@ def block_losses(
     ce_weight: float = 0.1,
     mass_threshold: float = 1e-4,
 ) -> LossSums:
-    """The DSpine losses of one sequence's blocks, as weighted sums (§5).
+    """The DSpine losses of one sequence's blocks, as weighted sums.
 
     teacher_hidden [N, bs-1, H] = target final-norm hidden at a+k-1; true_tokens [N, bs] = x_a..x_{a+bs-1}.
     """

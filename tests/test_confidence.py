@@ -55,7 +55,7 @@ def test_labels_match_the_inference_path(target):
     want, want_greedy = [], []
     for slot in range(1, BS):
         cand = ref.logits[0, slot - 1].topk(draft.top_k).indices
-        refined = draft.refine(ref, slot, ex.ids[a + slot - 1 : a + slot])[0]
+        refined = draft.refine_slots(ref, ex.ids[None, a : a + BS - 1])[0, slot - 1]
         q = torch.softmax((target.head_weight[cand] @ refined).float(), dim=-1)
         p = p_all[a + slot - 1]
         want.append(float(torch.minimum(q, p[cand]).sum().detach()))

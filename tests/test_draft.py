@@ -267,6 +267,13 @@ def test_shorter_block_is_a_prefix_of_the_longer_one(target):
 # 3. transition cache == sequential refinement
 
 
+@torch.no_grad()
+def refine_one(draft, out, slot: int, pred: torch.Tensor) -> torch.Tensor:
+    """h~(slot | pred) [B, H]: one slot's refined, normed state given predecessor tokens ``pred`` [B] -- the
+    sequential definition the transition cache batches (every slot is refined with ``pred``; one is kept)."""
+    return draft.refine_slots(out, pred[:, None].expand(-1, out.hidden.shape[1] - 1))[:, slot - 1]
+
+
 def test_transition_walk_equals_sequential_refinement(target):
     draft = make_draft(target, top_k=6)
     cache, _ = fill_context(draft, [12, 5, 8, 1])
@@ -280,7 +287,7 @@ def test_transition_walk_equals_sequential_refinement(target):
     prev, prev_idx = anchor, torch.zeros(B, dtype=torch.long)
     seq = []
     for i in range(1, n + 1):
-        h = draft.refine(out, i, prev)  # [B, H]
+        h = refine_one(draft, out, i, prev)  # [B, H]
         s = torch.einsum("bh,bkh->bk", h, head[tr.cand[:, i - 1]])
         torch.testing.assert_close(s, tr.scores[rows, i - 1, prev_idx], atol=1e-5, rtol=1e-5)
         prev_idx = s.argmax(-1)
@@ -438,7 +445,7 @@ def test_dynamic_threshold_stops_at_first_low_confidence(target):
     out = draft.backbone(cache, anchor, target)
     prev = anchor
     for i in range(1, BS):
-        c = draft.confidence(draft.refine(out, i, prev), prev)
+        c = draft.confidence(refine_one(draft, out, i, prev), prev)
         torch.testing.assert_close(free.confidence[:, i - 1], c, atol=1e-6, rtol=1e-6)
         prev = free.tokens[:, i - 1]
     theta = float(free.confidence.median())
@@ -630,7 +637,7 @@ def test_load_in_bfloat16_runs(target, tmp_path):
 # init_draft and 7. tap ids
 
 
-TAP_TABLE = [  # design §1 examples, plus the one-tap rule
+TAP_TABLE = [  # known target depths and their tap layers, plus the one-tap rule
     (36, 5, [1, 9, 17, 25, 33]),
     (64, 5, [1, 16, 31, 46, 61]),
     (32, 5, [1, 8, 15, 22, 29]),
@@ -705,7 +712,7 @@ def _propose_refining_chosen_only(draft, cache, anchor, target, temperature, gen
 
     def slot_scores(i: int, prev: torch.Tensor):
         pred = out.anchor if i == 0 else cand[rows, i - 1, prev]  # [B]
-        refined = draft.refine(out, 1 + i, pred)  # [B, H]
+        refined = refine_one(draft, out, 1 + i, pred)  # [B, H]
         scores = (w[:, i] @ refined.to(w.dtype)[:, :, None])[..., 0].float()  # [B, k]
         return scores, draft.confidence(refined, pred) if draft.confidence_enabled else None
 

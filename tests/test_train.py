@@ -1,4 +1,4 @@
-"""DSpine trainer (design §5, §9 test 6 and 11): mask parity with inference, schedules, anchors, a smoke run.
+"""DSpine trainer: mask parity with inference, schedules, anchors, a smoke run.
 
 Tiny random Qwen3 target (hidden 64, vocab 256) saved by transformers; tiny drafts (2 layers, rank 16).
 """
@@ -96,7 +96,7 @@ def test_mask_parity_with_incremental_inference(target, window):
         ref = draft.backbone(cache, ex.ids[a : a + 1], target)
         torch.testing.assert_close(train_logits[n], ref.logits[0], rtol=1e-4, atol=1e-4)
         for slot in (1, BS - 1):
-            want = draft.refine(ref, slot, truth[n, slot - 1 : slot])
+            want = draft.refine_slots(ref, truth[n : n + 1, :-1])[:, slot - 1]
             torch.testing.assert_close(refined[n, slot - 1], want[0], rtol=1e-4, atol=1e-4)
 
 

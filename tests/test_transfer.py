@@ -1,4 +1,4 @@
-"""Transfer space (§2.2): codes from the target head, readouts = D^T, stored (never recomputed), gated by a flag."""
+"""Transfer space: codes from the target head, readouts = D^T, stored (never recomputed), gated by a flag."""
 
 from __future__ import annotations
 
