@@ -6,9 +6,16 @@ import random
 
 import pytest
 import torch
-from fakes import LookaheadDraft, RandomDraft, ScriptedDraft
+from fakes import JoiningScriptedDraft, LookaheadDraft, RandomDraft, ScriptedDraft
 
 from dspine import generate
+from dspine.cost import CostModel
+
+# Synthetic cost models (seconds): drafting nearly free (speculate whenever acceptance is plausible), drafting
+# dearer than a target step (speculate only when acceptance is high), drafting never worth it.
+CHEAP = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
+MID = CostModel.flat(target_s=1.0, per_token_s=0.05, draft_s=0.6)
+NEVER = CostModel.flat(target_s=1.0, per_token_s=0.0, draft_s=1e6)
 
 
 def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
@@ -45,6 +52,68 @@ def test_greedy_speculative_equals_ar(target, batch, bs):
                 assert s.stats.verify_steps == -(-(len(a.token_ids) - 1) // bs)
             if rate == 1.0:
                 assert s.stats.draft_tokens_accepted == 0
+
+
+@pytest.mark.parametrize("cost", [CHEAP, MID, NEVER], ids=["cheap", "mid", "never"])
+@pytest.mark.parametrize("batch_size", [2, 8])
+def test_greedy_cost_aware_continuous_equals_ar(target, cost, batch_size):
+    """Cost-aware ℓ (ℓ = 0 rounds included) and rows joining freed slots: still exactly the plain output."""
+    prompts = _prompts(7, target.vocab_size, seed=batch_size)
+    budgets = [3, 17, 9, 24, 1, 12, 20]
+    ar = generate(target, None, prompts, max_new_tokens=budgets)
+    script = [o.token_ids for o in ar]
+    for rate, dyn in [(0.0, None), (0.3, 0.5), (1.0, None)]:
+        draft = JoiningScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(7, rate))
+        spec = generate(target, draft, prompts, max_new_tokens=budgets, dynamic_threshold=dyn, verify="cost",
+                        cost=cost, batch_size=batch_size)
+        assert [s.token_ids for s in spec] == script
+        for s, a in zip(spec, ar):
+            st = s.stats
+            assert s.finish_reason == a.finish_reason
+            assert sum(st.accept_histogram) == st.verify_steps
+            assert st.round_tokens + st.plain_steps == len(s.token_ids) - 1  # every token after the first
+            assert st.round_tokens >= st.verify_steps
+        if cost is NEVER:  # drafting never pays: every round is a plain step and the draft never runs
+            assert draft.calls == 0 and all(s.stats.verify_steps == 0 for s in spec)
+        if cost is CHEAP and rate == 0.0:  # a perfect draft that costs nothing is used
+            assert all(s.stats.verify_steps > 0 for s in spec if len(s.token_ids) > 2)
+
+
+def test_plain_steps_equal_plain_sampling(llama_target):
+    """ℓ = 0 everywhere draws exactly the plain decoder's uniforms: same sampled tokens, not just same law."""
+    prompts = _prompts(5, 256, seed=8)
+    kw = dict(max_new_tokens=15, temperature=0.9, top_p=0.95, top_k=50, seed=[21, 22, 23, 24, 25])
+    plain = generate(llama_target, None, prompts, **kw)
+    draft = JoiningScriptedDraft(prompts, [o.token_ids for o in plain], block_size=4)
+    spec = generate(llama_target, draft, prompts, verify="cost", cost=NEVER, batch_size=2, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert draft.calls == 0
+
+
+def test_continuous_batching_hands_rows_back_as_they_finish(llama_target):
+    """decode_stream yields a short request before a long one that started with it, and pulls lazily."""
+    from dspine.decode import decode_stream
+    from dspine.sampling import SamplingParams
+
+    prompts = _prompts(5, 256, seed=9)
+    budgets = [30, 2, 30, 3, 4]
+    pulled = []
+
+    def feed():
+        for i, p in enumerate(prompts):
+            pulled.append(i)
+            yield p, SamplingParams(max_new_tokens=budgets[i])
+
+    order = []
+    for i, out in decode_stream(llama_target, None, feed(), batch_size=2):
+        order.append(i)
+        assert len(out.token_ids) == budgets[i]
+        assert len(pulled) <= len(order) + 2  # at most batch_size requests open beyond those handed back
+    # 1 leaves after its 2 tokens and 2 takes its slot; 3 and 4 take the slots 0 and then 3 leave
+    assert order == [1, 0, 2, 3, 4]
+    ref = generate(llama_target, None, prompts, max_new_tokens=budgets)
+    again = generate(llama_target, None, prompts, max_new_tokens=budgets, batch_size=2)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
 
 
 def test_oracle_tau_equals_block_size(llama_target):
