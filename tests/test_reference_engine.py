@@ -238,9 +238,9 @@ def test_overlong_request_fails_alone(tiny):
     eng = _engine(tiny, draft=False)
     reqs = _requests(eng, n=3)
     reqs[1].prompt_ids = reqs[1].prompt_ids * 10  # longer than the 96-token context
-    out = list(eng.run(iter(reqs), 8))
-    assert out[0].error is None and out[2].error is None
-    assert "engine rejected the request" in out[1].error
+    out = {r.key: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
+    assert out["r0"].error is None and out["r2"].error is None
+    assert "engine rejected the request" in out["r1"].error
 
 
 def test_embedded_draft_only_with_the_embedded_model(tiny, capsys, monkeypatch):
@@ -269,7 +269,9 @@ def test_cli_on_the_reference_engine(tiny, tmp_path, monkeypatch):
               "--draft", str(tiny[1]), "--max-new-tokens", "5", "--progress", "none", "--stop", "the"])
     assert e.value.code == 0
     rows = read_output(out)
-    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["verify_steps"] for r in rows)
+    # the speculative columns are filled with a draft (verify_steps may be 0: cost-aware verification can
+    # judge a random draft not worth running, and then every round is a plain step)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["verify_steps"] is not None for r in rows)
     assert all("the" not in (r["output"] or "") for r in rows)
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["fingerprint_fields"]["engine"]["draft"]["path"] == str(tiny[1])
