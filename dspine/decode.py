@@ -14,7 +14,8 @@ Speculative round, with ``s`` = tokens generated so far per row and ``x`` = the 
   verify.accept                                -> n accepted drafts + 1 correction/bonus token per row
   target.commit(n + 1); draft.extend_context(taps of the n + 1 committed slots)
 The host reads the round's outcome once (one ``tolist``); on CPU it also reads the final ℓ to shrink the
-forward to the longest verified row.
+forward to the longest verified row (free there), and cost-aware rounds that use a confidence head read the
+confidences to plan (a second sync on an accelerator).
 
 Randomness is keyed by (request seed, position, purpose) (``sampling.keyed_uniforms``): a plain step at
 position s and a speculative round starting at s that verifies nothing draw the same uniform, so a request
@@ -49,7 +50,7 @@ from .sampling import (
 )
 from .schedule import History, plan
 from .target import Target
-from .verify import accept
+from .verify import accept, check_rows
 
 VERIFY_MODES = ("cost", "fixed")
 
@@ -269,11 +270,11 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
         temps = torch.tensor([sp.temperature if s else 0.0 for sp, s in zip(params, sampled)], device=dev)
         prop = draft.propose(batch.dcache, anchor, target, temps, _draft_generators(rows, sampled),
                              block_size=W + 1, dynamic_threshold=cfg.dynamic_threshold)
-        ell = torch.minimum(ell, prop.n_draft.clamp(0, W).cpu())
+        ell = torch.minimum(ell.to(dev), prop.n_draft.to(dev).clamp(0, W))
         conf = getattr(prop, "confidence", None)
-        if cfg.verify == "cost" and conf is not None:
+        if cfg.verify == "cost" and conf is not None:  # reads the confidences (a host sync off the CPU)
             a = conf[:, :W].float().cpu().cumprod(-1)
-            ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell, sunk_block=W + 1)
+            ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell.cpu(), sunk_block=W + 1).to(dev)
         if dev.type == "cpu":  # free to read here: verify no wider than the longest row needs
             W = int(ell.max())
         props = prop.tokens[:, :W].to(dev)
@@ -288,9 +289,10 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     if W > 0:
         target.commit(batch.cache, n_commit)
     draft.extend_context(batch.dcache, out.taps, n_commit)
-    host = torch.cat([verdict.n_accepted[:, None], ell.to(dev)[:, None], verdict.committed], dim=1).tolist()
+    host = torch.cat([verdict.n_accepted[:, None], verdict.invalid[:, None].long(), ell.to(dev)[:, None],
+                      verdict.committed], dim=1).tolist()  # the round's one host read
     acc_l, ell_l = [], []
-    for r, (k, e, *committed) in zip(rows, host):
+    for r, (k, _, e, *committed) in zip(rows, check_rows(host)):
         st = r.stats
         kept = r.push(committed[: k + 1])
         if e == 0:

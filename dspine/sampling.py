@@ -76,10 +76,10 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     logits = logits.float()
     B, T, V = logits.shape
     dev = logits.device
-    greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool, device=dev)
     onehot = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
-    if bool(greedy.all()):
+    if all(sp.greedy for sp in params):
         return onehot
+    greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool, device=dev)
     temp = torch.tensor([sp.temperature if not sp.greedy else 1.0 for sp in params], dtype=torch.float32, device=dev)
     lg = logits / temp[:, None, None]
     ks = [sp.top_k if 0 < sp.top_k < V and not sp.greedy else 0 for sp in params]
@@ -148,6 +148,4 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = idx.clamp(max=probs.shape[-1] - 1)
     # never return a zero-probability token because of rounding at the top end
     bad = probs.gather(-1, idx[..., None]).squeeze(-1) <= 0
-    if bad.any():
-        idx = torch.where(bad, probs.argmax(-1), idx)
-    return idx
+    return torch.where(bad, probs.argmax(-1), idx)  # unconditional: no host read of ``bad``

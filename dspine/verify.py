@@ -13,8 +13,8 @@ the argmax, and the correction/bonus is the argmax.
 
 The uniforms come from the caller (``u_accept [B, L]`` for the tests, ``u_final [B]`` for the last token):
 the decoding loop keys them by request seed and position (``sampling.keyed_uniforms``), so they never depend
-on the batch. Nothing here synchronises with the host: the result stays on the device until the caller
-reads it once.
+on the batch. Nothing here synchronises with the host: the result (with a per-row flag for a draft that
+proposed outside its own q) stays on the device until the caller reads it once (``check_rows``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,20 @@ from .sampling import sample_from
 class Verdict:
     n_accepted: torch.Tensor  # LongTensor [B]: accepted draft tokens per row (0..ℓ)
     committed: torch.Tensor  # LongTensor [B, L+1]: row b commits committed[b, : n_accepted[b] + 1]
+    invalid: torch.Tensor  # BoolTensor [B]: the draft proposed a token outside its own q (a draft bug)
 
     @property
     def tokens(self) -> list[list[int]]:
         """Committed tokens per row (accepted drafts + the correction/bonus token); one host read."""
-        n = self.n_accepted.tolist()
-        return [row[: k + 1] for row, k in zip(self.committed.tolist(), n)]
+        host = torch.cat([self.n_accepted[:, None], self.invalid[:, None].long(), self.committed], dim=1).tolist()
+        return [row[2 : row[0] + 3] for row in check_rows(host)]
+
+
+def check_rows(host: list[list[int]]) -> list[list[int]]:
+    """Raise on a row flagged invalid in a host copy laid out as [n_accepted, invalid, committed...]."""
+    if any(row[1] for row in host):
+        raise RuntimeError("draft proposed a token outside the support of its own q")
+    return host
 
 
 def accept(
@@ -57,12 +65,12 @@ def accept(
         px = p[:, :L].gather(-1, props[..., None])[..., 0]  # [B, L]
         qx = torch.ones_like(px) if q is None else q[:, :L].to(dev, p.dtype).gather(-1, props[..., None])[..., 0]
         inside = torch.arange(L, device=dev)[None, :] < ell[:, None]
-        if bool(((qx <= 0) & inside).any()):
-            raise RuntimeError("draft proposed a token outside the support of its own q")
+        invalid = ((qx <= 0) & inside).any(-1)
         ok = (u_accept[:, :L].to(dev) * qx < px) & inside  # accept with probability min(1, p/q)
         n_acc = ok.long().cumprod(-1).sum(-1)  # length of the accepted prefix
     else:
         n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+        invalid = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)
     p_last = p[rows, n_acc]  # [B, V]: where the round ends
     rejected = n_acc < ell
@@ -80,4 +88,4 @@ def accept(
     last = sample_from(resid, u_final.to(dev))
     committed = torch.cat([props, torch.zeros(B, 1, dtype=torch.long, device=dev)], dim=1)
     committed[rows, n_acc] = last
-    return Verdict(n_acc, committed)
+    return Verdict(n_acc, committed, invalid)

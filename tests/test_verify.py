@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspine.verify import accept
@@ -46,3 +47,13 @@ def test_single_step_output_law_is_p():
             counts[t[0]] += 1
     freq = counts / n
     assert (freq - p1).abs().max() < 0.01
+
+
+def test_proposal_outside_its_own_q_is_an_error():
+    p = torch.full((1, 2, 4), 0.25)
+    q = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]])
+    v = accept(p, torch.tensor([[2]]), q, torch.tensor([1]), torch.rand(1, 1), torch.rand(1))
+    with pytest.raises(RuntimeError, match="outside the support of its own q"):
+        _ = v.tokens
+    ok = accept(p, torch.tensor([[1]]), q, torch.tensor([1]), torch.rand(1, 1), torch.rand(1))
+    assert len(ok.tokens[0]) in (1, 2)
