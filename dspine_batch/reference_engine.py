@@ -19,6 +19,7 @@ from typing import Any
 from .engine import Request, Result
 from .errors import FatalError, UsageError
 from .manifest import content_digest
+from .stop_strings import cut_at_stop
 from .tokenizer import HFTokenizer
 
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str}
@@ -115,7 +116,7 @@ class ReferenceEngine:
         import torch
 
         from dspine import load_draft, load_target
-        from dspine.draft import read_decode_defaults
+        from dspine.draft_io import read_decode_defaults
 
         if "threads" in opts:
             torch.set_num_threads(opts["threads"])
@@ -146,17 +147,8 @@ class ReferenceEngine:
         return int(self.target.max_position) - (self.block_size or 1) - 1
 
     @property
-    def has_chat_template(self) -> bool:
-        return self.tok.has_chat_template
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tok.render_chat(messages)
-
-    def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
-        return self.tok.stop_token_ids(stop)
+    def tokenizer(self) -> Any:
+        return self.tok
 
     def close(self) -> None:
         self.target = self.draft = None
@@ -190,7 +182,7 @@ class ReferenceEngine:
             for i, out in stream:
                 req = pending.pop(i)
                 if out.error is not None:
-                    yield Result(req.key, req.sample_index, prompt_tokens=len(req.prompt_ids),
+                    yield Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
                                  error=f"engine rejected the request: {refused.pop(i, out.error)}")
                 else:
                     yield self._result(req, out)
@@ -212,13 +204,10 @@ class ReferenceEngine:
         tokens = list(out.token_ids)
         text = self.tok.decode(tokens)
         finish = out.finish_reason
-        for s in req.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                k = next((k for k in range(1, len(tokens) + 1) if s in self.tok.decode(tokens[:k])), len(tokens))
-                tokens = tokens[:k]
-        res = Result(req.key, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
+        cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
+        if cut is not None:
+            (text, tokens), finish = cut, "stop"
+        res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)))
         st = out.stats
         if self.draft is not None:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decode.SpecStats

@@ -104,8 +104,8 @@ def _engine(tiny, draft=True, **args):
 
 def _requests(engine, n=4, **p):
     texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
-    return [Request(f"r{i}", 0, engine.render_chat([{"role": "user", "content": texts[i % 5]}]),
-                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.stop_token_ids([]), **p))
+    return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
+                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
             for i in range(n)]
 
 
@@ -136,7 +136,7 @@ def test_cost_aware_verification_is_the_default(tiny, tmp_path):
     reqs = _requests(eng, n=5)
     got = list(eng.run(iter(reqs), 8))
     plain = list(_engine(tiny, draft=False).run(iter(reqs), 8))
-    assert sorted((r.key, r.token_ids) for r in got) == sorted((r.key, r.token_ids) for r in plain)
+    assert sorted((r.row_id, r.token_ids) for r in got) == sorted((r.row_id, r.token_ids) for r in plain)
     assert all(r.verify_steps is not None and r.draft_tokens_proposed is not None for r in got)
     cached = list((tmp_path / "dspine-cache" / "cost").glob("*.json"))
     assert len(cached) == 1
@@ -161,7 +161,7 @@ def test_rows_stream_back_as_they_finish(tiny):
     reqs = _requests(eng, n=4)
     for r, m in zip(reqs, [40, 2, 40, 2]):
         r.params = SamplingParams(max_new_tokens=m, stop_token_ids=())
-    keys = [r.key for r in eng.run(iter(reqs), 8)]
+    keys = [r.row_id for r in eng.run(iter(reqs), 8)]
     assert keys.index("r1") < keys.index("r0") and keys.index("r3") < keys.index("r2")
 
 
@@ -226,7 +226,7 @@ def test_per_request_sampling_and_bounded_batches(tiny):
 
     def feed():
         for r in reqs:
-            pulled.append(r.key)
+            pulled.append(r.row_id)
             yield r
 
     it = eng.run(feed(), 8)
@@ -238,7 +238,7 @@ def test_overlong_request_fails_alone(tiny):
     eng = _engine(tiny, draft=False)
     reqs = _requests(eng, n=3)
     reqs[1].prompt_ids = reqs[1].prompt_ids * 10  # longer than the 96-token context
-    out = {r.key: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
+    out = {r.row_id: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
     assert out["r0"].error is None and out["r2"].error is None
     assert "engine rejected the request" in out["r1"].error
 
