@@ -264,6 +264,7 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     else:
         ell = plan(batch.hist.survival(), greedy, cfg.cost, cfg.nominal_rows)
     W = int(ell.max())
+    pre = ell
     props, q = torch.zeros(B, 0, dtype=torch.long, device=dev), None
     if W > 0:
         sampled = [not sp.greedy and int(e) > 0 for sp, e in zip(params, ell)]
@@ -274,7 +275,8 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
         conf = getattr(prop, "confidence", None)
         if cfg.verify == "cost" and conf is not None:  # reads the confidences (a host sync off the CPU)
             a = conf[:, :W].float().cpu().cumprod(-1)
-            ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell.cpu(), sunk_block=W + 1).to(dev)
+            ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell.cpu(), sunk_block=W + 1,
+                       row_blocks=pre + 1).to(dev)
         if dev.type == "cpu":  # free to read here: verify no wider than the longest row needs
             W = int(ell.max())
         props = prop.tokens[:, :W].to(dev)

@@ -89,22 +89,23 @@ def _tokens(a: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.cat([zero, a.cumsum(-1)], dim=-1)
 
 
-def row_rule(a: torch.Tensor, cost: CostModel, nominal_rows: int, sunk_block: int | None = None) -> torch.Tensor:
+def row_rule(
+    a: torch.Tensor, cost: CostModel, nominal_rows: int, sunk_blocks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-row ℓ from the row's own survival a [rows, n] at ``nominal_rows``: tokens/s improving left to right.
 
-    ``sunk_block`` (after the draft ran): the draft time of that block is paid whatever ℓ is.
+    ``sunk_blocks`` [rows] (after the draft ran): the block each row itself chose before drafting; its draft
+    time is paid whatever ℓ is (the row's own choice, not the batch's, so the rule stays a function of the row).
     """
     n = a.shape[1]
-    secs = []
-    for ell in range(n + 1):
-        t = cost.target_s(nominal_rows, ell + 1)
-        if sunk_block is not None:
-            t += cost.draft_s(nominal_rows, sunk_block)
-        elif ell:
-            t += cost.draft_s(nominal_rows, ell + 1)
-        secs.append(t)
-    obj = _tokens(a) / torch.tensor(secs, dtype=a.dtype, device=a.device)[None, :]
-    return _leading_improvements(obj)
+    secs = torch.tensor([cost.target_s(nominal_rows, ell + 1) for ell in range(n + 1)], dtype=a.dtype)[None, :]
+    if sunk_blocks is None:
+        draft = torch.tensor([0.0] + [cost.draft_s(nominal_rows, ell + 1) for ell in range(1, n + 1)], dtype=a.dtype)
+        secs = secs + draft[None, :]
+    else:
+        by_block = torch.tensor([0.0, 0.0] + [cost.draft_s(nominal_rows, b) for b in range(2, n + 2)], dtype=a.dtype)
+        secs = secs + by_block[sunk_blocks.clamp(0, n + 1)][:, None]
+    return _leading_improvements(_tokens(a) / secs.to(a.device))
 
 
 def batch_width(
@@ -131,15 +132,18 @@ def batch_width(
 
 def plan(
     a: torch.Tensor, greedy: torch.Tensor, cost: CostModel, nominal_rows: int, cap: torch.Tensor | None = None,
-    sunk_block: int | None = None,
+    sunk_block: int | None = None, row_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ℓ [rows] (CPU long) for survival a [rows, n] (CPU): sampled rows by ``row_rule``, greedy rows by
-    ``batch_width``; ``cap`` [rows] bounds ℓ (the draft's own stop, or the pre-draft plan)."""
+    ``batch_width``; ``cap`` [rows] bounds ℓ (the draft's own stop, or the pre-draft plan). After the draft ran,
+    ``sunk_block`` is the block it drafted (greedy rows) and ``row_blocks`` [rows] each row's own pre-draft
+    block (sampled rows)."""
     rows, n = a.shape
     ell = torch.zeros(rows, dtype=torch.long)
     sampled = ~greedy
     if bool(sampled.any()):
-        ell[sampled] = row_rule(a[sampled], cost, nominal_rows, sunk_block)
+        own = None if row_blocks is None else row_blocks[sampled]
+        ell[sampled] = row_rule(a[sampled], cost, nominal_rows, own)
         if cap is not None:
             ell = torch.minimum(ell, cap)
     floor = int(ell.max()) if rows else 0

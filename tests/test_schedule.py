@@ -56,3 +56,18 @@ def test_history_learns_forgets_and_follows_rows():
     assert torch.equal(sel.trials, h.trials[1:])
     h.assign([0], History.empty(1, 3))
     assert torch.allclose(h.survival()[0], prior)
+
+
+def test_sampled_rows_pay_their_own_draft_block_not_the_batch_widest():
+    """After drafting, a sampled row's ℓ uses the block it chose itself, so a wider neighbour cannot move it."""
+    # draft time grows with the block: 0.1 s at 2, 0.7 s at 4
+    cost = CostModel(ROWLESS.target, Grid((1, 2), (2, 4), ((0.1, 0.7), (0.1, 0.7))))
+    a = torch.tensor([[0.15, 0.05, 0.01], [0.99, 0.98, 0.97]])
+    mine = plan(a[:1], torch.tensor([False]), cost, 4, cap=torch.tensor([1]), sunk_block=2,
+                row_blocks=torch.tensor([2]))
+    both = plan(a, torch.tensor([False, True]), cost, 4, cap=torch.tensor([1, 3]), sunk_block=4,
+                row_blocks=torch.tensor([2, 4]))
+    assert both.tolist() == [int(mine[0]), 3]
+    # the sunk draft time does matter: had the row itself drafted a block of 4, one check would pay
+    assert mine.tolist() == [0]
+    assert plan(a[:1], torch.tensor([False]), cost, 4, cap=torch.tensor([1]), row_blocks=torch.tensor([4])) == 1
