@@ -350,18 +350,25 @@ def test_sampled_joint_of_three_tokens_matches_target(small_vocab_target, name, 
         assert proposed < steps * (bs - 1)
 
 
-@pytest.mark.parametrize("verify", ["fixed", "cost"])
-def test_sampled_rows_independent_of_batch_and_join_time(llama_target, verify):
-    """Same seed -> same tokens: alone, in a batch, or joining a running batch late (any row order)."""
+# the draft's time grows with its block: a greedy neighbour that drafts wide must not move a sampled row's ℓ
+STEEP = CostModel(ROWLESS.target, Grid((1, 2), (2, 4), ((0.1, 0.7), (0.1, 0.7))))
+
+
+@pytest.mark.parametrize("verify,cost", [("fixed", None), ("cost", ROWLESS), ("cost", STEEP)],
+                         ids=["fixed", "cost-rowless", "cost-steep"])
+def test_sampled_rows_independent_of_batch_and_join_time(llama_target, verify, cost):
+    """Same seed -> same tokens: alone, in a batch (with greedy neighbours), or joining a running batch late."""
     d = _random_dspine(llama_target, 4, seed=3)
     prompts = _prompts(6, 256, seed=10)
     budgets, seeds = [12, 3, 9, 14, 5, 10], [31, 32, 33, 34, 35, 36]
-    kw = dict(temperature=0.9, top_k=50, verify=verify, cost=ROWLESS, batch_size=3)
-    together = generate(llama_target, d, prompts, max_new_tokens=budgets, seed=seeds, **kw)
-    backwards = generate(llama_target, d, prompts[::-1], max_new_tokens=budgets[::-1], seed=seeds[::-1], **kw)
+    temps = [0.9, 0.0, 0.9, 0.0, 0.9, 0.9]
+    kw = dict(top_k=50, verify=verify, cost=cost, batch_size=3)
+    together = generate(llama_target, d, prompts, max_new_tokens=budgets, seed=seeds, temperature=temps, **kw)
+    backwards = generate(llama_target, d, prompts[::-1], max_new_tokens=budgets[::-1], seed=seeds[::-1],
+                         temperature=temps[::-1], **kw)
     assert [o.token_ids for o in backwards[::-1]] == [o.token_ids for o in together]
     for i, p in enumerate(prompts):
-        alone = generate(llama_target, d, [p], max_new_tokens=budgets[i], seed=seeds[i], **kw)
+        alone = generate(llama_target, d, [p], max_new_tokens=budgets[i], seed=seeds[i], temperature=temps[i], **kw)
         assert alone[0].token_ids == together[i].token_ids
     assert sum(o.stats.verify_steps for o in together) > 0
 
