@@ -4,8 +4,9 @@ Losslessness is defined against the *processed* target distribution ``p`` (tempe
 top-p), so AR sampling, rejection sampling and residual sampling must all use the very same ``p`` — which is
 why there is exactly one function here that makes it.
 
-Randomness is per request: each request owns a ``torch.Generator`` seeded from its own seed and draws a
-fixed number of uniforms per step, so its output never depends on which other requests share the batch.
+Randomness is per request and keyed by position: the uniforms that decide generated token t of a request are
+a hash of (its seed, t, what they are for), so its output never depends on which other requests share the
+batch, when it joined, or how the decoding loop grouped its work into rounds.
 """
 
 from __future__ import annotations
@@ -69,29 +70,74 @@ def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Gener
 def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits [B, T, V] -> probabilities [B, T, V] (fp32) of the processed target distribution, per row.
 
-    Greedy rows get a one-hot at the argmax (their "distribution" is deterministic).
+    Greedy rows get a one-hot at the argmax (their "distribution" is deterministic). One batched pass for all
+    rows (per-row temperature, top-k and top-p as tensors): no Python loop over rows or positions.
     """
     logits = logits.float()
     B, T, V = logits.shape
-    out = torch.empty_like(logits)
-    for b, sp in enumerate(params):
-        lg = logits[b]
-        if sp.greedy:
-            out[b] = torch.nn.functional.one_hot(lg.argmax(-1), V).float()
-            continue
-        lg = lg / sp.temperature
-        if sp.top_k and sp.top_k < V:
-            kth = lg.topk(sp.top_k, dim=-1).values[..., -1:]
-            lg = lg.masked_fill(lg < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            sorted_lg, order = lg.sort(dim=-1, descending=True)
-            cum = sorted_lg.softmax(-1).cumsum(-1)
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            drop_sorted = (cum - sorted_lg.softmax(-1)) >= sp.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            lg = lg.masked_fill(drop, float("-inf"))
-        out[b] = lg.softmax(-1)
-    return out
+    dev = logits.device
+    onehot = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
+    if all(sp.greedy for sp in params):
+        return onehot
+    greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool, device=dev)
+    temp = torch.tensor([sp.temperature if not sp.greedy else 1.0 for sp in params], dtype=torch.float32, device=dev)
+    lg = logits / temp[:, None, None]
+    ks = [sp.top_k if 0 < sp.top_k < V and not sp.greedy else 0 for sp in params]
+    if any(ks):
+        kmax = max(ks)
+        kth_idx = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long, device=dev)
+        vals = lg.topk(kmax, dim=-1).values  # [B, T, kmax]
+        kth = vals.gather(-1, kth_idx[:, None, None].expand(B, T, 1))
+        active = torch.tensor([k > 0 for k in ks], dtype=torch.bool, device=dev)[:, None, None]
+        lg = lg.masked_fill(active & (lg < kth), float("-inf"))
+    tps = [sp.top_p if sp.top_p < 1.0 and not sp.greedy else 1.0 for sp in params]
+    if any(t < 1.0 for t in tps):
+        sorted_lg, order = lg.sort(dim=-1, descending=True)
+        sm = sorted_lg.softmax(-1)
+        top_p = torch.tensor(tps, dtype=torch.float32, device=dev)[:, None, None]
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays); rows without
+        # top-p are left alone (rounding could otherwise drop their far tail)
+        drop_sorted = ((sm.cumsum(-1) - sm) >= top_p) & (top_p < 1.0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        lg = lg.masked_fill(drop, float("-inf"))
+    return torch.where(greedy[:, None, None], onehot, lg.softmax(-1))
+
+
+# -- position-keyed randomness ------------------------------------------------------------------------------
+#
+# A row's random numbers are a pure function of (its seed, the generated position they decide, a stream tag,
+# a slot index): a counter-based hash, computed for the whole batch in a few integer tensor ops. Which other
+# rows share the batch, when the row joined and how many rounds came before can therefore not change them.
+
+_M32 = 0xFFFFFFFF
+STREAM_FINAL = 1  # the token a round ends with: correction, bonus, or the plain step's sample
+STREAM_ACCEPT = 2  # accept/reject tests of drafted slots
+STREAM_DRAFT = 3  # seeds the draft's generator for the proposals of a round
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, "lowbias32" constants) on int64 tensors holding u32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def keyed_hash(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
+    """u32 hashes [B, n] of (seed [B], position [B], stream, slot 0..n-1); int64 tensors."""
+    seeds = seeds.long() & ((1 << 63) - 1)
+    h = _mix32((seeds & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ (positions.long() & _M32) ^ 0x85EBCA6B)
+    h = _mix32(h ^ (stream * 0xC2B2AE35 & _M32))
+    slots = torch.arange(n, dtype=torch.long, device=h.device)
+    return _mix32(h[:, None] ^ _mix32(slots * 0x27D4EB2F + 0x165667B1 & _M32)[None, :])
+
+
+def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
+    """Uniforms in [0, 1) [B, n] (24-bit, float32) keyed by (seed, position, stream, slot)."""
+    return (keyed_hash(seeds, positions, stream, n) >> 8).float() * (1.0 / (1 << 24))
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -102,6 +148,4 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     idx = idx.clamp(max=probs.shape[-1] - 1)
     # never return a zero-probability token because of rounding at the top end
     bad = probs.gather(-1, idx[..., None]).squeeze(-1) <= 0
-    if bad.any():
-        idx = torch.where(bad, probs.argmax(-1), idx)
-    return idx
+    return torch.where(bad, probs.argmax(-1), idx)  # unconditional: no host read of ``bad``

@@ -1,9 +1,11 @@
-"""The CPU reference engine: ``dspine.generate`` (speculative with a DSpine draft, plain AR without).
+"""The CPU reference engine: ``dspine.decode.decode_stream`` (speculative with a DSpine draft, plain AR without).
 
-``dspine.generate`` is batch-synchronous, so ``run`` pulls up to ``batch_size`` requests, generates them in
-one call with per-request sampling lists, and yields the results; admission stops as soon as the request
-iterator does. A batch that ``generate`` rejects (e.g. one over-long prompt) is retried request by request so
-one bad row cannot fail its neighbours. Stop strings are applied after generation (the API takes token ids).
+``run`` streams: up to ``batch_size`` requests decode together, a finished request is yielded the round it
+finishes (so the sink commits it at once) and the next request is pulled from the iterator only when a slot is
+free, so admission stops as soon as the request iterator does. A request the decoder rejects (e.g. an over-long
+prompt) comes back as that row's error, never its neighbours'. Stop strings are applied after generation (the
+decoder takes token ids). Verification is cost-aware by default (``verify=cost``; ``verify=fixed`` verifies
+whole blocks): the cost model is calibrated once per model, machine and thread count and cached on disk.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .manifest import content_digest
 from .stop_strings import cut_at_stop
 from .tokenizer import HFTokenizer
 
-ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float}
+ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str}
 
 
 def _model_identity(path: Path) -> dict[str, Any]:
@@ -82,7 +84,8 @@ class ReferenceEngine:
     name = "reference"
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
-                 batch_size: int, block_size: int | None, dynamic_threshold: float | None = None):
+                 batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
+                 verify: str = "cost"):
         self.target, self.draft, self.tok = target, draft, tokenizer
         self.model_path, self.draft_path = model_path, draft_path
         self.batch_size = batch_size
@@ -94,6 +97,10 @@ class ReferenceEngine:
                           "block_size": self.block_size, "dtype": "float32"}
         if self.dynamic_threshold is not None:
             self._identity["dynamic_threshold"] = self.dynamic_threshold
+        self.verify = verify
+        if draft is not None:
+            self._identity["verify"] = verify
+        self._costs: dict[int, Any] = {}
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -123,11 +130,14 @@ class ReferenceEngine:
             raise UsageError(f"cannot load the model: {e}") from e
         tok = HFTokenizer(model_path)
         # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
+        verify = opts.get("verify", "cost")
+        if verify not in ("cost", "fixed"):
+            raise UsageError(f"--engine-arg verify={verify}: expected cost or fixed")
         block_size = opts.get("block_size", defaults.get("block_size"))
         if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
             raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
-                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")))
+                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify)
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -144,40 +154,51 @@ class ReferenceEngine:
         self.target = self.draft = None
 
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
-        it = iter(requests)
+        from dspine.decode import decode_stream
+        from dspine.sampling import SamplingParams
+
         size = max(1, min(self.batch_size, max_in_flight))
-        while True:
-            batch: list[Request] = []
-            for req in it:
-                batch.append(req)
-                if len(batch) >= size:
-                    break
-            if not batch:
-                return
-            yield from self._generate(batch)
-            if len(batch) < size:
-                return
-
-    def _generate(self, batch: list[Request]) -> list[Result]:
-        from dspine import generate
-
         room = int(self.target.max_position) - (self.block_size or 1)
-        max_new = [max(0, min(r.params.max_new_tokens, room - len(r.prompt_ids))) for r in batch]
+        pending: dict[int, Request] = {}
+        refused: dict[int, str] = {}
+
+        def feed():
+            for i, r in enumerate(requests):
+                pending[i] = r
+                p = r.params
+                try:
+                    sp = SamplingParams(max(0, min(p.max_new_tokens, room - len(r.prompt_ids))), p.temperature,
+                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids))
+                except ValueError as e:  # the decoder refuses an empty prompt: the row gets this error instead
+                    refused[i] = str(e)
+                    yield [], SamplingParams(max_new_tokens=0)
+                    continue
+                yield r.prompt_ids, sp
+
+        stream = decode_stream(self.target, self.draft, feed(), size,
+                               self.block_size if self.draft is not None else None, self.dynamic_threshold,
+                               self.verify, self._cost(size))
         try:
-            outs = generate(self.target, self.draft, [r.prompt_ids for r in batch], max_new_tokens=max_new,
-                            temperature=[r.params.temperature for r in batch], top_p=[r.params.top_p for r in batch],
-                            top_k=[r.params.top_k for r in batch], seed=[r.params.seed for r in batch],
-                            stop_token_ids=[list(r.params.stop_token_ids) for r in batch],
-                            block_size=self.block_size if self.draft is not None else None,
-                            dynamic_threshold=self.dynamic_threshold)
-        except ValueError as e:
-            if len(batch) == 1:
-                return [Result(batch[0].row_id, batch[0].sample_index, prompt_tokens=len(batch[0].prompt_ids),
-                               error=f"engine rejected the request: {e}")]
-            return [res for r in batch for res in self._generate([r])]
+            for i, out in stream:
+                req = pending.pop(i)
+                if out.error is not None:
+                    yield Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
+                                 error=f"engine rejected the request: {refused.pop(i, out.error)}")
+                else:
+                    yield self._result(req, out)
         except RuntimeError as e:
             raise FatalError(f"reference engine failed: {e}") from e
-        return [self._result(r, o) for r, o in zip(batch, outs, strict=True)]
+
+    def _cost(self, rows: int) -> Any:
+        """The calibrated cost model for ``rows`` (cost-aware verification only; cached on disk per identity)."""
+        if self.draft is None or self.verify != "cost":
+            return None
+        if rows not in self._costs:
+            from dspine.cost import load_or_calibrate
+
+            ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
+            self._costs[rows] = load_or_calibrate(self.target, self.draft, rows, self.block_size, ident)
+        return self._costs[rows]
 
     def _result(self, req: Request, out: Any) -> Result:
         tokens = list(out.token_ids)
@@ -189,11 +210,11 @@ class ReferenceEngine:
         res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)))
         st = out.stats
-        if self.draft is not None and st.verify_steps:
+        if self.draft is not None:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decode.SpecStats
             res.verify_steps = st.verify_steps
             res.draft_tokens_proposed = st.draft_tokens_proposed
             res.draft_tokens_accepted = st.draft_tokens_accepted
-            res.accept_length = float(st.accept_length)
+            res.accept_length = float(st.accept_length) if st.verify_steps else None
             res.accept_histogram = list(st.accept_histogram)
         return res
 

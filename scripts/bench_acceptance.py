@@ -93,10 +93,11 @@ def ms(times: list[float]) -> float | None:
     return round(1000 * statistics.mean(times), 2) if times else None
 
 
-def _variant(text: str) -> tuple[int, float | None]:
-    """"8" -> (8, None); "8@0.3" -> (8, 0.3)."""
+def _variant(text: str) -> tuple[int, float | None, str]:
+    """"8" -> (8, None, "fixed"); "8@0.3" -> (8, 0.3, "fixed"); "4:cost" -> (4, None, "cost")."""
+    text, _, verify = text.partition(":")
     bs, _, thr = text.partition("@")
-    return int(bs), (float(thr) if thr else None)
+    return int(bs), (float(thr) if thr else None), verify or "fixed"
 
 
 def main() -> None:
@@ -109,9 +110,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None, help="verify block (default: the draft's)")
     ap.add_argument("--dynamic-threshold", type=float, default=None, help="confidence stop (needs a fitted head)")
     ap.add_argument(
-        "--variants", nargs="*", default=None, metavar="BS[@THRESHOLD]",
-        help="speed runs: speculative settings timed against the same plain runs, e.g. 8 4 8@0.3 (default: one, "
-        "from --block-size/--dynamic-threshold)",
+        "--variants", nargs="*", default=None, metavar="BS[@THRESHOLD][:cost]",
+        help="speed runs: speculative settings timed against the same plain runs, e.g. 8 4 8@0.3 4:cost (:cost = "
+        "cost-aware verification, calibrated before timing; default: one, from --block-size/--dynamic-threshold)",
     )  # fmt: skip
     ap.add_argument("--speed-prompts", type=int, default=8, help="prompts in the speedup runs (mixed datasets)")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -123,6 +124,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from dspine import generate, load_draft, load_target
+    from dspine.cost import load_or_calibrate
     from dspine.embedded import embedded_draft_path, embedded_target_path
 
     model_dir = embedded_target_path()
@@ -135,7 +137,7 @@ def main() -> None:
     thr = args.dynamic_threshold
     res: dict = {"block_size": bs, "dynamic_threshold": thr, "max_new_tokens": M, "threads": args.threads,
                  "draft": str(args.draft or "shipped"), "confidence_trained": draft.confidence_enabled}  # fmt: skip
-    variants = [_variant(v) for v in args.variants] if args.variants else [(bs, thr)]
+    variants = [_variant(v) for v in args.variants] if args.variants else [(bs, thr, "fixed")]
 
     if not args.skip_tau:
         res["tau"] = {}
@@ -158,17 +160,18 @@ def main() -> None:
             batches = [mixed[i : i + c] for i in range(0, len(mixed), c)]
             t_ar, n_ar, ar_steps = 0.0, 0, []
             runs = {v: {"t": 0.0, "n": 0, "same": True, "verify": [], "draft": [], "outs": []} for v in variants}
+            costs = {v: load_or_calibrate(target, draft, c, v[0]) if v[2] == "cost" else None for v in variants}
             for b in batches:  # alternate plain and speculative per batch so load drift hits all alike
                 clock = Clock(target, "forward")
                 ar, dt = timed(lambda b=b: generate(target, None, b, max_new_tokens=M, stop_token_ids=stop))
                 ar_steps += clock.close()[1:]  # [0] is the prefill
                 t_ar += dt
                 n_ar += sum(len(o.token_ids) for o in ar)
-                for (vbs, vthr), run in runs.items():
+                for (vbs, vthr, vv), run in runs.items():
                     clock, dclock = Clock(target, "forward"), Clock(draft, "propose")
-                    sp, dt = timed(lambda b=b, vbs=vbs, vthr=vthr: generate(
+                    sp, dt = timed(lambda b=b, vbs=vbs, vthr=vthr, vv=vv, vc=costs[(vbs, vthr, vv)]: generate(
                         target, draft, b, max_new_tokens=M, stop_token_ids=stop, block_size=vbs,
-                        dynamic_threshold=vthr))  # fmt: skip
+                        dynamic_threshold=vthr, verify=vv, cost=vc))  # fmt: skip
                     run["verify"] += clock.close()[1:]
                     run["draft"] += dclock.close()
                     run["outs"] += sp
@@ -176,13 +179,14 @@ def main() -> None:
                     run["n"] += sum(len(o.token_ids) for o in sp)
                     run["same"] &= all(a.token_ids == s.token_ids for a, s in zip(ar, sp))
             res["speed"][f"concurrency{c}"] = per_c = {}
-            for (vbs, vthr), run in runs.items():
+            for (vbs, vthr, vv), run in runs.items():
                 outs = run["outs"]
                 proposed = sum(o.stats.draft_tokens_proposed for o in outs)
                 rounds = sum(o.stats.verify_steps for o in outs)
                 r = {
                     "block_size": vbs,
                     "dynamic_threshold": vthr,
+                    "verify": vv,
                     "prompts": len(mixed),
                     "plain_tok_s": round(n_ar / t_ar, 2),
                     "spec_tok_s": round(run["n"] / run["t"], 2),
@@ -192,11 +196,12 @@ def main() -> None:
                     "greedy_outputs_identical": run["same"],
                     "tau_micro": tau(outs)["tau_micro"],
                     "drafts_per_round": round(proposed / max(1, rounds), 3),
+                    "plain_steps": sum(o.stats.plain_steps for o in outs),  # rounds with ℓ = 0 (no draft)
                     "ms_plain_step": ms(ar_steps),  # one target forward of 1 token per row
                     "ms_verify": ms(run["verify"]),  # one target forward of up to bs tokens per row
                     "ms_draft_propose": ms(run["draft"]),  # backbone + walk
                 }
-                per_c[f"bs{vbs}" + (f"@{vthr}" if vthr is not None else "")] = r
+                per_c[f"bs{vbs}" + (f"@{vthr}" if vthr is not None else "") + (":cost" if vv == "cost" else "")] = r
                 print(json.dumps({"speed": f"concurrency{c}", **r}), flush=True)
 
     if args.json:

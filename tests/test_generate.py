@@ -6,9 +6,19 @@ import random
 
 import pytest
 import torch
-from fakes import LookaheadDraft, RandomDraft, ScriptedDraft
+from fakes import JoiningScriptedDraft, LookaheadDraft, RandomDraft, ScriptedDraft
 
 from dspine import generate
+from dspine.cost import CostModel, Grid
+
+# Synthetic cost models (seconds): drafting nearly free (speculate whenever acceptance is plausible), drafting
+# dearer than a target step (speculate only when acceptance is high), drafting never worth it.
+CHEAP = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
+MID = CostModel.flat(target_s=1.0, per_token_s=0.05, draft_s=0.6)
+NEVER = CostModel.flat(target_s=1.0, per_token_s=0.0, draft_s=1e6)
+# Each verified token costs a fifth of a step whatever the batch: the sampled rows' own rule then cuts blocks
+# at different lengths depending on the confidence along each drafted path.
+ROWLESS = CostModel(Grid((1, 2), (1, 4), ((1.0, 1.6), (1.0, 1.6))), Grid((1, 2), (2, 4), ((0.2, 0.2), (0.2, 0.2))))
 
 
 def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
@@ -45,6 +55,68 @@ def test_greedy_speculative_equals_ar(target, batch, bs):
                 assert s.stats.verify_steps == -(-(len(a.token_ids) - 1) // bs)
             if rate == 1.0:
                 assert s.stats.draft_tokens_accepted == 0
+
+
+@pytest.mark.parametrize("cost", [CHEAP, MID, NEVER], ids=["cheap", "mid", "never"])
+@pytest.mark.parametrize("batch_size", [2, 8])
+def test_greedy_cost_aware_continuous_equals_ar(target, cost, batch_size):
+    """Cost-aware ℓ (ℓ = 0 rounds included) and rows joining freed slots: still exactly the plain output."""
+    prompts = _prompts(7, target.vocab_size, seed=batch_size)
+    budgets = [3, 17, 9, 24, 1, 12, 20]
+    ar = generate(target, None, prompts, max_new_tokens=budgets)
+    script = [o.token_ids for o in ar]
+    for rate, dyn in [(0.0, None), (0.3, 0.5), (1.0, None)]:
+        draft = JoiningScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(7, rate))
+        spec = generate(target, draft, prompts, max_new_tokens=budgets, dynamic_threshold=dyn, verify="cost",
+                        cost=cost, batch_size=batch_size)
+        assert [s.token_ids for s in spec] == script
+        for s, a in zip(spec, ar):
+            st = s.stats
+            assert s.finish_reason == a.finish_reason
+            assert sum(st.accept_histogram) == st.verify_steps
+            assert st.round_tokens + st.plain_steps == len(s.token_ids) - 1  # every token after the first
+            assert st.round_tokens >= st.verify_steps
+        if cost is NEVER:  # drafting never pays: every round is a plain step and the draft never runs
+            assert draft.calls == 0 and all(s.stats.verify_steps == 0 for s in spec)
+        if cost is CHEAP and rate == 0.0:  # a perfect draft that costs nothing is used
+            assert all(s.stats.verify_steps > 0 for s in spec if len(s.token_ids) > 2)
+
+
+def test_plain_steps_equal_plain_sampling(llama_target):
+    """ℓ = 0 everywhere draws exactly the plain decoder's uniforms: same sampled tokens, not just same law."""
+    prompts = _prompts(5, 256, seed=8)
+    kw = dict(max_new_tokens=15, temperature=0.9, top_p=0.95, top_k=50, seed=[21, 22, 23, 24, 25])
+    plain = generate(llama_target, None, prompts, **kw)
+    draft = JoiningScriptedDraft(prompts, [o.token_ids for o in plain], block_size=4)
+    spec = generate(llama_target, draft, prompts, verify="cost", cost=NEVER, batch_size=2, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert draft.calls == 0
+
+
+def test_continuous_batching_hands_rows_back_as_they_finish(llama_target):
+    """decode_stream yields a short request before a long one that started with it, and pulls lazily."""
+    from dspine.decode import decode_stream
+    from dspine.sampling import SamplingParams
+
+    prompts = _prompts(5, 256, seed=9)
+    budgets = [30, 2, 30, 3, 4]
+    pulled = []
+
+    def feed():
+        for i, p in enumerate(prompts):
+            pulled.append(i)
+            yield p, SamplingParams(max_new_tokens=budgets[i])
+
+    order = []
+    for i, out in decode_stream(llama_target, None, feed(), batch_size=2):
+        order.append(i)
+        assert len(out.token_ids) == budgets[i]
+        assert len(pulled) <= len(order) + 2  # at most batch_size requests open beyond those handed back
+    # 1 leaves after its 2 tokens and 2 takes its slot; 3 and 4 take the slots 0 and then 3 leave
+    assert order == [1, 0, 2, 3, 4]
+    ref = generate(llama_target, None, prompts, max_new_tokens=budgets)
+    again = generate(llama_target, None, prompts, max_new_tokens=budgets, batch_size=2)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
 
 
 def test_oracle_tau_equals_block_size(llama_target):
@@ -228,3 +300,84 @@ def test_draft_vocab_sampled_matches_target_distribution(small_vocab_target):
     d = _vocab_dspine(small_vocab_target, 4, seed=2, vocab=[0, 2, 5, 7, 8, 11, 13, 14])
     counts = _joint_counts(small_vocab_target, d, prompt, 8000, 1.0)
     assert _chi2_pvalue(counts, exact) > 1e-3
+
+
+def _exact_joint3(target, prompt):
+    """Exact p(x1, x2, x3 | prompt) at temperature 1 (small vocab: enumerate x1, x2)."""
+    V = target.vocab_size
+    p1 = target.score(torch.tensor([prompt]))[0, -1].softmax(-1)
+    p2 = target.score(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)  # [V, V]
+    ids = torch.tensor([prompt + [x, y] for x in range(V) for y in range(V)])
+    p3 = target.score(ids)[:, -1].softmax(-1).view(V, V, V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten().double()
+
+
+def _joint3_counts(target, draft, prompt, n, **kw):
+    outs = generate(target, draft, [prompt] * n, max_new_tokens=3, temperature=1.0, seed=list(range(n)), **kw)
+    V = target.vocab_size
+    counts = torch.zeros(V**3, dtype=torch.long)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    return counts, outs
+
+
+@pytest.mark.parametrize(
+    "name,bs,kw",
+    [
+        ("fixed block 4", 4, dict(verify="fixed")),
+        ("fixed block 8, confidence stop", 8, dict(verify="fixed", dynamic_threshold=0.5)),
+        ("cost-aware, confidence", 4, dict(verify="cost", cost=ROWLESS)),
+        ("cost-aware, history only", 4, dict(verify="cost", cost=ROWLESS, history=True)),
+        ("cost-aware, continuous batching", 4, dict(verify="cost", cost=ROWLESS, batch_size=97)),
+    ],
+)
+def test_sampled_joint_of_three_tokens_matches_target(small_vocab_target, name, bs, kw):
+    """The joint law of 3 sampled tokens (2 of them drafted: slot 2's q depends on slot 1's sample) is exact
+    with the real draft, whole or truncated blocks, the cost-aware stop and rows joining a running batch."""
+    kw = dict(kw)
+    d = _random_dspine(small_vocab_target, bs, seed=5)
+    if kw.pop("history", False):
+        d.confidence_trained = False  # ℓ from each row's own acceptance history
+    prompt = [3, 1, 4, 1, 5]
+    exact = _exact_joint3(small_vocab_target, prompt)
+    counts, outs = _joint3_counts(small_vocab_target, d, prompt, 16000, **kw)
+    assert _chi2_pvalue(counts, exact) > 1e-3, name
+    steps = sum(o.stats.verify_steps for o in outs)
+    proposed = sum(o.stats.draft_tokens_proposed for o in outs)
+    assert steps > 0  # drafted tokens were really verified
+    if kw.get("verify") == "cost" or "dynamic_threshold" in kw:  # ... and really cut short in some rounds
+        assert proposed < steps * (bs - 1)
+
+
+# the draft's time grows with its block: a greedy neighbour that drafts wide must not move a sampled row's ℓ
+STEEP = CostModel(ROWLESS.target, Grid((1, 2), (2, 4), ((0.1, 0.7), (0.1, 0.7))))
+
+
+@pytest.mark.parametrize("verify,cost", [("fixed", None), ("cost", ROWLESS), ("cost", STEEP)],
+                         ids=["fixed", "cost-rowless", "cost-steep"])
+def test_sampled_rows_independent_of_batch_and_join_time(llama_target, verify, cost):
+    """Same seed -> same tokens: alone, in a batch (with greedy neighbours), or joining a running batch late."""
+    d = _random_dspine(llama_target, 4, seed=3)
+    prompts = _prompts(6, 256, seed=10)
+    budgets, seeds = [12, 3, 9, 14, 5, 10], [31, 32, 33, 34, 35, 36]
+    temps = [0.9, 0.0, 0.9, 0.0, 0.9, 0.9]
+    kw = dict(top_k=50, verify=verify, cost=cost, batch_size=3)
+    together = generate(llama_target, d, prompts, max_new_tokens=budgets, seed=seeds, temperature=temps, **kw)
+    backwards = generate(llama_target, d, prompts[::-1], max_new_tokens=budgets[::-1], seed=seeds[::-1],
+                         temperature=temps[::-1], **kw)
+    assert [o.token_ids for o in backwards[::-1]] == [o.token_ids for o in together]
+    for i, p in enumerate(prompts):
+        alone = generate(llama_target, d, [p], max_new_tokens=budgets[i], seed=seeds[i], temperature=temps[i], **kw)
+        assert alone[0].token_ids == together[i].token_ids
+    assert sum(o.stats.verify_steps for o in together) > 0
+
+
+@pytest.mark.parametrize("cost", [CHEAP, MID], ids=["cheap", "mid"])
+def test_dspine_draft_cost_aware_continuous_greedy_equals_ar(target, cost):
+    prompts = _prompts(5, target.vocab_size, seed=11)
+    budgets = [20, 4, 13, 20, 7]
+    ar = generate(target, None, prompts, max_new_tokens=budgets)
+    spec = generate(target, _random_dspine(target, 4, seed=1), prompts, max_new_tokens=budgets, verify="cost",
+                    cost=cost, batch_size=2)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]

@@ -73,6 +73,12 @@ def test_template_errors_are_row_errors(tmp_path):
         HFTokenizer(tmp_path).render([{"role": "tool", "content": "x"}])
 
 
+@pytest.fixture(autouse=True)
+def _cost_cache(tmp_path, monkeypatch):
+    """Calibrated cost models go to a per-test cache directory, never the user's."""
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "dspine-cache"))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama target with a tokenizer, and a random DSpine draft for it."""
@@ -106,7 +112,7 @@ def _requests(engine, n=4, **p):
 def test_engine_matches_dspine_generate_and_reports_stats(tiny):
     from dspine import generate
 
-    eng = _engine(tiny, batch_size="8")
+    eng = _engine(tiny, batch_size="8", verify="fixed")
     reqs = _requests(eng)
     got = list(eng.run(iter(reqs), max_in_flight=8))
     want = generate(eng.target, eng.draft, [r.prompt_ids for r in reqs], max_new_tokens=5,
@@ -117,6 +123,46 @@ def test_engine_matches_dspine_generate_and_reports_stats(tiny):
     plain = list(_engine(tiny, draft=False).run(iter(reqs), 8))
     assert [r.token_ids for r in plain] == [r.token_ids for r in got]  # lossless: same greedy output
     assert all(r.verify_steps is None and r.accept_length is None for r in plain)
+
+
+def test_cost_aware_verification_is_the_default(tiny, tmp_path):
+    """verify=cost (default): same greedy tokens as plain, streamed as rows finish; the calibration is cached
+    on disk per model/machine/threads and reused; a bad value is a usage error."""
+    from dspine import cost as cost_mod
+    from dspine_batch.errors import UsageError
+
+    eng = _engine(tiny, batch_size="2")
+    assert eng.verify == "cost" and eng.identity()["verify"] == "cost"
+    reqs = _requests(eng, n=5)
+    got = list(eng.run(iter(reqs), 8))
+    plain = list(_engine(tiny, draft=False).run(iter(reqs), 8))
+    assert sorted((r.row_id, r.token_ids) for r in got) == sorted((r.row_id, r.token_ids) for r in plain)
+    assert all(r.verify_steps is not None and r.draft_tokens_proposed is not None for r in got)
+    cached = list((tmp_path / "dspine-cache" / "cost").glob("*.json"))
+    assert len(cached) == 1
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated again despite the cache")
+
+    orig = cost_mod.calibrate
+    cost_mod.calibrate = no_calibration
+    try:
+        again = list(_engine(tiny, batch_size="2").run(iter(reqs), 8))
+    finally:
+        cost_mod.calibrate = orig
+    assert [r.token_ids for r in again] == [r.token_ids for r in got]
+    with pytest.raises(UsageError, match="verify=always: expected cost or fixed"):
+        _engine(tiny, verify="always")
+
+
+def test_rows_stream_back_as_they_finish(tiny):
+    """A short request is handed back before a long one that started with it; admission stays lazy."""
+    eng = _engine(tiny, batch_size="2")
+    reqs = _requests(eng, n=4)
+    for r, m in zip(reqs, [40, 2, 40, 2]):
+        r.params = SamplingParams(max_new_tokens=m, stop_token_ids=())
+    keys = [r.row_id for r in eng.run(iter(reqs), 8)]
+    assert keys.index("r1") < keys.index("r0") and keys.index("r3") < keys.index("r2")
 
 
 def test_dynamic_threshold_engine_arg(tiny, tmp_path):
@@ -135,8 +181,8 @@ def test_dynamic_threshold_engine_arg(tiny, tmp_path):
     d.confidence_trained = True
     d.save(tmp_path / "fitted")
     reqs = _requests(_engine(tiny))
-    full = list(_engine(tiny).run(iter(reqs), 8))
-    cut = list(_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5").run(iter(reqs), 8))
+    full = list(_engine(tiny, verify="fixed").run(iter(reqs), 8))
+    cut = list(_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5", verify="fixed").run(iter(reqs), 8))
     assert [r.token_ids for r in cut] == [r.token_ids for r in full]
     assert all(r.draft_tokens_proposed == 0 for r in cut) and all(r.draft_tokens_proposed > 0 for r in full)
     unfitted = _engine(tiny, dynamic_threshold="0.5")
@@ -192,9 +238,9 @@ def test_overlong_request_fails_alone(tiny):
     eng = _engine(tiny, draft=False)
     reqs = _requests(eng, n=3)
     reqs[1].prompt_ids = reqs[1].prompt_ids * 10  # longer than the 96-token context
-    out = list(eng.run(iter(reqs), 8))
-    assert out[0].error is None and out[2].error is None
-    assert "engine rejected the request" in out[1].error
+    out = {r.row_id: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
+    assert out["r0"].error is None and out["r2"].error is None
+    assert "engine rejected the request" in out["r1"].error
 
 
 def test_embedded_draft_only_with_the_embedded_model(tiny, capsys, monkeypatch):
@@ -223,7 +269,9 @@ def test_cli_on_the_reference_engine(tiny, tmp_path, monkeypatch):
               "--draft", str(tiny[1]), "--max-new-tokens", "5", "--progress", "none", "--stop", "the"])
     assert e.value.code == 0
     rows = read_output(out)
-    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["verify_steps"] for r in rows)
+    # the speculative columns are filled with a draft (verify_steps may be 0: cost-aware verification can
+    # judge a random draft not worth running, and then every round is a plain step)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["verify_steps"] is not None for r in rows)
     assert all("the" not in (r["output"] or "") for r in rows)
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["fingerprint_fields"]["engine"]["draft"]["path"] == str(tiny[1])

@@ -330,7 +330,8 @@ def test_reference_engine_array_on_tiny_model(cluster, tmp_path):
     print(f"reference engine, 2 tasks + finalize: {time.monotonic() - t0:.1f}s")
     rows = read_output(out)
     assert len({(r["row_id"], r["sample_index"]) for r in rows}) == len(rows) == 12 * SAMPLES
-    assert all(r["status"] == "ok" and r["verify_steps"] for r in rows)
+    # speculative columns filled (verify_steps may be 0: cost-aware verification can run only plain steps)
+    assert all(r["status"] == "ok" and r["verify_steps"] is not None for r in rows)
 
 
 # ----------------------------------------------------------------------------------------------- no cluster
