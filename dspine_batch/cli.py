@@ -276,6 +276,9 @@ def _as_list(v: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from dspine.threads import prepare_env
+
+    prepare_env()  # before torch loads: passive OpenMP waiting, threads = the cores this process may use
     try:
         rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)
     except click.exceptions.Exit as e:

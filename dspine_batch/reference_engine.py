@@ -109,9 +109,9 @@ class ReferenceEngine:
 
         from dspine import load_draft, load_target
         from dspine.draft import read_decode_defaults
+        from dspine.threads import configure_torch
 
-        if "threads" in opts:
-            torch.set_num_threads(opts["threads"])
+        configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
         try:
