@@ -114,7 +114,8 @@ def cli() -> None:
 @opt("--limit", type=int, help="Only the first N input rows.")
 @opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
      help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
-          "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head).")
+          "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
+          "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
 @opt("--max-in-flight", type=int, default=64, show_default=True, help="Most requests open in the engine at once.")
 @opt("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @opt("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
