@@ -80,7 +80,9 @@ class Target(nn.Module):
         if mode == "none":
             return self
         quantize_linears(self.layers, mode)
-        self.quant_head = quantized_linear(self.head_weight, mode)
+        # int4 keeps an int8 head, like the 4-bit GGUFs (Q4_1 layers, Q8_0 token embedding/head): the head's
+        # errors land directly on the logits
+        self.quant_head = quantized_linear(self.head_weight, "int8" if mode == "int4" else mode)
         if self.lm_head is not None:  # untied: logits no longer need the float copy, but the draft does
             self.lm_head.requires_grad_(False)
         return self
