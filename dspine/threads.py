@@ -118,18 +118,18 @@ def available_cpus(
     return max(1, min(limits)) if limits else 1
 
 
-def prepare_env(environ: MutableMapping[str, str] | None = None, cpus: int | None = None) -> dict[str, str]:
-    """Fill in ``OMP_WAIT_POLICY=PASSIVE`` and ``OMP_NUM_THREADS`` unless the user set them; returns what it set.
+def prepare_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Fill in ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy (or tuned ``GOMP_SPINCOUNT``).
 
-    Call before torch is imported (its OpenMP runtime reads them once, at load); :func:`torch_loaded` says
-    whether it is too late for the wait policy in this process.
+    Call before torch is imported: its OpenMP runtime reads the policy once, at load (:func:`torch_loaded` says
+    whether it is too late in this process). The thread count is not put in the environment, where it would
+    also bind engines that manage their own worker processes (SGLang); :func:`configure_torch` sets it.
+    Returns what it set.
     """
     env = os.environ if environ is None else environ
     changed: dict[str, str] = {}
     if not env.get("OMP_WAIT_POLICY") and not env.get("GOMP_SPINCOUNT"):
         changed["OMP_WAIT_POLICY"] = WAIT_POLICY
-    if not env.get("OMP_NUM_THREADS"):
-        changed["OMP_NUM_THREADS"] = str(cpus if cpus is not None else available_cpus())
     env.update(changed)
     return changed
 

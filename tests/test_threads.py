@@ -72,14 +72,24 @@ def test_cgroup_without_limits_or_files(tmp_path):
 
 def test_prepare_env_fills_only_unset_variables():
     env: dict[str, str] = {}
-    changed = threads.prepare_env(env, cpus=3)
-    assert changed == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "3"}
-    assert env == changed
-    env = {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}
-    assert threads.prepare_env(env, cpus=3) == {}
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"}
+    assert threads.prepare_env(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert threads.prepare_env(env) == {}
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
     env = {"GOMP_SPINCOUNT": "1000"}  # a user tuning libgomp's spinning directly keeps it
-    assert threads.prepare_env(env, cpus=2) == {"OMP_NUM_THREADS": "2"}
+    assert threads.prepare_env(env) == {}
+
+
+def test_cli_entry_sets_passive_waiting_before_torch_loads():
+    """``dspine-batch`` sets the policy in its own process before anything imports torch."""
+    code = ("import os, sys; from dspine_batch.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "PASSIVE False"
 
 
 def test_threads_module_does_not_import_torch():
