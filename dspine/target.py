@@ -39,7 +39,6 @@ class Target(nn.Module):
     num_layers: int
     hidden_size: int
     vocab_size: int
-    quant_head: nn.Module | None = None  # set by ``quantize``
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -64,7 +63,8 @@ class Target(nn.Module):
         # One contiguous 2-D GEMM: a strided 3-D input (e.g. block slots 1..) falls back to a slow batched
         # matmul on CPU (measured 176 ms vs 56 ms for a draft block at batch 8).
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        head = self.quant_head
+        head = getattr(self, "quant_head", None)  # a submodule set by ``quantize`` (no class default: it would
+        # shadow the registered module)
         out = head(flat.to(self.dtype)) if head is not None else flat @ self.head_weight.T
         return out.float().view(*hidden.shape[:-1], -1)
 

@@ -46,7 +46,7 @@ def test_int4_groups_round_trip_a_q4_1_grid_exactly():
 
 
 def test_int4_falls_back_to_int8_for_unpackable_shapes():
-    lin = torch.nn.Linear(GROUP + 8, 16, bias=False)
+    lin = torch.nn.Linear(GROUP + 8, 24, bias=False)
     holder = torch.nn.Sequential(lin)
     assert quantize_linears(holder, "int4") == 1
     assert isinstance(holder[0], Int8Linear)
@@ -94,3 +94,18 @@ def test_greedy_speculative_equals_plain_within_setting(setting_target, batch):
         draft = ScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(7, rate))
         spec = generate(target, draft, prompts, max_new_tokens=20)
         assert [s.token_ids for s in spec] == script
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_hybrid_target_quantized_speculative_equals_plain(tmp_path, quant):
+    """The Qwen3.5 hybrid (GDN + gated attention, fused projections) under quantization: ReplaySSM commits stay
+    exact relative to the quantized target."""
+    from test_qwen3_5 import save_tiny_qwen35
+
+    target = load_target(save_tiny_qwen35(tmp_path / "hybrid"), dtype=torch.bfloat16, quant=quant)
+    assert isinstance(target.quant_head, Int8Linear)  # int4 keeps an int8 head, like Q4_1 GGUFs
+    prompts = _prompts(3, target.vocab_size, seed=11)
+    plain = generate(target, None, prompts, max_new_tokens=16)
+    script = [o.token_ids for o in plain]
+    draft = ScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(3, 0.3))
+    assert [s.token_ids for s in generate(target, draft, prompts, max_new_tokens=16)] == script
