@@ -155,12 +155,14 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quant: str = "none",
-    fuse: bool = True,
+    fuse: bool = False,
 ) -> Target:
     """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target.
 
-    ``fuse`` merges projections that share an input (see ``Target.fuse_projections``); ``quant`` ("none",
-    "int8", "int4") makes the linears weight-only quantized (``dspine.quant``; CPU kernels).
+    ``fuse`` merges projections that share an input (see ``Target.fuse_projections``): off by default, since on
+    the 2-core AVX-512 EPYC it measured 0.76-0.96x on one-token steps and 0.88-1.42x on 8-token verifies
+    (``scripts/bench_step.py``, a loaded machine); ``quant`` ("none", "int8", "int4") makes the linears
+    weight-only quantized (``dspine.quant``; CPU kernels).
     """
     path = Path(path)
     cfg = read_config(path)

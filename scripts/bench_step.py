@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Target step cost per setting, side by side in one process: unfused fp32 (the old step) vs fused fp32, bf16,
+"""Target step cost per setting, side by side in one process: fp32 vs fp32 with fused projections, bf16,
 int8 and int4 weight-only.
 
 Times a one-token decode step and a ``--verify``-token verify forward at each batch size, after a ~100-token
 context, rounds interleaved across settings (so machine load affects them alike); reports median ms and the
-ratio to unfused fp32, plus each setting's max |logit| difference from fp32 on the same inputs.
+ratio to the first setting (fp32), plus each setting's max |logit| difference from fp32 on the same inputs.
 
     python scripts/bench_step.py --batch 1 8 --reps 20
 """
@@ -23,8 +23,8 @@ import torch
 from dspine import load_target
 
 SETTINGS = {
-    "fp32_unfused": dict(dtype=torch.float32, fuse=False),
     "fp32": dict(dtype=torch.float32),
+    "fp32_fused": dict(dtype=torch.float32, fuse=True),
     "bf16": dict(dtype=torch.bfloat16),
     "int8": dict(dtype=torch.bfloat16, quant="int8"),
     "int4": dict(dtype=torch.bfloat16, quant="int4"),
@@ -49,6 +49,7 @@ def make_step(target, batch: int, ctx: int, tokens: int):
     cache = target.new_cache(batch, ctx + tokens)
     target.forward(prompt, cache)
 
+    @torch.no_grad()
     def step():
         return target.logits(target.forward(new, cache, speculative=True).hidden)
 

@@ -68,10 +68,10 @@ def test_precision_resolution():
         resolve("float32", "int8")
 
 
-@pytest.fixture(scope="module", params=["fp32_unfused", "bf16", "int8", "int4"])
+@pytest.fixture(scope="module", params=["fp32_fused", "bf16", "int8", "int4"])
 def setting_target(request, llama_dir):
-    kw = {"fp32_unfused": dict(fuse=False), "bf16": dict(dtype=torch.bfloat16),
-          "int8": dict(dtype=torch.bfloat16, quant="int8"), "int4": dict(dtype=torch.bfloat16, quant="int4")}
+    kw = {"fp32_fused": dict(fuse=True), "bf16": dict(dtype=torch.bfloat16),
+          "int8": dict(dtype=torch.bfloat16, quant="int8"), "int4": dict(dtype=torch.bfloat16, quant="int4", fuse=True)}
     return request.param, load_target(llama_dir, **kw[request.param])
 
 
@@ -79,7 +79,7 @@ def test_setting_logits_stay_close_to_fp32(setting_target, llama_target):
     name, target = setting_target
     ids = torch.tensor([_prompts(1, target.vocab_size, seed=5, lo=30, hi=30)[0]])
     ref = llama_target.score(ids)
-    bound = {"fp32_unfused": 1e-4, "bf16": 0.05, "int8": 0.05, "int4": 0.2}[name]
+    bound = {"fp32_fused": 1e-4, "bf16": 0.05, "int8": 0.05, "int4": 0.2}[name]
     assert _rel_err(target.score(ids), ref) < bound
 
 
@@ -102,7 +102,7 @@ def test_hybrid_target_quantized_speculative_equals_plain(tmp_path, quant):
     exact relative to the quantized target."""
     from test_qwen3_5 import save_tiny_qwen35
 
-    target = load_target(save_tiny_qwen35(tmp_path / "hybrid"), dtype=torch.bfloat16, quant=quant)
+    target = load_target(save_tiny_qwen35(tmp_path / "hybrid"), dtype=torch.bfloat16, quant=quant, fuse=True)
     assert isinstance(target.quant_head, Int8Linear)  # int4 keeps an int8 head, like Q4_1 GGUFs
     prompts = _prompts(3, target.vocab_size, seed=11)
     plain = generate(target, None, prompts, max_new_tokens=16)
