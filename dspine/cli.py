@@ -89,7 +89,7 @@ def init_draft_cmd(model: str, out: str, layers: int, block_size: int, seed: int
     click.echo(out)
 
 
-def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None):
+def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None, teacher_forced: bool = False):
     """Target (CUDA when available), the draft in ``draft_dir`` (or None) and DATA's examples, for ``train``
     and ``fit-confidence``; load and data errors become one-line click errors."""
     import torch
@@ -110,7 +110,7 @@ def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None)
 
         tokenizer = HFTokenizer(path)
     try:
-        examples = load_examples(data, tokenizer, max_len=max_len)
+        examples = load_examples(data, tokenizer, max_len=max_len, teacher_forced=teacher_forced)
     except (ValueError, KeyError) as e:
         raise click.ClickException(f"{data}: {e}") from None
     if not examples:
@@ -151,6 +151,10 @@ def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None)
     envvar="DSPINE_TRAIN_AUTOCAST",
     help="run the draft's forward/backward under bf16 autocast (fp32 master weights; ~1.7x faster steps on AMX CPUs)",
 )
+@click.option("--resume", is_flag=True, help="continue OUT's checkpoint (weights, optimiser, schedule, data cursor)")
+@click.option(
+    "--teacher-forced", is_flag=True, help="DATA is not MODEL's own text: train on MODEL's argmax labels (teacher.py)"
+)
 def train(
     model: str,
     data: str,
@@ -171,25 +175,33 @@ def train(
     save_every: int,
     gamma: float,
     autocast: str | None,
+    resume: bool,
+    teacher_forced: bool,
 ) -> None:
     """Train a DSpine draft for MODEL on DATA (JSONL) and write a loadable draft dir to OUT.
 
     DATA lines hold ``prompt_ids``/``response_ids`` (token ids; the loss covers the response), or
     ``prompt``/``response`` text rendered with MODEL's chat template. Responses should be the target's own
-    (regenerated) outputs, see design §5. Runs on CUDA when available, else CPU.
+    (regenerated) outputs, see docs/design.md, "The DSpine draft"; other text needs ``--teacher-forced`` (or
+    ``"teacher_forced": true`` per line). Runs on CUDA when available, else CPU. ``--resume`` continues a stopped
+    run exactly.
     """
     from dspine.train import TrainConfig, choose_draft_vocab
     from dspine.train import train as run_training
+    from dspine.train_state import ResumeError
 
-    target, draft, examples = _training_inputs(model, data, max_len, init_from)
+    target, draft, examples = _training_inputs(model, data, max_len, init_from, teacher_forced)
     overrides = {k: v for k, v in (("intermediate_size", intermediate_size), ("transfer_rank", transfer_rank)) if v}
     if draft_vocab and draft is None:
         overrides["draft_vocab"] = choose_draft_vocab(examples, draft_vocab, target.vocab_size)
     cfg = TrainConfig(steps=steps, lr=lr, batch_size=batch_size, anchors_per_seq=anchors, seed=seed,
                       time_budget_s=time_budget, save_every=save_every, gamma=gamma,
                       autocast=autocast)  # fmt: skip
-    run_training(target, examples, out, cfg, draft=draft, num_layers=layers, block_size=block_size,
-                 draft_overrides=overrides, log=lambda s: click.echo(s, err=True))  # fmt: skip
+    try:
+        run_training(target, examples, out, cfg, draft=draft, num_layers=layers, block_size=block_size,
+                     draft_overrides=overrides, log=lambda s: click.echo(s, err=True), resume=resume)  # fmt: skip
+    except ResumeError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(out)
 
 
@@ -200,7 +212,7 @@ def train(
 @click.option("--out", default=None, help="write the draft here (default: update DRAFT_DIR in place)")
 @click.option("--sequences", default=256, show_default=True, help="sequences to fit on (20% held out for the report)")
 @click.option("--anchors", default=32, show_default=True, help="blocks per sequence")
-@click.option("--greedy", is_flag=True, help="label = greedy acceptance (default: 1 - TV at T=1, design §5)")
+@click.option("--greedy", is_flag=True, help="label = greedy acceptance (default: 1 - TV at T=1)")
 @click.option("--max-len", default=1024, show_default=True, help="truncate sequences to this many tokens")
 @click.option("--seed", default=0, show_default=True)
 def fit_confidence_cmd(

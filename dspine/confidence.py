@@ -1,4 +1,4 @@
-"""Fitting the draft's confidence head (design §5, after DSpark): a frozen-backbone second stage.
+"""Fitting the draft's confidence head (after DSpark): a frozen-backbone second stage.
 
 The head is ``c_i = sigmoid(w . [h~_i ; code(x_{i-1})] + b)``: will slot i's proposal survive verification,
 given that slot i is reached? Slot i is reached only when every earlier proposal was accepted, so its
@@ -6,14 +6,14 @@ predecessor is then the target's own token; on target-regenerated data that is t
 makes teacher forcing the exact conditioning (not an approximation) for greedy decoding.
 
 Labels are the acceptance probability of the draft's candidate distribution q_i (refined, restricted to the
-top-k candidates, T = 1) against the target's p_i: ``1 - TV(q_i, p_i) = sum_x min(q_i(x), p_i(x))`` (§6),
+top-k candidates, T = 1) against the target's p_i: ``1 - TV(q_i, p_i) = sum_x min(q_i(x), p_i(x))``,
 with ``greedy=True`` the greedy acceptance indicator ``[argmax q_i == argmax p_i]`` instead. The head has
 H + r + 1 parameters, so fitting is a full-batch logistic regression (L-BFGS on soft-label BCE) over
 features gathered once with the draft frozen; it takes seconds once the target captures exist.
 
 Decoding uses it through ``dynamic_threshold``: stop drafting at the first ``c_i < threshold`` (a stopping
-time, so lossless; §6.3). Shorter proposals cost less to verify, which is what matters where verification is
-compute-bound (CPU, large batches).
+time, so lossless; see ``docs/design.md``, "The DSpine draft"). Shorter proposals cost less to verify, which is
+what matters where verification is compute-bound (CPU, large batches).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def confidence_data(
         k = min(draft.top_k, logits.shape[-1])
         cand = draft.vocab_ids(logits.topk(k, dim=-1).indices)  # [N, n, k]
         pred = true_tokens[:, :-1]  # [N, n]: the predecessor when slot i is reached
-        refined = draft.refine_train(out, pred)  # [N, n, H] normed
+        refined = draft.refine_slots(out, pred)  # [N, n, H] normed
         q = torch.softmax(torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float(), dim=-1)
         th = cap.hidden[(anchors[:, None] + torch.arange(bs - 1, device=dev)[None, :]).clamp(max=len(ex.ids) - 1)]
         p = torch.softmax(target.logits(th.to(target.dtype)).float(), dim=-1)  # [N, n, V]

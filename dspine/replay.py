@@ -1,4 +1,4 @@
-"""ReplaySSM: rolling Gated-DeltaNet state back after a speculative verify (design doc §7).
+"""ReplaySSM: rolling Gated-DeltaNet state back after a speculative verify (``docs/design.md``, "ReplaySSM").
 
 Full-attention layers roll back by cropping (a length change), but a GDN layer's conv window and recurrent
 state cannot be cropped, and storing the state after every draft position costs ``H_v * D_k * D_v`` fp32 per
@@ -24,8 +24,6 @@ import torch
 
 from .cache import SSMState
 from .gdn import delta_rule_scan, roll_window
-
-PENDING_KEYS = ("conv_in", "k", "v", "g", "beta")
 
 
 def record(
@@ -71,9 +69,4 @@ def commit(state: SSMState, n: torch.Tensor) -> None:
             valid=valid,
         )
     state.conv = roll_window(state.conv, rec["conv_in"], n)
-    state.pending = None
-
-
-def discard(state: SSMState) -> None:
-    """Drop a pending record; the committed state is unchanged (same as ``commit`` with n = 0)."""
     state.pending = None

@@ -1,7 +1,8 @@
-"""Training a DSpine draft against a frozen target (design §5): capture, anchors, block-causal forward, losses.
+"""Training a DSpine draft against a frozen target: capture, anchors, block-causal forward, losses.
 
-One readable file; the model-side pieces live in ``draft.py`` (``train_forward``, ``refine_train``,
-``block_causal_mask``). Works for any supported target on CPU or CUDA. Per sequence:
+The method is in ``docs/design.md``, "The DSpine draft". One readable file; the model-side pieces live in
+``draft.py`` (``train_forward``, ``refine_slots``, ``block_causal_mask``). Works for any supported target on
+CPU or CUDA. Per sequence:
 
 1. **Capture** (``capture``): one frozen target forward gives the tap outputs (``draft.target_layer_ids``)
    and the final-norm hidden state; the teacher for slot k of the block at anchor a is
@@ -19,6 +20,10 @@ One readable file; the model-side pieces live in ``draft.py`` (``train_forward``
    ``sum_l (1 - cos(f_l, code(y)))`` scaled by ``beta(step) * mean CE`` (detached) with beta ramping
    0 -> 0.5; and teacher-forced predecessor replacement with probability ``p(step)``.
 
+Examples marked ``teacher_forced`` (text the target did not write) take their labels from the target's argmax
+instead of their own tokens, cut at the first in-block disagreement (``teacher.py``). Every checkpoint holds
+what a stopped run needs to continue exactly (``train_state.py``; ``train(resume=True)``).
+
 The confidence head is a separate frozen-backbone stage (``confidence.py``). ``TrainConfig.autocast =
 "bfloat16"`` runs the draft's forward and backward under bf16 autocast with fp32 master weights (on CPUs
 with AMX, bf16 GEMMs run ~4x faster than fp32 ones; the teacher distribution stays fp32). Not implemented:
@@ -32,6 +37,9 @@ import contextlib
 import json
 import math
 import random
+import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -39,9 +47,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from .draft import DSpineDraft, TrainBlockOutput, init_draft
+from .draft import BlockOutput, DSpineDraft
+from .draft_io import init_draft, load_draft
 from .target import Target
+from .teacher import greedy_next, teacher_forced_targets
+from .train_state import (
+    STATE_FILE,
+    ResumeError,
+    TrainerState,
+    check_resumable,
+    data_fingerprint,
+    read_state,
+    write_state,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # data
@@ -54,24 +74,37 @@ class Example:
     ids: torch.Tensor  # [T] LongTensor
     loss_mask: torch.Tensor  # [T] bool: True on response (assistant) tokens
     dataset: str = ""
+    teacher_forced: bool = False  # the response is not the target's own: labels come from its argmax (teacher.py)
 
 
 def make_example(
-    prompt_ids: Sequence[int], response_ids: Sequence[int], dataset: str = "", max_len: int = 0
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    dataset: str = "",
+    max_len: int = 0,
+    teacher_forced: bool = False,
 ) -> Example:
     ids = list(prompt_ids) + list(response_ids)
     mask = [False] * len(prompt_ids) + [True] * len(response_ids)
     if max_len:
         ids, mask = ids[:max_len], mask[:max_len]
-    return Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), dataset)
+    return Example(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), dataset, teacher_forced)
 
 
-def load_examples(path: str | Path, tokenizer=None, max_len: int = 1024, split: str | None = None) -> list[Example]:
+def load_examples(
+    path: str | Path,
+    tokenizer=None,
+    max_len: int = 1024,
+    split: str | None = None,
+    teacher_forced: bool = False,
+) -> list[Example]:
     """Read JSONL training data: ``prompt_ids``/``response_ids`` lists, or ``prompt``/``response`` text.
 
     Text needs ``tokenizer`` (an ``HFTokenizer``-like object with ``render_chat`` and ``tok``): the prompt is
     rendered with the chat template (generation prompt on) and the response encoded without special tokens,
-    followed by the EOS id. ``split`` keeps only lines whose ``split`` field matches.
+    followed by the EOS id. ``split`` keeps only lines whose ``split`` field matches. A line with
+    ``"teacher_forced": true`` (or every line, with ``teacher_forced``) holds text the target did not generate:
+    it is trained on the target's own argmax labels (``teacher.py``) instead of its tokens.
     """
     out = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -89,8 +122,11 @@ def load_examples(path: str | Path, tokenizer=None, max_len: int = 1024, split: 
             r = tokenizer.tok.encode(rec["response"], add_special_tokens=False).ids + tokenizer.eos_ids()[:1]
         else:
             raise ValueError(f"{path}:{n}: need prompt_ids/response_ids or prompt/response")
+        tf = rec.get("teacher_forced", teacher_forced)
+        if not isinstance(tf, bool):
+            raise ValueError(f"{path}:{n}: teacher_forced must be true or false, not {tf!r}")
         if len(r) >= 2:
-            out.append(make_example(p, r, rec.get("dataset", ""), max_len))
+            out.append(make_example(p, r, rec.get("dataset", ""), max_len, tf))
     return out
 
 
@@ -115,15 +151,24 @@ def choose_draft_vocab(examples: Sequence[Example], size: int, vocab_size: int) 
 class Capture:
     taps: torch.Tensor  # [T, n*H] target tap outputs (row j = position j)
     hidden: torch.Tensor  # [T, H] final-norm hidden (teacher logits = lm_head(hidden))
+    greedy: torch.Tensor | None = None  # [T] the target's argmax after each position (teacher-forced examples)
 
 
 @torch.no_grad()
-def capture(target: Target, ids: torch.Tensor, tap_ids: Sequence[int], dtype: torch.dtype | None = None) -> Capture:
-    """One frozen target forward over a full sequence: tap outputs and final-norm hidden states."""
+def capture(
+    target: Target,
+    ids: torch.Tensor,
+    tap_ids: Sequence[int],
+    dtype: torch.dtype | None = None,
+    greedy: bool = False,
+) -> Capture:
+    """One frozen target forward over a full sequence: tap outputs and final-norm hidden states (and, with
+    ``greedy``, the target's argmax labels from the full-precision hidden states, for teacher-forced text)."""
     ids = ids.to(target.device)[None]
     out = target.forward(ids, target.new_cache(1, ids.shape[1]), taps=tuple(tap_ids))
     dtype = dtype or target.dtype
-    return Capture(out.taps[0].to(dtype), out.hidden[0].to(dtype))
+    labels = greedy_next(target, out.hidden[0]) if greedy else None
+    return Capture(out.taps[0].to(dtype), out.hidden[0].to(dtype), labels)
 
 
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -142,7 +187,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
 
 
 def replacement_probability(step: int, total: int, p: float = 0.5, hold: float = 1 / 6, end: float = 1 / 3) -> float:
-    """p(step): ``p`` until ``hold`` of training, linear to 0 at ``end``, 0 after (§5)."""
+    """p(step): ``p`` until ``hold`` of training, linear to 0 at ``end``, 0 after."""
     frac = step / max(1, total)
     if frac <= hold:
         return p
@@ -152,7 +197,7 @@ def replacement_probability(step: int, total: int, p: float = 0.5, hold: float =
 
 
 def alignment_beta(step: int, warmup: int, weight: float = 0.5) -> float:
-    """beta(step): linear 0 -> ``weight`` over ``warmup`` steps, then flat (§5)."""
+    """beta(step): linear 0 -> ``weight`` over ``warmup`` steps, then flat."""
     return weight if warmup <= 0 else weight * min(1.0, step / warmup)
 
 
@@ -208,7 +253,7 @@ def block_targets(ex: Example, anchors: torch.Tensor, bs: int, gamma: float) -> 
 def block_losses(
     draft: DSpineDraft,
     target: Target,
-    out: TrainBlockOutput,
+    out: BlockOutput,
     teacher_hidden: torch.Tensor,
     true_tokens: torch.Tensor,
     labels: torch.Tensor,
@@ -216,7 +261,7 @@ def block_losses(
     ce_weight: float = 0.1,
     mass_threshold: float = 1e-4,
 ) -> LossSums:
-    """The DSpine losses of one sequence's blocks, as weighted sums (§5).
+    """The DSpine losses of one sequence's blocks, as weighted sums.
 
     teacher_hidden [N, bs-1, H] = target final-norm hidden at a+k-1; true_tokens [N, bs] = x_a..x_{a+bs-1}.
     """
@@ -237,7 +282,7 @@ def block_losses(
     k = min(draft.top_k, logits.shape[-1])
     cand_idx = logits.detach().topk(k, dim=-1).indices  # [N, bs-1, k] into the draft vocabulary
     cand = draft.vocab_ids(cand_idx)  # target ids
-    refined = draft.refine_train(out, true_tokens[:, :-1])  # [N, bs-1, H]
+    refined = draft.refine_slots(out, true_tokens[:, :-1])  # [N, bs-1, H]
     scores = torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float()  # [N, bs-1, k]
     rlogp = torch.log_softmax(scores, dim=-1)
     hit = cand == labels[..., None]  # [N, bs-1, k]
@@ -324,7 +369,13 @@ def train_step(
         anchors = sample_anchors(ex.loss_mask, cfg.anchors_per_seq, gen)
         if len(anchors) == 0:
             continue
-        labels, w = block_targets(ex, anchors, bs, cfg.gamma)
+        if ex.teacher_forced:
+            if cap.greedy is None:
+                raise ValueError("a teacher-forced example needs a capture with greedy labels (capture(greedy=True))")
+            greedy = cap.greedy.to(ex.ids.device)
+            labels, w = teacher_forced_targets(ex.ids, ex.loss_mask, greedy, anchors, bs, cfg.gamma)
+        else:
+            labels, w = block_targets(ex, anchors, bs, cfg.gamma)
         idx = (anchors[:, None] + torch.arange(bs)[None, :]).clamp(max=len(ex.ids) - 1)
         true_tokens = ex.ids[idx]  # [N, bs]
         block = torch.full_like(true_tokens, draft.mask_token_id)
@@ -364,20 +415,68 @@ def train_step(
     }
 
 
-def save_checkpoint(draft: DSpineDraft, out_dir: str | Path, meta: dict) -> None:
-    """Save atomically (write a sibling dir, then swap), so a stopped run always leaves a loadable draft."""
+def save_checkpoint(draft: DSpineDraft, out_dir: str | Path, meta: dict, state: TrainerState | None = None) -> None:
+    """Save atomically (write a sibling dir, then swap), so a stopped run always leaves a loadable draft, and
+    the trainer state (``train_state.py``) travels in the same swap, so weights and state never disagree."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():  # left by a run killed mid-write
+        shutil.rmtree(tmp)
     draft.save(tmp)
     (tmp / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if state is not None:
+        write_state(tmp, state)
+        with open(tmp / "history.jsonl", "w") as fh:
+            fh.writelines(json.dumps(h) + "\n" for h in state.history)
     old = out_dir.with_name(out_dir.name + ".old")
+    if old.exists() and out_dir.exists():
+        shutil.rmtree(old)
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)
     if old.exists():
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+        shutil.rmtree(old)
+
+
+def checkpoint_dir(out_dir: str | Path) -> Path:
+    """``out_dir``, or its ``.old`` sibling when a run was killed between the two renames of a save."""
+    out_dir = Path(out_dir)
+    old = out_dir.with_name(out_dir.name + ".old")
+    if not out_dir.exists() and old.is_dir():
+        old.rename(out_dir)
+    return out_dir
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM while training: finish the step, save, return (a second signal acts as usual)."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.requested = False
+        self.log = log
+        self.previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        self.log(f"signal {signum}: stopping after this step (the checkpoint is resumable)")
+        signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _remaining(step: int, total: int, elapsed: float, budget: float | None) -> str:
+    """What is left, for the progress bar: steps, and seconds when a time budget may end the run first."""
+    left = f"{total - step} steps"
+    if budget:
+        left += f" / {max(0.0, budget - elapsed):.0f}s"
+    return left
 
 
 def train(
@@ -390,6 +489,8 @@ def train(
     block_size: int = 16,
     draft_overrides: dict | None = None,
     log: Callable[[str], None] = print,
+    resume: bool = False,
+    progress: bool = True,
 ) -> DSpineDraft:
     """Train ``draft`` (or a fresh ``init_draft(target, ...)``) on ``examples``; save to ``out_dir`` as it goes.
 
@@ -397,12 +498,28 @@ def train(
     per-channel output scale starts where the head expects it; a cheap prior, not a measured win).
     The target is frozen (``requires_grad_(False)``, no_grad capture); its embeddings and lm_head are used
     by the draft but are never optimiser parameters. Returns the trained draft (train mode off).
+
+    With ``resume`` and a trainer state in ``out_dir`` (every checkpoint has one), the run continues from it:
+    the checkpoint's draft replaces ``draft``, and the remaining steps replay exactly what an uninterrupted
+    run would have done (``train_state.py``). SIGINT/SIGTERM stop after the current step with a checkpoint.
+    ``progress`` shows a tqdm bar (steps, loss, what remains) on stderr.
     """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     target.requires_grad_(False).eval()
-    if draft is None:
+    fingerprint = data_fingerprint(examples)
+    state = read_state(checkpoint_dir(out_dir)) if resume and out_dir is not None else None
+    if resume and state is None and out_dir is not None and (Path(out_dir) / "config.json").is_file():
+        raise ResumeError(
+            f"{out_dir}: a draft without {STATE_FILE} (saved before checkpoints were resumable, or not by training); "
+            "warm-start from it into a new output directory instead"
+        )
+    if state is not None:
+        check_resumable(state, asdict(cfg), fingerprint, Path(out_dir) / STATE_FILE)
+        draft = load_draft(out_dir, device=target.device)
+        log(f"resuming {out_dir} at step {state.step} (epoch {state.epoch}, {state.elapsed_s:.0f}s trained)")
+    elif draft is None:
         draft = init_draft(target, num_layers=num_layers, block_size=block_size, seed=cfg.seed,
                            **(draft_overrides or {}))  # fmt: skip
         norm = getattr(target, "norm", None)
@@ -416,45 +533,76 @@ def train(
     captures: dict[int, Capture] = {}
     capture_dtype = getattr(torch, cfg.capture_dtype) if cfg.capture_dtype else draft.dtype
     order: list[int] = []
-    t0 = time.perf_counter()
-    meta = {"config": asdict(cfg), "examples": len(examples), "tokens": int(sum(len(e.ids) for e in examples))}
+    epoch, start, prior_s = 0, 0, 0.0
     history: list[dict] = []
-    step = 0
-    for step in range(cfg.steps):
-        if cfg.time_budget_s is not None and time.perf_counter() - t0 > cfg.time_budget_s:
-            log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
-            break
-        batch = []
-        for _ in range(cfg.batch_size):
-            if not order:
-                order = list(range(len(examples)))
-                rng.shuffle(order)
-            i = order.pop()
-            if i not in captures:
-                captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, capture_dtype)
-            batch.append((examples[i], captures[i]))
-        opt.zero_grad(set_to_none=True)
-        sstep = schedule_step(step, cfg.steps, time.perf_counter() - t0, cfg.time_budget_s)
-        lr = cfg.lr * lr_factor(sstep, cfg.steps, warmup)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        stats = train_step(draft, target, batch, sstep, cfg, gen)
-        if not stats:
-            continue
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        stats.update(step=step, lr=lr, grad_norm=float(gnorm), elapsed=time.perf_counter() - t0)
-        history.append(stats)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
-        if out_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(draft, out_dir, {**meta, "steps_done": step + 1, "elapsed_s": time.perf_counter() - t0})
-    else:
-        step = cfg.steps
+    if state is not None:
+        opt.load_state_dict(state.optimizer)
+        rng.setstate(state.py_rng)
+        gen.set_state(state.gen)
+        torch.set_rng_state(state.torch_rng)
+        if state.cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state.cuda_rng)
+        order, epoch, start, prior_s = list(state.order), state.epoch, state.step, state.elapsed_s
+        history = list(state.history)
+    t0 = time.perf_counter()
+
+    def elapsed() -> float:
+        return prior_s + time.perf_counter() - t0
+
+    def snapshot(next_step: int) -> TrainerState:
+        return TrainerState(
+            step=next_step, elapsed_s=elapsed(), optimizer=opt.state_dict(), py_rng=rng.getstate(),
+            gen=gen.get_state(), torch_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            order=list(order), epoch=epoch, config=asdict(cfg), data_fingerprint=fingerprint, history=list(history),
+        )  # fmt: skip
+
+    meta = {"config": asdict(cfg), "examples": len(examples), "tokens": int(sum(len(e.ids) for e in examples)),
+            "teacher_forced_examples": sum(e.teacher_forced for e in examples)}  # fmt: skip
+    step = start
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    with _StopRequest(log) as stop, bar:
+        for step in range(start, cfg.steps):
+            if cfg.time_budget_s is not None and elapsed() > cfg.time_budget_s:
+                log(f"time budget {cfg.time_budget_s:.0f}s reached at step {step}")
+                break
+            if stop.requested:
+                log(f"stopped at step {step}")
+                break
+            batch = []
+            for _ in range(cfg.batch_size):
+                if not order:
+                    order = list(range(len(examples)))
+                    rng.shuffle(order)
+                    epoch += 1
+                i = order.pop()
+                if i not in captures:
+                    captures[i] = capture(target, examples[i].ids, draft.target_layer_ids, capture_dtype,
+                                          greedy=examples[i].teacher_forced)  # fmt: skip
+                batch.append((examples[i], captures[i]))
+            opt.zero_grad(set_to_none=True)
+            sstep = schedule_step(step, cfg.steps, elapsed(), cfg.time_budget_s)
+            lr = cfg.lr * lr_factor(sstep, cfg.steps, warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            stats = train_step(draft, target, batch, sstep, cfg, gen)
+            bar.update(1)
+            if stats:
+                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                stats.update(step=step, lr=lr, grad_norm=float(gnorm), elapsed=elapsed(), epoch=epoch)
+                history.append(stats)
+                bar.set_postfix(loss=f"{stats['loss']:.4g}", epoch=epoch,
+                                left=_remaining(step + 1, cfg.steps, elapsed(), cfg.time_budget_s))  # fmt: skip
+                if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                    log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+            if out_dir is not None and cfg.save_every and (step + 1) % cfg.save_every == 0:
+                meta.update(steps_done=step + 1, elapsed_s=elapsed())
+                save_checkpoint(draft, out_dir, meta, snapshot(step + 1))
+        else:
+            step = cfg.steps
     draft.eval()
-    meta.update(steps_done=step, elapsed_s=time.perf_counter() - t0, last=history[-1] if history else None)
+    meta.update(steps_done=step, elapsed_s=elapsed(), last=history[-1] if history else None)
     if out_dir is not None:
-        save_checkpoint(draft, out_dir, meta)
-        with open(Path(out_dir) / "history.jsonl", "w") as fh:
-            fh.writelines(json.dumps(h) + "\n" for h in history)
+        save_checkpoint(draft, out_dir, meta, snapshot(step))
     return draft

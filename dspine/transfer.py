@@ -1,4 +1,4 @@
-"""Transfer space: fixed per-token codes derived from the target's LM head (DSpine, design §2.2).
+"""Transfer space: fixed per-token codes derived from the target's LM head (``docs/design.md``, "The DSpine draft").
 
 The draft tells slot ``i`` which token its predecessor is through ``code(token)``: a unit vector in a
 rank-``r`` whitened principal subspace of the (row-normalised, mean-centred) head rows. Whitening makes
@@ -41,7 +41,7 @@ def _normalised_rows(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def compute_transfer_space(head_weight: torch.Tensor, rank: int, chunk_rows: int = 16384) -> TransferSpace:
-    """Codes from the target head E [V, H] (§2.2).
+    """Codes from the target head E [V, H].
 
     1. ê_v = E_v / ‖E_v‖, mu = mean_v ê_v.
     2. C = cov(ê) (population covariance); eigh; keep the top ``rank`` eigenpairs (D [H, r], lambda [r]).

@@ -5,32 +5,71 @@ precedence is flag > env > job file > default. Errors print one line and exit wi
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import MISSING
 from typing import Any
 
 import click
 
 from . import __version__
-from .config import GenerateConfig, load_toml
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, BatchError
+from .config import GenerateConfig, default, load_toml
+from .errors import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
 
 ENV = "DSPINE_BATCH_"
 
 
-def opt(*decls: str, **kw: Any) -> Callable:
-    """An option with a DSPINE_BATCH_* env var named after it, shown in --help."""
-    name = next(d for d in decls if d.startswith("--")).lstrip("-").split("/")[0].replace("-", "_").upper()
-    kw.setdefault("envvar", ENV + name)
+class KeyValue(click.ParamType):
+    """``KEY=VALUE`` -> ``(key, value)``, checked once where it is parsed."""
+
+    name = "KEY=VALUE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        key, sep, val = str(value).partition("=")
+        if not sep or not key.strip():
+            self.fail(f"{value!r}: expected KEY=VALUE", param, ctx)
+        return key.strip(), val
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A float range that also refuses nan and inf (which compare false with every bound)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)
+
+
+def env_option(*decls: str, **kw: Any) -> Callable:
+    """An option with a DSPINE_BATCH_<OPTION> env var (shown in --help) and, when its setting has one, the
+    default of ``GenerateConfig`` (so defaults have one copy)."""
+    name = next(d for d in decls if d.startswith("--")).lstrip("-").split("/")[0].replace("-", "_")
+    kw.setdefault("envvar", ENV + name.upper())
     kw.setdefault("show_envvar", True)
+    value = default(name) if name in GenerateConfig.__dataclass_fields__ else MISSING
+    if value is not MISSING and "default" not in kw and not kw.get("multiple"):
+        kw["default"] = value
+        kw.setdefault("show_default", value is not None)
     return click.option(*decls, **kw)
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
         data = load_toml(value)
+        known = sorted({p.name for p in ctx.command.params if p.name and p.name not in ("config", "output_dir")} |
+                       {"inputs", "input", "output", "engine_args"})
+        for key in data:
+            if key not in known:
+                near = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise UsageError(f"--config {value}: unknown key {key!r}{hint}; the keys are: {', '.join(known)}")
         if isinstance(data.get("engine_args"), dict):
             data["engine_arg"] = [f"{k}={v}" for k, v in data.pop("engine_args").items()]
         for key in ("keep_columns", "stop"):
@@ -47,6 +86,7 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
 GENERATE_EXAMPLES = """
 \b
 Examples:
+  dspine-batch generate prompts.parquet                  # output in ./prompts-out (run again to resume)
   dspine-batch generate examples/prompts.jsonl -o out/
   dspine-batch generate data/*.parquet -o out/ --prompt-column question --id-column qid \\
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
@@ -63,8 +103,9 @@ sampling settings for their row (--no-row-params to ignore them).
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted (run again), 3 done but over --max-error-rate,
-2 usage error or different settings than the run in OUTDIR, 1 fatal.
+duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
+3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
+or bad data: running again would fail the same way).
 """
 
 
@@ -84,73 +125,69 @@ def cli() -> None:
 
 @cli.command(epilog=GENERATE_EXAMPLES)
 @click.argument("inputs", nargs=-1, type=click.Path(), metavar="INPUT...")
-@opt("-o", "--output", "output_dir", type=click.Path(file_okay=False), help="Output directory (Parquet parts).")
-@click.option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True,
-              expose_value=False, help="TOML job file with any of these options (and `inputs`, `output`).")
-@opt("--engine", default="auto", show_default=True, metavar="auto|reference|sglang",
-     help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
-@opt("-m", "--model", default="embedded", show_default=True, help="Target model dir (HF layout), or `embedded`.")
-@opt("--draft", default="embedded", show_default=True, help="Draft model dir, `embedded`, or `none`.")
-@opt("--split", help="Split of a DatasetDict / local HF dataset dir.")
-@opt("--prompt-column", help="Column with the prompt text.  [default: prompt]")
-@opt("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
-@opt("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
-@opt("-s", "--system-prompt", help="System message added to every row.")
-@opt("--chat-template/--raw", "chat_template", default=None,
-     help="Render prompts with the model's chat template, or tokenize them as-is.  [default: template if the "
-          "model has one]")
-@opt("--max-new-tokens", type=int, default=256, show_default=True)
-@opt("-t", "--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@opt("--top-p", type=float, default=1.0, show_default=True)
-@opt("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@opt("--seed", type=int, default=0, show_default=True,
-     help="Run seed; each (row, sample) gets its own seed derived from it.")
-@opt("--stop", multiple=True, help="Stop string (repeatable).")
-@opt("--num-samples", type=int, default=1, show_default=True, help="Samples per row.")
-@opt("--row-params/--no-row-params", default=True, show_default=True,
-     help="Let input columns override sampling settings per row.")
-@opt("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
-@opt("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
-@opt("--limit", type=int, help="Only the first N input rows.")
-@opt("--engine-arg", "engine_arg", multiple=True, metavar="KEY=VALUE",
-     help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
-          "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
-          "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
-@opt("--max-in-flight", type=int, default=64, show_default=True, help="Most requests open in the engine at once.")
-@opt("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
-@opt("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
-     help="Bad rows: write a status=error row, or stop the job.")
-@opt("--max-error-rate", type=float, default=0.05, show_default=True, help="Exit 3 when errors exceed this.")
-@opt("--resume/--no-resume", default=True, show_default=True, help="Continue a run found in OUTDIR.")
-@opt("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
-@opt("--commit-rows", type=int, default=1000, show_default=True, help="Commit a part after this many rows...")
-@opt("--commit-seconds", type=float, default=5.0, show_default=True, help="...or after this many seconds.")
-@opt("--grace-seconds", type=float, default=20.0, show_default=True,
-     help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
-@opt("--progress", type=click.Choice(["auto", "bar", "log", "none"]), default="auto", show_default=True,
-     help="auto: a bar on a terminal, log lines otherwise.")
-@opt("--log-interval", type=float, default=10.0, show_default=True, help="Seconds between progress log lines.")
+@env_option("-o", "--output", "output_dir", type=click.Path(file_okay=False),
+            help="Output directory (Parquet parts).  [default: ./<first input's name>-out, e.g. prompts-out]")
+@env_option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
+            help="TOML job file with any of these options (and `inputs`, `output`).")
+@env_option("--engine", metavar="auto|reference|sglang",
+            help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
+@env_option("-m", "--model", help="Target model dir (HF layout), or `embedded`.")
+@env_option("--draft", help="Draft model dir, `embedded`, or `none`.")
+@env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
+@env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")
+@env_option("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@env_option("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
+@env_option("-s", "--system-prompt", help="System message added to every row.")
+@env_option("--chat-template/--raw", "chat_template", show_default=False,
+            help="Render prompts with the model's chat template, or tokenize them as-is.  [default: template if the "
+                 "model has one]")
+@env_option("--max-new-tokens", type=click.IntRange(min=1))
+@env_option("-t", "--temperature", type=FiniteFloatRange(min=0), help="0 = greedy.")
+@env_option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True))
+@env_option("--top-k", type=click.IntRange(min=-1), help="0 or -1 = off.")
+@env_option("--seed", type=int, help="Run seed; each (row, sample) gets its own seed derived from it.")
+@env_option("--stop", multiple=True, help="Stop string (repeatable).")
+@env_option("--num-samples", type=click.IntRange(min=1), help="Samples per row.")
+@env_option("--row-params/--no-row-params", help="Let input columns override sampling settings per row.")
+@env_option("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
+@env_option("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
+@env_option("--limit", type=click.IntRange(min=0), help="Only the first N input rows.")
+@env_option("--engine-arg", "engine_arg", type=KeyValue(), multiple=True,
+            help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
+                 "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
+                 "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
+@env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
+@env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
+@env_option("--on-error", type=click.Choice(["skip", "fail"]),
+            help="Bad rows: write a status=error row, or stop the job.")
+@env_option("--max-error-rate", type=FiniteFloatRange(min=0, max=1), help="Exit 3 when errors exceed this.")
+@env_option("--resume/--no-resume", help="Continue a run found in OUTDIR.")
+@env_option("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
+@env_option("--commit-rows", type=click.IntRange(min=1), help="Commit a part after this many rows...")
+@env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
+@env_option("--grace-seconds", type=FiniteFloatRange(min=0),
+            help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
+            help="auto: a bar on a terminal, log lines otherwise.")
+@env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
 @click.pass_context
-def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None, engine_arg: tuple[str, ...],
-             keep_columns: tuple[str, ...], stop: tuple[str, ...], **kw: Any) -> int:
+def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
+             engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
+             **kw: Any) -> int:
     """Generate completions for every row of INPUT (JSONL[.gz|.zst], Parquet file/dir/glob, a save_to_disk
-    dataset dir, a local HF dataset with --split, or OpenAI batch JSONL) into Parquet parts in OUTDIR."""
+    dataset dir, a local HF dataset with --split, or OpenAI batch JSONL) into Parquet parts in OUTDIR.
+
+    Without -o the output goes to ./<first input's name>-out (printed at start); the same command again
+    resumes there."""
+    from .pipeline import default_output
     from .pipeline import generate as run_generate
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:
         raise click.UsageError("no INPUT given (pass files, or `inputs` in --config)")
-    if not output_dir:
-        raise click.UsageError("missing -o/--output OUTDIR")
-    args: dict[str, str] = {}
-    for item in engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--engine-arg")
-        args[key.strip()] = value
     keep = [c.strip() for k in keep_columns for c in k.split(",") if c.strip()]
-    cfg = GenerateConfig(inputs=list(inputs), output=output_dir, engine_args=args, keep_columns=keep,
-                         stop=list(stop), **kw)
+    cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
+                         engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop), **kw)
     return run_generate(cfg)
 
 
@@ -197,7 +234,8 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
 @cli.command()
 @click.argument("outdir", type=click.Path(exists=True, file_okay=False))
 @click.option("--compact", is_flag=True, help="Merge small parts into larger ones first.")
-@click.option("--target-rows", type=int, default=1_000_000, show_default=True, help="Rows per compacted part.")
+@click.option("--target-rows", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Rows per compacted part.")
 def finalize(outdir: str, compact: bool, target_rows: int) -> int:
     """Check that every input row x sample is in OUTDIR exactly once, then write _SUCCESS.
 
@@ -227,15 +265,15 @@ Examples:
 @click.argument("generate_args", nargs=-1, type=click.UNPROCESSED)
 @click.option("-o", "--output", "output_dir", help="OUTDIR (default: the job file's `output`).")
 @click.option("--template", help="cpu-reference, gpu-sglang, or a path (default: [slurm] template).")
-@click.option("--shards", type=int, help="Number of shards = array tasks (default: [slurm] shards).")
+@click.option("--shards", type=click.IntRange(min=1), help="Number of shards = array tasks (default: [slurm] shards).")
 @click.option("--array", "array", metavar="SPEC", help="Only these array indices (resubmitting failed shards).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a [slurm] key (repeatable).")
+@click.option("--set", "sets", type=KeyValue(), multiple=True, help="Override a [slurm] key (repeatable).")
 @click.option("--submit/--no-submit", default=False, show_default=True, help="sbatch the scripts.")
 @click.option("--finalize/--no-finalize", default=True, show_default=True,
               help="With --submit: also submit the finalize job (--dependency=afterok:<array job>).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was rendered/submitted as JSON.")
 def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None, template: str | None,
-          shards: int | None, array: str | None, sets: tuple[str, ...], submit: bool, finalize: bool,
+          shards: int | None, array: str | None, sets: tuple[tuple[str, str], ...], submit: bool, finalize: bool,
           as_json: bool) -> None:
     """Render the Slurm array job (one shard per task) and the finalize job of JOB_FILE, a generate --config
     TOML with a [slurm] table (see jobs/nightly-synth.toml and docs/slurm.md); optionally submit both.
@@ -245,11 +283,7 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
     from .slurm import submit as do_submit
 
     overrides: dict[str, Any] = {"template": template, "shards": shards}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--set")
-        overrides[key.strip().replace("-", "_")] = value
+    overrides |= {key.replace("-", "_"): value for key, value in sets}
     args = [a for a in generate_args if a != "--"]
     r = render(job_file, output_dir, overrides, array, args)
     info: dict[str, Any] = {"array_script": str(r.array_script), "finalize_script": str(r.finalize_script),
@@ -277,9 +311,12 @@ def _as_list(v: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; every failure ends in one line on stderr and a documented exit code (tracebacks only
+    with DSPINE_BATCH_DEBUG=1): usage 2, bugs and fatal errors 1, interrupted 75."""
     from dspine.threads import prepare_env
 
-    prepare_env()  # before torch loads: passive OpenMP waiting, threads = the cores this process may use
+    prepare_env()  # before torch loads: OpenMP threads wait passively instead of spinning against other processes
+    debug = bool(os.environ.get("DSPINE_BATCH_DEBUG"))
     try:
         rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -290,16 +327,24 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         sys.exit(EXIT_INTERRUPTED)
     except BatchError as e:
+        if debug:
+            raise
         print(f"dspine-batch: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("dspine-batch: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except OSError as e:
-        if os.environ.get("DSPINE_BATCH_DEBUG"):
+        if debug:
             raise
         print(f"dspine-batch: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_FATAL)
+    except Exception as e:  # a bug, or a setting the code did not foresee: running again would not help
+        if debug:
+            raise
+        print(f"dspine-batch: error: {type(e).__name__}: {str(e)[:300]} (finished rows are committed; "
+              "DSPINE_BATCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+        sys.exit(EXIT_FATAL)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

@@ -8,9 +8,10 @@ Operational knobs (in-flight window, commit interval, error policy) do not, so t
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import Any
 
+from .engine import DEFAULTS
 from .errors import UsageError
 
 
@@ -27,11 +28,11 @@ class GenerateConfig:
     id_column: str | None = None
     system_prompt: str | None = None
     chat_template: bool | None = None  # None: use the model's template when it has one
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    max_new_tokens: int = DEFAULTS.max_new_tokens  # generation defaults live in one place: engine.SamplingParams
+    temperature: float = DEFAULTS.temperature
+    top_p: float = DEFAULTS.top_p
+    top_k: int = DEFAULTS.top_k
+    seed: int = DEFAULTS.seed
     stop: list[str] = field(default_factory=list)
     num_samples: int = 1
     row_params: bool = True
@@ -53,6 +54,13 @@ class GenerateConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def default(name: str) -> Any:
+    """The default of one setting (the CLI shows and uses these, so there is one copy); MISSING for
+    ``inputs``/``output``, which have none."""
+    f = GenerateConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 IDENTITY_FIELDS = ("split", "system_prompt", "chat_template", "max_new_tokens", "temperature", "top_p",

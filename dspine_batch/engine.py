@@ -1,15 +1,19 @@
 """The engine boundary: what the pipeline asks of any generation backend, and nothing more.
 
-The pipeline only sees ``Request`` in and ``Result`` out through ``Engine.run``; which engine runs (scripted
-test engine, the CPU reference engine over ``dspine.generate``, SGLang) must not change anything else. SGLang-shaped
-stats are normalised in one place (``stats_from_sglang_meta`` -> ``sglang_stats``) because the names drift.
+The pipeline only sees ``Request`` in and ``Result`` out through ``Engine.run``, plus the engine's
+``tokenizer`` (prompts -> ids, stop ids); which engine runs (scripted test engine, the CPU reference engine over
+``dspine.generate``, SGLang) must not change anything else. Engines are found by name in ``ENGINES`` (name ->
+loader); tests put the scripted engine behind the default names with ``engines_replaced``. ``SamplingParams``
+holds the generation defaults of the whole tool. SGLang-shaped stats are normalised in one place
+(``stats_from_sglang_meta`` -> ``sglang_stats``) because the names drift.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +22,10 @@ from .errors import UsageError
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """One request's sampling settings. Its defaults are the generation defaults of the whole tool: the CLI
+    options and ``GenerateConfig`` take theirs from here. ``stop_token_ids`` end generation inside the engine;
+    ``stop`` strings are cut from the text afterwards (``stop_strings``)."""
+
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -27,11 +35,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
+DEFAULTS = SamplingParams()
+
+
 @dataclass(slots=True)
 class Request:
-    """One generation: ``key`` is the row id, ``sample_index`` which of its samples this is."""
+    """One generation: ``row_id`` is the input row's id, ``sample_index`` which of its samples this is."""
 
-    key: str
+    row_id: str
     sample_index: int
     prompt_ids: list[int]
     params: SamplingParams
@@ -39,7 +50,7 @@ class Request:
 
 @dataclass(slots=True)
 class Result:
-    key: str
+    row_id: str
     sample_index: int
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
@@ -55,18 +66,9 @@ class Result:
     error: str | None = None
 
 
-class Engine(Protocol):
-    """What a backend provides. ``run`` must pull requests lazily and keep at most ``max_in_flight`` open, so
-    that stopping the request iterator (signal, error budget) stops admission without losing finished work."""
-
-    name: str
-
-    def identity(self) -> dict[str, Any]:
-        """Everything about the model/draft/backend that changes outputs; goes into the run fingerprint."""
-        ...
-
-    @property
-    def max_context(self) -> int | None: ...
+class Tokenizer(Protocol):
+    """What the pipeline needs to turn rows into token ids: the model's tokenizer, owned by the engine only
+    because the engine knows which model it loaded (``tokenizer.HFTokenizer`` for HF model dirs)."""
 
     @property
     def has_chat_template(self) -> bool: ...
@@ -77,9 +79,27 @@ class Engine(Protocol):
         """Chat template with ``add_generation_prompt=True``, tokenized."""
         ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
         """EOS ids plus any stop string that is exactly one token."""
         ...
+
+
+class Engine(Protocol):
+    """What a backend provides. ``run`` must pull requests lazily and keep at most ``max_in_flight`` open, so
+    that stopping the request iterator (signal, error budget) stops admission without losing finished work.
+    A transient death (rerunning helps) raises ``errors.EngineDied``; anything else is treated as a bug."""
+
+    name: str
+    tokenizer: Tokenizer
+
+    def identity(self) -> dict[str, Any]:
+        """Everything about the model/draft/backend that changes outputs; goes into the run fingerprint."""
+        ...
+
+    @property
+    def max_context(self) -> int | None: ...
 
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]: ...
 
@@ -103,38 +123,68 @@ def stats_from_sglang_meta(meta: dict[str, Any], result: Result, block_size: int
     return apply(meta, result, block_size=block_size)
 
 
-ENGINE_NAMES = ("auto", "reference", "sglang")
+EngineLoader = Callable[[str, str, dict[str, str]], Engine]
+"""``(model, draft, engine_args) -> Engine``."""
+
+
+def _load_reference(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from .reference_engine import ReferenceEngine
+
+    return ReferenceEngine.load(model, draft, engine_args)
+
+
+def _load_sglang(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from .sglang_engine import SGLangEngine, sglang_available
+
+    ok, why = sglang_available()
+    if not ok:
+        raise UsageError(
+            f"--engine sglang is not available here: {why}; install the sglang extra in its own virtualenv "
+            "(bash scripts/setup_sglang_venv.sh) and run dspine-batch from it on a GPU machine, "
+            "or use --engine reference"
+        )
+    return SGLangEngine.load(model, draft, engine_args)
+
+
+def _load_scripted(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from .scripted_engine import ScriptedEngine
+
+    return ScriptedEngine.from_args(engine_args)
+
+
+def _pick_auto() -> str:
+    from .sglang_engine import sglang_available
+
+    ok, why = sglang_available()
+    name = "sglang" if ok else "reference"
+    print(f"dspine-batch: --engine auto picked {name} ({why})", file=sys.stderr)
+    return name
+
+
+ENGINE_NAMES = ("auto", "reference", "sglang")  # what --help offers
+ENGINES: dict[str, EngineLoader] = {"reference": _load_reference, "sglang": _load_sglang,
+                                    "scripted": _load_scripted}  # scripted: the hidden deterministic test engine
+
+
+@contextmanager
+def engines_replaced(loader: EngineLoader, names: Iterable[str] = ("auto", "reference")) -> Iterator[None]:
+    """Load every engine in ``names`` with ``loader`` for the duration (``auto`` included): how tests and the
+    benchmark put the scripted engine behind the default command line without touching the production path."""
+    saved = dict(ENGINES)
+    try:
+        ENGINES.update(dict.fromkeys(names, loader))
+        yield
+    finally:
+        ENGINES.clear()
+        ENGINES.update(saved)
 
 
 def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
     """Build the engine the user asked for. ``auto`` is SGLang when it is installed and a GPU is present,
-    else the reference engine; it says which it picked and why on stderr.
-
-    ``scripted`` (not shown in help) is the deterministic test engine; ``DSPINE_BATCH_TEST_ENGINE`` also
-    selects it so subprocess tests need no special flags."""
-    if name == "auto":
-        from .sglang_engine import sglang_available
-
-        ok, why = sglang_available()
-        name = "sglang" if ok else "reference"
-        print(f"dspine-batch: --engine auto picked {name} ({why})", file=sys.stderr)
-    if name == "scripted":
-        from .scripted_engine import ScriptedEngine
-
-        return ScriptedEngine.from_args(engine_args)
-    if name == "reference":
-        from .reference_engine import ReferenceEngine
-
-        return ReferenceEngine.load(model, draft, engine_args)
-    if name == "sglang":
-        from .sglang_engine import SGLangEngine, sglang_available
-
-        ok, why = sglang_available()
-        if not ok:
-            raise UsageError(
-                f"--engine sglang is not available here: {why}; install the sglang extra in its own virtualenv "
-                "(bash scripts/setup_sglang_venv.sh) and run dspine-batch from it on a GPU machine, "
-                "or use --engine reference"
-            )
-        return SGLangEngine.load(model, draft, engine_args)
-    raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")
+    else the reference engine; it says which it picked and why on stderr."""
+    if name == "auto" and "auto" not in ENGINES:
+        name = _pick_auto()
+    loader = ENGINES.get(name)
+    if loader is None:
+        raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")
+    return loader(model, draft, engine_args)

@@ -39,6 +39,13 @@ class FatalError(BatchError):
     exit_code = EXIT_FATAL
 
 
+class EngineDied(Exception):
+    """The engine died in a way that running again is expected to fix (a worker process crashed or was
+    OOM-killed, a lost device): finished rows are committed and the run exits 75 so Slurm requeues it.
+    Engines raise this and only this for transient deaths; any other exception is a bug or a bad setting,
+    and exits 1 so a requeue loop does not repeat a deterministic failure."""
+
+
 class Interrupted(BaseException):
     """Raised when the grace budget after a stop signal runs out; BaseException so no handler swallows it."""
 

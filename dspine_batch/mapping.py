@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .engine import Engine, Request, SamplingParams, derive_seed
+from .engine import Request, SamplingParams, Tokenizer, derive_seed
 from .errors import RowError, UsageError
 from .keyset import KeySet, index_hashes, key_hash, key_hashes
 from .sources import InputFile, RowBatch, arrow_schema, peek_rows
@@ -111,7 +111,7 @@ class WorkItem:
     requests: list[Request]
     keep: tuple[Any, ...] | None
     error: str | None = None
-    key_hash: int = 0  # 64-bit hash of row_id (keyset.key_hash), stored beside each part for fast resume
+    row_hash: int = 0  # 64-bit hash of row_id (keyset.key_hash), stored beside each part for fast resume
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ class RowIds:
             if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
                 ids.append(f"{name}:{index}")
                 # (a row that is itself an error reports that error, not a missing id)
-                what = "missing" if value is None or value == "" else f"expected a string or int, got {_tn(value)}"
+                what = ("missing" if value is None or value == ""
+                        else f"expected a string or int, got {_type_name(value)}")
                 problems.append(str(RowError(name, index, col, what)))
                 continue
             key = str(value)
@@ -176,12 +177,12 @@ class RowIds:
 class RowMapper:
     """Maps rows to work items: validation, per-row params, prompt rendering, per-sample seeds."""
 
-    def __init__(self, settings: MapSettings, engine: Engine):
-        self.s = settings
-        self.engine = engine
+    def __init__(self, settings: MapSettings, tokenizer: Tokenizer, max_context: int | None):
+        self.settings = settings
+        self.tokenizer = tokenizer
         self.ids = RowIds(settings.columns.id)
         self.assign_ids = self.ids.assign_ids
-        self.max_context = engine.max_context
+        self.max_context = max_context
         self._keep_types = [f.type for f in settings.columns.keep_schema()]
         self._has_keep = bool(settings.columns.keep)
         self._row_params = bool(settings.columns.row_params)
@@ -189,18 +190,18 @@ class RowMapper:
         self._stop_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
 
     def build(self, row_id: str, file: InputFile, index: int, row: dict[str, Any] | RowError,
-              id_problem: str | None, key_hash: int = 0) -> WorkItem:
+              id_problem: str | None, row_hash: int = 0) -> WorkItem:
         if isinstance(row, RowError):
-            return WorkItem(row_id, [], None, str(row), key_hash)
+            return WorkItem(row_id, [], None, str(row), row_hash)
         keep, problem = self._keep(file, index, row) if self._has_keep else (None, None)
         problem = id_problem or problem
         if problem:
-            return WorkItem(row_id, [], keep, problem, key_hash)
+            return WorkItem(row_id, [], keep, problem, row_hash)
         try:
-            params = self._params(file, index, row) if self._row_params else self.s.defaults
+            params = self._params(file, index, row) if self._row_params else self.settings.defaults
             ids = self._prompt_ids(file, index, row)
         except RowError as e:
-            return WorkItem(row_id, [], keep, str(e), key_hash)
+            return WorkItem(row_id, [], keep, str(e), row_hash)
         if params.temperature > 0:  # greedy output does not depend on the seed: skip the hashing
             reqs = [Request(row_id, s, ids, replace(params, seed=derive_seed(params.seed, row_id, s)))
                     for s in range(self._samples)]
@@ -208,10 +209,10 @@ class RowMapper:
             reqs = [Request(row_id, 0, ids, params)]
         else:
             reqs = [Request(row_id, s, ids, params) for s in range(self._samples)]
-        return WorkItem(row_id, reqs, keep, None, key_hash)
+        return WorkItem(row_id, reqs, keep, None, row_hash)
 
     def _keep(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
-        cols = self.s.columns.keep
+        cols = self.settings.columns.keep
         if not cols:
             return None, None
         values = tuple(row.get(c) for c in cols)
@@ -219,13 +220,14 @@ class RowMapper:
             return values, None  # already typed by the schema
         for c, v, t in zip(cols, values, self._keep_types, strict=True):
             if v is not None and not _fits(v, t):
-                return tuple(None for _ in cols), str(RowError(file.name, index, c, f"expected {t}, got {_tn(v)}"))
+                problem = RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
+                return tuple(None for _ in cols), str(problem)
         return values, None
 
     def _params(self, file: InputFile, index: int, row: dict[str, Any]) -> SamplingParams:
-        p = self.s.defaults
+        p = self.settings.defaults
         over: dict[str, Any] = {}
-        for name in self.s.columns.row_params:
+        for name in self.settings.columns.row_params:
             value = row.get(name)
             if value is None:
                 continue
@@ -238,15 +240,15 @@ class RowMapper:
 
     def _stop_ids(self, stop: tuple[str, ...]) -> tuple[int, ...]:
         if stop not in self._stop_cache:
-            self._stop_cache[stop] = self.engine.stop_token_ids(stop)
+            self._stop_cache[stop] = self.tokenizer.stop_token_ids(stop)
         return self._stop_cache[stop]
 
     def _prompt_ids(self, file: InputFile, index: int, row: dict[str, Any]) -> list[int]:
-        cols = self.s.columns
+        cols = self.settings.columns
         if cols.messages:
             messages = _check_messages(file.name, index, cols.messages, row.get(cols.messages, _MISSING))
-            if self.s.system_prompt and messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": self.s.system_prompt}, *messages]
+            if self.settings.system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.settings.system_prompt}, *messages]
             field = cols.messages
         else:
             field = cols.prompt or "prompt"
@@ -254,16 +256,16 @@ class RowMapper:
             if text is _MISSING:
                 raise RowError(file.name, index, field, "missing")
             if not isinstance(text, str):
-                raise RowError(file.name, index, field, f"expected a string, got {_tn(text)}")
+                raise RowError(file.name, index, field, f"expected a string, got {_type_name(text)}")
             if not text.strip():
                 raise RowError(file.name, index, field, "empty prompt")
             messages = None
-            if self.s.use_chat:
+            if self.settings.use_chat:
                 messages = [{"role": "user", "content": text}]
-                if self.s.system_prompt:
-                    messages.insert(0, {"role": "system", "content": self.s.system_prompt})
+                if self.settings.system_prompt:
+                    messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
         try:
-            ids = self.engine.render_chat(messages) if messages is not None else self.engine.encode(text)
+            ids = self.tokenizer.render_chat(messages) if messages is not None else self.tokenizer.encode(text)
         except Exception as e:  # template errors are data errors: the row's content broke the template
             raise RowError(file.name, index, field, f"cannot render the prompt ({str(e)[:200]})") from e
         if self.max_context and len(ids) >= self.max_context:
@@ -279,14 +281,15 @@ def _check_messages(name: str, index: int, field: str, value: Any) -> list[dict[
     if value is _MISSING:
         raise RowError(name, index, field, "missing")
     if not isinstance(value, list) or not value:
-        raise RowError(name, index, field, f"expected a non-empty list of messages, got {_tn(value)}")
+        raise RowError(name, index, field, f"expected a non-empty list of messages, got {_type_name(value)}")
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise RowError(name, index, f"{field}[{i}]", f"expected an object, got {_tn(m)}")
+            raise RowError(name, index, f"{field}[{i}]", f"expected an object, got {_type_name(m)}")
         if m.get("role") not in ROLES:
             raise RowError(name, index, f"{field}[{i}].role", f"expected one of {sorted(ROLES)}, got {m.get('role')!r}")
         if not isinstance(m.get("content"), str):
-            raise RowError(name, index, f"{field}[{i}].content", f"expected a string, got {_tn(m.get('content'))}")
+            raise RowError(name, index, f"{field}[{i}].content",
+                           f"expected a string, got {_type_name(m.get('content'))}")
     return value
 
 
@@ -338,5 +341,5 @@ def _fits(v: Any, t: pa.DataType) -> bool:
         return False
 
 
-def _tn(v: Any) -> str:
+def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__

@@ -1,21 +1,31 @@
-"""Progress: a tqdm bar on a terminal, plain periodic log lines otherwise (tqdm is noise in batch logs)."""
+"""Progress: a tqdm bar on a terminal, plain periodic log lines otherwise (tqdm is noise in batch logs).
+
+It shows rows as they finish (the sink's ``taken`` tally: committed or buffered), not as they commit, and
+the rows read from the inputs so far; it only reads those counters, every ``interval`` seconds, so a tick
+per row costs a clock read.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
+
+from .sink import SinkStats
 
 
 class Progress:
     def __init__(self, mode: str, total: int | None, initial: int, interval: float = 10.0,
-                 stream: TextIO | None = None):
+                 stream: TextIO | None = None, taken: Callable[[], SinkStats] = SinkStats,
+                 read: Callable[[], int] = lambda: 0):
         self.stream = stream or sys.stderr
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "log"
         self.mode, self.total, self.initial, self.interval = mode, total, initial, interval
-        self.rows = self.errors = self.tokens = self.steps = self.spec_tokens = 0
-        self.start = self._last = time.monotonic()
+        self.taken, self.read = taken, read
+        self.start = time.monotonic()
+        self._last: float | None = None  # the first finished row prints at once: the run is alive
         self.bar = None
         if mode == "bar":
             from tqdm import tqdm
@@ -23,42 +33,42 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, unit="row", file=self.stream, dynamic_ncols=True,
                             smoothing=0.1)
 
-    def update(self, rows: int, errors: int, tokens: int, steps: int, spec_tokens: float) -> None:
-        self.rows += rows
-        self.errors += errors
-        self.tokens += tokens
-        self.steps += steps
-        self.spec_tokens += spec_tokens
+    def tick(self) -> None:
+        """A row finished."""
         if self.mode == "none":
             return
         now = time.monotonic()
+        every = 0.2 if self.bar is not None else self.interval  # tqdm per row would cost more than the pipeline
+        if self._last is not None and now - self._last < every:
+            return
+        self._last = now
+        stats = self.taken()
         if self.bar is not None:
-            if now - self._last >= 0.2:  # tqdm per row would cost more than the rest of the pipeline
-                self._last = now
-                self.bar.update(self.initial + self.rows - self.bar.n)
-                self.bar.set_postfix_str(self._postfix(now), refresh=False)
-        elif now - self._last >= self.interval:
-            self._last = now
-            self.log_line(now)
+            self.bar.update(self.initial + stats.rows - self.bar.n)
+            self.bar.set_postfix_str(self._postfix(stats, now), refresh=False)
+        else:
+            self.log_line(stats, now)
 
-    def _postfix(self, now: float) -> str:
-        tps = self.tokens / max(now - self.start, 1e-9)
-        tau = f" tau={self.spec_tokens / self.steps:.2f}" if self.steps else ""
-        err = f" errors={self.errors}" if self.errors else ""
-        return f"{tps:,.0f} tok/s{tau}{err}"
+    def _postfix(self, stats: SinkStats, now: float) -> str:
+        tps = stats.completion_tokens / max(now - self.start, 1e-9)
+        tau = f" tau={stats.tau:.2f}" if stats.tau is not None else ""
+        err = f" errors={stats.error_rows}" if stats.error_rows else ""
+        return f"{stats.completion_tokens:,} tokens, {tps:,.1f} tok/s{tau}{err}"
 
-    def log_line(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+    def log_line(self, stats: SinkStats, now: float) -> None:
         dt = max(now - self.start, 1e-9)
-        done = self.initial + self.rows
+        done = self.initial + stats.rows
         of = f"/{self.total:,}" if self.total else ""
-        print(f"dspine-batch: {done:,}{of} rows ({self.rows / dt:,.1f} rows/s this run) | {self._postfix(now)}",
-              file=self.stream, flush=True)
+        print(f"dspine-batch: {done:,}{of} rows done, {self.read():,} read ({stats.rows / dt:,.1f} rows/s this run) "
+              f"| {self._postfix(stats, now)}", file=self.stream, flush=True)
 
     def close(self) -> None:
+        now, stats = time.monotonic(), self.taken()
         if self.bar is not None:
-            self.bar.update(self.initial + self.rows - self.bar.n)
-            self.bar.set_postfix_str(self._postfix(time.monotonic()))
+            self.bar.update(self.initial + stats.rows - self.bar.n)
+            self.bar.set_postfix_str(self._postfix(stats, now))
             self.bar.close()
+            self.bar = None
         elif self.mode == "log":
-            self.log_line()
+            self.log_line(stats, now)
+            self.mode = "none"  # closed: an exception path may call close again

@@ -17,6 +17,7 @@ from typing import Any
 from .engine import Request, Result
 from .errors import FatalError, UsageError
 from .manifest import content_digest
+from .stop_strings import cut_at_stop
 from .tokenizer import HFTokenizer
 
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "dtype": str, "quant": str}
@@ -112,14 +113,12 @@ class ReferenceEngine:
             except ValueError as e:
                 kind = "an integer" if ARGS[k] is int else "a number"
                 raise UsageError(f"--engine-arg {k}={v}: expected {kind}") from e
-
         from dspine import load_draft, load_target
-        from dspine.draft import read_decode_defaults
+        from dspine.draft_io import read_decode_defaults
+        from dspine.precision import resolve
         from dspine.threads import configure_torch
 
         configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
-        from dspine.precision import resolve
-
         quant = opts.get("quant", "none")
         try:
             precision = resolve(opts.get("dtype", "float32" if quant == "none" else "bfloat16"), quant)
@@ -149,17 +148,8 @@ class ReferenceEngine:
         return int(self.target.max_position) - (self.block_size or 1) - 1
 
     @property
-    def has_chat_template(self) -> bool:
-        return self.tok.has_chat_template
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tok.render_chat(messages)
-
-    def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
-        return self.tok.stop_token_ids(stop)
+    def tokenizer(self) -> Any:
+        return self.tok
 
     def close(self) -> None:
         self.target = self.draft = None
@@ -193,7 +183,7 @@ class ReferenceEngine:
                             dynamic_threshold=self.dynamic_threshold)
         except ValueError as e:
             if len(batch) == 1:
-                return [Result(batch[0].key, batch[0].sample_index, prompt_tokens=len(batch[0].prompt_ids),
+                return [Result(batch[0].row_id, batch[0].sample_index, prompt_tokens=len(batch[0].prompt_ids),
                                error=f"engine rejected the request: {e}")]
             return [res for r in batch for res in self._generate([r])]
         except RuntimeError as e:
@@ -204,13 +194,10 @@ class ReferenceEngine:
         tokens = list(out.token_ids)
         text = self.tok.decode(tokens)
         finish = out.finish_reason
-        for s in req.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-                k = next((k for k in range(1, len(tokens) + 1) if s in self.tok.decode(tokens[:k])), len(tokens))
-                tokens = tokens[:k]
-        res = Result(req.key, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
+        cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
+        if cut is not None:
+            (text, tokens), finish = cut, "stop"
+        res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)))
         st = out.stats
         if self.draft is not None and st.verify_steps:

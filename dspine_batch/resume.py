@@ -28,7 +28,7 @@ from .sink import KEYS_DIR, PART_PREFIX, keys_path
 
 STATE_DIR = "_dspine"
 PART_RE = re.compile(r"^train-(\d{5}-of-\d{5})-(\d{6})\.parquet$")
-OURS = re.compile(r"^(train-.*\.parquet|\..*\.inprogress|_manifest\.json|_dspine|_SUCCESS|_report\.json|"
+OUTPUT_NAMES = re.compile(r"^(train-.*\.parquet|\..*\.inprogress|_manifest\.json|_dspine|_SUCCESS|_report\.json|"
                   r"\._manifest\.json\..*\.tmp)$")
 
 
@@ -51,7 +51,7 @@ def list_parts(outdir: str, shard: str | None = None) -> list[Part]:
 def prepare_outdir(outdir: str) -> None:
     """Create OUTDIR; refuse a non-empty directory that is not ours (a typo in -o must not mix outputs)."""
     os.makedirs(os.path.join(outdir, KEYS_DIR), exist_ok=True)
-    foreign = [n for n in os.listdir(outdir) if not OURS.match(n)]
+    foreign = [n for n in os.listdir(outdir) if not OUTPUT_NAMES.match(n)]
     if foreign and not os.path.exists(os.path.join(outdir, MANIFEST)):
         raise UsageError(f"{outdir}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
                          "choose a new -o directory")
@@ -66,26 +66,37 @@ class Lock:
         self.fd: int | None = None
 
     def acquire(self) -> Lock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         for attempt in range(5):  # `status` probes locks for an instant; don't mistake that for a writer
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
-                if attempt < 4:
-                    time.sleep(0.05)
-        else:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                if attempt == 4:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                    os.close(fd)
+                    raise LockedError(f"{os.path.dirname(os.path.dirname(self.path))} is in use by {holder} "
+                                      f"({os.path.basename(self.path)}); wait for it or stop it first") from None
+                os.close(fd)
+                time.sleep(0.05)
+                continue
+            if _same_file(fd, self.path):  # not a file its last holder unlinked while we waited
+                break
             os.close(fd)
-            raise LockedError(f"{os.path.dirname(os.path.dirname(self.path))} is in use by {holder} "
-                              f"({os.path.basename(self.path)}); wait for it or stop it first")
+        else:
+            raise LockedError(f"{self.path}: the lock file keeps changing; is another process starting?")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
         return self
 
     def release(self) -> None:
+        """Unlock and remove the lock file (removed while still locked, so nobody can lock the old inode and
+        think they hold the path: ``acquire`` checks that the file it locked is still the path)."""
         if self.fd is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
             os.close(self.fd)
             self.fd = None
 
@@ -96,16 +107,26 @@ class Lock:
         self.release()
 
 
-def all_locks_free(outdir: str) -> list[str]:
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def held_locks(outdir: str) -> list[str]:
     """Names of lock files currently held by some process (used by --overwrite and finalize)."""
     held = []
     d = os.path.join(outdir, STATE_DIR)
     for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if not name.startswith("lock-"):
             continue
-        fd = os.open(os.path.join(d, name), os.O_RDWR)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+        except FileNotFoundError:  # released meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             fcntl.flock(fd, fcntl.LOCK_UN)
         except BlockingIOError:
             held.append(name)
@@ -135,7 +156,7 @@ def wipe(outdir: str) -> None:
                         os.unlink(os.path.join(path, sub, k))
                 elif not sub.startswith("lock-"):
                     os.unlink(os.path.join(path, sub))
-        elif OURS.match(name):
+        elif OUTPUT_NAMES.match(name):
             os.unlink(path)
 
 

@@ -49,11 +49,11 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int,
         stop.in_engine = True  # off only while our consumer (sink, progress) runs, i.e. around each yield
         try:
             for res in engine.run(feed(), max_in_flight):
-                entry = pending[res.key]
+                entry = pending[res.row_id]
                 entry[1][res.sample_index] = res
                 entry[2] -= 1
                 if entry[2] == 0:
-                    del pending[res.key]
+                    del pending[res.row_id]
                     stop.in_engine = False
                     yield entry[0], entry[1]
                     stop.in_engine = True

@@ -2,8 +2,10 @@
 
 Tokens are a pure function of (prompt ids, sampling params), so a resumed run can be compared with an
 uninterrupted one; latency and errors are scripted; stats come out SGLang-shaped (``meta_info`` names) and
-go through the same normalisation as a real backend. Selected with the hidden ``--engine scripted`` or
-``DSPINE_BATCH_TEST_ENGINE=scripted``; configured with ``--engine-arg KEY=VALUE``.
+go through the same normalisation as a real backend. Selected with the hidden ``--engine scripted``, or put
+behind the default command line by the tests (``engine.engines_replaced``); configured with
+``--engine-arg KEY=VALUE``. ``crash_after`` raises ``EngineDied`` (a transient death: exit 75), ``fail_after`` a
+plain exception (a bug: exit 1).
 """
 
 from __future__ import annotations
@@ -16,41 +18,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import Request, Result, stats_from_sglang_meta
-from .errors import UsageError
+from .errors import EngineDied, UsageError
+from .stop_strings import cut_at_stop
 
 EOS = 0
 
 
 @dataclass
-class ScriptedEngine:
-    latency: float = 0.0  # seconds per request (x0.5..1.5 jitter by request, so results finish out of order)
-    error_every: int = 0  # every k-th request (by hash) returns an engine error
-    crash_after: int = 0  # raise (engine death) after this many results
-    zero_cost: bool = False  # skip token synthesis: for measuring the pipeline alone
-    draft: bool = True
-    block_size: int = 8
-    max_context_len: int = 4096
+class ScriptedTokenizer:
+    """One token per character (``ord``); generated tokens decode to letters."""
+
     chat_template: bool = True
-    name: str = "scripted"
-
-    @classmethod
-    def from_args(cls, args: dict[str, str]) -> ScriptedEngine:
-        kinds = {"latency": float, "error_every": int, "crash_after": int, "block_size": int,
-                 "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag}
-        kw: dict[str, Any] = {}
-        for key, value in args.items():
-            if key not in kinds:
-                raise UsageError(f"--engine-arg {key}: unknown for the scripted engine ({', '.join(kinds)})")
-            kw["max_context_len" if key == "max_context" else key] = kinds[key](value)
-        return cls(**kw)
-
-    def identity(self) -> dict[str, Any]:
-        return {"engine": "scripted", "draft": self.draft, "block_size": self.block_size,
-                "error_every": self.error_every, "zero_cost": self.zero_cost}
-
-    @property
-    def max_context(self) -> int | None:
-        return self.max_context_len
+    zero_cost: bool = False
 
     @property
     def has_chat_template(self) -> bool:
@@ -62,11 +41,53 @@ class ScriptedEngine:
         return list(map(ord, text))
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
-        return self.encode(text)
+        return self.encode("".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>")
+
+    def decode(self, ids: list[int]) -> str:
+        return _letters(ids)
 
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
         return (EOS,)
+
+
+@dataclass
+class ScriptedEngine:
+    latency: float = 0.0  # seconds per request (x0.5..1.5 jitter by request, so results finish out of order)
+    error_every: int = 0  # every k-th request (by hash) returns an engine error
+    crash_after: int = 0  # raise EngineDied (transient: rerun helps) after this many results
+    fail_after: int = 0  # raise a plain RuntimeError (a bug) after this many results
+    zero_cost: bool = False  # skip token synthesis: for measuring the pipeline alone
+    draft: bool = True
+    block_size: int = 8
+    max_context_len: int = 4096
+    chat_template: bool = True
+    name: str = "scripted"
+
+    @classmethod
+    def from_args(cls, args: dict[str, str]) -> ScriptedEngine:
+        kinds = {"latency": float, "error_every": int, "crash_after": int, "fail_after": int, "block_size": int,
+                 "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag}
+        kw: dict[str, Any] = {}
+        for key, value in args.items():
+            if key not in kinds:
+                raise UsageError(f"--engine-arg {key}: unknown for the scripted engine ({', '.join(kinds)})")
+            try:
+                kw["max_context_len" if key == "max_context" else key] = kinds[key](value)
+            except ValueError as e:
+                raise UsageError(f"--engine-arg {key}={value}: {e}") from e
+        return cls(**kw)
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": "scripted", "draft": self.draft, "block_size": self.block_size,
+                "error_every": self.error_every, "zero_cost": self.zero_cost}
+
+    @property
+    def max_context(self) -> int | None:
+        return self.max_context_len
+
+    @property
+    def tokenizer(self) -> ScriptedTokenizer:
+        return ScriptedTokenizer(self.chat_template, self.zero_cost)
 
     def close(self) -> None:
         pass
@@ -89,7 +110,7 @@ class ScriptedEngine:
                 except StopIteration:
                     exhausted = True
                     break
-                lat = self.latency * (0.5 + _h(req.key, req.sample_index) % 1000 / 1000)
+                lat = self.latency * (0.5 + _h(req.row_id, req.sample_index) % 1000 / 1000)
                 heapq.heappush(heap, (time.monotonic() + lat, seq, req, lat))
                 seq += 1
             if not heap:
@@ -104,27 +125,28 @@ class ScriptedEngine:
 
     def _maybe_crash(self, produced: int) -> None:
         if self.crash_after and produced >= self.crash_after:
-            raise RuntimeError(f"scripted engine died after {produced} results")
+            raise EngineDied(f"scripted engine died after {produced} results")
+        if self.fail_after and produced >= self.fail_after:
+            raise RuntimeError(f"scripted engine bug after {produced} results")
 
     def _result(self, req: Request, latency: float) -> Result:
         p = req.params
         if self.zero_cost:
-            return Result(req.key, req.sample_index, [], "", "stop", len(req.prompt_ids), 0, latency_s=latency)
-        if self.error_every and _h(req.key, req.sample_index) % self.error_every == 0:
-            return Result(req.key, req.sample_index, prompt_tokens=len(req.prompt_ids),
+            return Result(req.row_id, req.sample_index, [], "", "stop", len(req.prompt_ids), 0, latency_s=latency)
+        if self.error_every and _h(req.row_id, req.sample_index) % self.error_every == 0:
+            return Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
                           error="scripted engine error", latency_s=latency)
         salt = f"{p.temperature}:{p.top_p}:{p.top_k}:{p.seed if p.temperature > 0 else ''}"
         base = _h(",".join(map(str, req.prompt_ids[-64:])), salt)
         want = 1 + base % 48
         n = min(want, p.max_new_tokens)
         tokens = [1 + (base >> (i % 48)) % 26 + i % 7 for i in range(n)]
-        text = "".join(chr(96 + t % 26 + 1) for t in tokens)
+        text = _letters(tokens)
         finish = "stop" if want <= p.max_new_tokens else "length"
-        for s in p.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, tokens, finish = text[:cut], tokens[:cut], "stop"
-        result = Result(req.key, req.sample_index, tokens, text, finish, len(req.prompt_ids), len(tokens),
+        cut = cut_at_stop(text, tokens, p.stop, _letters)
+        if cut is not None:
+            (text, tokens), finish = cut, "stop"
+        result = Result(req.row_id, req.sample_index, tokens, text, finish, len(req.prompt_ids), len(tokens),
                         latency_s=latency)
         if self.draft and len(tokens) > 1:
             meta = _spec_meta(base, len(tokens), self.block_size)
@@ -152,6 +174,10 @@ def _spec_meta(base: int, completion: int, block: int) -> dict[str, Any]:
 def _h(*parts: object) -> int:
     data = "\x1f".join(map(str, parts)).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _letters(ids: list[int]) -> str:
+    return "".join(chr(96 + t % 26 + 1) for t in ids)
 
 
 def _flag(value: str) -> bool:

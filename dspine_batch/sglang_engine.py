@@ -32,7 +32,8 @@ from typing import Any
 
 from . import sglang_stats
 from .engine import Request, Result, SamplingParams
-from .errors import UsageError
+from .errors import EngineDied, UsageError
+from .stop_strings import cut_at_stop
 
 ADAPTER_KEYS = ("server_flags", "block_size", "poll_seconds")
 # ServerArgs that change how fast, not what: left out of the run fingerprint so they can change on resume.
@@ -45,10 +46,6 @@ OPERATIONAL_KEYS = frozenset({
     "max_total_tokens", "schedule_policy", "mamba_radix_cache_strategy",
 })
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" (sampling_params.TOP_K_ALL)
-
-
-class EngineDied(RuntimeError):
-    """SGLang's scheduler or detokenizer is gone; finished rows are committed and the job can resume."""
 
 
 # -- engine death: SGLang's SubprocessWatchdog SIGQUITs the parent when a child crashes ------------------------
@@ -325,17 +322,8 @@ class SGLangEngine:
         return self._max_context
 
     @property
-    def has_chat_template(self) -> bool:
-        return self.tok.has_chat_template
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tok.render_chat(messages)
-
-    def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
-        return self.tok.stop_token_ids(stop)
+    def tokenizer(self) -> Any:
+        return self.tok
 
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
         if self._engine is None:
@@ -353,7 +341,7 @@ class SGLangEngine:
                     if req is None:
                         exhausted = True
                         break
-                    rid = f"{req.key}#{req.sample_index}#{uuid.uuid4().hex[:12]}"
+                    rid = f"{req.row_id}#{req.sample_index}#{uuid.uuid4().hex[:12]}"
                     pending[loop.create_task(self._one(req, rid))] = (req, rid)
                 if not pending:
                     return
@@ -420,7 +408,7 @@ class SGLangEngine:
             pass
 
     def _result(self, req: Request, out: dict[str, Any] | BaseException) -> Result:
-        res = Result(req.key, req.sample_index, prompt_tokens=len(req.prompt_ids))
+        res = Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids))
         if isinstance(out, BaseException):
             res.error = f"engine rejected the request: {type(out).__name__}: {out}"
             return res
@@ -436,13 +424,10 @@ class SGLangEngine:
         except ValueError as e:
             res.error = res.error or f"unreadable SGLang meta_info: {e}"
         text = self.tok.decode(tokens) if tokens else ""
-        for s in req.params.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text, res.finish_reason = text[:cut], "stop"
-                k = next((k for k in range(1, len(tokens) + 1) if s in self.tok.decode(tokens[:k])), len(tokens))
-                res.token_ids = tokens[:k]
-                res.completion_tokens = k
+        cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
+        if cut is not None:
+            (text, res.token_ids), res.finish_reason = cut, "stop"
+            res.completion_tokens = len(res.token_ids)
         res.text = text
         return res
 

@@ -11,7 +11,6 @@ import os
 import re
 
 from .errors import UsageError
-from .keyset import fallback_id_hashes, key_hash
 
 
 def parse_shard(spec: str | None, env: dict[str, str] | None = None) -> tuple[int, int]:
@@ -33,14 +32,6 @@ def parse_shard(spec: str | None, env: dict[str, str] | None = None) -> tuple[in
 
 def shard_tag(i: int, n: int) -> str:
     return f"{i:05d}-of-{n:05d}"
-
-
-def shard_of(row_id: str, n: int, id_column: bool = True) -> int:
-    """The shard that owns ``row_id``. Runs without an id column hash ``<file>:<index>`` ids by index
-    (``keyset.index_hashes``), so pass ``id_column=False`` for them."""
-    if id_column:
-        return key_hash(row_id) % n
-    return int(fallback_id_hashes([row_id])[0]) % n
 
 
 def attempt_from_env(env: dict[str, str] | None = None) -> int:

@@ -82,7 +82,10 @@ def write_part_atomically(outdir: str, name: str, table: pa.Table) -> None:
 
 @dataclass
 class SinkStats:
-    rows: int = 0  # input rows committed by this process
+    """What the sink has taken in: the one tally of rows, tokens and tau (progress, state file and the final
+    summary all read it here, so they cannot disagree)."""
+
+    rows: int = 0  # input rows
     outputs: int = 0  # output rows (rows x samples)
     error_rows: int = 0
     completion_tokens: int = 0
@@ -90,6 +93,26 @@ class SinkStats:
     spec_tokens: float = 0.0  # tokens committed by verify rounds (accept_length x verify_steps): running tau
     parts: int = 0
     last_commit: float = field(default_factory=time.time)
+
+    def add_row(self, results: list[Result]) -> None:
+        self.rows += 1
+        self.outputs += len(results)
+        self.error_rows += any(r.error is not None for r in results)
+        for r in results:
+            if r.error is None:
+                self.completion_tokens += r.completion_tokens
+                if r.verify_steps:
+                    self.verify_steps += r.verify_steps
+                    self.spec_tokens += (r.accept_length or 0.0) * r.verify_steps
+
+    def absorb(self, other: SinkStats) -> None:
+        for name in ("rows", "outputs", "error_rows", "completion_tokens", "verify_steps", "spec_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens committed per verify round; None without speculation."""
+        return self.spec_tokens / self.verify_steps if self.verify_steps else None
 
 
 class PartSink:
@@ -102,7 +125,7 @@ class PartSink:
         self.attempt, self.on_commit = attempt, on_commit
         self.save_ids = "output_token_ids" in schema.names
         self.keep_names = [n for n in schema.names[len(BASE_NAMES):] if n != "output_token_ids"]
-        self.stats = SinkStats()
+        self.stats = SinkStats()  # committed by this process
         self._since = time.monotonic()
         self._reset()
 
@@ -110,8 +133,7 @@ class PartSink:
         self.items: list[WorkItem] = []
         self.results: list[Result] = []  # all samples of the buffered rows, row by row
         self.owners: list[WorkItem] = []  # the row of each result
-        self.pending_rows = 0
-        self.pending_errors = 0
+        self.pending = SinkStats()  # buffered, not committed yet
 
     def add(self, item: WorkItem, results: list[Result] | None) -> None:
         """Buffer one finished row (all its samples); columns are built at commit time, column by column."""
@@ -120,11 +142,15 @@ class PartSink:
         self.items.append(item)
         self.results.extend(results)
         self.owners.extend([item] * len(results))
-        self.pending_rows += 1
-        for r in results:
-            if r.error is not None:
-                self.pending_errors += 1
-                break
+        self.pending.add_row(results)
+
+    @property
+    def taken(self) -> SinkStats:
+        """Committed plus buffered rows: what progress shows as done, before the next commit."""
+        total = SinkStats(parts=self.stats.parts, last_commit=self.stats.last_commit)
+        total.absorb(self.stats)
+        total.absorb(self.pending)
+        return total
 
     def _columns(self) -> dict[str, list[Any]]:
         rs, owners = self.results, self.owners
@@ -154,36 +180,27 @@ class PartSink:
         return cols
 
     def due(self) -> bool:
-        return self.pending_rows > 0 and (self.pending_rows >= self.commit_rows
+        return self.pending.rows > 0 and (self.pending.rows >= self.commit_rows
                                           or time.monotonic() - self._since >= self.commit_seconds)
 
     def commit(self) -> bool:
         """Commit everything buffered as one part. Returns whether a part was written."""
-        if not self.pending_rows:
+        if not self.pending.rows:
             self._since = time.monotonic()
             return False
         table = pa.Table.from_pydict(self._columns(), schema=self.schema)
         meta = dict(self.schema.metadata or {})
         meta[b"dspine_batch.part"] = json.dumps(
-            {"shard": self.shard_tag, "seq": self.seq, "rows": self.pending_rows, "error_rows": self.pending_errors,
+            {"shard": self.shard_tag, "seq": self.seq, "rows": self.pending.rows, "error_rows": self.pending.error_rows,
              "attempt": self.attempt, "committed_at": time.time()}).encode()
         table = table.replace_schema_metadata(meta)
         name = part_name(self.shard_tag, self.seq)
-        keys = [item.key_hash for item in self.items]
+        keys = [item.row_hash for item in self.items]
         write_keys(self.outdir, name, np.fromiter(keys, dtype=np.uint64, count=len(keys)))
         write_part_atomically(self.outdir, name, table)
-        s = self.stats
-        s.rows += self.pending_rows
-        s.outputs += table.num_rows
-        s.error_rows += self.pending_errors
-        for r in self.results:
-            if r.error is None:
-                s.completion_tokens += r.completion_tokens
-                if r.verify_steps:
-                    s.verify_steps += r.verify_steps
-                    s.spec_tokens += (r.accept_length or 0.0) * r.verify_steps
-        s.parts += 1
-        s.last_commit = time.time()
+        self.stats.absorb(self.pending)
+        self.stats.parts += 1
+        self.stats.last_commit = time.time()
         self.seq += 1
         self._reset()
         self._since = time.monotonic()

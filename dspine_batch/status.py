@@ -1,11 +1,13 @@
 """``status``: where a run stands, from what is on disk (works while it runs, across all shards).
 
 Done/failed come from the committed parts (the truth); the per-shard state files add timing and whether
-a shard is running (its lock is held), finished or interrupted.
+a shard is running (its lock is held), finished, interrupted, or dead (its state file says running but
+nobody holds its lock: the process was killed without a chance to say so).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -14,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .manifest import read_manifest
-from .resume import STATE_DIR, all_locks_free, list_parts, part_info
+from .resume import STATE_DIR, held_locks, list_parts, part_info
 
 
 def read_status(outdir: str) -> dict[str, Any]:
@@ -30,17 +32,17 @@ def read_status(outdir: str) -> dict[str, Any]:
         outputs += t.num_rows
         done += len(pc.unique(t.column("row_id")))
         failed += len(pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error"))))
-    held = set(all_locks_free(outdir))
+    held = set(held_locks(outdir))
     shards = []
     state_dir = os.path.join(outdir, STATE_DIR)
     for name in sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []:
         if name.startswith("state-") and name.endswith(".json"):
-            import json
-
             with open(os.path.join(state_dir, name)) as f:
                 st = json.load(f)
             tag = name[len("state-"):-len(".json")]
-            st["running"] = f"lock-{tag}" in held
+            st["running"] = f"lock-{tag}" in held  # the kernel drops the lock when the process dies (kill -9)
+            if st.get("state") == "running" and not st["running"]:
+                st["state"] = "dead"  # it never wrote its end: killed, or its machine went away
             shards.append(st)
     total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
     all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and \
@@ -67,6 +69,8 @@ def format_status(st: dict[str, Any]) -> str:
              f"; {'complete (_SUCCESS)' if st['complete'] else 'not finalized'}"]
     for s in st["shards"]:
         what = "running" if s["running"] else s.get("state", "?")
+        if what == "dead":
+            what = f"dead (pid {s.get('pid')} ended without finishing; run the same command again to resume)"
         slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
         lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
                      f"{slurm}")

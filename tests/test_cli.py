@@ -8,12 +8,12 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import ROOT, prompts, read_output, run_cli, spawn, write_jsonl
 from click.testing import CliRunner
+from helpers import ROOT, prompts, read_output, run_cli, shard_of, spawn, write_jsonl
 
 from dspine_batch.cli import cli
 from dspine_batch.resume import list_parts
-from dspine_batch.shard import parse_shard, shard_of
+from dspine_batch.shard import parse_shard
 
 
 def test_help_is_discoverable():
@@ -44,7 +44,7 @@ def test_precedence_flag_env_toml(tmp_path):
 
 
 @pytest.mark.parametrize("args, code, text", [
-    (["--max-new-tokens", "0"], 2, "--max-new-tokens: expected an integer >= 1"),
+    (["--max-new-tokens", "0"], 2, "0 is not in the range x>=1"),  # click's IntRange, named below
     (["--top-p", "1.5"], 2, "--top-p"),
     (["--shard", "3/2"], 2, "need 0 <= I < N"),
     (["--engine", "sglang"], 2, "not available"),

@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from batch_helpers import prompts, read_output, run_cli, spawn, write_jsonl
+from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.resume import list_parts
 

@@ -10,7 +10,7 @@ import torch
 
 from dspine import generate
 from dspine.confidence import confidence_data, fit_confidence, fit_confidence_on_examples
-from dspine.draft import init_draft, load_draft
+from dspine.draft_io import init_draft, load_draft
 from dspine.target import load_target
 from dspine.train import capture, make_example
 
@@ -55,7 +55,7 @@ def test_labels_match_the_inference_path(target):
     want, want_greedy = [], []
     for slot in range(1, BS):
         cand = ref.logits[0, slot - 1].topk(draft.top_k).indices
-        refined = draft.refine(ref, slot, ex.ids[a + slot - 1 : a + slot])[0]
+        refined = draft.refine_slots(ref, ex.ids[None, a : a + BS - 1])[0, slot - 1]
         q = torch.softmax((target.head_weight[cand] @ refined).float(), dim=-1)
         p = p_all[a + slot - 1]
         want.append(float(torch.minimum(q, p[cand]).sum().detach()))

@@ -14,7 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspine.checkpoint import ModelLoadError
-from dspine.draft import DSpineDraft, init_draft, load_draft, parse_draft_config
+from dspine.draft import DSpineDraft
+from dspine.draft_config import parse_draft_config
+from dspine.draft_io import init_draft, load_draft
+from dspine.proposal import candidates, sample_path
 from dspine.target import default_tap_ids, load_target
 
 transformers = pytest.importorskip("transformers")
@@ -264,6 +267,13 @@ def test_shorter_block_is_a_prefix_of_the_longer_one(target):
 # 3. transition cache == sequential refinement
 
 
+@torch.no_grad()
+def refine_one(draft, out, slot: int, pred: torch.Tensor) -> torch.Tensor:
+    """h~(slot | pred) [B, H]: one slot's refined, normed state given predecessor tokens ``pred`` [B] -- the
+    sequential definition the transition cache batches (every slot is refined with ``pred``; one is kept)."""
+    return draft.refine_slots(out, pred[:, None].expand(-1, out.hidden.shape[1] - 1))[:, slot - 1]
+
+
 def test_transition_walk_equals_sequential_refinement(target):
     draft = make_draft(target, top_k=6)
     cache, _ = fill_context(draft, [12, 5, 8, 1])
@@ -277,7 +287,7 @@ def test_transition_walk_equals_sequential_refinement(target):
     prev, prev_idx = anchor, torch.zeros(B, dtype=torch.long)
     seq = []
     for i in range(1, n + 1):
-        h = draft.refine(out, i, prev)  # [B, H]
+        h = refine_one(draft, out, i, prev)  # [B, H]
         s = torch.einsum("bh,bkh->bk", h, head[tr.cand[:, i - 1]])
         torch.testing.assert_close(s, tr.scores[rows, i - 1, prev_idx], atol=1e-5, rtol=1e-5)
         prev_idx = s.argmax(-1)
@@ -435,7 +445,7 @@ def test_dynamic_threshold_stops_at_first_low_confidence(target):
     out = draft.backbone(cache, anchor, target)
     prev = anchor
     for i in range(1, BS):
-        c = draft.confidence(draft.refine(out, i, prev), prev)
+        c = draft.confidence(refine_one(draft, out, i, prev), prev)
         torch.testing.assert_close(free.confidence[:, i - 1], c, atol=1e-6, rtol=1e-6)
         prev = free.tokens[:, i - 1]
     theta = float(free.confidence.median())
@@ -627,7 +637,7 @@ def test_load_in_bfloat16_runs(target, tmp_path):
 # init_draft and 7. tap ids
 
 
-TAP_TABLE = [  # design §1 examples, plus the one-tap rule
+TAP_TABLE = [  # known target depths and their tap layers, plus the one-tap rule
     (36, 5, [1, 9, 17, 25, 33]),
     (64, 5, [1, 16, 31, 46, 61]),
     (32, 5, [1, 8, 15, 22, 29]),
@@ -692,8 +702,25 @@ def test_mismatched_target_is_refused(target, tied_target, tmp_path):
         greedy(draft, cache, torch.tensor([1]), other)
 
 
-def test_lazy_walk_equals_transition_cache_walk():
-    """The CPU walk (refine only the chosen predecessor) == walking the full transition cache."""
+def _propose_refining_chosen_only(draft, cache, anchor, target, temperature, generators, threshold):
+    """Oracle: the sampled path with refinement computed only for the predecessor actually chosen, slot by slot
+    (the sequential definition the transition cache batches; k x fewer refinements, one slot at a time)."""
+    out = draft.backbone(cache, anchor, target)
+    cand = candidates(draft, out)  # [B, n, k] target ids
+    w = target.head_weight[cand]  # [B, n, k, H]
+    rows = torch.arange(cand.shape[0])
+
+    def slot_scores(i: int, prev: torch.Tensor):
+        pred = out.anchor if i == 0 else cand[rows, i - 1, prev]  # [B]
+        refined = refine_one(draft, out, 1 + i, pred)  # [B, H]
+        scores = (w[:, i] @ refined.to(w.dtype)[:, :, None])[..., 0].float()  # [B, k]
+        return scores, draft.confidence(refined, pred) if draft.confidence_enabled else None
+
+    return sample_path(cand, slot_scores, temperature, generators, threshold, draft.vocab_size)
+
+
+def test_refining_chosen_only_equals_transition_cache():
+    """Refining only the chosen predecessor, slot by slot == walking the full transition cache (``propose``)."""
     import conftest
     import torch as _t
 
@@ -715,7 +742,10 @@ def test_lazy_walk_equals_transition_cache_walk():
     outs = {}
     for walk in ("cache", "lazy"):
         gens = [None, _t.Generator().manual_seed(1), _t.Generator().manual_seed(2)]
-        outs[walk] = d.propose(cache, anchor, tgt, temps, gens, dynamic_threshold=0.5, walk=walk)
+        if walk == "cache":
+            outs[walk] = d.propose(cache, anchor, tgt, temps, gens, dynamic_threshold=0.5)
+        else:
+            outs[walk] = _propose_refining_chosen_only(d, cache, anchor, tgt, temps, gens, threshold=0.5)
     a, b = outs["cache"], outs["lazy"]
     assert _t.equal(a.tokens, b.tokens) and _t.equal(a.n_draft, b.n_draft)
     assert _t.allclose(a.q, b.q, atol=1e-5) and _t.allclose(a.confidence, b.confidence, atol=1e-5)
@@ -772,7 +802,7 @@ def test_draft_vocab_save_load_and_bad_vocab(target, tmp_path):
 
 
 def test_with_draft_vocab_keeps_every_weight(target):
-    from dspine.draft import with_draft_vocab
+    from dspine.draft_io import with_draft_vocab
 
     full = make_draft(target, confidence_trained=True)
     sub = with_draft_vocab(full, VOCAB)

@@ -41,7 +41,7 @@ def test_scripted_engine_is_deterministic_and_bounded():
 
     def feed():
         for r in reqs:
-            seen.append(r.key)
+            seen.append(r.row_id)
             yield r
 
     out = []
@@ -49,8 +49,8 @@ def test_scripted_engine_is_deterministic_and_bounded():
         opened["max"] = max(opened["max"], len(seen) - len(out))
         out.append(res)
     assert opened["max"] <= 4
-    again = {r.key: r.token_ids for r in ScriptedEngine().run(reqs, 1)}
-    assert {r.key: r.token_ids for r in out} == again
+    again = {r.row_id: r.token_ids for r in ScriptedEngine().run(reqs, 1)}
+    assert {r.row_id: r.token_ids for r in out} == again
     assert all(r.verify_steps and r.accept_histogram and r.accept_length for r in out)
 
 

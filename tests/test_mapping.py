@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import write_jsonl
+from helpers import write_jsonl
 
 from dspine_batch.engine import SamplingParams
 from dspine_batch.errors import UsageError
@@ -18,7 +18,8 @@ def _map(tmp_path, rows, raw=None, keep=(), samples=1, system=None, **eng):
     files = resolve_inputs([str(write_jsonl(tmp_path / "in.jsonl", rows, raw))])
     cols = resolve_columns(files, None, None, None, list(keep), True)
     engine = ScriptedEngine(**eng)
-    mapper = RowMapper(MapSettings(cols, SamplingParams(max_new_tokens=16), samples, system, True), engine)
+    mapper = RowMapper(MapSettings(cols, SamplingParams(max_new_tokens=16), samples, system, True), engine.tokenizer,
+                       engine.max_context)
     out = []
     for b in iter_inputs(files, cols.read_columns()):
         ids, problems, _ = mapper.assign_ids(b)

@@ -98,8 +98,8 @@ def _engine(tiny, draft=True, **args):
 
 def _requests(engine, n=4, **p):
     texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
-    return [Request(f"r{i}", 0, engine.render_chat([{"role": "user", "content": texts[i % 5]}]),
-                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.stop_token_ids([]), **p))
+    return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
+                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
             for i in range(n)]
 
 
@@ -180,7 +180,7 @@ def test_per_request_sampling_and_bounded_batches(tiny):
 
     def feed():
         for r in reqs:
-            pulled.append(r.key)
+            pulled.append(r.row_id)
             yield r
 
     it = eng.run(feed(), 8)

@@ -6,7 +6,7 @@ import json
 
 import pyarrow.dataset as ds
 import pytest
-from batch_helpers import prompts, run_cli, write_jsonl
+from helpers import prompts, run_cli, write_jsonl
 
 from dspine_batch.report import summarize
 from dspine_batch.status import read_status

@@ -9,7 +9,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import prompts, read_output, run_cli, spawn, write_jsonl
+from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.errors import LockedError
 from dspine_batch.resume import Lock, list_parts, load_done

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pyarrow.parquet as pq
-from batch_helpers import prompts, read_output, run_cli, write_jsonl
+from helpers import prompts, read_output, run_cli, write_jsonl
 
 from dspine_batch import compact
 from dspine_batch.resume import STATE_DIR, list_parts, load_done
@@ -77,7 +77,7 @@ def test_compaction_crash_is_rolled_forward(tmp_path):
 
 
 def test_no_id_column_resume_without_key_files_and_shards(tmp_path):
-    from dspine_batch.shard import shard_of
+    from helpers import shard_of
 
     rows = [{"prompt": r["prompt"]} for r in prompts(30)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)

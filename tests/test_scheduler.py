@@ -49,7 +49,7 @@ def test_window_is_bounded_and_rows_are_whole():
     assert sorted(item.row_id for item, _ in out) == sorted(f"r{i}" for i in range(50))
     for item, results in out:
         assert [r.sample_index for r in results] == [0, 1, 2]
-        assert all(isinstance(r, Result) and r.key == item.row_id for r in results)
+        assert all(isinstance(r, Result) and r.row_id == item.row_id for r in results)
 
 
 def test_error_rows_bypass_the_engine_without_piling_up():

@@ -164,7 +164,7 @@ def test_run_returns_every_request_with_stats_and_bounded_window():
     eng = _engine(fake)
     pulled: list[int] = []
     out = list(eng.run(_requests(40, pulled), max_in_flight=6))
-    assert sorted(r.key for r in out) == sorted(f"row{i}" for i in range(40))
+    assert sorted(r.row_id for r in out) == sorted(f"row{i}" for i in range(40))
     assert fake.max_in_flight <= 6 and len(pulled) == 40
     for r in out:
         assert r.error is None and r.finish_reason == "length" and r.completion_tokens == len(r.token_ids)
@@ -181,14 +181,14 @@ def test_admission_is_lazy():
     pulled: list[int] = []
     it = eng.run(_requests(100, pulled), max_in_flight=4)
     first = next(it)
-    assert first.key.startswith("row") and len(pulled) <= 5  # the window, plus at most the one being admitted
+    assert first.row_id.startswith("row") and len(pulled) <= 5  # the window, plus at most the one being admitted
     it.close()  # stopping the consumer abandons in-flight work in the engine
     assert len(fake.tokenizer_manager.aborted) <= 4
 
 
 def test_aborted_and_failed_requests_become_row_errors():
     fake = FakeEngine(abort_keys={"row1"}, fail_keys={"row2"})
-    out = {r.key: r for r in _engine(fake).run(_requests(4), 8)}
+    out = {r.row_id: r for r in _engine(fake).run(_requests(4), 8)}
     assert out["row1"].finish_reason == "abort" and "aborted by the engine: Abort in waiting queue" in out["row1"].error
     assert out["row1"].verify_steps is None
     assert "longer than the model's context length" in out["row2"].error and out["row2"].finish_reason == "error"
@@ -211,7 +211,7 @@ def test_engine_death_raises_and_abandons_in_flight():
     eng = _engine(fake)
     it = eng.run(_requests(50), max_in_flight=5)
     got = [next(it), next(it)]
-    assert {r.key for r in got} == {"row0", "row1"}
+    assert {r.row_id for r in got} == {"row0", "row1"}
     se.on_sigquit(3, None)  # what SGLang's watchdog does when a scheduler dies
     with pytest.raises(se.EngineDied, match="crashed"):
         next(it)
@@ -254,7 +254,7 @@ def test_close_kills_only_the_engines_processes():
 
 @pytest.fixture
 def tiny_pair(qwen3_dir, qwen3_target, tmp_path):
-    from dspine.draft import init_draft
+    from dspine.draft_io import init_draft
 
     init_draft(qwen3_target, num_layers=2, block_size=8, transfer_rank=8, message_size=16, top_k=4,
                intermediate_size=64).save(tmp_path / "draft")

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import prompts, run_cli, write_jsonl
+from helpers import prompts, run_cli, write_jsonl
 
 from dspine_batch.engine import Result
 from dspine_batch.mapping import WorkItem

@@ -1,4 +1,4 @@
-"""DSpine trainer (design §5, §9 test 6 and 11): mask parity with inference, schedules, anchors, a smoke run.
+"""DSpine trainer: mask parity with inference, schedules, anchors, a smoke run.
 
 Tiny random Qwen3 target (hidden 64, vocab 256) saved by transformers; tiny drafts (2 layers, rank 16).
 """
@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from dspine.draft import DSpineDraft, block_causal_mask, init_draft, load_draft
+from dspine.draft import DSpineDraft, block_causal_mask
+from dspine.draft_io import init_draft, load_draft
 from dspine.target import load_target
 from dspine.train import (
     TrainConfig,
@@ -88,14 +89,14 @@ def test_mask_parity_with_incremental_inference(target, window):
         out = draft.train_forward(cap.taps, anchors, block, target)
         train_logits = target.logits(out.hidden[:, 1:])
         truth = ex.ids[(anchors[:, None] + torch.arange(BS)).clamp(max=len(ex.ids) - 1)]
-        refined = draft.refine_train(out, truth[:, :-1])
+        refined = draft.refine_slots(out, truth[:, :-1])
     for n, a in enumerate(anchors.tolist()):
         cache = draft.new_cache(1, 64)
         draft.extend_context(cache, cap.taps[None, :a])
         ref = draft.backbone(cache, ex.ids[a : a + 1], target)
         torch.testing.assert_close(train_logits[n], ref.logits[0], rtol=1e-4, atol=1e-4)
         for slot in (1, BS - 1):
-            want = draft.refine(ref, slot, truth[n, slot - 1 : slot])
+            want = draft.refine_slots(ref, truth[n : n + 1, :-1])[:, slot - 1]
             torch.testing.assert_close(refined[n, slot - 1], want[0], rtol=1e-4, atol=1e-4)
 
 
@@ -149,19 +150,23 @@ def test_labels_cut_at_first_unsupervised_slot():
     assert w[0, 2:].tolist() == [0.0, 0.0]  # cut at token 7 and everything after it
 
 
-def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
-    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; backbone + refine loss per step."""
+def _train_stats(draft, target, batch, cfg: TrainConfig) -> list[dict]:
+    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; its stats per step."""
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
     gen = torch.Generator().manual_seed(0)
-    losses = []
+    stats = []
     for step in range(cfg.steps):
         opt.zero_grad()
-        stats = train_step(draft, target, batch, step, cfg, gen)
+        stats.append(train_step(draft, target, batch, step, cfg, gen))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(stats["backbone"] + stats["refine"])
-    return losses
+    return stats
+
+
+def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
+    """Backbone + refine loss per step of ``_train_stats``."""
+    return [s["backbone"] + s["refine"] for s in _train_stats(draft, target, batch, cfg)]
 
 
 def test_training_smoke_loss_falls(target):
@@ -265,3 +270,30 @@ def test_training_with_draft_vocab(target, tmp_path):
     assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
     draft.save(tmp_path)
     assert torch.equal(load_draft(tmp_path).draft_vocab, vocab)
+
+
+def test_cli_train_resume_and_teacher_forced(target_dir, tmp_path):
+    """``--resume`` continues OUT's run (a changed setting is a one-line error); ``--teacher-forced`` trains."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+    from dspine.train_state import read_state
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [1, 2, 3, 4], "response_ids": list(range(10 + i, 40))}) + "\n"
+                            for i in range(3)))  # fmt: skip
+    out = tmp_path / "draft"
+    base = ["train", str(target_dir), str(data), str(out), "--layers", "1", "--block-size", "4", "--transfer-rank",
+            "16", "--intermediate-size", "64", "--anchors", "4", "--batch-size", "1", "--teacher-forced"]  # fmt: skip
+    r = CliRunner().invoke(main, [*base, "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert read_state(out).step == 2 and json.loads((out / "training.json").read_text())["teacher_forced_examples"] == 3
+    r = CliRunner().invoke(main, [*base, "--steps", "3", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert "resuming" in r.output and read_state(out).step == 3
+    bad = CliRunner().invoke(main, [*base, "--steps", "4", "--resume", "--lr", "0.1"])
+    assert bad.exit_code != 0 and "lr=" in bad.output and "Traceback" not in bad.output
+    other = CliRunner().invoke(main, [*base[:-1], "--steps", "4", "--resume"])  # same tokens, other label mode
+    assert other.exit_code != 0 and "other data" in other.output
