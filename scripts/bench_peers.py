@@ -109,10 +109,10 @@ def run_ours(prompt_ids, stops, new, concurrency, draft, setting, label) -> Colu
     reqs = [Request(f"p{i}", 0, list(ids), params) for i, ids in enumerate(prompt_ids)]
     list(engine.run(iter(reqs[:1]), 1))  # warm-up (first-call allocations, lazy caches)
     t0 = time.perf_counter()
-    results = {r.key: list(r.token_ids) for r in engine.run(iter(reqs), len(reqs))}
+    results = {r.row_id: list(r.token_ids) for r in engine.run(iter(reqs), len(reqs))}
     dt = time.perf_counter() - t0
     engine.close()
-    return finish(Column(label, concurrency), [results[r.key] for r in reqs], dt, stops, new)
+    return finish(Column(label, concurrency), [results[r.row_id] for r in reqs], dt, stops, new)
 
 
 def run_cli_defaults(prompts: list[str], stops, new, tmp: Path) -> Column:
