@@ -50,6 +50,7 @@ class Column:
     tokens: int = 0
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     note: str = ""
+    own_plain: Column | None = field(default=None, repr=False)  # speculative columns: plain at the same setting
 
     @property
     def tok_s(self) -> float:
@@ -240,16 +241,19 @@ def llamacpp_python(path: str | None) -> Path | None:
 
 def table(cols: list[Column], ref: Column, plain_at: dict[int, Column]) -> str:
     lines = ["| system | concurrency | tok/s | vs our plain fp32 (same concurrency) | identical to our plain fp32 c=1 |"
-             " note |", "|---|---|---|---|---|---|"]
+             " speculative = its plain | note |", "|---|---|---|---|---|---|---|"]
     for c in cols:
         if not c.seconds:
-            lines.append(f"| {c.name} | {c.concurrency or '-'} | — | — | — | {c.note} |")
+            lines.append(f"| {c.name} | {c.concurrency or '-'} | — | — | — | — | {c.note} |")
             continue
         base = plain_at.get(c.concurrency) or plain_at.get(1)
         ratio = f"{c.tok_s / base.tok_s:.2f}×" if base and base.tok_s else "—"
         same = sum(a == b for a, b in zip(c.outputs, ref.outputs))
+        own = "—"
+        if c.own_plain is not None:
+            own = f"{sum(a == b for a, b in zip(c.outputs, c.own_plain.outputs))}/{len(c.outputs)}"
         lines.append(f"| {c.name} | {c.concurrency or '-'} | {c.tok_s:.1f} | {ratio} | {same}/{len(ref.outputs)} |"
-                     f" {c.note} |")
+                     f" {own} | {c.note} |")
     return "\n".join(lines)
 
 
@@ -302,7 +306,9 @@ def main() -> None:
             if setting == "fp32":
                 plain_at[c] = col
             if "spec" not in args.skip:
-                add(run_ours(prompt_ids, stops, new, c, True, setting, f"ours speculative {setting}"))
+                spec = run_ours(prompt_ids, stops, new, c, True, setting, f"ours speculative {setting}")
+                spec.own_plain = col
+                add(spec)
     ref = plain_at.get(1) or next(c for c in cols if c.name.startswith("ours plain"))
     with tempfile.TemporaryDirectory() as tmp:
         if "cli" not in args.skip:
@@ -330,7 +336,7 @@ def main() -> None:
     print(table(cols, ref, plain_at))
     if args.json:
         args.json.write_text(json.dumps({"header": header, "columns": [
-            {k: v for k, v in asdict(c).items()} | {"tok_s": c.tok_s} for c in cols]}, indent=1))
+            {k: v for k, v in asdict(c).items() if k != "own_plain"} | {"tok_s": c.tok_s} for c in cols]}, indent=1))
 
 
 if __name__ == "__main__":
