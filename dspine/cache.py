@@ -41,10 +41,17 @@ class KVCache:
         self.k = torch.cat([self.k, z], dim=2)
         self.v = torch.cat([self.v, z.clone()], dim=2)
 
-    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [B, H, T, D] at absolute positions pos [B, T] (per row)."""
-        self.ensure(int(pos.max()) + 1)
-        b = torch.arange(pos.shape[0], device=pos.device)[:, None]
+    def write(
+        self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upto: int | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """Store k/v [B, H, T, D] at absolute positions pos [B, T] (per row).
+
+        ``upto`` (= max(pos) + 1) and ``rows`` (= arange(B)[:, None]) may be passed in when the caller already
+        has them (``layers.Positions``), saving a host sync and an allocation per layer.
+        """
+        self.ensure(int(pos.max()) + 1 if upto is None else upto)
+        b = torch.arange(pos.shape[0], device=pos.device)[:, None] if rows is None else rows
         # advanced indices on dims 0 and 2 -> indexed shape is [B, T, H, D]
         self.k[b, :, pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[b, :, pos] = v.transpose(1, 2).to(self.v.dtype)

@@ -11,7 +11,7 @@ is just ``lengths = n``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * cos + _rotate_half(xr) * sin, xp], dim=-1)
 
 
+@dataclass
+class Positions:
+    """Position facts of one forward that every attention layer shares, computed once rather than per layer.
+
+    ``upto`` (keys to read) is a host value: taking it once per forward instead of once per layer removes a
+    host synchronisation per layer; masks are built once per distinct sliding window.
+    """
+
+    pos: torch.Tensor  # [B, T] absolute positions of the new tokens
+    rows: torch.Tensor  # [B, 1] row index, for per-row cache writes
+    upto: int  # max(pos) + 1
+    _masks: dict = field(default_factory=dict)
+
+    @staticmethod
+    def of(pos: torch.Tensor) -> Positions:
+        return Positions(pos, torch.arange(pos.shape[0], device=pos.device)[:, None], int(pos.max()) + 1)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        if window not in self._masks:
+            self._masks[window] = position_mask(self.pos, self.upto, window)
+        return self._masks[window]
+
+
 def position_mask(q_pos: torch.Tensor, k_len: int, window: int | None = None) -> torch.Tensor:
     """Boolean mask [B, 1, T, k_len]: key slot j is visible to a query at position p iff j <= p (and j > p-w)."""
     j = torch.arange(k_len, device=q_pos.device)
@@ -143,12 +166,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return o.reshape(B, Hq, T, D)
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``linears``' outputs (same input).
+
+    For inference: one GEMM reads the input once and pays one call's overhead instead of several, which is
+    most of a small model's CPU decode step. The weights are copied, so the originals can be dropped.
+    """
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    return fused
+
+
 class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; ``fuse()`` (inference only) merges gate and up into one projection."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))

@@ -12,7 +12,7 @@ from torch import nn
 
 from .cache import KVCache, ModelCache
 from .checkpoint import ModelLoadError, load_state
-from .layers import RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, position_mask
+from .layers import Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from .target import Target, TargetOutput
 
 
@@ -31,20 +31,32 @@ class Attention(nn.Module):
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(self, x, cos, sin, pos, kv: KVCache, window: int | None):
+    def fuse(self) -> None:
+        """Inference only: q/k/v as one projection (one GEMM per layer instead of three)."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.n_kv * self.head_dim
+        return self.qkv_proj(x).split([self.n_heads * self.head_dim, kv_width, kv_width], dim=-1)
+
+    def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        kv.write(pos, k, v.transpose(1, 2))
-        upto = int(pos.max()) + 1
-        keys, values = kv.view(upto)
-        o = attend(q, keys, values, position_mask(pos, upto, window), self.head_dim**-0.5)
+        kv.write(at.pos, k, v.transpose(1, 2), upto=at.upto, rows=at.rows)
+        keys, values = kv.view(at.upto)
+        o = attend(q, keys, values, at.mask(window), self.head_dim**-0.5)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -57,8 +69,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = SwiGLU(cfg["hidden_size"], cfg["intermediate_size"])
 
-    def forward(self, x, cos, sin, pos, kv, window):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kv, window)
+    def forward(self, x, cos, sin, at: Positions, kv, window):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,10 +124,11 @@ class DenseTarget(Target):
         pos = cache.lengths[:, None] + torch.arange(T, device=ids.device)  # [B, T]
         cos, sin = self.rotary(pos, self.dtype)
         x = self.embed_tokens(ids)
+        at = Positions.of(pos)
         tapped = []
         want = set(taps)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pos, cache.layers[i], self.windows[i])
+            x = layer(x, cos, sin, at, cache.layers[i], self.windows[i])
             if i in want:
                 tapped.append(x)
         if not speculative:

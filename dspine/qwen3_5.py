@@ -32,7 +32,7 @@ from . import replay
 from .cache import KVCache, ModelCache, SSMState
 from .checkpoint import ModelLoadError, load_state
 from .gdn import causal_conv, delta_rule_scan, gated_rmsnorm, gates, prepare_qk, roll_window
-from .layers import RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, position_mask
+from .layers import Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from .target import Target, TargetOutput
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -81,19 +81,31 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        self.qkv_proj: nn.Linear | None = None
 
-    def forward(self, x, cos, sin, pos, kv: KVCache) -> torch.Tensor:
+    def fuse(self) -> None:
+        """Inference only: q(+gate)/k/v as one projection."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.n_kv * self.head_dim
+        return self.qkv_proj(x).split([2 * self.n_heads * self.head_dim, kv_width, kv_width], dim=-1)
+
+    def forward(self, x, cos, sin, at: Positions, kv: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.project(x)
+        q, gate = q.reshape(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(B, T, self.n_heads * self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
+        k = k.reshape(B, T, self.n_kv, self.head_dim)
+        v = v.reshape(B, T, self.n_kv, self.head_dim)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        kv.write(pos, k, v.transpose(1, 2))
-        upto = int(pos.max()) + 1
-        keys, values = kv.view(upto)
-        o = attend(q, keys, values, position_mask(pos, upto), self.head_dim**-0.5)  # [B, Hq, T, D]
+        kv.write(at.pos, k, v.transpose(1, 2), upto=at.upto, rows=at.rows)
+        keys, values = kv.view(at.upto)
+        o = attend(q, keys, values, at.mask(), self.head_dim**-0.5)  # [B, Hq, T, D]
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate)
         return self.o_proj(o)
 
@@ -145,6 +157,18 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.d_v, cfg.get("rms_norm_eps", 1e-6))
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.in_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Inference only: the four input projections (qkv, z, b, a) as one GEMM."""
+        self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qkv, z, b, a) input projections of x."""
+        if self.in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        return self.in_proj(x).split([self.conv_dim, self.value_dim, self.n_v, self.n_v], dim=-1)
 
     def empty_state(self, batch: int, dtype, device) -> SSMState:
         return SSMState(
@@ -156,9 +180,10 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, h]. Non-speculative: commit the first ``n[b]`` tokens (None: all T) into ``state``.
         Speculative: leave ``state`` as the checkpoint and record the per-token inputs for ``replay.commit``."""
         B, T, _ = x.shape
-        u = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T] conv inputs
-        z = self.in_proj_z(x).view(B, T, self.n_v, self.d_v)
-        g, beta = gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)  # [B, T, H_v] fp32
+        qkv, z, b, a = self.project(x)
+        u = qkv.transpose(1, 2)  # [B, C, T] conv inputs
+        z = z.reshape(B, T, self.n_v, self.d_v)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)  # [B, T, H_v] fp32
         y = F.silu(causal_conv(state.conv, u, self.conv1d.weight[:, 0])).transpose(1, 2)  # [B, T, C]
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = prepare_qk(q.view(B, T, self.n_k, self.d_k), k.view(B, T, self.n_k, self.d_k))  # fp32
@@ -189,12 +214,12 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, offset=1.0)
         self.mlp = SwiGLU(cfg["hidden_size"], cfg["intermediate_size"])
 
-    def forward(self, x, cos, sin, pos, state: KVCache | SSMState, n, speculative: bool) -> torch.Tensor:
+    def forward(self, x, cos, sin, at: Positions, state: KVCache | SSMState, n, speculative: bool) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.kind == LINEAR:
             x = x + self.linear_attn(h, state, n, speculative)
         else:
-            x = x + self.self_attn(h, cos, sin, pos, state)
+            x = x + self.self_attn(h, cos, sin, at, state)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -269,10 +294,11 @@ class Qwen35Target(Target):
         pos = cache.lengths[:, None] + torch.arange(T, device=ids.device)  # [B, T]
         cos, sin = self.rotary(pos, self.dtype)
         x = self.embed_tokens(ids)
+        at = Positions.of(pos)
         tapped: dict[int, torch.Tensor] = {}
         want = set(taps)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pos, cache.layers[i], n, speculative)
+            x = layer(x, cos, sin, at, cache.layers[i], n, speculative)
             if i in want:
                 tapped[i] = x
         if not speculative:

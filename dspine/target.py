@@ -63,7 +63,39 @@ class Target(nn.Module):
         # One contiguous 2-D GEMM: a strided 3-D input (e.g. block slots 1..) falls back to a slow batched
         # matmul on CPU (measured 176 ms vs 56 ms for a draft block at batch 8).
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        return (flat @ self.head_weight.T).float().view(*hidden.shape[:-1], -1)
+        head = getattr(self, "quant_head", None)  # a submodule set by ``quantize`` (no class default: it would
+        # shadow the registered module)
+        out = head(flat.to(self.dtype)) if head is not None else flat @ self.head_weight.T
+        return out.float().view(*hidden.shape[:-1], -1)
+
+    def quantize(self, mode: str) -> Target:
+        """Weight-only quantization of every linear of the decoder and of the head used by ``logits``.
+
+        The float ``head_weight`` (= the embeddings when tied) stays for ``embed`` and for the draft, which
+        scores its own proposals with it; only the target's logits, which decide acceptance, use the quantized
+        head, so plain and speculative decoding sample from the same (quantized) distribution.
+        """
+        from .quant import quantize_linears, quantized_linear
+
+        if mode == "none":
+            return self
+        quantize_linears(self.layers, mode)
+        # int4 keeps an int8 head, like the 4-bit GGUFs (Q4_1 layers, Q8_0 token embedding/head): the head's
+        # errors land directly on the logits
+        self.quant_head = quantized_linear(self.head_weight, "int8" if mode == "int4" else mode)
+        if self.lm_head is not None:  # untied: logits no longer need the float copy, but the draft does
+            self.lm_head.requires_grad_(False)
+        return self
+
+    def fuse_projections(self) -> Target:
+        """Inference only: merge the projections that read the same input (q/k/v, gate/up, GDN inputs) into one
+        GEMM each. On CPU a small model's decode step is dominated by per-call overhead, so fewer, wider GEMMs
+        are faster; the parameters are renamed, so fuse after loading a checkpoint, never before."""
+        for module in [m for m in self.modules() if m is not self]:
+            fuse = getattr(module, "fuse", None)
+            if callable(fuse):
+                fuse()
+        return self
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -118,8 +150,20 @@ def default_tap_ids(num_layers: int, n: int) -> list[int]:
     return ids
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Target:
-    """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target."""
+def load_target(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quant: str = "none",
+    fuse: bool = False,
+) -> Target:
+    """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target.
+
+    ``fuse`` merges projections that share an input (see ``Target.fuse_projections``): off by default, since on
+    the 2-core AVX-512 EPYC it measured 0.76-0.96x on one-token steps and 0.88-1.42x on 8-token verifies
+    (``scripts/bench_step.py``, a loaded machine); ``quant`` ("none", "int8", "int4") makes the linears
+    weight-only quantized (``dspine.quant``; CPU kernels).
+    """
     path = Path(path)
     cfg = read_config(path)
     arch = (cfg.get("architectures") or [None])[0]
@@ -138,4 +182,7 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
             f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
             "supported: llama, qwen3, qwen3_5/qwen3_5_text"
         )
-    return cls.from_pretrained(path, cfg, dtype=dtype, device=device)
+    model = cls.from_pretrained(path, cfg, dtype=dtype, device=device)
+    if fuse:
+        model.fuse_projections()
+    return model.quantize(quant)

@@ -154,7 +154,8 @@ def cli() -> None:
 @env_option("--limit", type=click.IntRange(min=0), help="Only the first N input rows.")
 @env_option("--engine-arg", "engine_arg", type=KeyValue(), multiple=True,
             help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
-                 "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head).")
+                 "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
+                 "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
 @env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @env_option("--on-error", type=click.Choice(["skip", "fail"]),
@@ -312,6 +313,9 @@ def _as_list(v: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every failure ends in one line on stderr and a documented exit code (tracebacks only
     with DSPINE_BATCH_DEBUG=1): usage 2, bugs and fatal errors 1, interrupted 75."""
+    from dspine.threads import prepare_env
+
+    prepare_env()  # before torch loads: OpenMP threads wait passively instead of spinning against other processes
     debug = bool(os.environ.get("DSPINE_BATCH_DEBUG"))
     try:
         rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)

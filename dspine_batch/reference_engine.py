@@ -22,7 +22,8 @@ from .manifest import content_digest
 from .stop_strings import cut_at_stop
 from .tokenizer import HFTokenizer
 
-ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str}
+ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
+        "dtype": str, "quant": str}
 
 
 def _model_identity(path: Path) -> dict[str, Any]:
@@ -85,7 +86,7 @@ class ReferenceEngine:
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
-                 verify: str = "cost"):
+                 verify: str = "cost", precision: dict[str, str] | None = None):
         self.target, self.draft, self.tok = target, draft, tokenizer
         self.model_path, self.draft_path = model_path, draft_path
         self.batch_size = batch_size
@@ -95,6 +96,12 @@ class ReferenceEngine:
         self._identity = {"engine": "reference", "model": _model_identity(model_path),
                           "draft": _model_identity(draft_path) if draft_path else None,
                           "block_size": self.block_size, "dtype": "float32"}
+        # dtype/quant change the target's outputs, so they are part of the run's identity ("quant" only when set,
+        # so fingerprints of existing fp32 runs stay the same)
+        precision = precision or {}
+        self._identity["dtype"] = precision.get("dtype", "float32")
+        if precision.get("quant", "none") != "none":
+            self._identity["quant"] = precision["quant"]
         if self.dynamic_threshold is not None:
             self._identity["dynamic_threshold"] = self.dynamic_threshold
         self.verify = verify
@@ -113,17 +120,21 @@ class ReferenceEngine:
             except ValueError as e:
                 kind = "an integer" if ARGS[k] is int else "a number"
                 raise UsageError(f"--engine-arg {k}={v}: expected {kind}") from e
-        import torch
-
         from dspine import load_draft, load_target
         from dspine.draft_io import read_decode_defaults
+        from dspine.precision import resolve
+        from dspine.threads import configure_torch
 
-        if "threads" in opts:
-            torch.set_num_threads(opts["threads"])
+        configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
+        quant = opts.get("quant", "none")
+        try:
+            precision = resolve(opts.get("dtype", "float32" if quant == "none" else "bfloat16"), quant)
+        except ValueError as e:
+            raise UsageError(f"--engine-arg {e}") from e
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
         try:
-            target = load_target(model_path, dtype=torch.float32, device="cpu")
+            target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
             drafter = load_draft(draft_path) if draft_path else None
             defaults = read_decode_defaults(draft_path) if draft_path else {}
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
@@ -137,7 +148,7 @@ class ReferenceEngine:
         if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
             raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
-                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify)
+                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe())
 
     def identity(self) -> dict[str, Any]:
         return self._identity

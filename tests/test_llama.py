@@ -14,11 +14,13 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("length", [1, 7, 33, 100])
-def test_logits_match_transformers(family, length, llama_dir, qwen3_dir):
+def test_logits_match_transformers(family, length, fuse, llama_dir, qwen3_dir):
     path = {"llama": llama_dir, "qwen3": qwen3_dir}[family]
-    ours, ref = load_target(path), _hf(path)
+    ours, ref = load_target(path, fuse=fuse), _hf(path)
+    assert (ours.layers[0].self_attn.qkv_proj is not None) == fuse
     ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         expect = ref(ids).logits

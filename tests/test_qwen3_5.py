@@ -135,6 +135,15 @@ def test_logits_match_hf(q35, q35_hf, T):
     assert (out - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("T", [1, 33])
+def test_fused_projections_match_hf(q35_dir, q35_hf, T):
+    """q/k/v, gate/up and the four GDN input projections fused into one GEMM each: same logits bound."""
+    fused = load_target(q35_dir, fuse=True)
+    assert fused.layers[0].linear_attn.in_proj is not None and fused.layers[1].self_attn.qkv_proj is not None
+    ids = _ids(2, T, T + 1)
+    assert (fused.score(ids) - q35_hf(ids).logits).abs().max().item() < 1e-4
+
+
 def test_taps_match_hf_hidden_states(q35, q35_hf):
     ids = _ids(2, 19, 5)
     with torch.no_grad():
