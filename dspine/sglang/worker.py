@@ -29,7 +29,7 @@ import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
 from . import draft_math as dm
@@ -49,8 +49,8 @@ def gdn_replayssm_active(req_to_token_pool) -> bool:
 class DSpineWorkerV2(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
-        if not device.startswith("cuda"):
-            raise RuntimeError(f"DSPINE needs a CUDA device (got {device!r}); on CPU use dspine's reference engine")
+        if not device.startswith(("cuda", "cpu")):
+            raise RuntimeError(f"DSPINE runs on CUDA (or the CPU test path), not on {device!r}")
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         if not isinstance(self.draft_model, DSpineDraftModel):
             raise RuntimeError(
@@ -65,9 +65,23 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if lm_head is None or getattr(lm_head, "weight", None) is None:
             raise RuntimeError("DSPINE needs the target's dense lm_head weight (quantized heads unsupported)")
         self.draft_model.lm_head = lm_head
+        self.draft_model.target_embed = self._block_embedding()
         logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d",
                     int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
                     self.draft_model.transfer_rank)
+
+    def _block_embedding(self):
+        """ids -> the rows the worker feeds the draft block (the target's embedding, as DFlash embeds it)."""
+        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model,
+                                                                   self._target_worker.model_runner.model))
+        scale = float(self._noise_embed_scale)
+        table = self._full_embed_gpu
+
+        def block_embedding(ids):
+            rows = torch.nn.functional.embedding(ids, table) if table is not None else embed(ids)
+            return rows if scale == 1.0 else rows * scale
+
+        return block_embedding
 
     def _warm_eager_selector(self) -> None:
         hidden = torch.zeros((int(self.block_size), self.draft_model.packed_width),

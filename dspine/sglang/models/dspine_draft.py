@@ -95,6 +95,11 @@ class DSpineDraftModel(DFlashDraftModel):
         self._head_rows = None
         self.candidate_selector = DSpineSelector(self, spec.top_k)
         self.lm_head = None  # the target's; set by the worker
+        # The target's token embedding (ids -> rows, as the worker embeds the block); set by the worker. SGLang's
+        # model runner casts every ``input_embeds`` to bfloat16 before a forward (model_runner.py, extend kwargs),
+        # which would feed an fp32/fp16 draft bf16-rounded rows (a dtype error in eager mode, silently different
+        # proposals otherwise), so the draft re-embeds its block's ids itself.
+        self.target_embed = None
         self._expected = self._expected_names(cfg)
 
     @staticmethod
@@ -139,6 +144,9 @@ class DSpineDraftModel(DFlashDraftModel):
         if N == 0:
             return LogitsProcessorOutput(next_token_logits=None,
                                          hidden_states=input_embeds.new_empty((0, self.packed_width)))
+        if self.target_embed is not None:
+            input_embeds = self.target_embed(input_ids)
+        input_embeds = input_embeds.to(self.norm.weight.dtype)
         B = int(self.block_size)
         if N % B:
             raise RuntimeError(f"DSPINE draft forward got {N} tokens, not a multiple of the block width {B}")
