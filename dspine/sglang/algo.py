@@ -86,6 +86,10 @@ class DSpineAlgo(CustomSpecAlgo):
         sa.speculative_eagle_topk = 1
         sa.speculative_num_draft_tokens = resolve_block_size(sa.speculative_num_draft_tokens,
                                                              sa.speculative_dflash_block_size, draft)
+        if str(sa.device) == "cpu" and not sa.disable_overlap_schedule:
+            # as SGLang's own _disable_overlap_schedule_for_cpu does for its built-in algorithms
+            sa.disable_overlap_schedule = True
+            logger.warning("DSPINE: overlap scheduling is not used on the CPU")
         if sa.max_running_requests is None:
             sa.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
             logger.warning("DSPINE: --max-running-requests unset; using %d", DEFAULT_MAX_RUNNING_REQUESTS)

@@ -18,12 +18,15 @@ Overrides:
   ``--enable-linear-replayssm-spec`` for DFLASH on GDN targets). With a GDN ReplaySSM ring we commit through
   ``spec_utils.commit_mamba_states_after_verify`` as EAGLE does, with the linear-chain accept index and the
   step indices computed from the *pre-verify* lengths (``draft_math``).
+* ``_propose_selector_block``: DFlash's eager proposal step, plus an optional proposal log for tests.
 * ``_warm_eager_selector``: DFlash warms with hidden width H; ours is the packed width 2H + r.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -36,6 +39,15 @@ from . import draft_math as dm
 from .models.dspine_draft import DSpineDraftModel
 
 logger = logging.getLogger(__name__)
+# Test/debug aid: append every eagerly proposed block ({"anchor": [...], "tokens": [[...]]}, one JSON line per
+# round) to this file, so tests can compare SGLang's proposals with the reference engine's round by round.
+# Eager path only (a captured CUDA graph never calls it); costs a host sync per round when set.
+PROPOSAL_LOG_ENV = "DSPINE_SGLANG_PROPOSAL_LOG"
+
+
+def record_proposals(path: str, anchor: torch.Tensor, tokens: torch.Tensor) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"anchor": anchor.view(-1).tolist(), "tokens": tokens.tolist()}) + "\n")
 
 
 def gdn_replayssm_active(req_to_token_pool) -> bool:
@@ -82,6 +94,13 @@ class DSpineWorkerV2(DFlashWorkerV2):
             return rows if scale == 1.0 else rows * scale
 
         return block_embedding
+
+    def _propose_selector_block(self, *, draft_logits_output, bs, lm_head, anchor_token_ids, sampling_info):
+        tokens = super()._propose_selector_block(draft_logits_output=draft_logits_output, bs=bs, lm_head=lm_head,
+                                                 anchor_token_ids=anchor_token_ids, sampling_info=sampling_info)
+        if PROPOSAL_LOG_ENV in os.environ:
+            record_proposals(os.environ[PROPOSAL_LOG_ENV], anchor_token_ids, tokens)
+        return tokens
 
     def _warm_eager_selector(self) -> None:
         hidden = torch.zeros((int(self.block_size), self.draft_model.packed_width),
