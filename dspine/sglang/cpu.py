@@ -20,6 +20,8 @@ What it bridges, and why (SGLang 0.5.23):
   silently falls back to flashinfer).
 * ``Tensor.record_stream`` (called by the DFlash V2 worker on ``seq_lens``) is a no-op for CPU tensors.
 * top-k in the DFlash candidate path uses flashinfer whenever it imports: torch top-k for CPU tensors.
+* sampled verify: SGLang's chain-acceptance kernel is Triton (no CPU driver): a torch version
+  (``cpu_kernels.chain_speculative_sampling``) for CPU tensors.
 """
 
 from __future__ import annotations
@@ -148,6 +150,30 @@ def record_stream_off_cuda(original):
     return record_stream
 
 
+def torch_chain_sampling_off_cuda(original):
+    """SGLang's Triton chain-acceptance kernel on CUDA tensors only; the torch version elsewhere."""
+    from .cpu_kernels import chain_speculative_sampling
+
+    def chain_speculative_sampling_triton(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                          retrive_next_token, retrive_next_sibling, uniform_samples,
+                                          uniform_samples_for_final_sampling, target_probs, draft_probs,
+                                          threshold_single, threshold_acc, deterministic, *,
+                                          block_verification: bool = False):
+        if candidates.is_cuda:
+            return original(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
+                            retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                            draft_probs, threshold_single, threshold_acc, deterministic,
+                            block_verification=block_verification)
+        if block_verification:
+            raise NotImplementedError("block verification has no CPU implementation")
+        return chain_speculative_sampling(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                                          uniform_samples, uniform_samples_for_final_sampling, target_probs,
+                                          draft_probs)
+
+    chain_speculative_sampling_triton._dspine_cpu = True
+    return chain_speculative_sampling_triton
+
+
 def wrap(owner, name: str, make) -> None:
     """owner.name = make(owner.name), once."""
     current = getattr(owner, name)
@@ -159,6 +185,9 @@ def wrap(owner, name: str, make) -> None:
 PATCHES = (
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend.forward_extend", verify_as_extend),
     ("sglang.srt.models.dflash", "_radix_topk", torch_topk_off_cuda),
+    # patched in its defining module right after its import, i.e. before any ``from ... import`` of it runs
+    ("sglang.kernels.ops.speculative.reject_sampling", "chain_speculative_sampling_triton",
+     torch_chain_sampling_off_cuda),
 )
 
 

@@ -61,5 +61,46 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
             ctypes.memmove(base + int(t) * stride, row, stride)
 
 
+def chain_speculative_sampling(predicts: torch.Tensor, accept_index: torch.Tensor, accept_token_num: torch.Tensor,
+                               candidates: torch.Tensor, retrive_index: torch.Tensor, uniform_samples: torch.Tensor,
+                               uniform_samples_final: torch.Tensor, target_probs: torch.Tensor,
+                               draft_probs: torch.Tensor) -> None:
+    """Chain rejection sampling (Leviathan et al.), SGLang's ``chain_speculative_sampling_triton`` in torch.
+
+    Row b walks its chain: draft token x at step s (candidates[b, s]) is accepted when u * q(x) < p(x) with
+    q(x) a probability; the first rejection (or the end of the chain) samples the correction/bonus token by
+    inverse CDF from max(p - q, 0) (p alone when every draft was accepted). Writes the accepted tokens and the
+    final one into ``predicts`` at the chain's flat indices, the accepted indices into ``accept_index`` and
+    the number of accepted drafts into ``accept_token_num`` (the same outputs as the kernel).
+    """
+    bs, slots = candidates.shape
+    vocab = target_probs.shape[-1]
+    for b in range(bs):
+        last = int(retrive_index[b, 0])
+        accept_index[b, 0] = last
+        n = 0
+        for step in range(1, slots):
+            tok = int(candidates[b, step])
+            p = float(target_probs[b, step - 1, tok])
+            q = float(draft_probs[b, step - 1, tok])
+            if not (0.0 < q <= 1.0 and float(uniform_samples[b, step - 1]) * q < p):
+                break
+            n += 1
+            predicts[last] = tok
+            last = int(retrive_index[b, step])
+            accept_index[b, n] = last
+        accept_token_num[b] = n
+        p_row = target_probs[b, n].double()
+        if n == slots - 1:
+            mass = p_row
+        else:
+            q_row = draft_probs[b, n].double()
+            q_row = torch.where((q_row >= 0) & (q_row <= 1), q_row, torch.zeros_like(q_row))
+            mass = (p_row - q_row).clamp_min(0)
+        cdf = mass.cumsum(0)
+        hit = (cdf > float(uniform_samples_final[b]) * float(cdf[-1])).nonzero()
+        predicts[last] = int(hit[0]) if len(hit) else vocab - 1
+
+
 OPS = {f.__name__: f for f in (assign_req_to_token_pool_cpu, assign_extend_cache_locs_cpu,
                                 assign_draft_cache_locs_contiguous_cpu, copy_all_layer_kv_cache_cpu)}
