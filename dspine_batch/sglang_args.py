@@ -18,7 +18,7 @@ from .engine import SamplingParams
 from .errors import UsageError
 from .sglang_processes import on_sigquit
 
-ADAPTER_KEYS = ("server_flags", "block_size", "poll_seconds")
+ADAPTER_KEYS = ("server_flags", "block_size", "poll_seconds", "meta_log")
 # ServerArgs that change how fast, not what: left out of the run fingerprint so they can change on resume.
 OPERATIONAL_KEYS = frozenset({
     "mem_fraction_static", "max_running_requests", "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
@@ -102,7 +102,7 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
     """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args."""
     parser = parser or _sglang_parser()
     args = {k.replace("-", "_"): v for k, v in engine_args.items()}
-    opts: dict[str, Any] = {"poll_seconds": 1.0}
+    opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None}
     kwargs: dict[str, Any] = {"model_path": str(model_path), "skip_tokenizer_init": True, "log_level": "error"}
     if on_cpu:
         kwargs.update(cpu_defaults(draft_path is not None))
@@ -117,6 +117,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
         kwargs.update(parsed)
     if "block_size" in args:
         args["speculative_num_draft_tokens"] = args.pop("block_size")
+    if "meta_log" in args:  # append each request's raw meta_info (JSON lines) to this file: audits, tests
+        opts["meta_log"] = str(args.pop("meta_log"))
     if "poll_seconds" in args:
         try:
             opts["poll_seconds"] = float(args.pop("poll_seconds"))

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import threading
@@ -77,7 +78,8 @@ class SGLangEngine:
 
     def __init__(self, engine: Any, tokenizer: Any, identity: dict[str, Any], block_size: int | None,
                  max_context: int | None, owned_pids: set[int], poll_seconds: float = 1.0,
-                 loop: asyncio.AbstractEventLoop | None = None, watch_pids: set[int] | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, watch_pids: set[int] | None = None,
+                 meta_log: str | None = None):
         self._engine = engine
         self.tok = tokenizer
         self._identity = identity
@@ -86,6 +88,7 @@ class SGLangEngine:
         self._owned = set(owned_pids)  # killed on close (the engine's whole process tree)
         self._watch = set(watch_pids if watch_pids is not None else owned_pids)  # must stay alive
         self._poll = poll_seconds
+        self._meta_log = meta_log
         self._loop = loop or getattr(engine, "loop", None) or asyncio.new_event_loop()
         self._old_sigquit = None
 
@@ -154,7 +157,7 @@ class SGLangEngine:
             kill_owned(_child_pids() - before)
             raise FatalError(f"--engine sglang: the engine failed to start: {type(e).__name__}: {e}") from e
         self = cls(engine, tokenizer, identity, block, None if max_ctx is None else int(max_ctx) - (block or 1) - 1,
-                   _child_pids() - before, opts["poll_seconds"],
+                   _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
         self._old_sigquit = old
         reclaim_signals(engine, ours)
@@ -271,6 +274,10 @@ class SGLangEngine:
         if isinstance(out, list):  # one request in, one dict out; tolerate a batch-shaped answer
             out = out[0]
         meta = out.get("meta_info") or {}
+        if self._meta_log:
+            with open(self._meta_log, "a") as f:
+                f.write(json.dumps({"key": req.key, "sample_index": req.sample_index, "meta_info": meta},
+                                   default=str) + "\n")
         finish, err = sglang_stats.finish(meta)
         tokens = [int(t) for t in out.get("output_ids") or []]
         res.token_ids, res.finish_reason, res.error = tokens, finish, err

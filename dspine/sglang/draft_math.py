@@ -83,29 +83,54 @@ def candidates(normed: torch.Tensor, head_weight: torch.Tensor, top_k: int) -> t
     return ids, vals
 
 
-def vocab_candidates(normed: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor,
-                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k over a draft vocabulary: head_rows [V', H] = head[vocab] -> (target ids [N, k], logits [N, k])."""
+def vocab_candidates(normed: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, top_k: int,
+                     pad_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over a draft vocabulary: head_rows [V', H] = head[vocab] -> (target ids [N, k], logits [N, k]).
+
+    Always ``top_k`` columns (the selector's output buffers, CUDA graphs included, have that width): with a
+    draft vocabulary smaller than top_k the extra columns hold ``pad_ids`` (target ids outside the draft
+    vocabulary, so the dense q scatter never overwrites a real candidate) with logit -inf, which
+    ``transition_scores`` keeps at -inf so the walk never picks them (q = 0 there).
+    """
     logits = (normed.to(head_rows.dtype) @ head_rows.T).float()
     vals, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-    return vocab.to(idx.device)[idx], vals
+    ids = vocab.to(idx.device)[idx]
+    missing = top_k - ids.shape[-1]
+    if missing > 0:
+        if pad_ids is None or pad_ids.numel() < missing:
+            raise ValueError(f"draft vocabulary of {logits.shape[-1]} < top_k {top_k} needs {missing} pad ids")
+        pad = pad_ids[:missing].to(ids.device)
+        ids = torch.cat([ids, pad.expand(ids.shape[0], missing)], dim=-1)
+        vals = torch.cat([vals, vals.new_full((vals.shape[0], missing), float("-inf"))], dim=-1)
+    return ids, vals
+
+
+def pad_candidate_ids(vocab: torch.Tensor, vocab_size: int, count: int) -> torch.Tensor:
+    """The ``count`` smallest target ids outside the draft vocabulary (padding for ``vocab_candidates``)."""
+    outside = torch.ones(vocab_size, dtype=torch.bool, device=vocab.device)
+    outside[vocab] = False
+    return outside.nonzero()[:count, 0]
 
 
 def transition_scores(injection, norm, num_layers: int, pre: torch.Tensor, feat: torch.Tensor,
                       cand: torch.Tensor, anchor: torch.Tensor, codes: torch.Tensor,
-                      head_weight: torch.Tensor) -> torch.Tensor:
+                      head_weight: torch.Tensor, unary: torch.Tensor | None = None) -> torch.Tensor:
     """The transition cache (dspine-model.md §2.4) in the selector's lattice layout.
 
     pre [bs, n, H], feat [bs, n, r] of slots 1..n; cand [bs, n, k]; anchor [bs] ->
     scores [bs, n, k(pred row), k(cand)] float32. Row p of slot i (i >= 2) is "slot i-1 chose cand[i-1, p]";
-    slot 1's rows all use the anchor (identical rows), as in ``DSpineDraft.transition``.
+    slot 1's rows all use the anchor (identical rows), as in ``DSpineDraft.transition``. Candidate columns
+    whose backbone logit ``unary`` [bs, n, k] is -inf (padding, see ``vocab_candidates``) score -inf.
     """
     bs, n, k = cand.shape
     pred = torch.cat([anchor[:, None, None].expand(bs, 1, k), cand[:, :-1]], dim=1)  # [bs, n, k]
     p = injection.scale * codes[pred]  # [bs, n, k, r]
     refined = norm(injection.write(num_layers - 1, pre[:, :, None], feat[:, :, None].to(pre.dtype), p.to(pre.dtype)))
     w = head_weight[cand]  # [bs, n, k, H]
-    return (refined.to(w.dtype) @ w.transpose(-1, -2)).float()
+    scores = (refined.to(w.dtype) @ w.transpose(-1, -2)).float()
+    if unary is not None:
+        scores = scores.masked_fill(torch.isneginf(unary.float())[:, :, None, :], float("-inf"))
+    return scores
 
 
 def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor,

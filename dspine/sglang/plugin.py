@@ -34,11 +34,12 @@ def register() -> None:
     if getattr(sglang, "__version__", None) != SGLANG_VERSION:
         logger.warning("dspine: built against sglang==%s, found %s; DSPINE may not work",
                        SGLANG_VERSION, getattr(sglang, "__version__", "?"))
-    from . import cpu
+    from . import cpu, name_checks
     from .algo import register_algorithm
 
     cpu.apply()  # only when SGLang runs on the CPU here (test/dev path)
     register_algorithm()
+    name_checks.include()
     register_model()
     _registered = True
 

@@ -63,7 +63,8 @@ class DSpineSelector:
         m = self._model
         _, pre, feat = dm.unpack_hidden(hidden_states, m.hidden_size)
         return dm.transition_scores(m.injection, m.norm_any, m.num_layers, pre, feat, candidate_ids,
-                                    anchor_token_ids, m.transfer_codes, m.head_weight())
+                                    anchor_token_ids, m.transfer_codes, m.head_weight(),
+                                    unary=unary_logits.view(candidate_ids.shape))
 
     def sample_path(self, *, candidate_ids, scores, uniforms, temperatures, greedy_mask):
         return dm.walk(candidate_ids, scores, uniforms, temperatures, greedy_mask)
@@ -93,6 +94,7 @@ class DSpineDraftModel(DFlashDraftModel):
         else:
             self.draft_vocab = None
         self._head_rows = None
+        self._pad_ids = None  # target ids outside the draft vocabulary (candidate padding when V' < top_k)
         self.candidate_selector = DSpineSelector(self, spec.top_k)
         self.lm_head = None  # the target's; set by the worker
         # The target's token embedding (ids -> rows, as the worker embeds the block); set by the worker. SGLang's
@@ -132,7 +134,10 @@ class DSpineDraftModel(DFlashDraftModel):
         w = self.head_weight()
         if self._head_rows is None or self._head_rows[0] != w.data_ptr():
             self._head_rows = (w.data_ptr(), w.index_select(0, self.draft_vocab.to(w.device)))
-        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, self.candidate_selector.top_k)
+        top_k = self.candidate_selector.top_k
+        if self._pad_ids is None:
+            self._pad_ids = dm.pad_candidate_ids(self.draft_vocab.to(w.device), w.shape[0], top_k)
+        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, top_k, self._pad_ids)
 
     # -- forward -----------------------------------------------------------------------------------------------
     @torch.no_grad()
