@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 BLOCK = 4
+CONSTANT_TOKEN = 42
 CPU_ENGINE_KWARGS = dict(device="cpu", attention_backend="torch_native", speculative_draft_attention_backend=None,
                          disable_cuda_graph=True, tp_size=1, dtype="float32", max_total_tokens=4096,
                          max_running_requests=8, mem_fraction_static=0.5, skip_tokenizer_init=True,
@@ -73,6 +74,9 @@ def constant_pair(root: Path) -> tuple[str, str]:
     emb = sd["model.embed_tokens.weight"]
     shared = torch.randn(emb.shape[1], generator=g)
     sd["model.embed_tokens.weight"] = shared + 0.05 * torch.randn(emb.shape, generator=g)
+    head = sd["lm_head.weight"].clone()
+    head[CONSTANT_TOKEN] = shared / shared.norm() * 50  # X wins by a wide margin wherever the state points
+    sd["lm_head.weight"] = head
     for k in sd:
         if k.endswith(("o_proj.weight", "down_proj.weight")):
             sd[k] = sd[k] * 0.05
