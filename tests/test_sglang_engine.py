@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeEngine, FakeTokenizer
 
-from dspine_batch import sglang_args
+from dspine_batch import sglang_args, sglang_stats
 from dspine_batch import sglang_engine as se
-from dspine_batch import sglang_stats
 from dspine_batch.engine import Request, Result, SamplingParams
 from dspine_batch.errors import UsageError
 
