@@ -16,13 +16,13 @@ __all__ = ["load_target", "load_draft", "init_draft", "generate", "ModelLoadErro
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import ModelLoadError
     from .decode import generate
-    from .draft import init_draft, load_draft
+    from .draft_io import init_draft, load_draft
     from .target import load_target
 
 _LAZY = {
     "load_target": ".target",
-    "load_draft": ".draft",
-    "init_draft": ".draft",
+    "load_draft": ".draft_io",
+    "init_draft": ".draft_io",
     "generate": ".decode",
     "ModelLoadError": ".checkpoint",
 }

@@ -69,7 +69,7 @@ def confidence_data(
         k = min(draft.top_k, logits.shape[-1])
         cand = draft.vocab_ids(logits.topk(k, dim=-1).indices)  # [N, n, k]
         pred = true_tokens[:, :-1]  # [N, n]: the predecessor when slot i is reached
-        refined = draft.refine_train(out, pred)  # [N, n, H] normed
+        refined = draft.refine_slots(out, pred)  # [N, n, H] normed
         q = torch.softmax(torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float(), dim=-1)
         th = cap.hidden[(anchors[:, None] + torch.arange(bs - 1, device=dev)[None, :]).clamp(max=len(ex.ids) - 1)]
         p = torch.softmax(target.logits(th.to(target.dtype)).float(), dim=-1)  # [N, n, V]

@@ -1,6 +1,6 @@
 """Training a DSpine draft against a frozen target (design §5): capture, anchors, block-causal forward, losses.
 
-One readable file; the model-side pieces live in ``draft.py`` (``train_forward``, ``refine_train``,
+One readable file; the model-side pieces live in ``draft.py`` (``train_forward``, ``refine_slots``,
 ``block_causal_mask``). Works for any supported target on CPU or CUDA. Per sequence:
 
 1. **Capture** (``capture``): one frozen target forward gives the tap outputs (``draft.target_layer_ids``)
@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .draft import DSpineDraft, TrainBlockOutput, init_draft
+from .draft import BlockOutput, DSpineDraft
+from .draft_io import init_draft
 from .target import Target
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ def block_targets(ex: Example, anchors: torch.Tensor, bs: int, gamma: float) -> 
 def block_losses(
     draft: DSpineDraft,
     target: Target,
-    out: TrainBlockOutput,
+    out: BlockOutput,
     teacher_hidden: torch.Tensor,
     true_tokens: torch.Tensor,
     labels: torch.Tensor,
@@ -237,7 +238,7 @@ def block_losses(
     k = min(draft.top_k, logits.shape[-1])
     cand_idx = logits.detach().topk(k, dim=-1).indices  # [N, bs-1, k] into the draft vocabulary
     cand = draft.vocab_ids(cand_idx)  # target ids
-    refined = draft.refine_train(out, true_tokens[:, :-1])  # [N, bs-1, H]
+    refined = draft.refine_slots(out, true_tokens[:, :-1])  # [N, bs-1, H]
     scores = torch.einsum("nsh,nskh->nsk", refined.to(head.dtype), head[cand]).float()  # [N, bs-1, k]
     rlogp = torch.log_softmax(scores, dim=-1)
     hit = cand == labels[..., None]  # [N, bs-1, k]

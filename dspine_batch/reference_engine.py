@@ -108,7 +108,7 @@ class ReferenceEngine:
         import torch
 
         from dspine import load_draft, load_target
-        from dspine.draft import read_decode_defaults
+        from dspine.draft_io import read_decode_defaults
 
         if "threads" in opts:
             torch.set_num_threads(opts["threads"])

@@ -3,7 +3,8 @@
 Everything is streamed in bounded batches (Parquet by row group, JSONL by lines, Arrow datasets memory
 mapped), so memory never depends on input size. Row order is stable across runs: it defines the fallback
 row id ``<file>:<row-index>`` and makes resume and sharding reproducible. Per-row problems (bad JSON, bad
-UTF-8) are yielded as ``RowError`` values in place of the row, never raised.
+UTF-8) are yielded as ``RowError`` values in place of the row, never raised. Problems with a whole file (a
+damaged .gz/.zst, a file that is not UTF-8 text at all) are ``UsageError``s raised before any work starts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,10 @@ OPENAI_PARAM_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "m
                      "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
                      "stop": "stop"}
 OPENAI_IGNORED_KEYS = {"model", "stream", "user", "n", "metadata", "store"}
+UTF8_BOM = b"\xef\xbb\xbf"
+COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
+_NOT_UTF8 = "not valid UTF-8"
+_CHUNK = 1 << 16  # compressed bytes per read when checking or decompressing a whole stream
 
 
 @dataclass(frozen=True)
@@ -177,49 +183,135 @@ def _arrow_files(p: Path) -> tuple[str, ...]:
 
 
 def _open_text_stream(path: str) -> io.BufferedIOBase:
+    """The file's bytes, decompressed. A .zst is read frame by frame and a truncated last frame is an error
+    (zstandard's own stream reader just stops there, silently dropping the rest of the rows)."""
     low = path.lower()
     raw = open(path, "rb")  # noqa: SIM115 - closed by the caller through the wrapper
     if low.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
     if low.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError as e:
-            raise UsageError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from e
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdFrames(raw, path))
     return raw  # type: ignore[return-value]
 
 
+class _ZstdFrames(io.RawIOBase):
+    """Decompresses every frame of a .zst file in turn; raises EOFError if the data stops inside a frame."""
+
+    def __init__(self, raw: io.BufferedIOBase, path: str):
+        try:
+            import zstandard
+        except ImportError as e:
+            raw.close()
+            raise UsageError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from e
+        self._raw, self._dctx = raw, zstandard.ZstdDecompressor()
+        self._frame: Any = None  # the decompressobj of the current frame; None before the first byte
+        self._out, self._pos = memoryview(b""), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._pos >= len(self._out):
+            data = self._raw.read(_CHUNK)
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("compressed data ends inside a frame (truncated file?)")
+                return 0
+            parts = []
+            while data:
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._dctx.decompressobj()
+                parts.append(self._frame.decompress(data))
+                data = self._frame.unused_data if self._frame.eof else b""
+            self._out, self._pos = memoryview(b"".join(parts)), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged compressed stream raises: gzip raises OSError/EOFError/zlib.error, zstandard ZstdError."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+    try:
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
+
+
+def _jsonl_lines(f: io.BufferedIOBase) -> Iterator[bytes]:
+    """The stream's lines with a UTF-8 byte-order mark removed from the first (editors on Windows add one;
+    left in place it makes the first row malformed JSON)."""
+    lines = iter(f)
+    first = next(lines, None)
+    if first is None:
+        return
+    yield first.removeprefix(UTF8_BOM)
+    yield from lines
+
+
 def _check_jsonl(path: str) -> None:
-    """A whole-file JSON array is a common mix-up: say so instead of reporting every line as malformed."""
+    """Refuse, before any work, the JSON Lines inputs that cannot be read as such: a damaged .gz/.zst (found by
+    decompressing it all once: failing half-way through a run would leave a partial output committed), UTF-16
+    text, and a whole-file JSON array (a common mix-up: say so instead of reporting every line as malformed)."""
+    fmt = COMPRESSED_SUFFIXES.get(os.path.splitext(path.lower())[1])
     try:
         with _open_text_stream(path) as f:
-            head = f.read(4096).lstrip()
-    except (OSError, EOFError) as e:
-        raise UsageError(f"{path}: unreadable ({_short(e)})") from e
-    if head.startswith(b"["):
+            head = f.read(4096)
+            while fmt and f.read(1 << 20):
+                pass
+    except _stream_errors() as e:
+        if not fmt:
+            raise UsageError(f"{path}: unreadable ({_short(e)})") from e
+        raise UsageError(f"{path}: damaged {fmt} data: {_short(e)} (the file is truncated or corrupt; nothing was "
+                         "read from it)") from e
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UsageError(f"{path}: UTF-16 text (byte-order mark {head[:2].hex()}); dspine-batch reads UTF-8 JSON "
+                         "Lines: convert it (e.g. iconv -f UTF-16 -t UTF-8)")
+    if head.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
         raise UsageError(f"{path}: looks like a JSON array; dspine-batch reads JSON Lines (one object per line)")
 
 
 def _is_openai_batch(path: str) -> bool:
     try:
         with _open_text_stream(path) as f:
-            for line in f:
+            for line in _jsonl_lines(f):
                 if line.strip():
                     obj = json.loads(line)
                     return isinstance(obj, dict) and "custom_id" in obj and isinstance(obj.get("body"), dict)
-    except (ValueError, OSError, EOFError):
+    except (ValueError, *_stream_errors()):
         return False
     return False
 
 
 def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
-    """The first few good rows, for column detection and JSONL type inference."""
-    out: list[dict[str, Any]] = []
+    """The first few good rows, for column detection and JSONL type inference.
+
+    Reads on past bad rows until it finds a good one. A file with rows but not one good row is not "empty":
+    raise what is wrong with it instead (e.g. Latin-1 text, where every line is invalid UTF-8)."""
+    bad, first_bad, all_utf8 = 0, None, True
     for batch in iter_file(inp, columns=None, batch_rows=n):
-        out.extend(r for r in batch.rows if isinstance(r, dict))
-        break
-    return out
+        rows = batch.rows
+        good = [r for r in rows if isinstance(r, dict)]
+        if good:
+            return good
+        for r in rows:
+            if isinstance(r, RowError):
+                bad += 1
+                first_bad = first_bad or r
+                all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
+    if first_bad is None:
+        return []
+    where = f"first: row {first_bad.row}, {first_bad.message}"
+    if all_utf8:
+        raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
+                         "e.g. iconv -f LATIN1 -t UTF-8")
+    raise UsageError(f"{inp.name}: no usable row: all {bad} rows are errors ({where})")
 
 
 def arrow_schema(inp: InputFile) -> pa.Schema | None:
@@ -276,7 +368,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
     index = -1
     try:
         with _open_text_stream(inp.path) as f:
-            for index, line in enumerate(f):
+            for index, line in enumerate(_jsonl_lines(f)):
                 if not line.strip():
                     continue  # blank lines are not rows (their line number is still counted)
                 rows.append(_parse_line(inp.name, index, line, openai))
@@ -284,8 +376,8 @@ def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
                 if len(rows) >= batch_rows:
                     yield RowBatch(inp, indices, rows)
                     rows, indices = [], []
-    except (OSError, EOFError) as e:
-        # A truncated .gz/.zst: rows before the damage were yielded; the rest is unreachable.
+    except _stream_errors() as e:
+        # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
         yield RowBatch(inp, indices, rows)
@@ -295,7 +387,7 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        return RowError(name, index, None, f"not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})")
+        return RowError(name, index, None, f"{_NOT_UTF8} (byte 0x{line[e.start]:02x} at offset {e.start})")
     try:
         obj = json.loads(text)
     except ValueError as e:

@@ -3,7 +3,7 @@
 Two measurements, in one process, on the held-out prompts (``embedded_data.eval_prompts``: MT-Bench chat,
 HumanEval code, gsm_symbolic math; never used in training):
 
-1. **τ** per dataset, greedy and T=1 (design §8): per-request mean (macro: mean over requests of each
+1. **τ** per dataset, greedy and T=1 (as docs/design.md defines it): per-request mean (macro: mean over requests of each
    request's committed-tokens-per-verify-round) and per-round mean (micro: all committed tokens ÷ all
    verify rounds). The bonus/correction token counts; the prefill token does not. Batched (``--batch``).
 2. **Speedup**: the same prompts decoded plainly and speculatively, alternating, at concurrency 1 (one

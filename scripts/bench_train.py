@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from dspine import load_target
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
     from dspine.embedded import embedded_draft_path, embedded_target_path
     from dspine.train import TrainConfig, capture, make_example, train_step
 

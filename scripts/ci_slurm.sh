@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI for Slurm: start a private one-node cluster (../shared/slurm/start-local-slurm.sh, which installs
+# CI for Slurm: start a private one-node cluster (scripts/slurm/local-cluster.sh, which installs
 # slurmctld/slurmd/munge with apt-get if missing), run the `slurm`-marked tests against it, stop it on exit.
 #
 #   bash scripts/ci_slurm.sh [pytest args...]
@@ -7,21 +7,17 @@
 # Environment: LOCAL_SLURM_DIR (instance dir, default /tmp/local-slurm), LOCAL_SLURM_CPUS (CPUs the node
 # advertises, default 8 so a 4-task array runs at once; more than the real cores is fine),
 # DSPINE_SLURM_KEEP=1 leaves the cluster running afterwards (for debugging). Needs root (the daemons run as
-# root). Safe to run twice: the start script is idempotent, and a cluster that was already up in
+# root). Safe to run twice: `local-cluster.sh start` is idempotent, and a cluster that was already up in
 # LOCAL_SLURM_DIR before this script started is used and left running (only a cluster started here is stopped).
 # Exit status: pytest's, except that "no tests collected" (5) or all-skipped is an error: the tests must run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-repo=$(pwd)
-shared=${DSPINE_SHARED_DIR:-$(dirname "$repo")/shared}
-start="$shared/slurm/start-local-slurm.sh"
-stop="$shared/slurm/stop-local-slurm.sh"
-[ -x "$start" ] || { echo "[ci_slurm] $start not found (set DSPINE_SHARED_DIR)" >&2; exit 1; }
+cluster=scripts/slurm/local-cluster.sh
 export LOCAL_SLURM_DIR=${LOCAL_SLURM_DIR:-/tmp/local-slurm}
 export LOCAL_SLURM_CPUS=${LOCAL_SLURM_CPUS:-8}
 
 preexisting=0
-if [ -s "$LOCAL_SLURM_DIR/env.sh" ] && SLURM_CONF="$LOCAL_SLURM_DIR/etc/slurm.conf" timeout 20 sinfo -h >/dev/null 2>&1; then
+if [ -s "$LOCAL_SLURM_DIR/env.sh" ] && command -v sinfo >/dev/null && bash "$cluster" status "$LOCAL_SLURM_DIR" 2>/dev/null; then
     preexisting=1
     echo "[ci_slurm] a cluster is already running in $LOCAL_SLURM_DIR: using it, and leaving it up" >&2
 fi
@@ -31,9 +27,9 @@ cleanup() {
     if [ "$preexisting" = 1 ]; then
         :
     elif [ "${DSPINE_SLURM_KEEP:-0}" = 1 ]; then
-        echo "[ci_slurm] leaving the cluster up: source $LOCAL_SLURM_DIR/env.sh; stop: $stop $LOCAL_SLURM_DIR" >&2
+        echo "[ci_slurm] leaving the cluster up: source $LOCAL_SLURM_DIR/env.sh; stop: $cluster stop $LOCAL_SLURM_DIR" >&2
     else
-        "$stop" "$LOCAL_SLURM_DIR" >&2 || echo "[ci_slurm] warning: stop-local-slurm.sh failed" >&2
+        bash "$cluster" stop "$LOCAL_SLURM_DIR" >&2 || echo "[ci_slurm] warning: $cluster stop failed" >&2
     fi
     exit "$rc"
 }
@@ -41,7 +37,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 t0=$(date +%s)
-env_lines=$("$start" "$LOCAL_SLURM_DIR")
+env_lines=$(bash "$cluster" start "$LOCAL_SLURM_DIR")
 eval "$env_lines"
 echo "[ci_slurm] cluster up in $(( $(date +%s) - t0 ))s (SLURM_CONF=$SLURM_CONF)"
 sinfo

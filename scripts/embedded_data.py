@@ -1,4 +1,4 @@
-"""Offline prompt sources for the embedded SmolLM2 draft, and target-regenerated responses (design §5, §9).
+"""Offline prompt sources for the embedded SmolLM2 draft, and target-regenerated responses (docs/design.md).
 
 Every source is a file inside an installed PyPI package, so the data can be rebuilt without a network:
 

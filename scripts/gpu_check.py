@@ -32,7 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-QWEN38_27B = dict(  # dspine-model.md §3 (Qwen3.8-27B class); intermediate size as Qwen3.5-27B
+QWEN38_27B = dict(  # a Qwen3.8-27B-class hybrid; intermediate size as Qwen3.5-27B
     vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
     num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48, full_attention_interval=4,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU check of the SGLang DSPINE backend through the dspine-batch adapter (needs the sglang venv and a GPU).
 
-Not runnable on CPU; this is the prepared command for a GPU machine (sglang-integration.md §14 "our GPU check"):
+Not runnable on CPU; this is the prepared command for a GPU machine (docs/design.md, "The SGLang plugin"):
 
     bash scripts/setup_sglang_venv.sh
     .venv-sglang/bin/python scripts/sglang_gpu_check.py --model /models/Qwen3.5-4B --make-draft /tmp/dspine-draft

@@ -89,7 +89,7 @@ def stage_train(args, target) -> None:
     )  # fmt: skip
     draft = None
     if args.init_draft:  # warm start (a second stage on more data); the draft's own shape wins
-        from dspine.draft import load_draft
+        from dspine.draft_io import load_draft
 
         draft = load_draft(args.init_draft)
         log(f"warm start from {args.init_draft}")
@@ -101,7 +101,7 @@ def stage_train(args, target) -> None:
         if draft is None:
             draft_overrides["draft_vocab"] = vocab
         elif draft.draft_vocab is None:
-            from dspine.draft import with_draft_vocab
+            from dspine.draft_io import with_draft_vocab
 
             draft = with_draft_vocab(draft, vocab)
     train(target, examples, work / args.out_name, cfg, draft=draft, num_layers=args.layers,
@@ -110,7 +110,7 @@ def stage_train(args, target) -> None:
 
 def stage_confidence(args, target) -> None:
     from dspine.confidence import fit_confidence_on_examples
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
     from dspine.train import load_examples
 
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
@@ -124,7 +124,7 @@ def stage_confidence(args, target) -> None:
 
 
 def stage_ship(args) -> None:
-    from dspine.draft import load_draft
+    from dspine.draft_io import load_draft
 
     src = Path(args.draft_dir or Path(args.work) / args.out_name)
     d = load_draft(src).to(torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 
 from dspine import generate
 from dspine.confidence import confidence_data, fit_confidence, fit_confidence_on_examples
-from dspine.draft import init_draft, load_draft
+from dspine.draft_io import init_draft, load_draft
 from dspine.target import load_target
 from dspine.train import capture, make_example
 

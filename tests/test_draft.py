@@ -14,7 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspine.checkpoint import ModelLoadError
-from dspine.draft import DSpineDraft, init_draft, load_draft, parse_draft_config
+from dspine.draft import DSpineDraft
+from dspine.draft_config import parse_draft_config
+from dspine.draft_io import init_draft, load_draft
+from dspine.proposal import candidates, sample_path
 from dspine.target import default_tap_ids, load_target
 
 transformers = pytest.importorskip("transformers")
@@ -692,8 +695,25 @@ def test_mismatched_target_is_refused(target, tied_target, tmp_path):
         greedy(draft, cache, torch.tensor([1]), other)
 
 
-def test_lazy_walk_equals_transition_cache_walk():
-    """The CPU walk (refine only the chosen predecessor) == walking the full transition cache."""
+def _propose_refining_chosen_only(draft, cache, anchor, target, temperature, generators, threshold):
+    """Oracle: the sampled path with refinement computed only for the predecessor actually chosen, slot by slot
+    (the sequential definition the transition cache batches; k x fewer refinements, one slot at a time)."""
+    out = draft.backbone(cache, anchor, target)
+    cand = candidates(draft, out)  # [B, n, k] target ids
+    w = target.head_weight[cand]  # [B, n, k, H]
+    rows = torch.arange(cand.shape[0])
+
+    def slot_scores(i: int, prev: torch.Tensor):
+        pred = out.anchor if i == 0 else cand[rows, i - 1, prev]  # [B]
+        refined = draft.refine(out, 1 + i, pred)  # [B, H]
+        scores = (w[:, i] @ refined.to(w.dtype)[:, :, None])[..., 0].float()  # [B, k]
+        return scores, draft.confidence(refined, pred) if draft.confidence_enabled else None
+
+    return sample_path(cand, slot_scores, temperature, generators, threshold, draft.vocab_size)
+
+
+def test_refining_chosen_only_equals_transition_cache():
+    """Refining only the chosen predecessor, slot by slot == walking the full transition cache (``propose``)."""
     import conftest
     import torch as _t
 
@@ -715,7 +735,10 @@ def test_lazy_walk_equals_transition_cache_walk():
     outs = {}
     for walk in ("cache", "lazy"):
         gens = [None, _t.Generator().manual_seed(1), _t.Generator().manual_seed(2)]
-        outs[walk] = d.propose(cache, anchor, tgt, temps, gens, dynamic_threshold=0.5, walk=walk)
+        if walk == "cache":
+            outs[walk] = d.propose(cache, anchor, tgt, temps, gens, dynamic_threshold=0.5)
+        else:
+            outs[walk] = _propose_refining_chosen_only(d, cache, anchor, tgt, temps, gens, threshold=0.5)
     a, b = outs["cache"], outs["lazy"]
     assert _t.equal(a.tokens, b.tokens) and _t.equal(a.n_draft, b.n_draft)
     assert _t.allclose(a.q, b.q, atol=1e-5) and _t.allclose(a.confidence, b.confidence, atol=1e-5)
@@ -772,7 +795,7 @@ def test_draft_vocab_save_load_and_bad_vocab(target, tmp_path):
 
 
 def test_with_draft_vocab_keeps_every_weight(target):
-    from dspine.draft import with_draft_vocab
+    from dspine.draft_io import with_draft_vocab
 
     full = make_draft(target, confidence_trained=True)
     sub = with_draft_vocab(full, VOCAB)

@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 
-from dspine.draft import load_draft, parse_draft_config
+from dspine.draft_config import parse_draft_config
+from dspine.draft_io import load_draft
 from dspine.embedded import EmbeddedModelMissing, embedded_draft_path, embedded_target_path
 
 SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_target_layers=30)

@@ -254,7 +254,7 @@ def test_close_kills_only_the_engines_processes():
 
 @pytest.fixture
 def tiny_pair(qwen3_dir, qwen3_target, tmp_path):
-    from dspine.draft import init_draft
+    from dspine.draft_io import init_draft
 
     init_draft(qwen3_target, num_layers=2, block_size=8, transfer_rank=8, message_size=16, top_k=4,
                intermediate_size=64).save(tmp_path / "draft")

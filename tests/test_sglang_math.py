@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_draft import fill_context, make_draft
 
+from dspine.draft import CachedKeys
 from dspine.sglang import draft_math as dm
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +41,7 @@ def _sglang_style_block(draft, cache, anchor, bs_block=None):
 
     def layer_call(i, hidden, residual):
         x = dm.stream(hidden, residual).view(B, bs, H)
-        y = draft.layers[i](x, cos, sin, pos, cache.layers[i], draft.windows[i], span)
+        y = draft.layers[i](x, cos, sin, CachedKeys(cache.layers[i], pos, draft.windows[i], span))
         return (y - x).reshape(B * bs, H), x.reshape(B * bs, H)  # SGLang: (mlp_out, residual)
 
     return tokens, layer_call

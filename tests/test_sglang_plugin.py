@@ -63,7 +63,7 @@ def tiny(tmp_path_factory):
     from test_qwen3_5 import save_tiny_qwen35
 
     from dspine import load_target
-    from dspine.draft import init_draft
+    from dspine.draft_io import init_draft
 
     root = tmp_path_factory.mktemp("sglang_tiny")
     tdir = save_tiny_qwen35(root / "target", max_position_embeddings=262144)
@@ -307,7 +307,7 @@ def test_sglang_parses_the_draft_config_as_a_causal_block(tiny):
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from sglang.srt.utils.hf_transformers_utils import get_config
 
-    from dspine.draft import parse_draft_config
+    from dspine.draft_config import parse_draft_config
 
     cfg = get_config(str(tiny.draft), trust_remote_code=False)
     parsed = parse_dflash_draft_config(draft_hf_config=cfg)
@@ -376,7 +376,8 @@ def _shell_model(tiny, draft_dir=None):
     from safetensors import safe_open
     from torch import nn
 
-    from dspine.draft import Injection, parse_draft_config
+    from dspine.draft import Injection
+    from dspine.draft_config import parse_draft_config
     from dspine.sglang.models.dspine_draft import DSpineDraftModel
 
     draft_dir = draft_dir or tiny.draft
@@ -467,7 +468,7 @@ def test_draft_vocab_is_loaded_and_used_for_candidates(tiny, tmp_path):
 
     from safetensors.torch import load_file
 
-    from dspine.draft import load_draft, with_draft_vocab
+    from dspine.draft_io import load_draft, with_draft_vocab
 
     vocab = torch.arange(0, 256, 5)
     with_draft_vocab(load_draft(tiny.draft), vocab).save(tmp_path / "d")

@@ -1,7 +1,7 @@
 """dspine-batch on a live Slurm cluster: array jobs, preemption + requeue, hard kills, afterok finalize.
 
 The `slurm`-marked tests need a running cluster (scripts/ci_slurm.sh starts a one-node one with
-../shared/slurm/start-local-slurm.sh and runs `pytest -m slurm tests/test_slurm.py`); without one they skip
+scripts/slurm/local-cluster.sh and runs `pytest -m slurm tests/test_slurm.py`); without one they skip
 with the reason. The unmarked tests at the end (rendering, finalize's shard listing) need no cluster.
 
 Jobs run the scripts rendered by `dspine-batch slurm` from a job file, on the deterministic scripted engine

@@ -11,7 +11,7 @@ import pytest
 from batch_helpers import prompts, read_output, run_cli, write_jsonl
 
 from dspine_batch.errors import FatalError, RowError, UsageError
-from dspine_batch.sources import iter_inputs, resolve_inputs
+from dspine_batch.sources import iter_inputs, peek_rows, resolve_inputs
 
 ROWS = prompts(10)
 
@@ -132,11 +132,95 @@ def test_unusable_inputs_are_usage_errors(tmp_path):
         resolve_inputs([str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")])
 
 
-def test_truncated_gzip_is_fatal_with_file_name(tmp_path):
-    data = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in prompts(2000)))
-    (tmp_path / "t.jsonl.gz").write_bytes(data[: len(data) // 2])
-    with pytest.raises(FatalError, match="t.jsonl.gz: unreadable"):
-        _all_rows(resolve_inputs([str(tmp_path / "t.jsonl.gz")]))
+def _compress(fmt, data):
+    if fmt == "gz":
+        return gzip.compress(data)
+    zstd = pytest.importorskip("zstandard")
+    return zstd.ZstdCompressor(write_checksum=True).compress(data)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "jsonl.zst"])
+def test_utf8_bom_is_stripped_and_the_first_row_kept(tmp_path, suffix):
+    data = "\ufeff".encode() + b"".join(json.dumps(r).encode() + b"\n" for r in ROWS[:3])
+    path = tmp_path / f"bom.{suffix}"
+    path.write_bytes(data if suffix == "jsonl" else _compress(suffix.rsplit(".", 1)[1], data))
+    files = resolve_inputs([str(path)])
+    assert [(i, r) for i, r in _all_rows(files)] == list(enumerate(ROWS[:3]))
+
+
+def test_utf8_bom_before_an_openai_batch_line_or_a_json_array(tmp_path):
+    line = json.dumps({"custom_id": "q1", "body": {"prompt": "hi"}}).encode()
+    (tmp_path / "batch.jsonl").write_bytes(b"\xef\xbb\xbf" + line + b"\n")
+    files = resolve_inputs([str(tmp_path / "batch.jsonl")])
+    assert files[0].kind == "openai" and [r for _, r in _all_rows(files)] == [{"custom_id": "q1", "prompt": "hi"}]
+    (tmp_path / "arr.jsonl").write_bytes(b'\xef\xbb\xbf[{"prompt": "a"}]\n')
+    with pytest.raises(UsageError, match="looks like a JSON array"):
+        resolve_inputs([str(tmp_path / "arr.jsonl")])
+
+
+def test_a_file_that_is_not_utf8_says_so(tmp_path, capsys):
+    latin1 = [json.dumps({"prompt": f"caf\u00e9 {i}"}, ensure_ascii=False).encode("latin-1") for i in range(3)]
+    path = write_jsonl(tmp_path / "latin1.jsonl", [], latin1)
+    assert run_cli(["generate", str(path), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "latin1.jsonl: not UTF-8 text: 3 lines could not be decoded (first: row 0" in err
+    assert "empty" not in err and "Traceback" not in err
+    (tmp_path / "u16.jsonl").write_bytes('{"prompt": "a"}\n'.encode("utf-16"))
+    with pytest.raises(UsageError, match="u16.jsonl: UTF-16 text"):
+        resolve_inputs([str(tmp_path / "u16.jsonl")])
+
+
+def test_bad_rows_before_the_first_good_one_are_row_errors(tmp_path):
+    path = write_jsonl(tmp_path / "late.jsonl", [], [b"{nope"] * 150 + [b'{"id": "x", "prompt": "ok"}'])
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(path), "-o", str(out), "--max-error-rate", "1"]) == 0
+    rows = read_output(out)
+    assert [r["status"] for r in rows].count("error") == 150 and rows[-1]["row_id"] == "x"
+    path = write_jsonl(tmp_path / "junk.jsonl", [], [b"{nope", b"[1]"])
+    with pytest.raises(UsageError, match=r"junk.jsonl: no usable row: all 2 rows are errors \(first: row 0, malformed"):
+        peek_rows(resolve_inputs([str(path)])[0])
+
+
+def _damage(fmt, how):
+    data = _compress(fmt, b"".join(json.dumps(r).encode() + b"\n" for r in prompts(2000)))
+    if how == "truncated":
+        return data[: len(data) // 2]
+    mid = len(data) // 2
+    return data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 16]) + data[mid + 16:]
+
+
+@pytest.mark.parametrize(("fmt", "how"), [("gz", "truncated"), ("gz", "corrupt"), ("zst", "truncated"),
+                                          ("zst", "corrupt")])
+def test_damaged_compressed_input_is_refused_before_any_work(tmp_path, capsys, fmt, how):
+    path = tmp_path / f"d.jsonl.{fmt}"
+    path.write_bytes(_damage(fmt, how))
+    with pytest.raises(UsageError, match=f"d.jsonl.{fmt}: damaged {'gzip' if fmt == 'gz' else 'zstd'} data"):
+        resolve_inputs([str(path)])
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(path), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "truncated or corrupt" in err[0] and str(path) in err[0]
+    assert not out.exists()  # refused before the output folder, its lock or any part existed
+
+
+def test_not_gzip_at_all_and_multi_frame_zstd(tmp_path):
+    (tmp_path / "plain.jsonl.gz").write_bytes(b'{"prompt": "a"}\n')
+    with pytest.raises(UsageError, match="plain.jsonl.gz: damaged gzip data.*Not a gzipped file"):
+        resolve_inputs([str(tmp_path / "plain.jsonl.gz")])
+    zstd = pytest.importorskip("zstandard")
+    frames = [zstd.ZstdCompressor().compress(b"".join(json.dumps(r).encode() + b"\n" for r in part))
+              for part in (ROWS[:4], ROWS[4:])]  # as `cat a.zst b.zst` or pzstd make
+    (tmp_path / "two.jsonl.zst").write_bytes(b"".join(frames))
+    assert [r for _, r in _all_rows(resolve_inputs([str(tmp_path / "two.jsonl.zst")]))] == ROWS
+
+
+def test_input_damaged_during_the_run_is_fatal_with_file_name(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(_compress("gz", b"".join(json.dumps(r).encode() + b"\n" for r in prompts(2000))))
+    files = resolve_inputs([str(path)])
+    path.write_bytes(_damage("gz", "truncated"))  # replaced after the up-front check
+    with pytest.raises(FatalError, match="t.jsonl.gz: unreadable after row"):
+        _all_rows(files)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "gz", "parquet", "dataset", "openai"])

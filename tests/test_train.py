@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from dspine.draft import DSpineDraft, block_causal_mask, init_draft, load_draft
+from dspine.draft import DSpineDraft, block_causal_mask
+from dspine.draft_io import init_draft, load_draft
 from dspine.target import load_target
 from dspine.train import (
     TrainConfig,
@@ -88,7 +89,7 @@ def test_mask_parity_with_incremental_inference(target, window):
         out = draft.train_forward(cap.taps, anchors, block, target)
         train_logits = target.logits(out.hidden[:, 1:])
         truth = ex.ids[(anchors[:, None] + torch.arange(BS)).clamp(max=len(ex.ids) - 1)]
-        refined = draft.refine_train(out, truth[:, :-1])
+        refined = draft.refine_slots(out, truth[:, :-1])
     for n, a in enumerate(anchors.tolist()):
         cache = draft.new_cache(1, 64)
         draft.extend_context(cache, cap.taps[None, :a])

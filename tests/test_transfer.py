@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspine.draft import init_draft, load_draft
+from dspine.draft_io import init_draft, load_draft
 from dspine.target import load_target
 from dspine.transfer import compute_transfer_space, max_transfer_rank
 

@@ -73,7 +73,7 @@ def read_draft(path: str | Path | None, *, check_weights: bool = True) -> DraftI
             f"{flag} {path}: config.json has no dflash_config block (block_size, target_layer_ids, "
             "mask_token_id); SGLang reads it for every DFlash-family algorithm (dspine-model.md §4.1)")
     from dspine.checkpoint import ModelLoadError
-    from dspine.draft import parse_draft_config
+    from dspine.draft_config import parse_draft_config
 
     try:
         spec = parse_draft_config(cfg, where=str(p / "config.json"))

@@ -140,7 +140,7 @@ def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, tempe
     cand [bs, n, k], scores [bs, n, k, k], uniforms [bs, n] in [0, 1), temperatures [bs] (> 0; ignored for
     greedy rows), greedy_mask [bs] bool -> (tokens [bs, n], q_rows [bs, n, k] float32: the distribution each
     token was drawn from over the k candidates, one-hot for greedy rows). Same draws as
-    ``DSpineDraft._walk`` given the same uniforms, with no host sync.
+    ``dspine.proposal.sample_path`` given the same uniforms, with no host sync.
     """
     bs, n, k = cand.shape
     dev = cand.device

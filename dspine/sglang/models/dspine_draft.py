@@ -30,7 +30,8 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.dflash import DFlashDraftModel, candidate_topk
 
 from dspine.checkpoint import ModelLoadError
-from dspine.draft import DSpineDraft, Injection, parse_draft_config
+from dspine.draft import DSpineDraft, Injection
+from dspine.draft_config import parse_draft_config
 
 from .. import draft_math as dm
 
