@@ -34,7 +34,7 @@ CPU_ENGINE_KWARGS = dict(device="cpu", attention_backend="torch_native", specula
 
 def _draft(target_dir: str, out: Path, seed: int, damp: float | None = None):
     from dspine import load_target
-    from dspine.draft import init_draft
+    from dspine.draft_io import init_draft
 
     target = load_target(target_dir)
     draft = init_draft(target, num_layers=2, block_size=BLOCK, transfer_rank=8, message_size=16, top_k=4,
