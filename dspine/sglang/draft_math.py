@@ -1,10 +1,11 @@
-"""Device-independent DSpine math used by the SGLang draft model and worker (plain torch, no SGLang import).
+"""The DSpine draft in SGLang's layout, for the SGLang draft model and worker (plain torch, no SGLang import).
 
-Everything here is written in SGLang's layout (flat tokens ``[bs * B, ...]``, fused-residual decoder layers,
-a candidate "selector" that scores a ``k x k`` lattice per slot) but computes exactly what
-``dspine.draft.DSpineDraft`` computes; ``tests/test_sglang_math.py`` checks that on CPU against the
-reference draft. Nothing here syncs with the host (no ``.item()``/``.tolist()``), so the same code is safe
-inside a captured CUDA graph.
+The math itself is not here: injection, predecessor codes, last-write refinement (``dspine.draft.Injection``)
+and the walk step (``dspine.proposal.choose``) are the reference draft's own functions. This module only
+adapts them to SGLang's layout: flat tokens ``[bs * B, ...]``, fused-residual decoder layers, a candidate
+"selector" that scores a ``k x k`` lattice per slot, a packed hidden row; ``tests/test_sglang_math.py``
+checks the whole against the reference draft on CPU. Nothing here syncs with the host (no ``.item()`` /
+``.tolist()``), so it is safe inside a captured CUDA graph.
 
 Layout of the draft's packed output (``pack_hidden``): per token ``[normed_post (H) | last_pre (H) |
 last_feat (r)]``: the final-normed state after the last injection (what the backbone logits score), the
@@ -19,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dspine.proposal import choose
+
 # A decoder layer in SGLang's fused-residual convention: (hidden, residual) -> (hidden, residual), where the
 # residual stream is ``hidden + residual`` (or ``hidden`` alone when residual is None).
 LayerCall = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
@@ -31,17 +34,14 @@ def stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 
 def anchor_predecessor(injection, codes: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """p(1) = sqrt(r) * code(anchor): anchor [bs] -> [bs, r] (the predecessor of slot 1 at every layer)."""
-    return injection.scale * codes[anchor]
+    return injection.code(codes, anchor)
 
 
 def inject_block(injection, layer: int, h: torch.Tensor, f: torch.Tensor, anchor_pred: torch.Tensor,
                  offset: int) -> torch.Tensor:
     """Adjacent injection into slots 1..B-1 of h [bs, B, H] (slot 0 untouched); f [bs, B, r] are the
     pre-injection features; slot i's predecessor is f(i - offset) if i - offset >= 1 else the anchor code."""
-    B = h.shape[1]
-    src = torch.arange(1, B, device=h.device) - offset  # [B-1]
-    p = torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :].to(f.dtype))
-    return torch.cat([h[:, :1], injection.write(layer, h[:, 1:], f[:, 1:], p)], dim=1)
+    return injection.inject(layer, h, f, injection.predecessors(f, anchor_pred, offset))
 
 
 def block_forward(layer_call: LayerCall, num_layers: int, embeds: torch.Tensor, block_size: int, injection,
@@ -124,8 +124,8 @@ def transition_scores(injection, norm, num_layers: int, pre: torch.Tensor, feat:
     """
     bs, n, k = cand.shape
     pred = torch.cat([anchor[:, None, None].expand(bs, 1, k), cand[:, :-1]], dim=1)  # [bs, n, k]
-    p = injection.scale * codes[pred]  # [bs, n, k, r]
-    refined = norm(injection.write(num_layers - 1, pre[:, :, None], feat[:, :, None].to(pre.dtype), p.to(pre.dtype)))
+    p = injection.code(codes, pred)  # [bs, n, k, r]
+    refined = injection.refine(norm, num_layers - 1, pre[:, :, None], feat[:, :, None], p)
     w = head_weight[cand]  # [bs, n, k, H]
     scores = (refined.to(w.dtype) @ w.transpose(-1, -2)).float()
     if unary is not None:
@@ -143,20 +143,13 @@ def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, tempe
     ``dspine.proposal.sample_path`` given the same uniforms, with no host sync.
     """
     bs, n, k = cand.shape
-    dev = cand.device
     temps = torch.where(greedy_mask, torch.ones_like(temperatures), temperatures).float()[:, None]  # [bs, 1]
-    ks = torch.arange(k, device=dev)
-    prev = torch.zeros(bs, dtype=torch.long, device=dev)
+    prev = torch.zeros(bs, dtype=torch.long, device=cand.device)
     tokens, qs = [], []
     for i in range(n):
         s = scores[:, i].gather(1, prev[:, None, None].expand(bs, 1, k))[:, 0]  # [bs, k]
-        probs = torch.softmax(s.float() / temps, dim=-1)
-        cdf = probs.cumsum(-1)
-        j = (cdf <= (uniforms[:, i] * cdf[:, -1])[:, None]).sum(-1)  # first index with cdf > u
-        j = torch.minimum(j, torch.where(probs > 0, ks, 0).amax(-1))  # never an index with q = 0
-        pick = torch.where(greedy_mask, s.argmax(-1), j)
-        one_hot = (ks[None, :] == pick[:, None]).float()  # not F.one_hot: no range check, no host sync
-        qs.append(torch.where(greedy_mask[:, None], one_hot, probs))
+        pick, q = choose(s.float(), uniforms[:, i], temps, ~greedy_mask)
+        qs.append(q)
         tokens.append(cand[:, i].gather(1, pick[:, None])[:, 0])
         prev = pick
     return torch.stack(tokens, 1), torch.stack(qs, 1)
