@@ -8,8 +8,9 @@ tests/test_sglang_cli.py).
   embedding row is one shared direction plus a little noise, the decoder layers are damped, so the final
   state always points the same way) and a draft built the same way, which therefore proposes X at every slot:
   most rounds accept every draft (tau close to the block width), with non-zero injection weights too.
-* ``run_engine``: start ``sglang.Engine`` with the CPU keyword arguments, run a workload, shut it down killing
-  only the processes it started (``Engine.shutdown`` would kill every child of the test process).
+* ``run_engine``: start ``sglang.Engine`` (CPU test path without a GPU, CUDA with graphs on a GPU), run a
+  workload, shut it down killing only the processes it started (``Engine.shutdown`` would kill every child of
+  the test process).
 """
 
 from __future__ import annotations
@@ -26,10 +27,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 BLOCK = 4
 CONSTANT_TOKEN = 42
-CPU_ENGINE_KWARGS = dict(device="cpu", attention_backend="torch_native", speculative_draft_attention_backend=None,
-                         disable_cuda_graph=True, tp_size=1, dtype="float32", max_total_tokens=4096,
-                         max_running_requests=8, mem_fraction_static=0.5, skip_tokenizer_init=True,
-                         log_level="error")
+COMMON_KWARGS = dict(tp_size=1, dtype="float32", max_total_tokens=4096, max_running_requests=8,
+                     mem_fraction_static=0.5, skip_tokenizer_init=True, log_level="error")
+# Without a GPU: SGLang's CPU test path (dspine.sglang.cpu). With one (scripts/gpu_check.sh --sglang), the same
+# tests run on CUDA with CUDA graphs on; triton attention because it takes the fp32 tiny models.
+GPU_ENGINE_KWARGS = dict(device="cuda", attention_backend="triton", disable_cuda_graph=False, cuda_graph_max_bs=8)
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def engine_kwargs() -> dict:
+    from dspine_batch.sglang_args import cpu_defaults
+
+    return {**COMMON_KWARGS, **(GPU_ENGINE_KWARGS if on_gpu() else cpu_defaults(speculative=False))}
 
 
 def _draft(target_dir: str, out: Path, seed: int, damp: float | None = None):
@@ -100,12 +112,10 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     from dspine_batch.sglang_engine import scoped_shutdown
 
     plugin.register()
-    kw = {**CPU_ENGINE_KWARGS, "model_path": model, **kwargs}
-    if draft is None:
-        kw.pop("speculative_draft_attention_backend")
-    else:
+    kw = {**engine_kwargs(), "model_path": model, **kwargs}
+    if draft is not None:
         kw.update(speculative_algorithm="DSPINE", speculative_draft_model_path=draft,
-                  speculative_num_draft_tokens=BLOCK, speculative_draft_attention_backend="torch_native")
+                  speculative_num_draft_tokens=BLOCK, speculative_draft_attention_backend=kw["attention_backend"])
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     before = _child_pids()
