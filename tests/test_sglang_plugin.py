@@ -498,7 +498,7 @@ def test_worker_overrides_match_dflash_seams():
     from dspine.sglang.worker import DSpineWorkerV2, gdn_replayssm_active
 
     base = dw.DFlashWorkerV2
-    for name in ("_update_target_mamba_state_after_verify", "_warm_eager_selector", "__init__"):
+    for name in ("_update_target_mamba_state_after_verify", "_propose_selector_block", "__init__"):
         assert inspect.signature(getattr(DSpineWorkerV2, name)).parameters.keys() == \
             inspect.signature(getattr(base, name)).parameters.keys(), name
     assert "prepared_step_indices" in inspect.signature(spec_utils.commit_mamba_states_after_verify).parameters

@@ -19,7 +19,6 @@ Overrides:
   ``spec_utils.commit_mamba_states_after_verify`` as EAGLE does, with the linear-chain accept index and the
   step indices computed from the *pre-verify* lengths (``draft_math``).
 * ``_propose_selector_block``: DFlash's eager proposal step, plus an optional proposal log for tests.
-* ``_warm_eager_selector``: DFlash warms with hidden width H; ours is the packed width 2H + r.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import logging
 import os
 
 import torch
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
@@ -101,14 +99,6 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if PROPOSAL_LOG_ENV in os.environ:
             record_proposals(os.environ[PROPOSAL_LOG_ENV], anchor_token_ids, tokens)
         return tokens
-
-    def _warm_eager_selector(self) -> None:
-        hidden = torch.zeros((int(self.block_size), self.draft_model.packed_width),
-                             dtype=self.draft_model_runner.dtype, device=self.device)
-        self._propose_selector_block(
-            draft_logits_output=LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden),
-            bs=1, lm_head=self.draft_model.lm_head,
-            anchor_token_ids=torch.zeros((1,), dtype=torch.int64, device=self.device), sampling_info=None)
 
     def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, seq_lens_post_verify,
                                                 commit_lens) -> None:
