@@ -38,10 +38,12 @@ logger = logging.getLogger(__name__)
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 STAND_IN_DIR = str(Path(__file__).with_name("stand_in"))
 CPU_ATTENTION_BACKEND = "torch_native"
-# The engine keyword arguments the CPU path needs (on top of the job's own): SGLang's CPU device, the
-# attention backend that runs there, no CUDA graphs.
+# The engine keyword arguments the CPU path needs (under the job's own): SGLang's CPU device, the attention
+# backend that runs there, no CUDA graphs, float32 (SGLang's "auto" picks a half-precision KV cache on CPU),
+# and a KV pool sized for tests (by default SGLang sizes it from free host memory: tens of GB).
 CPU_ENGINE_KWARGS = {"device": "cpu", "attention_backend": CPU_ATTENTION_BACKEND,
-                     "speculative_draft_attention_backend": CPU_ATTENTION_BACKEND, "disable_cuda_graph": True}
+                     "speculative_draft_attention_backend": CPU_ATTENTION_BACKEND, "disable_cuda_graph": True,
+                     "dtype": "float32", "max_total_tokens": 65536, "max_running_requests": 8}
 _applied = False
 
 

@@ -136,7 +136,7 @@ class DSpineDraftModel(DFlashDraftModel):
         if self._head_rows is None or self._head_rows[0] != w.data_ptr():
             self._head_rows = (w.data_ptr(), w.index_select(0, self.draft_vocab.to(w.device)))
         top_k = self.candidate_selector.top_k
-        if self._pad_ids is None:
+        if getattr(self, "_pad_ids", None) is None:
             self._pad_ids = dm.pad_candidate_ids(self.draft_vocab.to(w.device), w.shape[0], top_k)
         return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, top_k, self._pad_ids)
 
