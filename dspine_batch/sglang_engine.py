@@ -160,7 +160,7 @@ class SGLangEngine:
                    _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
         self._old_sigquit = old
-        reclaim_signals(engine, ours)
+        reclaim_signals(engine, ours, self._loop)
         return self
 
     # -- protocol -------------------------------------------------------------------------------------------------

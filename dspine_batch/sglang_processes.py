@@ -81,17 +81,27 @@ def scoped_shutdown(engine: Any, owned: set[int]) -> None:
         kill_owned(owned)  # whatever shutdown left behind, but nothing else
 
 
-def reclaim_signals(engine: Any, handlers: dict[int, Any]) -> None:
+def reclaim_signals(engine: Any, handlers: dict[int, Any], loop: Any = None) -> None:
     """Undo SGLang's running-phase signal handlers in this process.
 
     On its first request SGLang's tokenizer manager adds event-loop handlers for SIGTERM (drain and exit) and
     SIGQUIT (``kill_process_tree(os.getpid())``: kills this process too). We create that loop now and put back
     our handlers: SIGTERM stays the pipeline's graceful stop, SIGQUIT only marks the engine dead.
+
+    The handle loop must be created *on the loop the requests run on* (``loop``): outside a running loop
+    SGLang's ``get_or_create_event_loop`` makes a fresh one, whose output reader then never runs and every
+    request waits forever.
     """
     tm = getattr(engine, "tokenizer_manager", None)
     if tm is None or not handlers or not hasattr(tm, "auto_create_handle_loop"):
         return
-    tm.auto_create_handle_loop()
+    if loop is not None:
+        async def create() -> None:
+            tm.auto_create_handle_loop()
+
+        loop.run_until_complete(create())
+    else:
+        tm.auto_create_handle_loop()
     loop = getattr(tm, "event_loop", None)
     for sig, handler in handlers.items():
         if loop is not None:
