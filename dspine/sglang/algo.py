@@ -66,6 +66,13 @@ class DSpineAlgo(CustomSpecAlgo):
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
+    def get_platform_worker_cls(self):
+        from sglang.srt.platforms import current_platform
+
+        if not current_platform.is_out_of_tree():
+            return None
+        return current_platform.get_speculative_worker_cls(algorithm=self.name)
+
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
         from sglang.srt.speculative.dflash_disaggregation import build_dflash_disagg_draft_input
 
