@@ -186,6 +186,28 @@ class Injection(nn.Module):
         rms = (h.float().norm(dim=-1, keepdim=True) / math.sqrt(h.shape[-1])).to(h.dtype)  # [..., 1]
         return h + rms * self.writes[layer](g * u)
 
+    # The block-level steps below are the one implementation of the injection math: the reference draft and
+    # the SGLang draft model (dspine/sglang) both call them.
+
+    def code(self, codes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A token's predecessor message input sqrt(r) * code(id): ids [...] -> [..., r]."""
+        return self.scale * codes[ids]
+
+    @staticmethod
+    def predecessors(f: torch.Tensor, anchor_pred: torch.Tensor, offset: int) -> torch.Tensor:
+        """p(i) = f(i-d) if i-d >= 1 else the anchor's code, for slots 1..bs-1: f [N, bs, r] -> [N, bs-1, r]."""
+        src = torch.arange(1, f.shape[1], device=f.device) - offset  # [bs-1] predecessor slot
+        return torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :])
+
+    def inject(self, layer: int, x: torch.Tensor, f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s injection into slots 1..bs-1 of x [N, bs, H] (slot 0, the anchor, is kept)."""
+        return torch.cat([x[:, :1], self.write(layer, x[:, 1:], f[:, 1:], p)], dim=1)
+
+    def refine(self, norm: Callable[[torch.Tensor], torch.Tensor], last_layer: int, pre: torch.Tensor,
+               f: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Last-write refinement: the last layer's write redone with predecessor input p, then the final norm."""
+        return norm(self.write(last_layer, pre, f, p))
+
 
 class ConfidenceHead(nn.Module):
     """c = sigmoid(w . [h~ ; code(a)] + b) (after DSpark): will slot i's proposal survive verification?
@@ -374,8 +396,7 @@ class DSpineDraft(nn.Module):
 
     def _predecessors(self, layer: int, f: torch.Tensor, anchor_pred: torch.Tensor) -> torch.Tensor:
         """p_l(i) = f_l(i-d) if i-d >= 1 else sqrt(r)*code(anchor), for slots 1..bs-1: f [N, bs, r] -> [N, bs-1, r]."""
-        src = torch.arange(1, f.shape[1], device=f.device) - self.injection_offsets[layer]  # [bs-1] predecessor slot
-        return torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :])
+        return self.injection.predecessors(f, anchor_pred, self.injection_offsets[layer])
 
     def forward(
         self,
@@ -400,7 +421,7 @@ class DSpineDraft(nn.Module):
         self._check_ready()
         cos, sin = self.rotary(pos, self.dtype)
         x = target.embed(block_tokens).to(self.dtype)  # [N, bs, H]
-        anchor_pred = self.injection.scale * self.transfer_codes[block_tokens[:, 0]]  # [N, r]
+        anchor_pred = self.injection.code(self.transfer_codes, block_tokens[:, 0])  # [N, r]
         post = [] if post_feats else None
         pre = feat = x
         for i, layer in enumerate(self.layers):
@@ -410,7 +431,7 @@ class DSpineDraft(nn.Module):
                 p = self._predecessors(i, feat, anchor_pred)  # [N, bs-1, r]
                 if replaced is not None and i < replace_layers:
                     p = torch.where(replace[:, None, None], replaced, p)
-                x = torch.cat([x[:, :1], self.injection.write(i, x[:, 1:], feat[:, 1:], p)], dim=1)  # slot 0 kept
+                x = self.injection.inject(i, x, feat, p)  # slot 0 kept
             if post is not None:
                 post.append(self.injection.features(i, x))
         return BlockOutput(self.norm(x), pre, feat, block_tokens[:, 0], post_feats=post)
@@ -482,22 +503,29 @@ class DSpineDraft(nn.Module):
 
         replaced = None
         if replace is not None and replace_layers > 0:
-            replaced = self.injection.scale * self.transfer_codes[true_tokens[:, :-1]]  # [N, bs-1, r]
+            replaced = self.injection.code(self.transfer_codes, true_tokens[:, :-1])  # [N, bs-1, r]
         return self(block_tokens, pos, target, layer_keys, replace=replace, replaced=replaced,
                     replace_layers=replace_layers, post_feats=True)  # fmt: skip
 
     # -- last-write refinement ---------------------------------------------------------------------------------
 
+    def _refine(self, pre: torch.Tensor, feat: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        """Re-apply the last layer's write with predecessor code(pred), then the final norm.
+
+        pre [..., 1 or k, H], feat [..., 1 or k, r], pred [..., k] LongTensor -> [..., k, H]
+        """
+        p = self.injection.code(self.transfer_codes, pred)  # [..., k, r]
+        return self.injection.refine(self.norm, len(self.layers) - 1, pre, feat, p)
+
     def refine_slots(self, out: BlockOutput, pred: torch.Tensor) -> torch.Tensor:
-        """Re-apply the last layer's write to slots 1..bs-1 with predecessor code(pred), then the final norm.
+        """Refined, normed last-layer states of slots 1..bs-1 given predecessors (with gradients when enabled).
 
         pred [N, bs-1] -> [N, bs-1, H] (training passes the *true* previous tokens), or pred [N, bs-1, k] ->
-        [N, bs-1, k, H] (the transition cache: every candidate predecessor). With gradients when enabled.
+        [N, bs-1, k, H] (the transition cache: every candidate predecessor).
         """
-        p = self.injection.scale * self.transfer_codes[pred if pred.ndim == 3 else pred[..., None]]  # [N, n, k, r]
-        refined = self.norm(self.injection.write(len(self.layers) - 1, out.last_pre[:, 1:, None],
-                                                 out.last_feat[:, 1:, None], p))  # fmt: skip
-        return refined if pred.ndim == 3 else refined[:, :, 0]
+        if pred.ndim == 2:
+            return self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred[..., None])[:, :, 0]
+        return self._refine(out.last_pre[:, 1:, None], out.last_feat[:, 1:, None], pred)
 
     @torch.no_grad()
     def confidence(self, refined: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:  # pragma: no cover
     from .draft import BlockOutput, DSpineDraft
@@ -66,6 +65,24 @@ def transition(draft: DSpineDraft, out: BlockOutput, target: Target) -> Transiti
     return Transition(cand, pred, scores, conf)
 
 
+def choose(s: torch.Tensor, u: torch.Tensor, temp: torch.Tensor,
+           sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One slot of the path: scores s [B, k], uniforms u [B], temperatures temp [B, 1] (> 0), sampled [B] bool
+    -> (pick [B], q row [B, k]): argmax and one-hot for greedy rows; for sampled rows the inverse-CDF draw from
+    q = softmax(s / T) and q itself. The one implementation of the walk step (the reference ``sample_path`` and
+    the SGLang selector's walk both call it); no host sync, so it also runs inside a captured CUDA graph.
+    """
+    k = s.shape[-1]
+    ks = torch.arange(k, device=s.device)
+    probs = torch.softmax(s / temp, dim=-1)  # [B, k]: q restricted to the candidates
+    cdf = probs.cumsum(-1)
+    j = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)  # first index with cdf > u
+    j = torch.minimum(j, torch.where(probs > 0, ks, 0).amax(-1))  # never an index with q = 0
+    pick = torch.where(sampled, j, s.argmax(-1))
+    one_hot = (ks[None, :] == pick[:, None]).float()  # not F.one_hot: no range check, no host sync
+    return pick, torch.where(sampled[:, None], probs, one_hot)
+
+
 def sample_path(
     cand: torch.Tensor,
     slot_scores: SlotScores,
@@ -101,7 +118,6 @@ def sample_path(
         temp = torch.where(sampled, temperature, torch.ones_like(temperature))[:, None]  # [B, 1]
         q_small = torch.zeros(B, n, k, dtype=torch.float32, device=dev)
     rows = torch.arange(B, device=dev)
-    ks = torch.arange(k, device=dev)
     prev = torch.zeros(B, dtype=torch.long, device=dev)  # row into the cache: slot 1's rows are all equal
     tokens = torch.empty(B, n, dtype=torch.long, device=dev)
     conf = None
@@ -111,14 +127,10 @@ def sample_path(
             if conf is None:
                 conf = torch.empty(B, n, dtype=torch.float32, device=dev)
             conf[:, i] = c
-        pick = s.argmax(-1)
         if any_sampled:
-            probs = torch.softmax(s / temp, dim=-1)  # [B, k]: q_i restricted to the candidates
-            cdf = probs.cumsum(-1)
-            j = (cdf <= (u[:, i] * cdf[:, -1])[:, None]).sum(-1)  # first index with cdf > u
-            j = torch.minimum(j, torch.where(probs > 0, ks, 0).amax(-1))  # never an index with q = 0
-            pick = torch.where(sampled, j, pick)
-            q_small[:, i] = torch.where(sampled[:, None], probs, F.one_hot(pick, k).float())
+            pick, q_small[:, i] = choose(s, u[:, i], temp, sampled)
+        else:
+            pick = s.argmax(-1)
         tokens[:, i] = cand[rows, i, pick]
         prev = pick
     q = None

@@ -6,6 +6,9 @@
 # run, so the default is outside the work tree); setup_sglang_venv.sh re-installs only what is missing and
 # re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
 #
+# The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
+# tiny checkpoints built in fixtures: ~8 engine starts of 1-2 minutes each on a small CPU.
+#
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV 
 unset SGLANG_PLUGINS  # the tests set it where they need it
 set +e
 "$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning "$@" \
-  tests/test_sglang_plugin.py
+  tests/test_sglang_plugin.py tests/test_sglang_e2e.py tests/test_sglang_cli.py
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

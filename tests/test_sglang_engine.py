@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeEngine, FakeTokenizer
 
+from dspine_batch import sglang_args, sglang_stats
 from dspine_batch import sglang_engine as se
-from dspine_batch import sglang_stats
 from dspine_batch.engine import Request, Result, SamplingParams
 from dspine_batch.errors import UsageError
 
@@ -266,12 +266,12 @@ def _load(model, draft, args, seen):
         seen.update(kw)
         return FakeEngine()
 
-    old = se._sglang_parser
-    se._sglang_parser = _mini_parser
+    old = sglang_args._sglang_parser
+    sglang_args._sglang_parser = _mini_parser
     try:
         return se.SGLangEngine.load(model, draft, args, engine_factory=factory, tokenizer=FakeTokenizer())
     finally:
-        se._sglang_parser = old
+        sglang_args._sglang_parser = old
 
 
 def test_load_with_a_fake_engine_builds_identity_and_kwargs(tiny_pair):

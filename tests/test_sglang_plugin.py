@@ -498,7 +498,7 @@ def test_worker_overrides_match_dflash_seams():
     from dspine.sglang.worker import DSpineWorkerV2, gdn_replayssm_active
 
     base = dw.DFlashWorkerV2
-    for name in ("_update_target_mamba_state_after_verify", "_warm_eager_selector", "__init__"):
+    for name in ("_update_target_mamba_state_after_verify", "_propose_selector_block", "__init__"):
         assert inspect.signature(getattr(DSpineWorkerV2, name)).parameters.keys() == \
             inspect.signature(getattr(base, name)).parameters.keys(), name
     assert "prepared_step_indices" in inspect.signature(spec_utils.commit_mamba_states_after_verify).parameters
@@ -516,8 +516,159 @@ def test_worker_overrides_match_dflash_seams():
     assert not gdn_replayssm_active(pool(mamba_pool=None))
 
 
-def test_worker_refuses_cpu():
+def test_worker_refuses_other_devices():
     from dspine.sglang.worker import DSpineWorkerV2
 
-    with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        DSpineWorkerV2(None, 0, 0, SimpleNamespace(device="cpu"))
+    with pytest.raises(RuntimeError, match="not on 'npu'"):
+        DSpineWorkerV2(None, 0, 0, SimpleNamespace(device="npu"))
+
+
+# -- 5. SGLang's name checks, the draft backend, shipped jobs ----------------------------------------------------
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"speculative_use_block_verification": True}, "block-verification(: not supported with DSPINE| only supports)"),
+    ({"enable_lora": True}, "lora.*not supported with DSPINE"),
+    ({"speculative_draft_attention_backend": "flex_attention"}, "not one the DSPINE draft can use"),
+])
+def test_features_sglang_gates_by_name_are_refused_clearly(tiny, over, match):
+    with pytest.raises(ValueError, match=match):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tiny.draft), **over)
+
+
+def test_ragged_verify_mode_is_refused(tiny, monkeypatch):
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "dynamic")
+    with pytest.raises(ValueError, match="fixed-width block"):
+        _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                 speculative_draft_model_path=str(tiny.draft))
+
+
+def test_draft_attention_backend_follows_the_target_like_dflash(tiny):
+    _, d = _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                    speculative_draft_model_path=str(tiny.draft), attention_backend="torch_native")
+    assert d["speculative_draft_attention_backend"] == "torch_native"
+
+
+def test_window_size_warning_is_not_given_for_dspine():
+    import logging
+
+    from dspine.sglang.name_checks import SPECULATIVE_HOOK_LOGGER, FalseWindowWarning
+
+    log = logging.getLogger(SPECULATIVE_HOOK_LOGGER)
+    assert any(isinstance(f, FalseWindowWarning) for f in log.filters)
+    rec = logging.LogRecord(SPECULATIVE_HOOK_LOGGER, logging.WARNING, "", 0,
+                            "--speculative-draft-window-size has no effect with speculative_algorithm=%s (...)",
+                            ("DSPINE",), None)
+    assert not log.filters[-1].filter(rec)
+    rec.args = ("NGRAM",)
+    assert FalseWindowWarning().filter(rec)
+
+
+def test_dspine_is_in_sglangs_speculative_metrics_snapshot():
+    import sglang.srt.managers.scheduler_components.metrics_reporter as mr
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    assert SpeculativeAlgorithm.from_string("DSPINE") in mr._SPEC_DECODE_SNAPSHOT_ALGORITHMS
+
+
+def _shipped_engine_args():
+    import re
+    import tomllib
+
+    jobs = {p.name: tomllib.loads(p.read_text()) for p in sorted((REPO / "jobs").glob("*.toml"))}
+    doc = (REPO / "docs" / "slurm.md").read_text()
+    for i, block in enumerate(re.findall(r"```toml\n(.*?)```", doc, re.S)):
+        jobs[f"docs/slurm.md#{i}"] = tomllib.loads(block)
+    return {k: v for k, v in jobs.items() if v.get("engine") == "sglang"}
+
+
+def test_shipped_sglang_jobs_and_docs_resolve_with_dspine(tiny):
+    from dspine_batch.sglang_args import build_server_kwargs
+
+    jobs = _shipped_engine_args()
+    assert "nightly-synth.toml" in jobs and any(k.startswith("docs/") for k in jobs)
+    for name, job in jobs.items():
+        kwargs, _ = build_server_kwargs(str(tiny.target), str(tiny.draft), dict(job.get("engine_args") or {}))
+        kwargs.pop("custom_sigquit_handler")
+        _resolve(**kwargs)  # raises (DSpineConfigError) for tp_size 8 and the like
+        assert int((job.get("slurm") or {}).get("gpus_per_task", 1)) == 1, name
+    template = (REPO / "scripts" / "slurm" / "gpu-sglang.sbatch").read_text()
+    assert "tp_size=8" not in template and "tp_size = 8" not in template
+
+
+# -- 6. the CPU bridges -------------------------------------------------------------------------------------------
+
+
+def test_cpu_bridges_are_in_place_without_a_gpu():
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
+    from dspine.sglang import cpu
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU bridges apply only without a GPU")
+    assert os.environ.get(cpu.CPU_ENGINE_ENV) == "1"
+    assert "torch_native" in DRAFT_ATTENTION_BACKEND_CHOICES
+    import sgl_kernel
+
+    assert getattr(sgl_kernel, "STAND_IN", False) == (not cpu.real_sgl_kernel_imports())
+    torch.zeros(2).record_stream(None)  # a no-op on CPU tensors
+
+
+def test_cpu_kernel_stand_ins_do_what_their_names_say():
+    from dspine.sglang import cpu_kernels as k
+
+    r2t = torch.zeros(3, 10, dtype=torch.int32)
+    k.assign_req_to_token_pool_cpu(torch.tensor([2, 0]), r2t, torch.tensor([1, 4]), torch.tensor([3, 5]),
+                                   torch.tensor([7, 8, 9]), 10)
+    assert r2t[2, 1:3].tolist() == [7, 8] and r2t[0, 4].item() == 9 and r2t.sum().item() == 24
+    out = torch.zeros(3, dtype=torch.int64)
+    k.assign_extend_cache_locs_cpu(torch.tensor([2, 0]), r2t, torch.tensor([1, 4]), torch.tensor([3, 5]), out, 10)
+    assert out.tolist() == [7, 8, 9]
+    out = torch.zeros(4, dtype=torch.int64)
+    k.assign_draft_cache_locs_contiguous_cpu(torch.tensor([2, 0]), r2t, torch.tensor([1, 3]), out, 10, 1, 2)
+    assert out.tolist() == [7, 8, 0, 9]
+    buf = torch.arange(12, dtype=torch.float32).view(4, 3)
+    ptrs = torch.tensor([buf.data_ptr()], dtype=torch.int64)
+    k.copy_all_layer_kv_cache_cpu(ptrs, torch.tensor([buf.stride(0) * 4]), torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert buf[:3].tolist() == [[3, 4, 5], [6, 7, 8], [6, 7, 8]]
+
+
+def test_torch_chain_sampling_is_rejection_sampling():
+    """Accept x while u*q(x) < p(x); then draw from max(p - q, 0) (p when all drafts were accepted)."""
+    from dspine.sglang.cpu_kernels import chain_speculative_sampling
+
+    V, slots = 4, 3
+    p = torch.tensor([[[0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 1.0, 0.0]]])
+    q = torch.zeros(1, slots - 1, V)
+    q[0, 0, 1], q[0, 1, 3] = 1.0, 1.0
+    cand = torch.tensor([[9, 1, 3]])
+    idx = torch.tensor([[0, 1, 2]])
+
+    def run(u, u_final):
+        pred, acc_idx, n = torch.full((3,), -1), torch.full((1, 3), -1), torch.zeros(1, dtype=torch.int64)
+        chain_speculative_sampling(pred, acc_idx, n, cand, idx, torch.tensor([u]), torch.tensor([u_final]), p, q)
+        return pred.tolist(), int(n[0])
+
+    assert run([0.5, 0.2], 0.5) == ([1, 3, 2], 2)  # both accepted; bonus from p of slot 2 (all mass on 2)
+    pred, n = run([0.5, 0.3], 0.0)  # slot 2 rejected (0.3 * 1 >= 0.25): residual max(p - q, 0) = 0.25,.25,.25,0
+    assert n == 1 and pred[:2] == [1, 0]
+    pred, n = run([0.7, 0.0], 0.99)  # slot 1 rejected: residual (0.1, 0, 0.2, 0.1) -> last index with mass
+    assert n == 0 and pred[0] == 3
+
+
+def test_vocab_candidates_keep_top_k_columns_when_the_draft_vocabulary_is_smaller():
+    V, H, k = 10, 4, 5
+    vocab = torch.tensor([1, 4, 6])
+    head = torch.randn(V, H)
+    normed = torch.randn(2, H)
+    pad = dm.pad_candidate_ids(vocab, V, k)
+    ids, vals = dm.vocab_candidates(normed, head[vocab], vocab, k, pad)
+    assert ids.shape == vals.shape == (2, k)
+    assert set(ids[:, :3].flatten().tolist()) <= {1, 4, 6} and ids[0, 3:].tolist() == [0, 2]
+    assert torch.isneginf(vals[:, 3:]).all() and torch.isfinite(vals[:, :3]).all()
+    scores = torch.zeros(2, 1, k, k)
+    masked = scores.masked_fill(torch.isneginf(vals.view(2, 1, k))[:, :, None, :], float("-inf"))
+    tokens, q = dm.walk(ids.view(2, 1, k), masked, torch.tensor([[0.99], [0.99]]), torch.ones(2),
+                        torch.tensor([False, False]))
+    assert set(tokens.flatten().tolist()) <= {1, 4, 6} and (q[..., 3:] == 0).all()

@@ -371,7 +371,7 @@ def test_render_rejects_bad_settings(tmp_path):
         render(str(job), str(tmp_path / "o"), {"partiton": "x"}, None, [])
     nightly = ROOT / "jobs" / "nightly-synth.toml"
     r = render(str(nightly), str(tmp_path / "n"), {}, None, [])
-    assert "#SBATCH --array=0-15%16" in r.array_script.read_text()
+    assert "#SBATCH --array=0-127%128" in r.array_script.read_text()
 
 
 def test_finalize_lists_missing_shards_and_generate_ignores_slurm_table(tmp_path):

@@ -14,6 +14,7 @@ base ``CustomSpecAlgo`` lacks, so they are defined here (as the enum answers the
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
@@ -86,6 +87,15 @@ class DSpineAlgo(CustomSpecAlgo):
         sa.speculative_eagle_topk = 1
         sa.speculative_num_draft_tokens = resolve_block_size(sa.speculative_num_draft_tokens,
                                                              sa.speculative_dflash_block_size, draft)
+        backend = sa.speculative_draft_attention_backend or sa.attention_backend
+        if sa.speculative_draft_attention_backend is None and backend is not None:
+            # as DFlash's _resolve_dflash_draft_attention_backend: the draft follows the target's backend
+            # (validate_server_args refuses one the draft cannot use instead of SGLang's silent fallback)
+            sa.speculative_draft_attention_backend = backend
+        if str(sa.device) == "cpu" and not sa.disable_overlap_schedule:
+            # as SGLang's own _disable_overlap_schedule_for_cpu does for its built-in algorithms
+            sa.disable_overlap_schedule = True
+            logger.warning("DSPINE: overlap scheduling is not used on the CPU")
         if sa.max_running_requests is None:
             sa.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
             logger.warning("DSPINE: --max-running-requests unset; using %d", DEFAULT_MAX_RUNNING_REQUESTS)
@@ -117,10 +127,34 @@ def validate_server_args(sa: Any) -> None:
             raise DSpineConfigError(f"{flag} {value}: below 1.0 relaxes acceptance (lossy); DSPINE is lossless only")
     if sa.speculative_adaptive:
         raise DSpineConfigError("--speculative-adaptive is not supported with DSPINE")
+    check_draft_attention_backend(sa.speculative_draft_attention_backend or sa.attention_backend)
+    unsupported = (("--speculative-use-block-verification", sa.speculative_use_block_verification),
+                   ("--enable-lora / --lora-paths", sa.enable_lora or sa.lora_paths))
+    for flag, value in unsupported:
+        if value:
+            raise DSpineConfigError(f"{flag}: not supported with DSPINE (never checked; run without it)")
+    ragged = os.environ.get("SGLANG_RAGGED_VERIFY_MODE", "static").strip().lower() or "static"
+    if ragged != "static":
+        raise DSpineConfigError(f"SGLANG_RAGGED_VERIFY_MODE={ragged}: DSPINE verifies a fixed-width block "
+                                "(unset it or set it to 'static')")
     window = sa.speculative_draft_window_size
     B = resolve_block_size(sa.speculative_num_draft_tokens, sa.speculative_dflash_block_size, draft)
     if window is not None and int(window) < B:
         raise DSpineConfigError(f"--speculative-draft-window-size {window} must be >= the block width {B}")
+
+
+def check_draft_attention_backend(backend: str | None) -> None:
+    """Refuse a draft attention backend SGLang's DFlash-family draft cannot use (SGLang would silently fall back
+    to flashinfer); None is resolved with the target's backend at start-up."""
+    if backend is None:
+        return
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
+    if backend not in DRAFT_ATTENTION_BACKEND_CHOICES:
+        raise DSpineConfigError(
+            f"draft attention backend {backend!r} (from --speculative-draft-attention-backend or "
+            f"--attention-backend) is not one the DSPINE draft can use: {', '.join(DRAFT_ATTENTION_BACKEND_CHOICES)}; "
+            "set --speculative-draft-attention-backend")
 
 
 def worker_factory(server_args: Any):

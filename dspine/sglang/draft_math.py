@@ -1,10 +1,11 @@
-"""Device-independent DSpine math used by the SGLang draft model and worker (plain torch, no SGLang import).
+"""The DSpine draft in SGLang's layout, for the SGLang draft model and worker (plain torch, no SGLang import).
 
-Everything here is written in SGLang's layout (flat tokens ``[bs * B, ...]``, fused-residual decoder layers,
-a candidate "selector" that scores a ``k x k`` lattice per slot) but computes exactly what
-``dspine.draft.DSpineDraft`` computes; ``tests/test_sglang_math.py`` checks that on CPU against the
-reference draft. Nothing here syncs with the host (no ``.item()``/``.tolist()``), so the same code is safe
-inside a captured CUDA graph.
+The math itself is not here: injection, predecessor codes, last-write refinement (``dspine.draft.Injection``)
+and the walk step (``dspine.proposal.choose``) are the reference draft's own functions. This module only
+adapts them to SGLang's layout: flat tokens ``[bs * B, ...]``, fused-residual decoder layers, a candidate
+"selector" that scores a ``k x k`` lattice per slot, a packed hidden row; ``tests/test_sglang_math.py``
+checks the whole against the reference draft on CPU. Nothing here syncs with the host (no ``.item()`` /
+``.tolist()``), so it is safe inside a captured CUDA graph.
 
 Layout of the draft's packed output (``pack_hidden``): per token ``[normed_post (H) | last_pre (H) |
 last_feat (r)]``: the final-normed state after the last injection (what the backbone logits score), the
@@ -19,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dspine.proposal import choose
+
 # A decoder layer in SGLang's fused-residual convention: (hidden, residual) -> (hidden, residual), where the
 # residual stream is ``hidden + residual`` (or ``hidden`` alone when residual is None).
 LayerCall = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
@@ -31,17 +34,14 @@ def stream(hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 
 def anchor_predecessor(injection, codes: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """p(1) = sqrt(r) * code(anchor): anchor [bs] -> [bs, r] (the predecessor of slot 1 at every layer)."""
-    return injection.scale * codes[anchor]
+    return injection.code(codes, anchor)
 
 
 def inject_block(injection, layer: int, h: torch.Tensor, f: torch.Tensor, anchor_pred: torch.Tensor,
                  offset: int) -> torch.Tensor:
     """Adjacent injection into slots 1..B-1 of h [bs, B, H] (slot 0 untouched); f [bs, B, r] are the
     pre-injection features; slot i's predecessor is f(i - offset) if i - offset >= 1 else the anchor code."""
-    B = h.shape[1]
-    src = torch.arange(1, B, device=h.device) - offset  # [B-1]
-    p = torch.where((src >= 1)[None, :, None], f[:, src.clamp(min=0)], anchor_pred[:, None, :].to(f.dtype))
-    return torch.cat([h[:, :1], injection.write(layer, h[:, 1:], f[:, 1:], p)], dim=1)
+    return injection.inject(layer, h, f, injection.predecessors(f, anchor_pred, offset))
 
 
 def block_forward(layer_call: LayerCall, num_layers: int, embeds: torch.Tensor, block_size: int, injection,
@@ -83,29 +83,54 @@ def candidates(normed: torch.Tensor, head_weight: torch.Tensor, top_k: int) -> t
     return ids, vals
 
 
-def vocab_candidates(normed: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor,
-                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k over a draft vocabulary: head_rows [V', H] = head[vocab] -> (target ids [N, k], logits [N, k])."""
+def vocab_candidates(normed: torch.Tensor, head_rows: torch.Tensor, vocab: torch.Tensor, top_k: int,
+                     pad_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over a draft vocabulary: head_rows [V', H] = head[vocab] -> (target ids [N, k], logits [N, k]).
+
+    Always ``top_k`` columns (the selector's output buffers, CUDA graphs included, have that width): with a
+    draft vocabulary smaller than top_k the extra columns hold ``pad_ids`` (target ids outside the draft
+    vocabulary, so the dense q scatter never overwrites a real candidate) with logit -inf, which
+    ``transition_scores`` keeps at -inf so the walk never picks them (q = 0 there).
+    """
     logits = (normed.to(head_rows.dtype) @ head_rows.T).float()
     vals, idx = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-    return vocab.to(idx.device)[idx], vals
+    ids = vocab.to(idx.device)[idx]
+    missing = top_k - ids.shape[-1]
+    if missing > 0:
+        if pad_ids is None or pad_ids.numel() < missing:
+            raise ValueError(f"draft vocabulary of {logits.shape[-1]} < top_k {top_k} needs {missing} pad ids")
+        pad = pad_ids[:missing].to(ids.device)
+        ids = torch.cat([ids, pad.expand(ids.shape[0], missing)], dim=-1)
+        vals = torch.cat([vals, vals.new_full((vals.shape[0], missing), float("-inf"))], dim=-1)
+    return ids, vals
+
+
+def pad_candidate_ids(vocab: torch.Tensor, vocab_size: int, count: int) -> torch.Tensor:
+    """The ``count`` smallest target ids outside the draft vocabulary (padding for ``vocab_candidates``)."""
+    outside = torch.ones(vocab_size, dtype=torch.bool, device=vocab.device)
+    outside[vocab] = False
+    return outside.nonzero()[:count, 0]
 
 
 def transition_scores(injection, norm, num_layers: int, pre: torch.Tensor, feat: torch.Tensor,
                       cand: torch.Tensor, anchor: torch.Tensor, codes: torch.Tensor,
-                      head_weight: torch.Tensor) -> torch.Tensor:
+                      head_weight: torch.Tensor, unary: torch.Tensor | None = None) -> torch.Tensor:
     """The transition cache (dspine-model.md §2.4) in the selector's lattice layout.
 
     pre [bs, n, H], feat [bs, n, r] of slots 1..n; cand [bs, n, k]; anchor [bs] ->
     scores [bs, n, k(pred row), k(cand)] float32. Row p of slot i (i >= 2) is "slot i-1 chose cand[i-1, p]";
-    slot 1's rows all use the anchor (identical rows), as in ``DSpineDraft.transition``.
+    slot 1's rows all use the anchor (identical rows), as in ``DSpineDraft.transition``. Candidate columns
+    whose backbone logit ``unary`` [bs, n, k] is -inf (padding, see ``vocab_candidates``) score -inf.
     """
     bs, n, k = cand.shape
     pred = torch.cat([anchor[:, None, None].expand(bs, 1, k), cand[:, :-1]], dim=1)  # [bs, n, k]
-    p = injection.scale * codes[pred]  # [bs, n, k, r]
-    refined = norm(injection.write(num_layers - 1, pre[:, :, None], feat[:, :, None].to(pre.dtype), p.to(pre.dtype)))
+    p = injection.code(codes, pred)  # [bs, n, k, r]
+    refined = injection.refine(norm, num_layers - 1, pre[:, :, None], feat[:, :, None], p)
     w = head_weight[cand]  # [bs, n, k, H]
-    return (refined.to(w.dtype) @ w.transpose(-1, -2)).float()
+    scores = (refined.to(w.dtype) @ w.transpose(-1, -2)).float()
+    if unary is not None:
+        scores = scores.masked_fill(torch.isneginf(unary.float())[:, :, None, :], float("-inf"))
+    return scores
 
 
 def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor,
@@ -118,20 +143,13 @@ def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, tempe
     ``dspine.proposal.sample_path`` given the same uniforms, with no host sync.
     """
     bs, n, k = cand.shape
-    dev = cand.device
     temps = torch.where(greedy_mask, torch.ones_like(temperatures), temperatures).float()[:, None]  # [bs, 1]
-    ks = torch.arange(k, device=dev)
-    prev = torch.zeros(bs, dtype=torch.long, device=dev)
+    prev = torch.zeros(bs, dtype=torch.long, device=cand.device)
     tokens, qs = [], []
     for i in range(n):
         s = scores[:, i].gather(1, prev[:, None, None].expand(bs, 1, k))[:, 0]  # [bs, k]
-        probs = torch.softmax(s.float() / temps, dim=-1)
-        cdf = probs.cumsum(-1)
-        j = (cdf <= (uniforms[:, i] * cdf[:, -1])[:, None]).sum(-1)  # first index with cdf > u
-        j = torch.minimum(j, torch.where(probs > 0, ks, 0).amax(-1))  # never an index with q = 0
-        pick = torch.where(greedy_mask, s.argmax(-1), j)
-        one_hot = (ks[None, :] == pick[:, None]).float()  # not F.one_hot: no range check, no host sync
-        qs.append(torch.where(greedy_mask[:, None], one_hot, probs))
+        pick, q = choose(s.float(), uniforms[:, i], temps, ~greedy_mask)
+        qs.append(q)
         tokens.append(cand[:, i].gather(1, pick[:, None])[:, 0])
         prev = pick
     return torch.stack(tokens, 1), torch.stack(qs, 1)

@@ -12,13 +12,12 @@ reason up front (SGLang missing or another version, the entry point not installe
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
 import os
 import sys
 
 from . import ALGORITHM_NAME, ENTRY_POINT_NAME, SGLANG_VERSION
+from .after_import import after_import
 
 logger = logging.getLogger(__name__)
 MODEL_PACKAGE = "dspine.sglang.models"
@@ -35,9 +34,12 @@ def register() -> None:
     if getattr(sglang, "__version__", None) != SGLANG_VERSION:
         logger.warning("dspine: built against sglang==%s, found %s; DSPINE may not work",
                        SGLANG_VERSION, getattr(sglang, "__version__", "?"))
+    from . import cpu, name_checks
     from .algo import register_algorithm
 
+    cpu.apply()  # only when SGLang runs on the CPU here (test/dev path)
     register_algorithm()
+    name_checks.include()
     register_model()
     _registered = True
 
@@ -52,42 +54,19 @@ def register_model() -> None:
     a model (engine front-end, detokenizer) should not pay for the plugin. So when the registry is not imported
     yet, the registration runs right after its import instead (a one-shot import hook).
     """
-    if REGISTRY_MODULE in sys.modules:
-        _add_model(sys.modules[REGISTRY_MODULE])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(REGISTRY_MODULE, _add_model))
+    if _registry_hook_pending():
+        return
+    after_import(REGISTRY_MODULE, _add_model)
+
+
+def _registry_hook_pending() -> bool:
+    return any(getattr(f, "name", None) == REGISTRY_MODULE for f in sys.meta_path)
 
 
 def _add_model(registry_module) -> None:
     registry = registry_module.ModelRegistry
     if "DSpineDraftModel" not in registry.models:
         registry.register(MODEL_PACKAGE, strict=True)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``callback(module)`` once, right after ``name`` has been imported."""
-
-    def __init__(self, name: str, callback):
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run, callback = spec.loader.exec_module, self.callback
-
-        def exec_module(module):
-            run(module)
-            try:
-                callback(module)
-            except Exception:  # never break SGLang's import; the self-check reports a missing model
-                logger.exception("dspine: registering DSpineDraftModel failed")
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def plugins_env_problem(env: dict[str, str] | None = None) -> str | None:

@@ -18,24 +18,34 @@ Overrides:
   ``--enable-linear-replayssm-spec`` for DFLASH on GDN targets). With a GDN ReplaySSM ring we commit through
   ``spec_utils.commit_mamba_states_after_verify`` as EAGLE does, with the linear-chain accept index and the
   step indices computed from the *pre-verify* lengths (``draft_math``).
-* ``_warm_eager_selector``: DFlash warms with hidden width H; ours is the packed width 2H + r.
+* ``_propose_selector_block``: DFlash's eager proposal step, plus an optional proposal log for tests.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 import torch
-from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
 from . import draft_math as dm
 from .models.dspine_draft import DSpineDraftModel
 
 logger = logging.getLogger(__name__)
+# Test/debug aid: append every eagerly proposed block ({"anchor": [...], "tokens": [[...]]}, one JSON line per
+# round) to this file, so tests can compare SGLang's proposals with the reference engine's round by round.
+# Eager path only (a captured CUDA graph never calls it); costs a host sync per round when set.
+PROPOSAL_LOG_ENV = "DSPINE_SGLANG_PROPOSAL_LOG"
+
+
+def record_proposals(path: str, anchor: torch.Tensor, tokens: torch.Tensor) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"anchor": anchor.view(-1).tolist(), "tokens": tokens.tolist()}) + "\n")
 
 
 def gdn_replayssm_active(req_to_token_pool) -> bool:
@@ -49,8 +59,8 @@ def gdn_replayssm_active(req_to_token_pool) -> bool:
 class DSpineWorkerV2(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
-        if not device.startswith("cuda"):
-            raise RuntimeError(f"DSPINE needs a CUDA device (got {device!r}); on CPU use dspine's reference engine")
+        if not device.startswith(("cuda", "cpu")):
+            raise RuntimeError(f"DSPINE runs on CUDA (or the CPU test path), not on {device!r}")
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         if not isinstance(self.draft_model, DSpineDraftModel):
             raise RuntimeError(
@@ -65,17 +75,30 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if lm_head is None or getattr(lm_head, "weight", None) is None:
             raise RuntimeError("DSPINE needs the target's dense lm_head weight (quantized heads unsupported)")
         self.draft_model.lm_head = lm_head
+        self.draft_model.target_embed = self._block_embedding()
         logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d",
                     int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
                     self.draft_model.transfer_rank)
 
-    def _warm_eager_selector(self) -> None:
-        hidden = torch.zeros((int(self.block_size), self.draft_model.packed_width),
-                             dtype=self.draft_model_runner.dtype, device=self.device)
-        self._propose_selector_block(
-            draft_logits_output=LogitsProcessorOutput(next_token_logits=None, hidden_states=hidden),
-            bs=1, lm_head=self.draft_model.lm_head,
-            anchor_token_ids=torch.zeros((1,), dtype=torch.int64, device=self.device), sampling_info=None)
+    def _block_embedding(self):
+        """ids -> the rows the worker feeds the draft block (the target's embedding, as DFlash embeds it)."""
+        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(self.draft_model,
+                                                                   self._target_worker.model_runner.model))
+        scale = float(self._noise_embed_scale)
+        table = self._full_embed_gpu
+
+        def block_embedding(ids):
+            rows = torch.nn.functional.embedding(ids, table) if table is not None else embed(ids)
+            return rows if scale == 1.0 else rows * scale
+
+        return block_embedding
+
+    def _propose_selector_block(self, *, draft_logits_output, bs, lm_head, anchor_token_ids, sampling_info):
+        tokens = super()._propose_selector_block(draft_logits_output=draft_logits_output, bs=bs, lm_head=lm_head,
+                                                 anchor_token_ids=anchor_token_ids, sampling_info=sampling_info)
+        if PROPOSAL_LOG_ENV in os.environ:
+            record_proposals(os.environ[PROPOSAL_LOG_ENV], anchor_token_ids, tokens)
+        return tokens
 
     def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, seq_lens_post_verify,
                                                 commit_lens) -> None:

@@ -64,7 +64,8 @@ class DSpineSelector:
         m = self._model
         _, pre, feat = dm.unpack_hidden(hidden_states, m.hidden_size)
         return dm.transition_scores(m.injection, m.norm_any, m.num_layers, pre, feat, candidate_ids,
-                                    anchor_token_ids, m.transfer_codes, m.head_weight())
+                                    anchor_token_ids, m.transfer_codes, m.head_weight(),
+                                    unary=unary_logits.view(candidate_ids.shape))
 
     def sample_path(self, *, candidate_ids, scores, uniforms, temperatures, greedy_mask):
         return dm.walk(candidate_ids, scores, uniforms, temperatures, greedy_mask)
@@ -94,8 +95,14 @@ class DSpineDraftModel(DFlashDraftModel):
         else:
             self.draft_vocab = None
         self._head_rows = None
+        self._pad_ids = None  # target ids outside the draft vocabulary (candidate padding when V' < top_k)
         self.candidate_selector = DSpineSelector(self, spec.top_k)
         self.lm_head = None  # the target's; set by the worker
+        # The target's token embedding (ids -> rows, as the worker embeds the block); set by the worker. SGLang's
+        # model runner casts every ``input_embeds`` to bfloat16 before a forward (model_runner.py, extend kwargs),
+        # which would feed an fp32/fp16 draft bf16-rounded rows (a dtype error in eager mode, silently different
+        # proposals otherwise), so the draft re-embeds its block's ids itself.
+        self.target_embed = None
         self._expected = self._expected_names(cfg)
 
     @staticmethod
@@ -128,7 +135,10 @@ class DSpineDraftModel(DFlashDraftModel):
         w = self.head_weight()
         if self._head_rows is None or self._head_rows[0] != w.data_ptr():
             self._head_rows = (w.data_ptr(), w.index_select(0, self.draft_vocab.to(w.device)))
-        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, self.candidate_selector.top_k)
+        top_k = self.candidate_selector.top_k
+        if getattr(self, "_pad_ids", None) is None:
+            self._pad_ids = dm.pad_candidate_ids(self.draft_vocab.to(w.device), w.shape[0], top_k)
+        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, top_k, self._pad_ids)
 
     # -- forward -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -140,6 +150,9 @@ class DSpineDraftModel(DFlashDraftModel):
         if N == 0:
             return LogitsProcessorOutput(next_token_logits=None,
                                          hidden_states=input_embeds.new_empty((0, self.packed_width)))
+        if self.target_embed is not None:
+            input_embeds = self.target_embed(input_ids)
+        input_embeds = input_embeds.to(self.norm.weight.dtype)
         B = int(self.block_size)
         if N % B:
             raise RuntimeError(f"DSPINE draft forward got {N} tokens, not a multiple of the block width {B}")
