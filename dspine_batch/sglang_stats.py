@@ -15,7 +15,7 @@ was on and at least one verify round ran (``TokenizerManager._calculate_spec_dec
 Older releases spelled them ``spec_accept_token_num``/``spec_draft_token_num`` and later
 ``spec_accepted_drafts``/``spec_proposed_drafts``; ``ALIASES`` reads every vintage, current name first.
 
-Our columns follow the reference engine (``dspine.decode.SpecStats``, ``dspine-model.md`` §8):
+Our columns follow the reference engine (``dspine.decode.SpecStats``, docs/design.md, "Verification and sampling"):
 ``accept_length`` is tau per verify round *with the bonus token* and *without* the first token (which
 comes from the prefill, not from a verify round): ``(completion_tokens - 1) / verify_steps``. SGLang's own
 ``spec_accept_length`` counts the prefill token too; ``ACCEPT_LENGTH_SGLANG`` keeps that convention for

@@ -82,7 +82,7 @@ def _registered():
 
 @pytest.fixture(autouse=True)
 def extra_buffer_platform(monkeypatch):
-    """SGLang's own CUDA-only predicate for mamba extra_buffer (sglang-integration.md §13) stands in for a GPU
+    """SGLang's own CUDA-only predicate for mamba extra_buffer (docs/design.md, "The SGLang plugin") stands in for a GPU
     (the hybrid target makes SGLang pick extra_buffer even by default)."""
     import sglang.srt.arg_groups.mamba_hook as mh
 

@@ -1,7 +1,7 @@
 """The DSPINE speculative algorithm for SGLang 0.5.23: ``DSpineAlgo(CustomSpecAlgo)``, argument validation and
 defaults, and the worker factory. Imports SGLang; import it only where SGLang is installed.
 
-Why each predicate (sglang-integration.md §2.1): ``is_dflash_family`` turns on target aux-hidden capture, the
+Why each predicate (docs/design.md, "The SGLang plugin"): ``is_dflash_family`` turns on target aux-hidden capture, the
 draft KV pool in the target's slot space and the DFlash request checks; ``supports_target_verify_for_draft``
 lets the draft run in TARGET_VERIFY mode (the causal block forward). ``is_dflash`` stays False (it gates
 only DFLASH-specific unified-memory/HiCache paths). ``supports_ragged_verify`` is False (DSPARK only).

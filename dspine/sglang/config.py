@@ -5,7 +5,7 @@ Used by the SGLang algorithm's ``validate_server_args``/``handle_server_args`` (
 ``DSpineConfigError`` (a ``ValueError``, which SGLang reports as a launch error) whose message names the flag
 or file and says what to do.
 
-Block-size semantics (sglang-integration.md §6): ``--speculative-num-draft-tokens`` is the verify width B
+Block-size semantics (docs/design.md, "The SGLang plugin"): ``--speculative-num-draft-tokens`` is the verify width B
 *including* the anchor (bonus) slot, which is also what a DSpine draft's ``block_size`` counts: block 16 =
 1 anchor + 15 drafts. A causal draft's slots never depend on later slots, so any 2 <= B <= block_size is
 exact; B > block_size would ask the draft for slots it was never trained on.
@@ -50,7 +50,7 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def read_draft(path: str | Path | None, *, check_weights: bool = True) -> DraftInfo:
-    """Read and validate a DSpine draft checkpoint directory (dspine-model.md §4)."""
+    """Read and validate a DSpine draft checkpoint directory (docs/design.md, "The DSpine draft")."""
     flag = "--speculative-draft-model-path"
     if path is None:
         raise DSpineConfigError(f"DSPINE needs {flag} (a DSpine draft checkpoint directory)")
@@ -71,7 +71,7 @@ def read_draft(path: str | Path | None, *, check_weights: bool = True) -> DraftI
     if cfg.get("dflash_config") is None:
         raise DSpineConfigError(
             f"{flag} {path}: config.json has no dflash_config block (block_size, target_layer_ids, "
-            "mask_token_id); SGLang reads it for every DFlash-family algorithm (dspine-model.md §4.1)")
+            "mask_token_id); SGLang reads it for every DFlash-family algorithm")
     from dspine.checkpoint import ModelLoadError
     from dspine.draft_config import parse_draft_config
 

@@ -115,7 +115,7 @@ def pad_candidate_ids(vocab: torch.Tensor, vocab_size: int, count: int) -> torch
 def transition_scores(injection, norm, num_layers: int, pre: torch.Tensor, feat: torch.Tensor,
                       cand: torch.Tensor, anchor: torch.Tensor, codes: torch.Tensor,
                       head_weight: torch.Tensor, unary: torch.Tensor | None = None) -> torch.Tensor:
-    """The transition cache (dspine-model.md §2.4) in the selector's lattice layout.
+    """The transition cache (docs/design.md, "The DSpine draft") in the selector's lattice layout.
 
     pre [bs, n, H], feat [bs, n, r] of slots 1..n; cand [bs, n, k]; anchor [bs] ->
     scores [bs, n, k(pred row), k(cand)] float32. Row p of slot i (i >= 2) is "slot i-1 chose cand[i-1, p]";

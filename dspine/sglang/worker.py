@@ -1,6 +1,6 @@
 """``DSpineWorkerV2``: SGLang 0.5.23's DFlash V2 worker, driven through its selector seam, plus the GDN commit.
 
-Everything DFlash does per round is reused unchanged (sglang-integration.md §5): prefill with FULL aux-hidden
+Everything DFlash does per round is reused unchanged (docs/design.md, "The SGLang plugin"): prefill with FULL aux-hidden
 capture and draft-KV materialisation, the draft block ``[bonus, MASK x (B-1)]`` in TARGET_VERIFY mode, the
 target verify, greedy accept (exact match) or sampled accept, the overlap relay, CUDA graphs. The DSpine
 proposal itself enters where DFlash runs a DFlash2 candidate selector: because ``DSpineDraftModel`` exposes

@@ -168,8 +168,9 @@ class DSpineDraftModel(DFlashDraftModel):
 
     # -- weights -----------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Strict loader for the dspine checkpoint format (dspine-model.md §4.2): optional ``model.`` prefix,
-        ``embed_tokens.*``/``lm_head.*``/``confidence_head.*`` ignored, anything else unknown or missing fails."""
+        """Strict loader for the dspine checkpoint format (docs/design.md, "The DSpine draft"): optional
+        ``model.`` prefix, ``embed_tokens.*``/``lm_head.*``/``confidence_head.*`` ignored, anything else unknown
+        or missing fails."""
         params = dict(self.named_parameters())
         buffers = {"transfer_codes": self.transfer_codes, "transfer_ready": self.transfer_ready}
         if self.draft_vocab is not None:
