@@ -154,6 +154,8 @@ def cli() -> None:
 @env_option("--limit", type=click.IntRange(min=0), help="Only the first N input rows.")
 @env_option("--engine-arg", "engine_arg", type=KeyValue(), multiple=True,
             help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
+                 "verify (cost: per row and round, verify as many drafts as pay for themselves, 0 = a plain "
+                 "step; fixed: always the whole block), "
                  "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
                  "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
