@@ -96,14 +96,15 @@ class SGLangEngine:
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str],
-             engine_factory: Callable[..., Any] | None = None, tokenizer: Any = None) -> SGLangEngine:
+             engine_factory: Callable[..., Any] | None = None, tokenizer: Any = None,
+             server_parser: Any = None) -> SGLangEngine:
         from .reference_engine import _model_identity, resolve_draft, resolve_model
 
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
         cpu = engine_factory is None and on_cpu()
         kwargs, opts = build_server_kwargs(str(model_path), None if draft_path is None else str(draft_path), args,
-                                           on_cpu=cpu)
+                                           parser=server_parser, on_cpu=cpu)
         if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
             from dspine.sglang.config import check_target, read_draft, resolve_block_size
 

@@ -150,7 +150,7 @@ def tiny_hybrid(tmp: str, device: str):
 
     try:
         sys.path.insert(0, str(REPO / "tests"))
-        from test_qwen3_5 import save_tiny_qwen35  # imports transformers when called
+        from helpers import save_tiny_qwen35  # imports transformers when called
 
         target = load_target(save_tiny_qwen35(Path(tmp) / "q35", seed=3), dtype=torch.float32, device=device)
         how = "transformers Qwen3_5ForCausalLM.save_pretrained -> dspine.load_target"

@@ -13,23 +13,38 @@ They let the decoding loop be tested for losslessness independently of the real 
   with a real q), or deterministically (one-hot q);
 - ``LookaheadDraft`` (negative control) truncates after seeing its own later samples, which is NOT lossless.
 The row identity rides in a one-element "KV" tensor so ``ModelCache.select`` keeps it aligned.
+``JoiningScriptedDraft`` is ``ScriptedDraft`` for continuous batching; ``token_prompts`` and ``random_mistakes``
+make the prompts and injected mistakes for them.
+
+Tiny models: ``save_tiny_hf`` (Llama / Qwen3) and ``save_tiny_qwen35`` (the Qwen3.5 hybrid) saved by transformers
+(the oracle) and loaded by dspine; the draft shapes of tests/test_draft.py (``make_draft``, ``fill_context``) and
+tests/test_train.py (``TRAIN_*``, ``train_stats``); the tiny reference-engine checkpoint with a tokenizer
+(``tokenizer_dir``, ``save_tiny_engine_pair``, ``reference_engine``, ``chat_requests``); the SGLang end-to-end
+checkpoints and engine runner (``random_pair``, ``constant_pair``, ``run_engine``).
+
+Only cheap imports at module level: the SGLang tests import this module under the SGLang virtual environment, so
+transformers, tokenizers and the like are imported inside the functions that need them. Fixtures live in
+tests/conftest.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.dataset as ds
 import torch
 
 from dspine.cache import KVCache, ModelCache
 from dspine_batch.cli import main
-from dspine_batch.engine import engines_replaced
+from dspine_batch.engine import Request, SamplingParams, engines_replaced
 from dspine_batch.keyset import fallback_id_hashes, key_hash
 from dspine_batch.scripted_engine import ScriptedEngine
 
@@ -203,3 +218,433 @@ class LookaheadDraft(RandomDraft):
                     prop.n_draft[b] = j
                     break
         return prop
+
+
+class JoiningScriptedDraft(ScriptedDraft):
+    """``ScriptedDraft`` for continuous batching: each ``new_cache`` call numbers its rows after the previous
+    ones, so a row keeps its request index when it is prefilled late and written into a freed slot (requests
+    are prefilled in input order). Never let a calibration call ``new_cache`` on it: pass a cost model."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.next_row = 0
+
+    def new_cache(self, batch, capacity):
+        rid = torch.arange(self.next_row, self.next_row + batch, dtype=torch.float32).view(batch, 1, 1, 1)
+        self.next_row += batch
+        return ModelCache(torch.zeros(batch, dtype=torch.long), [KVCache(rid, rid.clone())])
+
+
+def token_prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    """``n`` random token-id prompts of random lengths in [lo, hi]."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def random_mistakes(seed: int, rate: float):
+    """A ``ScriptedDraft`` ``mistake`` rule: flips each (row, start, slot) with probability ``rate``."""
+
+    def f(row, start, j):
+        return random.Random(hash((seed, row, start, j))).random() < rate
+
+    return f
+
+
+# -- tiny models saved by transformers (the oracle) and loaded by dspine -----------------------------------------
+TINY_VOCAB, TINY_HIDDEN = 256, 64
+
+
+def save_tiny_hf(
+    path,
+    family: str = "llama",
+    vocab: int = 256,
+    layers: int = 3,
+    seed: int = 0,
+    head_scale: float | None = None,
+    **kw,
+) -> str:
+    """Save a tiny random HF model (LlamaForCausalLM / Qwen3ForCausalLM) to ``path``; returns the path."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    common.update(kw)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{"tie_word_embeddings": True, **common}))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**{"head_dim": 16, "tie_word_embeddings": False, **common})
+        )
+    else:
+        raise ValueError(family)
+    # random init is small; scale the head so the distributions are peaked enough to be interesting
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale or (3.0 if family == "llama" else 25.0))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+# Qwen3.5 hybrid: 4 layers (GDN, full, GDN, full), hidden 64, vocab 256, 2 key / 4 value GDN heads (so the key-head
+# sharing is exercised), partial RoPE 0.25.
+QWEN35_VOCAB = 256
+QWEN35_TEXT = dict(
+    vocab_size=QWEN35_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    full_attention_interval=2,
+    max_position_embeddings=1024,
+)
+
+
+def randomize_qwen35(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    """Re-randomise at a larger scale than HF's init (norm weights, decays, conv) so every component moves the
+    logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates A in [0.05, 2): long enough memory to test state carry
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 2.0, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("linear_attn.norm.weight"):  # plain weight (init 1)
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "norm" in name:  # zero-centred (1 + w) weights
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def save_tiny_qwen35(path, seed: int = 0, vlm: bool = False, tie: bool = False, **kw) -> str:
+    """Save a tiny random ``Qwen3_5ForCausalLM`` (or ``Qwen3_5ForConditionalGeneration`` with ``vlm``)."""
+    import transformers
+
+    V = QWEN35_VOCAB
+    text = {**QWEN35_TEXT, **kw}
+    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    torch.manual_seed(seed)
+    if vlm:
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+        cfg = transformers.Qwen3_5Config(
+            text_config=text,
+            vision_config=vision,
+            tie_word_embeddings=tie,
+            image_token_id=V - 4,
+            video_token_id=V - 3,
+            vision_start_token_id=V - 2,
+            vision_end_token_id=V - 1,
+        )
+        model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(tie_word_embeddings=tie, **text))
+    randomize_qwen35(model.eval(), seed)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+# -- the draft shape of tests/test_draft.py (also tests/test_sglang_math.py) -------------------------------------
+DRAFT_BS = 8
+DRAFT_KW = dict(num_layers=3, block_size=DRAFT_BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
+DRAFT_VOCAB = list(range(0, TINY_VOCAB, 3))  # a draft vocabulary: 86 of 256 ids
+
+
+def save_hf_init_qwen3(path, layers=4, tied=False):
+    """A tiny Qwen3 (hidden 64, vocab 256) with transformers' own random init, saved to ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+        tie_word_embeddings=tied, rope_theta=10000.0,
+    )  # fmt: skip
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def randomize_draft(draft, seed: int = 1, backbone_std: float = 0.08, inj_std: float = 0.3):
+    """Stronger random weights than init (non-zero writes/G_pred) so every path actually moves the output."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in draft.named_parameters():
+        if name.startswith("injection.readouts"):
+            continue  # keep D^T
+        if name.startswith("injection."):
+            p.normal_(0.0, 0.1 if name == "injection.bias" else inj_std, generator=g)
+        elif name.startswith("confidence_head."):
+            p.normal_(0.0, 0.3, generator=g)
+        elif p.dim() == 2:
+            p.normal_(0.0, backbone_std, generator=g)
+        else:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def make_draft(target, random_writes=True, seed=0, **kw):
+    """A ``DRAFT_KW`` draft for ``target`` (``**kw`` overrides), randomised by ``randomize_draft`` unless not
+    ``random_writes``."""
+    from dspine.draft_io import init_draft
+
+    draft = init_draft(target, seed=seed, **{**DRAFT_KW, **kw})
+    return randomize_draft(draft, seed + 1) if random_writes else draft
+
+
+def fill_context(draft, lengths, seed=0, cap=64):
+    """A cache holding random context rows (taps) of the given per-row lengths, in one call."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    taps = torch.randn(B, T, draft.fc.in_features, generator=g)
+    cache = draft.new_cache(B, cap)
+    draft.extend_context(cache, taps, torch.tensor(lengths))
+    return cache, taps
+
+
+# -- the tiny peaky Qwen3 target and draft shape of tests/test_train.py (also tests/test_confidence.py) ----------
+TRAIN_BS = 6
+TRAIN_DRAFT_KW = dict(num_layers=2, block_size=TRAIN_BS, transfer_rank=16, message_size=32, top_k=4,
+                      intermediate_size=96)
+
+
+def save_train_qwen3(path):
+    """A tiny tied Qwen3 (hidden 64, vocab 256, 4 layers) with transformers' init, saved to ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def load_train_target(path):
+    """``save_train_qwen3``'s model loaded by dspine, with peaky teacher distributions."""
+    from dspine.target import load_target
+
+    t = load_target(path)
+    with torch.no_grad():
+        t.embed_tokens.weight.mul_(8.0)  # peaky teacher distributions: a random head is near uniform otherwise
+    return t
+
+
+@torch.no_grad()
+def randomize_train_draft(draft, seed: int = 1):
+    """Non-zero injection writes and G_pred, so the parity test covers every path (init has them at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in draft.named_parameters():
+        if name.startswith("injection.") and not name.startswith("injection.readouts"):
+            p.normal_(0.0, 0.1 if name == "injection.bias" else 0.3, generator=g)
+        elif p.dim() == 2 and not name.startswith("injection.readouts"):
+            p.normal_(0.0, 0.08, generator=g)
+    return draft
+
+
+def train_stats(draft, target, batch, cfg) -> list[dict]:
+    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; its stats per step."""
+    from dspine.train import train_step
+
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    gen = torch.Generator().manual_seed(0)
+    stats = []
+    for step in range(cfg.steps):
+        opt.zero_grad()
+        stats.append(train_step(draft, target, batch, step, cfg, gen))
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return stats
+
+
+# -- a tiny checkpoint with a tokenizer for the reference engine (and the Slurm / SGLang CLI runs) ----------------
+SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                 "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+                 "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOKENIZER_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+
+def tokenizer_dir(path, template):
+    """Train a tiny byte-level BPE tokenizer with ``template`` as its chat template into ``path``; returns its
+    vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=TOKENIZER_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, what is two plus two? the answer is four. café ünïcode"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "chat_template": template}))
+    return tok.get_vocab_size()
+
+
+def save_tiny_engine_pair(model_dir: Path, draft_dir: Path) -> tuple[Path, Path]:
+    """A tiny random Llama target with a tokenizer in ``model_dir``, and a random DSpine draft for it in
+    ``draft_dir``."""
+    from dspine import init_draft, load_target
+
+    vocab = tokenizer_dir(model_dir, SMOL_TEMPLATE)
+    save_tiny_hf(model_dir, "llama", vocab=vocab, layers=2, max_position_embeddings=96)
+    torch.manual_seed(0)
+    init_draft(load_target(model_dir), num_layers=1, block_size=4).save(draft_dir)
+    return model_dir, draft_dir
+
+
+def reference_engine(tiny, draft=True, **args):
+    """The reference engine on ``tiny`` (a ``save_tiny_engine_pair`` pair), with or without its draft."""
+    from dspine_batch.reference_engine import ReferenceEngine
+
+    model, draft_dir = tiny
+    return ReferenceEngine.load(str(model), str(draft_dir) if draft else "none", args)
+
+
+def chat_requests(engine, n=4, **p):
+    """``n`` short chat requests, 5 new tokens each, ``**p`` more sampling parameters."""
+    texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
+    return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
+                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
+            for i in range(n)]
+
+
+# -- SGLang end to end on a CPU (tests/test_sglang_e2e.py, tests/test_sglang_cli.py) --------------------------------
+# * ``random_pair``: a random Qwen3 target and a random DSpine draft whose injection weights are non-zero, so the
+#   injection after every layer and the last-write refinement of the transition cache really change proposals
+#   (a fresh ``init_draft`` has zero writes: exactly the causal DFlash backbone).
+# * ``constant_pair``: a target whose greedy next token is the same token X whatever the context (every
+#   embedding row is one shared direction plus a little noise, the decoder layers are damped, so the final
+#   state always points the same way) and a draft built the same way, which therefore proposes X at every slot:
+#   most rounds accept every draft (tau close to the block width), with non-zero injection weights too.
+# * ``run_engine``: start ``sglang.Engine`` (CPU test path without a GPU, CUDA with graphs on a GPU), run a
+#   workload, shut it down killing only the processes it started (``Engine.shutdown`` would kill every child of
+#   the test process).
+
+SGLANG_BLOCK = 4
+CONSTANT_TOKEN = 42
+COMMON_KWARGS = dict(tp_size=1, dtype="float32", max_total_tokens=4096, max_running_requests=8,
+                     mem_fraction_static=0.5, skip_tokenizer_init=True, log_level="error")
+# Without a GPU: SGLang's CPU test path (dspine.sglang.cpu). With one (scripts/gpu_check.sh --sglang), the same
+# tests run on CUDA with CUDA graphs on; triton attention because it takes the fp32 tiny models.
+GPU_ENGINE_KWARGS = dict(device="cuda", attention_backend="triton", disable_cuda_graph=False, cuda_graph_max_bs=8)
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def engine_kwargs() -> dict:
+    from dspine_batch.sglang_args import cpu_defaults
+
+    return {**COMMON_KWARGS, **(GPU_ENGINE_KWARGS if on_gpu() else cpu_defaults(speculative=False))}
+
+
+def save_random_draft(target_dir: str, out: Path, seed: int, damp: float | None = None):
+    """A 2-layer DSpine draft for ``target_dir`` with random non-zero injection weights (all residual writes
+    scaled by ``damp`` when given), saved to ``out``; returns the loaded target."""
+    from dspine import load_target
+    from dspine.draft_io import init_draft
+
+    target = load_target(target_dir)
+    draft = init_draft(target, num_layers=2, block_size=SGLANG_BLOCK, transfer_rank=8, message_size=16, top_k=4,
+                       intermediate_size=64, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        inj = draft.injection
+        for w in inj.writes:
+            w.weight.copy_(torch.randn(w.weight.shape, generator=g) * 0.5)
+        inj.predecessor_gate.weight.copy_(torch.randn(inj.predecessor_gate.weight.shape, generator=g) * 0.5)
+        if damp is not None:
+            for name, p in draft.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(damp)
+            for w in inj.writes:
+                w.weight.mul_(damp)
+    draft.save(out)
+    return target
+
+
+def random_pair(root: Path) -> tuple[str, str]:
+    tdir = save_tiny_hf(root / "target", "qwen3", vocab=256, layers=3, max_position_embeddings=4096)
+    save_random_draft(tdir, root / "draft", seed=3)
+    return tdir, str(root / "draft")
+
+
+def constant_pair(root: Path) -> tuple[str, str]:
+    from safetensors.torch import load_file, save_file
+
+    tdir = save_tiny_hf(root / "target", "qwen3", vocab=256, layers=3, max_position_embeddings=4096, seed=1)
+    path = Path(tdir) / "model.safetensors"
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(7)
+    emb = sd["model.embed_tokens.weight"]
+    shared = torch.randn(emb.shape[1], generator=g)
+    sd["model.embed_tokens.weight"] = shared + 0.05 * torch.randn(emb.shape, generator=g)
+    head = sd["lm_head.weight"].clone()
+    head[CONSTANT_TOKEN] = shared / shared.norm() * 50  # X wins by a wide margin wherever the state points
+    sd["lm_head.weight"] = head
+    for k in sd:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k] = sd[k] * 0.05
+    save_file(sd, str(path), metadata={"format": "pt"})
+    save_random_draft(tdir, root / "draft", seed=5, damp=0.05)
+    return tdir, str(root / "draft")
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = None, env: dict | None = None,
+               **kwargs) -> Any:
+    """Start an engine (DSPINE when ``draft`` is given), return ``workload(engine)``, shut the engine down."""
+    import sglang
+
+    from dspine.sglang import plugin
+    from dspine_batch.sglang_engine import scoped_shutdown
+
+    plugin.register()
+    kw = {**engine_kwargs(), "model_path": model, **kwargs}
+    if draft is not None:
+        kw.update(speculative_algorithm="DSPINE", speculative_draft_model_path=draft,
+                  speculative_num_draft_tokens=SGLANG_BLOCK,
+                  speculative_draft_attention_backend=kw["attention_backend"])
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    before = _child_pids()
+    try:
+        engine = sglang.Engine(**kw)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        return workload(engine)
+    finally:
+        scoped_shutdown(engine, _child_pids() - before)

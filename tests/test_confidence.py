@@ -7,6 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers import TINY_HIDDEN as H
+from helpers import TINY_VOCAB as V
+from helpers import TRAIN_BS as BS
+from helpers import TRAIN_DRAFT_KW as DRAFT_KW
+from helpers import load_train_target, randomize_train_draft, save_train_qwen3
 
 from dspine import generate
 from dspine.confidence import confidence_data, fit_confidence, fit_confidence_on_examples
@@ -15,16 +20,22 @@ from dspine.target import load_target
 from dspine.train import capture, make_example
 
 pytest.importorskip("transformers")
-import test_train as tt  # noqa: E402  (its tiny peaky Qwen3 target and draft shape)
-
-BS, DRAFT_KW, H, V = tt.BS, tt.DRAFT_KW, tt.H, tt.V
-target_dir, target = tt.target_dir, tt.target  # the same module-scoped fixtures, one instance per module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):  # tests/test_train.py's tiny peaky Qwen3 target, one instance per module
+    return save_train_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_train_target(target_dir)
+
+
 def _random_draft(target, seed: int = 1):
-    return tt.randomize(init_draft(target, **DRAFT_KW, seed=seed), seed).eval()
+    return randomize_train_draft(init_draft(target, **DRAFT_KW, seed=seed), seed).eval()
 
 
 def _greedy_example(target, prompt_len: int = 8, n: int = 40, seed: int = 0):

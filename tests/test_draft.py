@@ -11,10 +11,13 @@ import math
 
 import pytest
 import torch
+from helpers import DRAFT_BS as BS
+from helpers import DRAFT_KW, fill_context, make_draft, save_hf_init_qwen3
+from helpers import DRAFT_VOCAB as VOCAB
+from helpers import randomize_draft as randomize
 from safetensors.torch import load_file, save_file
 
 from dspine.checkpoint import ModelLoadError
-from dspine.draft import DSpineDraft
 from dspine.draft_config import parse_draft_config
 from dspine.draft_io import init_draft, load_draft
 from dspine.proposal import candidates, sample_path
@@ -23,19 +26,6 @@ from dspine.target import default_tap_ids, load_target
 transformers = pytest.importorskip("transformers")
 
 V, H = 256, 64
-BS = 8
-DRAFT_KW = dict(num_layers=3, block_size=BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
-
-
-def _save_qwen3(path, layers=4, tied=False):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        hidden_size=H, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=512,
-        tie_word_embeddings=tied, rope_theta=10000.0,
-    )  # fmt: skip
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 def _save_llama(path):
@@ -50,7 +40,7 @@ def _save_llama(path):
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    return _save_qwen3(tmp_path_factory.mktemp("qwen3"))
+    return save_hf_init_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -61,39 +51,6 @@ def target(target_dir):
 @pytest.fixture(scope="module")
 def tied_target(tmp_path_factory):
     return load_target(_save_llama(tmp_path_factory.mktemp("llama")))
-
-
-@torch.no_grad()
-def randomize(draft: DSpineDraft, seed: int = 1, backbone_std: float = 0.08, inj_std: float = 0.3) -> DSpineDraft:
-    """Stronger random weights than init (non-zero writes/G_pred) so every path actually moves the output."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in draft.named_parameters():
-        if name.startswith("injection.readouts"):
-            continue  # keep D^T
-        if name.startswith("injection."):
-            p.normal_(0.0, 0.1 if name == "injection.bias" else inj_std, generator=g)
-        elif name.startswith("confidence_head."):
-            p.normal_(0.0, 0.3, generator=g)
-        elif p.dim() == 2:
-            p.normal_(0.0, backbone_std, generator=g)
-        else:
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return draft
-
-
-def make_draft(target, random_writes=True, seed=0, **kw) -> DSpineDraft:
-    draft = init_draft(target, seed=seed, **{**DRAFT_KW, **kw})
-    return randomize(draft, seed + 1) if random_writes else draft
-
-
-def fill_context(draft, lengths, seed=0, cap=64):
-    """A cache holding random context rows (taps) of the given per-row lengths, in one call."""
-    g = torch.Generator().manual_seed(seed)
-    B, T = len(lengths), max(lengths)
-    taps = torch.randn(B, T, draft.fc.in_features, generator=g)
-    cache = draft.new_cache(B, cap)
-    draft.extend_context(cache, taps, torch.tensor(lengths))
-    return cache, taps
 
 
 def greedy(draft, cache, anchor, target, **kw):
@@ -753,9 +710,6 @@ def test_refining_chosen_only_equals_transition_cache():
 
 # ----------------------------------------------------------------------------------------------------------
 # draft vocabulary: the proposal head over a subset of the target's ids
-
-VOCAB = list(range(0, V, 3))  # 86 of 256 ids
-
 
 def test_draft_vocab_logits_are_the_full_logits_restricted(target):
     full = make_draft(target)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from fakes import JoiningScriptedDraft, LookaheadDraft, RandomDraft, ScriptedDraft
+from helpers import (
+    JoiningScriptedDraft,
+    LookaheadDraft,
+    RandomDraft,
+    ScriptedDraft,
+    random_mistakes,
+    save_tiny_hf,
+    token_prompts,
+)
 
 from dspine import generate
 from dspine.cost import CostModel, Grid
@@ -21,18 +27,6 @@ NEVER = CostModel.flat(target_s=1.0, per_token_s=0.0, draft_s=1e6)
 ROWLESS = CostModel(Grid((1, 2), (1, 4), ((1.0, 1.6), (1.0, 1.6))), Grid((1, 2), (2, 4), ((0.2, 0.2), (0.2, 0.2))))
 
 
-def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def _mistakes(seed: int, rate: float):
-    def f(row, start, j):
-        return random.Random(hash((seed, row, start, j))).random() < rate
-
-    return f
-
-
 @pytest.fixture(params=["llama", "qwen3", "hybrid"])
 def target(request, llama_target, qwen3_target, hybrid_target):
     return {"llama": llama_target, "qwen3": qwen3_target, "hybrid": hybrid_target}[request.param]
@@ -41,11 +35,11 @@ def target(request, llama_target, qwen3_target, hybrid_target):
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("bs", [2, 4, 8, 16])
 def test_greedy_speculative_equals_ar(target, batch, bs):
-    prompts = _prompts(batch, target.vocab_size, seed=batch * 100 + bs)
+    prompts = token_prompts(batch, target.vocab_size, seed=batch * 100 + bs)
     ar = generate(target, None, prompts, max_new_tokens=24)
     script = [o.token_ids for o in ar]
     for rate, dyn in [(0.0, None), (0.3, None), (0.3, 0.5), (1.0, None)]:
-        draft = ScriptedDraft(prompts, script, block_size=bs, mistake=_mistakes(bs, rate))
+        draft = ScriptedDraft(prompts, script, block_size=bs, mistake=random_mistakes(bs, rate))
         spec = generate(target, draft, prompts, max_new_tokens=24, dynamic_threshold=dyn)
         for a, s in zip(ar, spec):
             assert s.token_ids == a.token_ids
@@ -61,12 +55,12 @@ def test_greedy_speculative_equals_ar(target, batch, bs):
 @pytest.mark.parametrize("batch_size", [2, 8])
 def test_greedy_cost_aware_continuous_equals_ar(target, cost, batch_size):
     """Cost-aware ℓ (ℓ = 0 rounds included) and rows joining freed slots: still exactly the plain output."""
-    prompts = _prompts(7, target.vocab_size, seed=batch_size)
+    prompts = token_prompts(7, target.vocab_size, seed=batch_size)
     budgets = [3, 17, 9, 24, 1, 12, 20]
     ar = generate(target, None, prompts, max_new_tokens=budgets)
     script = [o.token_ids for o in ar]
     for rate, dyn in [(0.0, None), (0.3, 0.5), (1.0, None)]:
-        draft = JoiningScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(7, rate))
+        draft = JoiningScriptedDraft(prompts, script, block_size=4, mistake=random_mistakes(7, rate))
         spec = generate(target, draft, prompts, max_new_tokens=budgets, dynamic_threshold=dyn, verify="cost",
                         cost=cost, batch_size=batch_size)
         assert [s.token_ids for s in spec] == script
@@ -84,7 +78,7 @@ def test_greedy_cost_aware_continuous_equals_ar(target, cost, batch_size):
 
 def test_plain_steps_equal_plain_sampling(llama_target):
     """ℓ = 0 everywhere draws exactly the plain decoder's uniforms: same sampled tokens, not just same law."""
-    prompts = _prompts(5, 256, seed=8)
+    prompts = token_prompts(5, 256, seed=8)
     kw = dict(max_new_tokens=15, temperature=0.9, top_p=0.95, top_k=50, seed=[21, 22, 23, 24, 25])
     plain = generate(llama_target, None, prompts, **kw)
     draft = JoiningScriptedDraft(prompts, [o.token_ids for o in plain], block_size=4)
@@ -98,7 +92,7 @@ def test_continuous_batching_hands_rows_back_as_they_finish(llama_target):
     from dspine.decode import decode_stream
     from dspine.sampling import SamplingParams
 
-    prompts = _prompts(5, 256, seed=9)
+    prompts = token_prompts(5, 256, seed=9)
     budgets = [30, 2, 30, 3, 4]
     pulled = []
 
@@ -120,7 +114,7 @@ def test_continuous_batching_hands_rows_back_as_they_finish(llama_target):
 
 
 def test_oracle_tau_equals_block_size(llama_target):
-    prompts = _prompts(4, 256, seed=3)
+    prompts = token_prompts(4, 256, seed=3)
     ar = generate(llama_target, None, prompts, max_new_tokens=33)
     spec = generate(llama_target, ScriptedDraft(prompts, [o.token_ids for o in ar], 8), prompts, max_new_tokens=33)
     for s in spec:  # 1 prefill token + 4 full rounds of 8
@@ -130,7 +124,7 @@ def test_oracle_tau_equals_block_size(llama_target):
 
 
 def test_random_draft_tau_about_one(qwen3_target):
-    prompts = _prompts(4, 256, seed=4)
+    prompts = token_prompts(4, 256, seed=4)
     spec = generate(qwen3_target, RandomDraft(256, 8, stochastic=False), prompts, max_new_tokens=20)
     ar = generate(qwen3_target, None, prompts, max_new_tokens=20)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
@@ -138,12 +132,12 @@ def test_random_draft_tau_about_one(qwen3_target):
 
 
 def test_stop_tokens_and_length_mid_block(llama_target):
-    prompts = _prompts(6, 256, seed=5)
+    prompts = token_prompts(6, 256, seed=5)
     ar = generate(llama_target, None, prompts, max_new_tokens=30)
     # stop on a token that appears mid-way in each row's greedy output
     stops = [[o.token_ids[len(o.token_ids) // 2]] for o in ar]
     ar_s = generate(llama_target, None, prompts, max_new_tokens=30, stop_token_ids=stops)
-    draft = ScriptedDraft(prompts, [o.token_ids for o in ar], 8, mistake=_mistakes(1, 0.1))
+    draft = ScriptedDraft(prompts, [o.token_ids for o in ar], 8, mistake=random_mistakes(1, 0.1))
     sp_s = generate(llama_target, draft, prompts, max_new_tokens=30, stop_token_ids=stops)
     for a, s, st in zip(ar_s, sp_s, stops):
         assert s.token_ids == a.token_ids and s.finish_reason == a.finish_reason == "stop"
@@ -155,7 +149,7 @@ def test_stop_tokens_and_length_mid_block(llama_target):
 
 
 def test_per_request_params_and_zero_tokens(llama_target):
-    prompts = _prompts(3, 256, seed=6)
+    prompts = token_prompts(3, 256, seed=6)
     outs = generate(llama_target, None, prompts, max_new_tokens=[0, 3, 5], temperature=[0.0, 1.0, 0.7], seed=[1, 2, 3])
     assert [len(o.token_ids) for o in outs] == [0, 3, 5]
     with pytest.raises(ValueError, match="prompt 1"):
@@ -166,7 +160,7 @@ def test_per_request_params_and_zero_tokens(llama_target):
 
 @pytest.mark.parametrize("spec", [False, True])
 def test_sampled_output_independent_of_batch(llama_target, spec):
-    prompts = _prompts(5, 256, seed=7)
+    prompts = token_prompts(5, 256, seed=7)
     draft = RandomDraft(256, 4) if spec else None
     kw = dict(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=[11, 12, 13, 14, 15])
     together = generate(llama_target, draft, prompts, **kw)
@@ -200,8 +194,6 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def small_vocab_target(tmp_path_factory):
-    from conftest import save_tiny_hf
-
     from dspine import load_target
 
     return load_target(save_tiny_hf(tmp_path_factory.mktemp("v16"), "qwen3", vocab=16, layers=2, head_scale=6.0))
@@ -257,7 +249,7 @@ def _random_dspine(target, bs: int, seed: int):
 @pytest.mark.parametrize("bs", [4, 16])
 @pytest.mark.parametrize("dyn", [None, 0.5])
 def test_dspine_draft_greedy_equals_ar(target, bs, dyn):
-    prompts = _prompts(5, target.vocab_size, seed=bs)
+    prompts = token_prompts(5, target.vocab_size, seed=bs)
     ar = generate(target, None, prompts, max_new_tokens=20)
     spec = generate(target, _random_dspine(target, bs, seed=1), prompts, max_new_tokens=20, dynamic_threshold=dyn)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
@@ -286,7 +278,7 @@ def _vocab_dspine(target, bs: int, seed: int, vocab: list[int]):
 
 
 def test_draft_vocab_greedy_equals_ar(target):
-    prompts = _prompts(4, target.vocab_size, seed=3)
+    prompts = token_prompts(4, target.vocab_size, seed=3)
     ar = generate(target, None, prompts, max_new_tokens=20)
     d = _vocab_dspine(target, 8, seed=1, vocab=list(range(0, target.vocab_size, 2)))
     spec = generate(target, d, prompts, max_new_tokens=20)
@@ -359,7 +351,7 @@ STEEP = CostModel(ROWLESS.target, Grid((1, 2), (2, 4), ((0.1, 0.7), (0.1, 0.7)))
 def test_sampled_rows_independent_of_batch_and_join_time(llama_target, verify, cost):
     """Same seed -> same tokens: alone, in a batch (with greedy neighbours), or joining a running batch late."""
     d = _random_dspine(llama_target, 4, seed=3)
-    prompts = _prompts(6, 256, seed=10)
+    prompts = token_prompts(6, 256, seed=10)
     budgets, seeds = [12, 3, 9, 14, 5, 10], [31, 32, 33, 34, 35, 36]
     temps = [0.9, 0.0, 0.9, 0.0, 0.9, 0.9]
     kw = dict(top_k=50, verify=verify, cost=cost, batch_size=3)
@@ -375,7 +367,7 @@ def test_sampled_rows_independent_of_batch_and_join_time(llama_target, verify, c
 
 @pytest.mark.parametrize("cost", [CHEAP, MID], ids=["cheap", "mid"])
 def test_dspine_draft_cost_aware_continuous_greedy_equals_ar(target, cost):
-    prompts = _prompts(5, target.vocab_size, seed=11)
+    prompts = token_prompts(5, target.vocab_size, seed=11)
     budgets = [20, 4, 13, 20, 7]
     ar = generate(target, None, prompts, max_new_tokens=budgets)
     spec = generate(target, _random_dspine(target, 4, seed=1), prompts, max_new_tokens=budgets, verify="cost",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import save_tiny_hf
 
 from dspine import load_target
 
@@ -28,8 +29,6 @@ def test_logits_match_transformers(family, length, fuse, llama_dir, qwen3_dir):
 
 
 def test_llama3_rope_scaling_and_untied_head(tmp_path):
-    from conftest import save_tiny_hf
-
     scaling = {
         "rope_type": "llama3",
         "factor": 8.0,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import ScriptedDraft
-from test_generate import _mistakes, _prompts
+from helpers import ScriptedDraft, random_mistakes, save_tiny_qwen35, token_prompts
 
 from dspine import generate, load_target
 from dspine.precision import native_bf16, resolve
@@ -77,7 +76,7 @@ def setting_target(request, llama_dir):
 
 def test_setting_logits_stay_close_to_fp32(setting_target, llama_target):
     name, target = setting_target
-    ids = torch.tensor([_prompts(1, target.vocab_size, seed=5, lo=30, hi=30)[0]])
+    ids = torch.tensor([token_prompts(1, target.vocab_size, seed=5, lo=30, hi=30)[0]])
     ref = llama_target.score(ids)
     bound = {"fp32_fused": 1e-4, "bf16": 0.05, "int8": 0.05, "int4": 0.2}[name]
     assert _rel_err(target.score(ids), ref) < bound
@@ -87,11 +86,11 @@ def test_setting_logits_stay_close_to_fp32(setting_target, llama_target):
 def test_greedy_speculative_equals_plain_within_setting(setting_target, batch):
     """Losslessness holds relative to the target as configured: the draft is checked against the same logits."""
     _, target = setting_target
-    prompts = _prompts(batch, target.vocab_size, seed=batch)
+    prompts = token_prompts(batch, target.vocab_size, seed=batch)
     plain = generate(target, None, prompts, max_new_tokens=20)
     script = [o.token_ids for o in plain]
     for rate in (0.0, 0.3, 1.0):
-        draft = ScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(7, rate))
+        draft = ScriptedDraft(prompts, script, block_size=4, mistake=random_mistakes(7, rate))
         spec = generate(target, draft, prompts, max_new_tokens=20)
         assert [s.token_ids for s in spec] == script
 
@@ -100,12 +99,10 @@ def test_greedy_speculative_equals_plain_within_setting(setting_target, batch):
 def test_hybrid_target_quantized_speculative_equals_plain(tmp_path, quant):
     """The Qwen3.5 hybrid (GDN + gated attention, fused projections) under quantization: ReplaySSM commits stay
     exact relative to the quantized target."""
-    from test_qwen3_5 import save_tiny_qwen35
-
     target = load_target(save_tiny_qwen35(tmp_path / "hybrid"), dtype=torch.bfloat16, quant=quant, fuse=True)
     assert isinstance(target.quant_head, Int8Linear)  # int4 keeps an int8 head, like Q4_1 GGUFs
-    prompts = _prompts(3, target.vocab_size, seed=11)
+    prompts = token_prompts(3, target.vocab_size, seed=11)
     plain = generate(target, None, prompts, max_new_tokens=16)
     script = [o.token_ids for o in plain]
-    draft = ScriptedDraft(prompts, script, block_size=4, mistake=_mistakes(3, 0.3))
+    draft = ScriptedDraft(prompts, script, block_size=4, mistake=random_mistakes(3, 0.3))
     assert [s.token_ids for s in generate(target, draft, prompts, max_new_tokens=16)] == script

@@ -13,73 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import QWEN35_VOCAB as V
+from helpers import save_tiny_qwen35
 from safetensors.torch import load_file, save_file
 
 from dspine.checkpoint import ModelLoadError
 from dspine.target import load_target
-
-V = 256
-TEXT = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    full_attention_interval=2,
-    max_position_embeddings=1024,
-)
-
-
-def _randomize(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):  # decay rates A in [0.05, 2): long enough memory to test state carry
-                p.copy_(torch.empty(p.shape).uniform_(0.05, 2.0, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif name.endswith("linear_attn.norm.weight"):  # plain weight (init 1)
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "norm" in name:  # zero-centred (1 + w) weights
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-            elif "conv1d" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(scale * torch.randn(p.shape, generator=g))
-
-
-def save_tiny_qwen35(path, seed: int = 0, vlm: bool = False, tie: bool = False, **kw) -> str:
-    """Save a tiny random ``Qwen3_5ForCausalLM`` (or ``Qwen3_5ForConditionalGeneration`` with ``vlm``)."""
-    import transformers
-
-    text = {**TEXT, **kw}
-    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    torch.manual_seed(seed)
-    if vlm:
-        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
-        cfg = transformers.Qwen3_5Config(
-            text_config=text,
-            vision_config=vision,
-            tie_word_embeddings=tie,
-            image_token_id=V - 4,
-            video_token_id=V - 3,
-            vision_start_token_id=V - 2,
-            vision_end_token_id=V - 1,
-        )
-        model = transformers.Qwen3_5ForConditionalGeneration(cfg)
-    else:
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(tie_word_embeddings=tie, **text))
-    _randomize(model.eval(), seed)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 def hf_model(path: str):

@@ -9,17 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from batch_helpers import read_output, write_jsonl
-from conftest import save_tiny_hf
+from helpers import SMOL_TEMPLATE, chat_requests, read_output, reference_engine, tokenizer_dir, write_jsonl
 
 from dspine_batch.cli import main
-from dspine_batch.engine import Request, SamplingParams
+from dspine_batch.engine import SamplingParams
 from dspine_batch.tokenizer import HFTokenizer
 
-SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-                 "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
-                 "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 FANCY_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
                   "{% set messages = messages[1:] %}{% else %}{% set sys = 'none' %}{% endif %}"
                   "[SYS {{ sys | tojson }}]\n"
@@ -27,25 +22,6 @@ FANCY_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set
                   "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
                   "  {{ m['role'] | upper }}: {{ m['content'] | trim }}{% if not loop.last %}\n{% endif %}"
                   "{% endfor %}{% if add_generation_prompt %}\nASSISTANT:{% endif %}")
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-
-
-def _tokenizer_dir(path, template):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, what is two plus two? the answer is four. café ünïcode"] * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>", "chat_template": template}))
-    return tok.get_vocab_size()
-
-
 MESSAGES = [
     [{"role": "user", "content": "hello world"}],
     [{"role": "system", "content": "be brief, café"}, {"role": "user", "content": " what is two plus two? "},
@@ -56,7 +32,7 @@ MESSAGES = [
 @pytest.mark.parametrize("template", [SMOL_TEMPLATE, FANCY_TEMPLATE])
 def test_chat_template_matches_transformers(tmp_path, template):
     transformers = pytest.importorskip("transformers")
-    _tokenizer_dir(tmp_path, template)
+    tokenizer_dir(tmp_path, template)
     ours = HFTokenizer(tmp_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     for msgs in MESSAGES:
@@ -68,7 +44,7 @@ def test_chat_template_matches_transformers(tmp_path, template):
 
 
 def test_template_errors_are_row_errors(tmp_path):
-    _tokenizer_dir(tmp_path, FANCY_TEMPLATE)
+    tokenizer_dir(tmp_path, FANCY_TEMPLATE)
     with pytest.raises(ValueError, match="bad role tool"):
         HFTokenizer(tmp_path).render([{"role": "tool", "content": "x"}])
 
@@ -79,48 +55,18 @@ def _cost_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "dspine-cache"))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama target with a tokenizer, and a random DSpine draft for it."""
-    import torch
-
-    from dspine import init_draft, load_target
-
-    d = tmp_path_factory.mktemp("tiny")
-    vocab = _tokenizer_dir(d, SMOL_TEMPLATE)
-    save_tiny_hf(d, "llama", vocab=vocab, layers=2, max_position_embeddings=96)
-    torch.manual_seed(0)
-    draft_dir = tmp_path_factory.mktemp("tiny_draft")
-    init_draft(load_target(d), num_layers=1, block_size=4).save(draft_dir)
-    return d, draft_dir
-
-
-def _engine(tiny, draft=True, **args):
-    from dspine_batch.reference_engine import ReferenceEngine
-
-    model, draft_dir = tiny
-    return ReferenceEngine.load(str(model), str(draft_dir) if draft else "none", args)
-
-
-def _requests(engine, n=4, **p):
-    texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
-    return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
-                    SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
-            for i in range(n)]
-
-
 def test_engine_matches_dspine_generate_and_reports_stats(tiny):
     from dspine import generate
 
-    eng = _engine(tiny, batch_size="8", verify="fixed")
-    reqs = _requests(eng)
+    eng = reference_engine(tiny, batch_size="8", verify="fixed")
+    reqs = chat_requests(eng)
     got = list(eng.run(iter(reqs), max_in_flight=8))
     want = generate(eng.target, eng.draft, [r.prompt_ids for r in reqs], max_new_tokens=5,
                     stop_token_ids=list(reqs[0].params.stop_token_ids))
     assert [r.token_ids for r in got] == [w.token_ids for w in want]
     assert all(r.verify_steps and r.accept_histogram and len(r.accept_histogram) == 5 for r in got)
     assert all(r.finish_reason in ("stop", "length") and r.error is None for r in got)
-    plain = list(_engine(tiny, draft=False).run(iter(reqs), 8))
+    plain = list(reference_engine(tiny, draft=False).run(iter(reqs), 8))
     assert [r.token_ids for r in plain] == [r.token_ids for r in got]  # lossless: same greedy output
     assert all(r.verify_steps is None and r.accept_length is None for r in plain)
 
@@ -131,11 +77,11 @@ def test_cost_aware_verification_is_the_default(tiny, tmp_path):
     from dspine import cost as cost_mod
     from dspine_batch.errors import UsageError
 
-    eng = _engine(tiny, batch_size="2")
+    eng = reference_engine(tiny, batch_size="2")
     assert eng.verify == "cost" and eng.identity()["verify"] == "cost"
-    reqs = _requests(eng, n=5)
+    reqs = chat_requests(eng, n=5)
     got = list(eng.run(iter(reqs), 8))
-    plain = list(_engine(tiny, draft=False).run(iter(reqs), 8))
+    plain = list(reference_engine(tiny, draft=False).run(iter(reqs), 8))
     assert sorted((r.row_id, r.token_ids) for r in got) == sorted((r.row_id, r.token_ids) for r in plain)
     assert all(r.verify_steps is not None and r.draft_tokens_proposed is not None for r in got)
     cached = list((tmp_path / "dspine-cache" / "cost").glob("*.json"))
@@ -147,18 +93,18 @@ def test_cost_aware_verification_is_the_default(tiny, tmp_path):
     orig = cost_mod.calibrate
     cost_mod.calibrate = no_calibration
     try:
-        again = list(_engine(tiny, batch_size="2").run(iter(reqs), 8))
+        again = list(reference_engine(tiny, batch_size="2").run(iter(reqs), 8))
     finally:
         cost_mod.calibrate = orig
     assert [r.token_ids for r in again] == [r.token_ids for r in got]
     with pytest.raises(UsageError, match="verify=always: expected cost or fixed"):
-        _engine(tiny, verify="always")
+        reference_engine(tiny, verify="always")
 
 
 def test_rows_stream_back_as_they_finish(tiny):
     """A short request is handed back before a long one that started with it; admission stays lazy."""
-    eng = _engine(tiny, batch_size="2")
-    reqs = _requests(eng, n=4)
+    eng = reference_engine(tiny, batch_size="2")
+    reqs = chat_requests(eng, n=4)
     for r, m in zip(reqs, [40, 2, 40, 2]):
         r.params = SamplingParams(max_new_tokens=m, stop_token_ids=())
     keys = [r.row_id for r in eng.run(iter(reqs), 8)]
@@ -180,15 +126,16 @@ def test_dynamic_threshold_engine_arg(tiny, tmp_path):
         d.confidence_head.proj.bias.fill_(-2.0)  # c = 0.12 everywhere: below 0.5, so every proposal stops at 0
     d.confidence_trained = True
     d.save(tmp_path / "fitted")
-    reqs = _requests(_engine(tiny))
-    full = list(_engine(tiny, verify="fixed").run(iter(reqs), 8))
-    cut = list(_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5", verify="fixed").run(iter(reqs), 8))
+    reqs = chat_requests(reference_engine(tiny))
+    full = list(reference_engine(tiny, verify="fixed").run(iter(reqs), 8))
+    cut = list(reference_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5", verify="fixed")
+               .run(iter(reqs), 8))
     assert [r.token_ids for r in cut] == [r.token_ids for r in full]
     assert all(r.draft_tokens_proposed == 0 for r in cut) and all(r.draft_tokens_proposed > 0 for r in full)
-    unfitted = _engine(tiny, dynamic_threshold="0.5")
+    unfitted = reference_engine(tiny, dynamic_threshold="0.5")
     assert unfitted.dynamic_threshold is None and "dynamic_threshold" not in unfitted.identity()
     with pytest.raises(UsageError, match="expected a number"):
-        _engine(tiny, dynamic_threshold="high")
+        reference_engine(tiny, dynamic_threshold="high")
 
 
 def test_decode_json_defaults_and_overrides(tiny, tmp_path):
@@ -203,22 +150,22 @@ def test_decode_json_defaults_and_overrides(tiny, tmp_path):
     d = tmp_path / "draft"
     shutil.copytree(draft_dir, d)
     (d / "decode.json").write_text(json.dumps({"_measured": "BENCHMARKS.md", "block_size": 3}))
-    assert _engine((model, d)).block_size == 3
-    assert _engine((model, d), block_size="4").block_size == 4
-    assert _engine((model, d)).identity()["block_size"] == 3
+    assert reference_engine((model, d)).block_size == 3
+    assert reference_engine((model, d), block_size="4").block_size == 4
+    assert reference_engine((model, d)).identity()["block_size"] == 3
     with pytest.raises(UsageError, match="supports 2..4"):
-        _engine((model, d), block_size="9")
+        reference_engine((model, d), block_size="9")
     (d / "decode.json").write_text(json.dumps({"block_size": "eight"}))
     with pytest.raises(UsageError, match=r"decode\.json: block_size must be an integer"):
-        _engine((model, d))
+        reference_engine((model, d))
     (d / "decode.json").write_text(json.dumps({"speed": 1}))
     with pytest.raises(UsageError, match="unknown key 'speed'"):
-        _engine((model, d))
+        reference_engine((model, d))
 
 
 def test_per_request_sampling_and_bounded_batches(tiny):
-    eng = _engine(tiny, draft=False, batch_size="2")
-    reqs = _requests(eng, n=3, temperature=1.0, seed=3)
+    eng = reference_engine(tiny, draft=False, batch_size="2")
+    reqs = chat_requests(eng, n=3, temperature=1.0, seed=3)
     a = [r.token_ids for r in eng.run(iter(reqs), 8)]
     b = [r.token_ids for r in eng.run(iter(reqs), 1)]  # different batching, same seeds -> same samples
     assert a == b
@@ -235,8 +182,8 @@ def test_per_request_sampling_and_bounded_batches(tiny):
 
 
 def test_overlong_request_fails_alone(tiny):
-    eng = _engine(tiny, draft=False)
-    reqs = _requests(eng, n=3)
+    eng = reference_engine(tiny, draft=False)
+    reqs = chat_requests(eng, n=3)
     reqs[1].prompt_ids = reqs[1].prompt_ids * 10  # longer than the 96-token context
     out = {r.row_id: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
     assert out["r0"].error is None and out["r2"].error is None

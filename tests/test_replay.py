@@ -13,7 +13,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_qwen3_5 import V, save_tiny_qwen35
+from helpers import QWEN35_VOCAB as V
+from helpers import save_tiny_qwen35
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from dspine import gdn, replay

@@ -18,7 +18,16 @@ import pytest
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
 
-from batch_helpers import ROOT, prompts, read_output, write_jsonl  # noqa: E402
+from helpers import (  # noqa: E402
+    ROOT,
+    SMOL_TEMPLATE,
+    prompts,
+    read_output,
+    save_random_draft,
+    save_tiny_hf,
+    tokenizer_dir,
+    write_jsonl,
+)
 
 from dspine_batch.resume import list_parts  # noqa: E402
 
@@ -27,15 +36,11 @@ ROWS = 8
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from conftest import save_tiny_hf
-    from sglang_cpu_models import _draft
-    from test_reference_engine import SMOL_TEMPLATE, _tokenizer_dir
-
     d = tmp_path_factory.mktemp("sglang_cli_model")
-    vocab = _tokenizer_dir(d, SMOL_TEMPLATE)
+    vocab = tokenizer_dir(d, SMOL_TEMPLATE)
     save_tiny_hf(d, "qwen3", vocab=vocab, layers=3, max_position_embeddings=4096)
     draft = tmp_path_factory.mktemp("sglang_cli_draft")
-    _draft(str(d), draft, seed=3)
+    save_random_draft(str(d), draft, seed=3)
     return str(d), str(draft)
 
 

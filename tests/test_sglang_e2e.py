@@ -1,5 +1,5 @@
 """The real ``sglang.Engine`` (0.5.23) runs plain and DSPINE decoding end to end on CPU (the plugin's CPU
-bridges, ``dspine.sglang.cpu``), on tiny checkpoints built here (``sglang_cpu_models``). On a GPU
+bridges, ``dspine.sglang.cpu``), on tiny checkpoints built by ``tests/helpers.py``. On a GPU
 (``scripts/gpu_check.sh --sglang``) the same tests run on CUDA with CUDA graphs.
 
 Each engine start costs 1-2 minutes on a small CPU, so every engine is started once per module and runs its
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.sglang
 sglang = pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
 
 import torch  # noqa: E402
-from sglang_cpu_models import BLOCK, constant_pair, on_gpu, random_pair, run_engine  # noqa: E402
+from helpers import SGLANG_BLOCK as BLOCK  # noqa: E402
+from helpers import constant_pair, on_gpu, random_pair, run_engine  # noqa: E402
 
 from dspine.sglang.worker import PROPOSAL_LOG_ENV  # noqa: E402
 

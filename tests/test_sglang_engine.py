@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeEngine, FakeTokenizer
 
-from dspine_batch import sglang_args, sglang_stats
 from dspine_batch import sglang_engine as se
+from dspine_batch import sglang_stats
 from dspine_batch.engine import Request, Result, SamplingParams
 from dspine_batch.errors import UsageError
 
@@ -142,7 +142,7 @@ def test_sampling_params_mapping():
 
 def _engine(fake: FakeEngine, **kw) -> se.SGLangEngine:
     return se.SGLangEngine(fake, FakeTokenizer(), {"engine": "sglang"}, kw.pop("block", 4), 4096, set(),
-                           poll_seconds=kw.pop("poll", 0.05))
+                           poll_seconds=kw.pop("poll", 0.05), **kw)
 
 
 def _requests(n, pulled=None, **params):
@@ -221,8 +221,7 @@ def test_engine_death_raises_and_abandons_in_flight():
 
 
 def test_dead_engine_process_is_detected():
-    eng = _engine(FakeEngine())
-    eng._watch = {_dead_pid()}
+    eng = _engine(FakeEngine(), watch_pids={_dead_pid()})
     with pytest.raises(se.EngineDied, match="exited"):
         list(eng.run(_requests(2), 2))
 
@@ -266,12 +265,8 @@ def _load(model, draft, args, seen):
         seen.update(kw)
         return FakeEngine()
 
-    old = sglang_args._sglang_parser
-    sglang_args._sglang_parser = _mini_parser
-    try:
-        return se.SGLangEngine.load(model, draft, args, engine_factory=factory, tokenizer=FakeTokenizer())
-    finally:
-        sglang_args._sglang_parser = old
+    return se.SGLangEngine.load(model, draft, args, engine_factory=factory, tokenizer=FakeTokenizer(),
+                                server_parser=_mini_parser())
 
 
 def test_load_with_a_fake_engine_builds_identity_and_kwargs(tiny_pair):

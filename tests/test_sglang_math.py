@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_draft import fill_context, make_draft
+from helpers import DRAFT_VOCAB as VOCAB
+from helpers import fill_context, make_draft, save_hf_init_qwen3
 
 from dspine.draft import CachedKeys
 from dspine.sglang import draft_math as dm
@@ -21,11 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    from test_draft import _save_qwen3
-
     from dspine.target import load_target
 
-    return load_target(_save_qwen3(tmp_path_factory.mktemp("qwen3")))
+    return load_target(save_hf_init_qwen3(tmp_path_factory.mktemp("qwen3")))
 
 
 def _sglang_style_block(draft, cache, anchor, bs_block=None):
@@ -163,8 +162,6 @@ def test_chain_accept_index_and_replayssm_steps():
 @torch.no_grad()
 def test_draft_vocab_candidates_equal_reference_greedy(target):
     """With a draft vocabulary the SGLang path takes candidates from head[vocab] and maps them back to ids."""
-    from test_draft import VOCAB
-
     draft = make_draft(target, seed=4, draft_vocab=VOCAB)
     cache, _ = fill_context(draft, [5, 12, 3])
     anchor = torch.tensor([1, 2, 250])

@@ -60,7 +60,7 @@ def _run(code: str, env: dict | None = None, timeout: int = 300) -> subprocess.C
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_qwen3_5 import save_tiny_qwen35
+    from helpers import save_tiny_qwen35
 
     from dspine import load_target
     from dspine.draft_io import init_draft

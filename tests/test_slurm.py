@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import ROOT, prompts, read_output, run_cli, write_jsonl
+from helpers import ROOT, SMOL_TEMPLATE, prompts, read_output, run_cli, save_tiny_hf, tokenizer_dir, write_jsonl
 
 ROWS, SAMPLES, SHARDS = 160, 2, 4
 DSPINE = (sys.executable, "-m", "dspine_batch.cli")  # also in the jobs: no dependence on PATH
@@ -305,15 +305,13 @@ def test_reference_engine_array_on_tiny_model(cluster, tmp_path):
     """The real (reference) engine under Slurm: a tiny random Llama + DSpine draft, 2 shards, finalize."""
     pytest.importorskip("torch")
     import torch
-    from conftest import save_tiny_hf
-    from test_reference_engine import SMOL_TEMPLATE, _tokenizer_dir
 
     from dspine import init_draft, load_target
 
     model, draft = tmp_path / "model", tmp_path / "draft"
     model.mkdir()
     draft.mkdir()
-    vocab = _tokenizer_dir(model, SMOL_TEMPLATE)
+    vocab = tokenizer_dir(model, SMOL_TEMPLATE)
     save_tiny_hf(model, "llama", vocab=vocab, layers=2, max_position_embeddings=96)
     torch.manual_seed(0)
     init_draft(load_target(model), num_layers=1, block_size=4).save(draft)

@@ -8,7 +8,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batch_helpers import prompts, read_output, run_cli, write_jsonl
+from helpers import prompts, read_output, run_cli, write_jsonl
 
 from dspine_batch.errors import FatalError, RowError, UsageError
 from dspine_batch.sources import iter_inputs, peek_rows, resolve_inputs

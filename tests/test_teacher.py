@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_train import _train_stats
+from helpers import train_stats
 
 from dspine.draft_io import init_draft
 from dspine.teacher import greedy_next, teacher_forced_targets
@@ -72,7 +72,7 @@ def test_teacher_forced_examples_train(llama_target):
     exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
     batch = [(ex, capture(llama_target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
     cfg = TrainConfig(steps=25, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
-    stats = _train_stats(draft, llama_target, batch, cfg)
+    stats = train_stats(draft, llama_target, batch, cfg)
     loss = [s["backbone"] + s["refine"] for s in stats]
     assert all(math.isfinite(x) for x in loss)
     assert max(loss[-3:]) < 0.75 * loss[0], loss

@@ -9,10 +9,14 @@ import math
 
 import pytest
 import torch
+from helpers import TINY_VOCAB as V
+from helpers import TRAIN_BS as BS
+from helpers import TRAIN_DRAFT_KW as DRAFT_KW
+from helpers import load_train_target, save_train_qwen3, train_stats
+from helpers import randomize_train_draft as randomize
 
-from dspine.draft import DSpineDraft, block_causal_mask
+from dspine.draft import block_causal_mask
 from dspine.draft_io import init_draft, load_draft
-from dspine.target import load_target
 from dspine.train import (
     TrainConfig,
     alignment_beta,
@@ -24,48 +28,21 @@ from dspine.train import (
     sample_anchors,
     schedule_step,
     train,
-    train_step,
 )
 
 transformers = pytest.importorskip("transformers")
-
-V, H, BS = 256, 64, 6
-DRAFT_KW = dict(num_layers=2, block_size=BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=V, max_position_embeddings=512, tie_word_embeddings=True,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("qwen3")
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_train_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    t = load_target(target_dir)
-    with torch.no_grad():
-        t.embed_tokens.weight.mul_(8.0)  # peaky teacher distributions: a random head is near uniform otherwise
-    return t
-
-
-@torch.no_grad()
-def randomize(draft: DSpineDraft, seed: int = 1) -> DSpineDraft:
-    """Non-zero injection writes and G_pred, so the parity test covers every path (init has them at zero)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in draft.named_parameters():
-        if name.startswith("injection.") and not name.startswith("injection.readouts"):
-            p.normal_(0.0, 0.1 if name == "injection.bias" else 0.3, generator=g)
-        elif p.dim() == 2 and not name.startswith("injection.readouts"):
-            p.normal_(0.0, 0.08, generator=g)
-    return draft
+    return load_train_target(target_dir)
 
 
 def _sequence(T: int = 40, prompt: int = 10, seed: int = 0):
@@ -150,23 +127,9 @@ def test_labels_cut_at_first_unsupervised_slot():
     assert w[0, 2:].tolist() == [0.0, 0.0]  # cut at token 7 and everything after it
 
 
-def _train_stats(draft, target, batch, cfg: TrainConfig) -> list[dict]:
-    """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; its stats per step."""
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr)
-    gen = torch.Generator().manual_seed(0)
-    stats = []
-    for step in range(cfg.steps):
-        opt.zero_grad()
-        stats.append(train_step(draft, target, batch, step, cfg, gen))
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-    return stats
-
-
 def _train_losses(draft, target, batch, cfg: TrainConfig) -> list[float]:
-    """Backbone + refine loss per step of ``_train_stats``."""
-    return [s["backbone"] + s["refine"] for s in _train_stats(draft, target, batch, cfg)]
+    """Backbone + refine loss per step of ``train_stats``."""
+    return [s["backbone"] + s["refine"] for s in train_stats(draft, target, batch, cfg)]
 
 
 def test_training_smoke_loss_falls(target):
