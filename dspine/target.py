@@ -24,6 +24,19 @@ from .cache import ModelCache
 from .checkpoint import ModelLoadError, read_config
 
 
+def head_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, H] @ weight[V, H].T -> [M, V], computed as (weight @ x.T).T, with one row padded to two.
+
+    Why: for a large head (49k x 576) and a few rows, MKL's x @ W.T path is pathological on some CPUs (AMD
+    EPYC, 2 threads: 18 ms for 2 rows, 26 ms for 3, vs 2.7 / 4.2 ms for W @ x.T), and one row goes to a
+    single-threaded GEMV (7.2 ms) where two rows through the GEMM take 2.7 ms. Each output row is the same dot
+    products either way; only the kernel (and so the fp32 rounding) differs. ``scripts/bench_step.py``.
+    """
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        return (weight @ x.repeat(2, 1).T)[:, :1].T  # a stride-0 expand is slow here: copy the row
+    return (weight @ x.T).T
+
+
 @dataclass
 class TargetOutput:
     hidden: torch.Tensor  # [B, T, H] after the final norm (feed to ``logits``)
@@ -65,7 +78,7 @@ class Target(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         head = getattr(self, "quant_head", None)  # a submodule set by ``quantize`` (no class default: it would
         # shadow the registered module)
-        out = head(flat.to(self.dtype)) if head is not None else flat @ self.head_weight.T
+        out = head(flat.to(self.dtype)) if head is not None else head_matmul(self.head_weight, flat)
         return out.float().view(*hidden.shape[:-1], -1)
 
     def quantize(self, mode: str) -> Target:
