@@ -200,6 +200,7 @@ class _Config:
     cost: CostModel | None
     nominal_rows: int
     taps: tuple[int, ...]
+    accept_prior: float | None = None
 
 
 def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +227,7 @@ def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
     if cfg.draft is not None:
         dcache = cfg.draft.new_cache(len(rows), cap)
         cfg.draft.extend_context(dcache, out.taps, lens)
-        hist = History.empty(len(rows), cfg.block_size - 1)
+        hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
     for r, t in zip(rows, first):
         r.push([t])
     return _Batch(rows, cache, dcache, hist)
@@ -332,13 +333,16 @@ def decode_stream(
     dynamic_threshold: float | None = None,
     verify: str = "fixed",
     cost: CostModel | None = None,
+    accept_prior: float | None = None,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
 
     Speculative when ``draft`` is given. ``verify``: "fixed" verifies every drafted token (up to the draft's
     own ``dynamic_threshold`` stop); "cost" chooses ℓ per row and round (``schedule.py``) with ``cost`` (default:
-    calibrated on first use). A request that cannot run is yielded at once with ``finish_reason="error"``.
+    calibrated on first use); ``accept_prior`` is the per-slot acceptance it assumes for a row before that row
+    has evidence (default ``schedule.PRIOR_ACCEPT``; a draft's ``decode.json`` may carry its measured one). A
+    request that cannot run is yielded at once with ``finish_reason="error"``.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -349,7 +353,7 @@ def decode_stream(
     if draft is not None and verify == "cost" and cost is None:
         cost = _cost_model(target, draft, batch_size, bs)
     cfg = _Config(draft, bs, dynamic_threshold, verify, cost, batch_size,
-                  tuple(draft.target_layer_ids) if draft is not None else ())
+                  tuple(draft.target_layer_ids) if draft is not None else (), accept_prior)
     extra = bs if draft is not None else 0
     source = enumerate(requests)
     exhausted = False

@@ -126,8 +126,9 @@ DECODE_DEFAULTS = "decode.json"
 
 
 def read_decode_defaults(path: str | Path) -> dict:
-    """Measured decode settings shipped beside a draft (``decode.json``): ``block_size`` and/or
-    ``dynamic_threshold``, used by engines when the user sets none. Absent file: ``{}``.
+    """Measured decode settings shipped beside a draft (``decode.json``): ``block_size``,
+    ``dynamic_threshold`` and/or ``accept_prior`` (the per-slot acceptance cost-aware verification assumes before
+    a row has evidence), used by engines when the user sets none. Absent file: ``{}``.
 
     They live outside ``config.json`` because they describe the hardware the draft was measured on (a CPU
     wants shorter verify blocks than a GPU), not the model; ``BENCHMARKS.md`` holds the measurements.
@@ -148,10 +149,10 @@ def read_decode_defaults(path: str | Path) -> dict:
         if key == "block_size":
             if not isinstance(value, int) or isinstance(value, bool) or value < 2:
                 raise ModelLoadError(f"{f}: block_size must be an integer >= 2, got {value!r}")
-        elif key == "dynamic_threshold":
+        elif key in ("dynamic_threshold", "accept_prior"):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
-                raise ModelLoadError(f"{f}: dynamic_threshold must be a number in [0, 1], got {value!r}")
+                raise ModelLoadError(f"{f}: {key} must be a number in [0, 1], got {value!r}")
         else:
-            raise ModelLoadError(f"{f}: unknown key {key!r} (block_size, dynamic_threshold)")
+            raise ModelLoadError(f"{f}: unknown key {key!r} (block_size, dynamic_threshold, accept_prior)")
         out[key] = value
     return out

@@ -44,13 +44,14 @@ class History:
 
     trials: torch.Tensor
     hits: torch.Tensor
+    prior: float = PRIOR_ACCEPT  # per-slot acceptance assumed before evidence (a draft's measured one, if known)
 
     @staticmethod
-    def empty(rows: int, slots: int) -> History:
-        return History(torch.zeros(rows, slots), torch.zeros(rows, slots))
+    def empty(rows: int, slots: int, prior: float | None = None) -> History:
+        return History(torch.zeros(rows, slots), torch.zeros(rows, slots), PRIOR_ACCEPT if prior is None else prior)
 
     def select(self, idx: list[int]) -> History:
-        return History(self.trials[idx], self.hits[idx])
+        return History(self.trials[idx], self.hits[idx], self.prior)
 
     def assign(self, slots: list[int], other: History) -> None:
         self.trials[slots] = other.trials
@@ -58,11 +59,11 @@ class History:
 
     @staticmethod
     def concat(parts: list[History]) -> History:
-        return History(torch.cat([p.trials for p in parts]), torch.cat([p.hits for p in parts]))
+        return History(torch.cat([p.trials for p in parts]), torch.cat([p.hits for p in parts]), parts[0].prior)
 
     def survival(self) -> torch.Tensor:
         """a [rows, slots]: estimated probability that drafts 1..j+1 are all accepted."""
-        rate = (self.hits + PRIOR_ACCEPT * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+        rate = (self.hits + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
         return rate.cumprod(-1)
 
     def update(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:

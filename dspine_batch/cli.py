@@ -157,6 +157,7 @@ def cli() -> None:
                  "verify (cost: per row and round, verify as many drafts as pay for themselves, 0 = a plain "
                  "step; fixed: always the whole block), "
                  "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
+                 "accept_prior (per-slot acceptance assumed before a row has evidence), "
                  "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
 @env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")

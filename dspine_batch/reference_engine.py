@@ -23,6 +23,7 @@ from .stop_strings import cut_at_stop
 from .tokenizer import HFTokenizer
 
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
+        "accept_prior": float,
         "dtype": str, "quant": str}
 
 
@@ -86,7 +87,8 @@ class ReferenceEngine:
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
-                 verify: str = "cost", precision: dict[str, str] | None = None):
+                 verify: str = "cost", precision: dict[str, str] | None = None,
+                 accept_prior: float | None = None):
         self.target, self.draft, self.tok = target, draft, tokenizer
         self.model_path, self.draft_path = model_path, draft_path
         self.batch_size = batch_size
@@ -104,6 +106,9 @@ class ReferenceEngine:
             self._identity["quant"] = precision["quant"]
         if self.dynamic_threshold is not None:
             self._identity["dynamic_threshold"] = self.dynamic_threshold
+        self.accept_prior = accept_prior if draft is not None else None
+        if self.accept_prior is not None:  # changes which rounds draft, so sampled tokens: part of the identity
+            self._identity["accept_prior"] = self.accept_prior
         self.verify = verify
         if draft is not None:
             self._identity["verify"] = verify
@@ -148,7 +153,8 @@ class ReferenceEngine:
         if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
             raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
-                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe())
+                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe(),
+                   opts.get("accept_prior", defaults.get("accept_prior")))
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -188,7 +194,7 @@ class ReferenceEngine:
 
         stream = decode_stream(self.target, self.draft, feed(), size,
                                self.block_size if self.draft is not None else None, self.dynamic_threshold,
-                               self.verify, self._cost(size))
+                               self.verify, self._cost(size), self.accept_prior)
         try:
             for i, out in stream:
                 req = pending.pop(i)

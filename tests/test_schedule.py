@@ -71,3 +71,32 @@ def test_sampled_rows_pay_their_own_draft_block_not_the_batch_widest():
     # the sunk draft time does matter: had the row itself drafted a block of 4, one check would pay
     assert mine.tolist() == [0]
     assert plan(a[:1], torch.tensor([False]), cost, 4, cap=torch.tensor([1]), row_blocks=torch.tensor([4])) == 1
+
+
+def test_history_prior_is_the_rate_before_evidence_and_survives_select_and_concat():
+    h = History.empty(2, 3, prior=0.2)
+    assert torch.allclose(h.survival(), torch.tensor([0.2, 0.04, 0.008]).expand(2, 3))
+    assert History.empty(1, 3).prior == 0.6  # the library default when a draft ships none
+    joined = History.concat([h.select([0]), History.empty(1, 3, prior=0.2)])
+    assert joined.prior == 0.2 and joined.trials.shape == (2, 3)
+    # evidence moves the estimate away from the prior: 3 hits in 3 trials of slot 0
+    joined.update(torch.tensor([1, 0]), torch.tensor([1, 0]))
+    joined.update(torch.tensor([1, 0]), torch.tensor([1, 0]))
+    joined.update(torch.tensor([1, 0]), torch.tensor([1, 0]))
+    a = joined.survival()
+    assert a[0, 0] > 0.5 and abs(float(a[1, 0]) - 0.2) < 1e-6
+
+
+def test_decode_json_accept_prior_is_checked(tmp_path):
+    import json
+
+    import pytest
+
+    from dspine.checkpoint import ModelLoadError
+    from dspine.draft_io import read_decode_defaults
+
+    (tmp_path / "decode.json").write_text(json.dumps({"accept_prior": 0.35, "block_size": 3}))
+    assert read_decode_defaults(tmp_path) == {"accept_prior": 0.35, "block_size": 3}
+    (tmp_path / "decode.json").write_text(json.dumps({"accept_prior": 1.5}))
+    with pytest.raises(ModelLoadError, match="accept_prior must be a number in"):
+        read_decode_defaults(tmp_path)
