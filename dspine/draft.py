@@ -42,7 +42,7 @@ from .checkpoint import ModelLoadError
 from .draft_config import parse_draft_config
 from .layers import RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, position_mask
 from .llama import Attention
-from .target import Target
+from .target import Target, head_matmul
 
 INIT_STD = 0.02  # HF ``initializer_range`` default for Qwen3/Llama
 
@@ -344,7 +344,7 @@ class DSpineDraft(nn.Module):
             return target.logits(hidden.to(target.dtype))
         w = self.head(target)
         flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype).contiguous()
-        return (flat @ w.T).float().view(*hidden.shape[:-1], -1)
+        return head_matmul(w, flat).float().view(*hidden.shape[:-1], -1)
 
     def vocab_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the draft vocabulary -> target token ids (identity without a draft vocab)."""

@@ -27,9 +27,10 @@ from .checkpoint import ModelLoadError, read_config
 def head_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [M, H] @ weight[V, H].T -> [M, V], computed as (weight @ x.T).T, with one row padded to two.
 
-    Why: for a large head (49k x 576) and a few rows, MKL's x @ W.T path is pathological on some CPUs (AMD
-    EPYC, 2 threads: 18 ms for 2 rows, 26 ms for 3, vs 2.7 / 4.2 ms for W @ x.T), and one row goes to a
-    single-threaded GEMV (7.2 ms) where two rows through the GEMM take 2.7 ms. Each output row is the same dot
+    Used for the target head and for the draft's head over its vocabulary. Why: for a large head (49k x 576)
+    and a few rows, MKL's x @ W.T path is pathological on some CPUs (AMD EPYC, 2 threads: 18 ms for 2 rows,
+    26 ms for 3, vs 2.7 / 4.2 ms for W @ x.T), and one row goes to a single-threaded GEMV (7.2 ms) where two
+    rows through the GEMM take 2.7 ms. Each output row is the same dot
     products either way; only the kernel (and so the fp32 rounding) differs. ``scripts/bench_step.py``.
     """
     if x.shape[0] == 1 and x.device.type == "cpu":
