@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .disk_cache import cache_root
+
 CALIBRATION_CONTEXT = 32  # context tokens per row during calibration (short: attention is not what we rank)
 MAX_CALIBRATION_ROWS = 32  # beyond this the cost is extrapolated linearly in rows
 
@@ -154,14 +156,24 @@ def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budg
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DSPINE_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspine"
-    return Path(root).expanduser() / "cost"
+    return cache_root() / "cost"
+
+
+def _code_version() -> str:
+    """A digest of the modules a forward's time depends on, so a change to the step invalidates old timings."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in ("layers.py", "llama.py", "qwen3_5.py", "cache.py", "draft.py", "proposal.py", "kernels.py",
+                 "csrc/linear.cpp", "target.py"):
+        try:
+            digest.update((here / name).read_bytes())
+        except OSError:
+            pass
+    return digest.hexdigest()[:12]
 
 
 def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
-    """Everything the measured times depend on: models, CPU, threads, dtype, calibrated shape."""
+    """Everything the measured times depend on: models, CPU, threads, dtype, kernels, our code, the shape."""
     key = {
         "identity": identity,
         "cpu": _cpu_name(),
@@ -171,6 +183,8 @@ def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
         "rows": max(1, min(int(max_rows), MAX_CALIBRATION_ROWS)),
         "block": int(block_size),
         "torch": torch.__version__,
+        "kernel": getattr(target, "kernel", "torch"),
+        "code": _code_version(),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

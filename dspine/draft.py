@@ -280,7 +280,8 @@ class DSpineDraft(nn.Module):
             self.register_buffer("draft_vocab", torch.arange(spec.draft_vocab_size))
         else:
             self.draft_vocab = None
-        self._head_rows: tuple[tuple, torch.Tensor] | None = None
+        self._head_rows: tuple[tuple, torch.Tensor, nn.Module | None] | None = None
+        self._kernels = False  # ``use_kernels`` ran: inference only
         self.rotary = Rotary(RopeSpec.from_config(cfg, spec.head_dim))
 
     # -- basics ----------------------------------------------------------------------------------------------
@@ -292,6 +293,20 @@ class DSpineDraft(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
+
+    def use_kernels(self) -> DSpineDraft:
+        """Inference only: the fp32 linears and the draft-vocabulary head through ``dspine.kernels`` (see
+        ``Target.use_kernels``); a no-op off the CPU, for other dtypes or where the kernels cannot be built. A
+        draft so packed can no longer be trained or saved."""
+        from .kernels import fuse_norms, load, pack_linears
+
+        if self._kernels or self.dtype != torch.float32 or self.device.type != "cpu" or load() is None:
+            return self
+        pack_linears(self)
+        fuse_norms(self)
+        self._kernels = True
+        self._head_rows = None
+        return self
 
     @property
     def confidence_enabled(self) -> bool:
@@ -335,7 +350,13 @@ class DSpineDraft(nn.Module):
             return w
         key = (w.data_ptr(), w.dtype, w.device, w._version, self.draft_vocab.data_ptr())
         if self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, w.detach().index_select(0, self.draft_vocab.to(w.device)))
+            rows = w.detach().index_select(0, self.draft_vocab.to(w.device))
+            packed = None
+            if self._kernels:
+                from .kernels import PackedLinear
+
+                packed = PackedLinear(rows)
+            self._head_rows = (key, rows, packed)
         return self._head_rows[1]
 
     def head_logits(self, hidden: torch.Tensor, target: Target) -> torch.Tensor:
@@ -344,7 +365,9 @@ class DSpineDraft(nn.Module):
             return target.logits(hidden.to(target.dtype))
         w = self.head(target)
         flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype).contiguous()
-        return head_matmul(w, flat).float().view(*hidden.shape[:-1], -1)
+        packed = self._head_rows[2]
+        out = packed(flat) if packed is not None and flat.dtype == torch.float32 else head_matmul(w, flat)
+        return out.float().view(*hidden.shape[:-1], -1)
 
     def vocab_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the draft vocabulary -> target token ids (identity without a draft vocab)."""
@@ -573,6 +596,8 @@ class DSpineDraft(nn.Module):
         """Write the checkpoint (``draft_io.save_draft``)."""
         from .draft_io import save_draft  # draft_io builds DSpineDraft: import it late
 
+        if self._kernels:
+            raise RuntimeError("this draft's linears were packed for inference (use_kernels): it cannot be saved")
         save_draft(self, path)
 
     @torch.no_grad()

@@ -190,6 +190,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up: nn.Linear | None = None
+        self.fast = False  # fused gate/up and our SiLU-gate op (``Target.use_kernels``; inference only)
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
@@ -198,5 +199,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fast:
+            from .kernels import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))

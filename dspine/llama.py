@@ -32,6 +32,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.qkv_proj: nn.Linear | None = None
+        self.fast = False  # RoPE + cache store and attention through dspine.kernels (``Target.use_kernels``)
 
     def fuse(self) -> None:
         """Inference only: q/k/v as one projection (one GEMM per layer instead of three)."""
@@ -52,6 +53,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.fast:  # the same computation in two fused calls
+            from . import kernels
+
+            kv.ensure(at.upto)
+            q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
+            return self.o_proj(kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.head_dim**-0.5))
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         kv.write(at.pos, k, v.transpose(1, 2), upto=at.upto, rows=at.rows)

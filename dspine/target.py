@@ -77,8 +77,8 @@ class Target(nn.Module):
         # One contiguous 2-D GEMM: a strided 3-D input (e.g. block slots 1..) falls back to a slow batched
         # matmul on CPU (measured 176 ms vs 56 ms for a draft block at batch 8).
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        head = getattr(self, "quant_head", None)  # a submodule set by ``quantize`` (no class default: it would
-        # shadow the registered module)
+        head = getattr(self, "infer_head", None)  # a submodule set by ``quantize``/``use_kernels`` (no class
+        # default: it would shadow the registered module)
         out = head(flat.to(self.dtype)) if head is not None else head_matmul(self.head_weight, flat)
         return out.float().view(*hidden.shape[:-1], -1)
 
@@ -96,9 +96,38 @@ class Target(nn.Module):
         quantize_linears(self.layers, mode)
         # int4 keeps an int8 head, like the 4-bit GGUFs (Q4_1 layers, Q8_0 token embedding/head): the head's
         # errors land directly on the logits
-        self.quant_head = quantized_linear(self.head_weight, "int8" if mode == "int4" else mode)
+        self.infer_head = quantized_linear(self.head_weight, "int8" if mode == "int4" else mode)
         if self.lm_head is not None:  # untied: logits no longer need the float copy, but the draft does
             self.lm_head.requires_grad_(False)
+        return self
+
+    @property
+    def kernel(self) -> str:
+        """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``torch``, or a quant mode."""
+        return getattr(self, "_kernel", "torch")
+
+    def use_kernels(self) -> Target:
+        """Inference only: every fp32 decoder linear and the head through ``dspine.kernels`` (decode-shaped
+        GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
+        dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay)."""
+        from .kernels import PackedLinear, fuse_norms, load, pack_linears
+
+        if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
+            return self
+        isa = load()
+        if isa is None:
+            return self
+        if not any(getattr(m, "qkv_proj", None) is not None for m in self.modules()):
+            self.fuse_projections()  # one streamed weight per input instead of two or three
+        pack_linears(self.layers)
+        fuse_norms(self)
+        for m in self.modules():
+            if hasattr(m, "fast"):
+                m.fast = True
+        self.infer_head = PackedLinear(self.head_weight)  # a packed copy; the float one stays for embed/draft
+        if self.lm_head is not None:
+            self.lm_head.requires_grad_(False)
+        self._kernel = f"dspine-{isa}"
         return self
 
     def fuse_projections(self) -> Target:
@@ -170,13 +199,15 @@ def load_target(
     device: str | torch.device = "cpu",
     quant: str = "none",
     fuse: bool = False,
+    kernels: bool = True,
 ) -> Target:
     """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target.
 
     ``fuse`` merges projections that share an input (see ``Target.fuse_projections``): off by default, since on
     the 2-core AVX-512 EPYC it measured 0.76-0.96x on one-token steps and 0.88-1.42x on 8-token verifies
     (``scripts/bench_step.py``, a loaded machine); ``quant`` ("none", "int8", "int4") makes the linears
-    weight-only quantized (``dspine.quant``; CPU kernels).
+    weight-only quantized (``dspine.quant``; CPU kernels). ``kernels`` (fp32 on CPU, no quant) runs the linears
+    through ``dspine.kernels`` where they build (``Target.use_kernels``); the model is then inference-only.
     """
     path = Path(path)
     cfg = read_config(path)
@@ -199,4 +230,7 @@ def load_target(
     model = cls.from_pretrained(path, cfg, dtype=dtype, device=device)
     if fuse:
         model.fuse_projections()
-    return model.quantize(quant)
+    model.quantize(quant)
+    if kernels and quant == "none":
+        model.use_kernels()
+    return model

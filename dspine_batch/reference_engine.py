@@ -102,6 +102,9 @@ class ReferenceEngine:
         # so fingerprints of existing fp32 runs stay the same)
         precision = precision or {}
         self._identity["dtype"] = precision.get("dtype", "float32")
+        kernel = getattr(target, "kernel", "torch")
+        if kernel != "torch":  # our linears round differently from torch's (fingerprints of torch runs unchanged)
+            self._identity["kernel"] = kernel
         if precision.get("quant", "none") != "none":
             self._identity["quant"] = precision["quant"]
         if self.dynamic_threshold is not None:
@@ -140,7 +143,7 @@ class ReferenceEngine:
         draft_path = resolve_draft(draft, model)
         try:
             target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
-            drafter = load_draft(draft_path) if draft_path else None
+            drafter = load_draft(draft_path).use_kernels() if draft_path else None
             defaults = read_decode_defaults(draft_path) if draft_path else {}
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e

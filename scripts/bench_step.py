@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Target step cost per setting, side by side in one process: fp32 vs fp32 with fused projections, bf16,
-int8 and int4 weight-only.
+"""Target step cost per setting, side by side in one process: fp32 with torch's linears, fp32 with our
+kernels (dspine.kernels, the default), fp32 torch with fused projections, bf16, int8 and int4 weight-only.
 
 Times a one-token decode step and a ``--verify``-token verify forward at each batch size, after a ~100-token
 context, rounds interleaved across settings (so machine load affects them alike); reports median ms and the
 ratio to the first setting (fp32), plus each setting's max |logit| difference from fp32 on the same inputs.
 
     python scripts/bench_step.py --batch 1 8 --reps 20
+    python scripts/bench_step.py --settings fp32_torch fp32 --batch 1 8 32 --verify 4
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 from dspine import load_target
 
 SETTINGS = {
-    "fp32": dict(dtype=torch.float32),
-    "fp32_fused": dict(dtype=torch.float32, fuse=True),
+    "fp32_torch": dict(dtype=torch.float32, kernels=False),  # torch's linears and ops (MKL)
+    "fp32": dict(dtype=torch.float32),  # dspine.kernels where they build (the default)
+    "fp32_fused": dict(dtype=torch.float32, fuse=True, kernels=False),
     "bf16": dict(dtype=torch.bfloat16),
     "int8": dict(dtype=torch.bfloat16, quant="int8"),
     "int4": dict(dtype=torch.bfloat16, quant="int4"),
@@ -94,7 +96,12 @@ def main() -> None:
         report["steps"][f"batch{b}_tokens{t}"] = row
         print(json.dumps({f"batch{b}_tokens{t}": row}), flush=True)
     report["load"] = [round(x, 2) for x in os.getloadavg()]
+    report["kernels"] = {name: tg.kernel for name, tg in targets.items()}
     print(json.dumps(report, indent=2))
+    print(f"\n{report['cpu']}, {report['threads']} threads, load {report['load']}: median ms (x vs {args.settings[0]})")
+    print("shape".ljust(18) + "".join(n.rjust(18) for n in args.settings))
+    for shape, row in report["steps"].items():
+        print(shape.ljust(18) + "".join(f"{row[n]['ms']:>10.1f} ({row[n]['vs_first']:.2f}x)" for n in args.settings))
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def test_hybrid_target_quantized_speculative_equals_plain(tmp_path, quant):
     """The Qwen3.5 hybrid (GDN + gated attention, fused projections) under quantization: ReplaySSM commits stay
     exact relative to the quantized target."""
     target = load_target(save_tiny_qwen35(tmp_path / "hybrid"), dtype=torch.bfloat16, quant=quant, fuse=True)
-    assert isinstance(target.quant_head, Int8Linear)  # int4 keeps an int8 head, like Q4_1 GGUFs
+    assert isinstance(target.infer_head, Int8Linear)  # int4 keeps an int8 head, like Q4_1 GGUFs
     prompts = token_prompts(3, target.vocab_size, seed=11)
     plain = generate(target, None, prompts, max_new_tokens=16)
     script = [o.token_ids for o in plain]
