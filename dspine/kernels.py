@@ -31,7 +31,11 @@ from .disk_cache import cache_root
 from .precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "ops.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("linear.cpp", "ops.cpp")]
+HEADERS = [CSRC / "vec.h"]
+QK = 32  # GGUF block length
+FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
 ISA_CFLAGS = {
     "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "avx2": ["-mavx2", "-mfma"],
@@ -68,7 +72,7 @@ def disabled(env: dict[str, str] | None = None) -> bool:
 
 
 def build_name(isa: str) -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:10]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
     torch_tag = torch.__version__.split("+")[0].replace(".", "_")
     return f"dspine_cpu_{isa}_t{torch_tag}_py{sys.version_info[0]}{sys.version_info[1]}_{digest}"
 
@@ -105,7 +109,9 @@ def _build(isa: str) -> str | None:
                            extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]], verbose=False)
         return str(torch.ops.dspine_cpu.isa())
     except Exception as e:  # no compiler / ninja, a read-only cache, a broken toolchain: torch still works
-        why = " ".join(str(e).split())[:300]
+        text = str(e)
+        errors = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() and "Error building" not in ln]
+        why = " ".join((errors[0] if errors else text).split())[:300]
         _state["why"] = why
         print(f"dspine: warning: CPU kernels unavailable, using torch's ({why})", file=sys.stderr, flush=True)
         return None
@@ -122,32 +128,136 @@ def kernel_name() -> str:
     return f"dspine-{isa}" if isa else "torch"
 
 
+def _fp16_grid(estimate: torch.Tensor, step: int) -> torch.Tensor:
+    """The float16 value ``step`` representable numbers away from ``estimate`` rounded to float16 (>= 0), as fp32."""
+    bits = estimate.clamp(min=0).half().view(torch.int16).int() + step
+    return bits.clamp(0, 0x7BFF).short().view(torch.float16).float()
+
+
+def _search(blocks: torch.Tensor, estimate: torch.Tensor, decode) -> torch.Tensor | None:
+    """Per block, the first float16 scale near ``estimate`` for which ``decode(scale)`` -> (q, values) gives
+    back the block's values exactly; None when some block has none (not a quantized weight)."""
+    scale = torch.full_like(estimate, float("nan"))
+    todo = torch.arange(estimate.numel())
+    flat_b, flat_e = blocks.reshape(-1, QK), estimate.reshape(-1)
+    for step in (0, -1, 1, -2, 2, -3, 3):
+        d = _fp16_grid(flat_e[todo], step)
+        _, values = decode(flat_b[todo], d, todo)
+        ok = (values == flat_b[todo]).all(-1)
+        scale.view(-1)[todo[ok]] = d[ok]
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            return scale
+    return None
+
+
+def exact_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """W [N, K] whose every block of 32 columns is ``d * q + m`` (q in 0..15, d and m float16), as GGUF Q4_1
+    stores it -> (q bytes [N, K/32, 16] in GGUF order, d [N, K/32], m [N, K/32]); None if W is not such a weight.
+
+    Q4_1 sets m to the block's minimum and d to (max - min) / 15, so min(W) = m and the scale is float16 within
+    a few steps of (max(W) - m) / 15; each candidate is checked by rebuilding the block in fp32 (d * q is exact
+    there, so the kernel's fused multiply-add gives the same values).
+    """
+    n, k = weight.shape
+    if k % QK or weight.dtype != torch.float32:
+        return None
+    blocks = weight.detach().reshape(n, k // QK, QK)
+    m = blocks.amin(-1)
+    if not torch.equal(m.half().float(), m):
+        return None
+    flat_m = m.reshape(-1)
+
+    def decode(b, d, idx):
+        mm = flat_m[idx][:, None]
+        q = torch.where(d[:, None] > 0, (b - mm) / d[:, None], torch.zeros_like(b)).round().clamp(0, 15)
+        return q, d[:, None] * q + mm
+
+    d = _search(blocks, (blocks.amax(-1) - m) / 15, decode)
+    if d is None:
+        return None
+    q, _ = decode(blocks.reshape(-1, QK), d.reshape(-1), torch.arange(d.numel()))
+    q = q.to(torch.uint8).reshape(n, k // QK, QK)
+    return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), d, m
+
+
+def exact_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """W [N, K] whose every block of 32 columns is ``d * q`` (q in -128..127, d float16), as GGUF Q8_0 stores
+    it -> (q [N, K/32, 32] int8, d [N, K/32]); None if W is not such a weight."""
+    n, k = weight.shape
+    if k % QK or weight.dtype != torch.float32:
+        return None
+    blocks = weight.detach().reshape(n, k // QK, QK)
+
+    def decode(b, d, idx):
+        q = torch.where(d[:, None] > 0, b / d[:, None], torch.zeros_like(b)).round().clamp(-128, 127)
+        return q, d[:, None] * q
+
+    d = _search(blocks, blocks.abs().amax(-1) / 127, decode)
+    if d is None:
+        return None
+    q, _ = decode(blocks.reshape(-1, QK), d.reshape(-1), torch.arange(d.numel()))
+    return q.to(torch.int8).reshape(n, k // QK, QK), d
+
+
 class PackedLinear(nn.Module):
     """Inference-only ``nn.Linear`` replacement whose weight is repacked for ``csrc/linear.cpp``.
 
-    The packed weight is the only copy (no float ``weight`` attribute): it is a permutation of the original,
-    zero padded to whole tiles. fp32 only.
+    The weight is stored in the most compact of ``formats`` that holds it *exactly* (Q4_1 or Q8_0 blocks
+    where the fp32 values are such blocks' values, as in a model converted from a GGUF; bfloat16 where every
+    value is one, as in a draft trained and saved in bf16; fp32 otherwise), so
+    the outputs are the fp32 weight's whatever the format. The packed copy is the only one (no ``weight``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 formats: tuple[str, ...] | None = None):
         super().__init__()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("PackedLinear needs a float32 CPU weight")
+        if load() is None:
+            raise RuntimeError(f"dspine CPU kernels unavailable: {unavailable_reason()}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", torch.ops.dspine_cpu.pack_linear(weight.detach()))
+        w = weight.detach()
+        self.format, packed = "f32", None
+        for fmt in FORMATS if formats is None else formats:
+            if fmt == "q4_1" and (blocks := exact_q4_1(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q4_1(*blocks)
+            elif fmt == "q8_0" and (blocks := exact_q8_0(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8_0(*blocks)
+            elif fmt == "bf16" and torch.equal((half := w.bfloat16()).float(), w):
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16(half)
+            if packed is not None:
+                break
+        if packed is None:
+            packed = torch.ops.dspine_cpu.pack_linear(w)
+        self.register_buffer("packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._op = {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
+                    "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16}[self.format]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        y = torch.ops.dspine_cpu.linear(flat, self.packed, self.out_features)
+        y = self._op(flat, self.packed, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(module: nn.Module) -> int:
+def weight_formats(module: nn.Module) -> dict[str, int]:
+    """How many ``PackedLinear`` under ``module`` hold their weight in each format (for the run's manifest)."""
+    counts: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            counts[m.format] = counts.get(m.format, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def pack_linears(module: nn.Module, formats: tuple[str, ...] | None = None) -> int:
     """Replace every float32 CPU ``nn.Linear`` under ``module`` by a ``PackedLinear``, in place; how many.
 
     Call ``load()`` first (this does not fall back by itself).
@@ -157,7 +267,7 @@ def pack_linears(module: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             w = getattr(child, "weight", None)
             if isinstance(child, nn.Linear) and w.dtype == torch.float32 and w.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, formats))
                 count += 1
     return count
 

@@ -106,10 +106,12 @@ class Target(nn.Module):
         """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``torch``, or a quant mode."""
         return getattr(self, "_kernel", "torch")
 
-    def use_kernels(self) -> Target:
+    def use_kernels(self, formats: tuple[str, ...] | None = None) -> Target:
         """Inference only: every fp32 decoder linear and the head through ``dspine.kernels`` (decode-shaped
         GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
-        dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay)."""
+        dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay). Weights
+        that are exactly GGUF Q4_1/Q8_0 blocks are stored as such (``formats``: which to try; outputs are the
+        fp32 weights' either way, see ``kernels.PackedLinear``)."""
         from .kernels import PackedLinear, fuse_norms, load, pack_linears
 
         if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
@@ -119,12 +121,13 @@ class Target(nn.Module):
             return self
         if not any(getattr(m, "qkv_proj", None) is not None for m in self.modules()):
             self.fuse_projections()  # one streamed weight per input instead of two or three
-        pack_linears(self.layers)
+        pack_linears(self.layers, formats)
         fuse_norms(self)
         for m in self.modules():
             if hasattr(m, "fast"):
                 m.fast = True
-        self.infer_head = PackedLinear(self.head_weight)  # a packed copy; the float one stays for embed/draft
+        self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one stays
+        # for embed and the draft
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
         self._kernel = f"dspine-{isa}"

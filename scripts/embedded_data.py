@@ -231,12 +231,16 @@ def regenerate(
 ) -> int:
     """Append ``{dataset, split, prompt_ids, response_ids}`` lines to ``out`` (greedy target responses).
 
-    Resumable: prompts whose text is already in ``out`` are skipped (a run killed mid-line loses that line
-    only), so ``time_budget_s`` (stop before a batch once exceeded) just pauses the stage. Prompts are sorted
-    by length inside each window of ``4 * batch`` so right-padded prefill wastes little while a time-boxed run
-    still covers the prompt order it was given (the caller interleaves datasets).
+    Continuous batching (``dspine.decode.decode_stream``): up to ``batch`` prompts decode together and each
+    finished response is written (and flushed) the round it finishes, while the next prompt takes its row, so
+    no batch waits for its longest response. Resumable: prompts whose text is already in ``out`` are skipped
+    (a run killed mid-line loses that line only), so ``time_budget_s`` (no new prompt is admitted once it is
+    exceeded) just pauses the stage. Prompts are sorted by length inside each window of ``4 * batch`` so
+    prefills of prompts admitted together waste little padding, while a time-boxed run still covers the
+    prompt order it was given (the caller interleaves datasets).
     """
-    from dspine import generate
+    from dspine.decode import decode_stream
+    from dspine.sampling import SamplingParams
 
     done = read_done(out)
     todo = []
@@ -248,29 +252,37 @@ def regenerate(
             todo.append((p, ids))
     w = 4 * batch
     todo = [x for i in range(0, len(todo), w) for x in sorted(todo[i : i + w], key=lambda x: len(x[1]))]
-    stop = tokenizer.eos_ids()
-    n_tok, t0 = 0, time.perf_counter()
+    sp = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(tokenizer.eos_ids()))
+    n_tok, n_done, t0 = 0, 0, time.perf_counter()
+    admitted = [0]
+
+    def requests():
+        for _, ids in todo:
+            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+                return
+            admitted[0] += 1
+            yield ids, sp
+
     bar = tqdm(total=len(todo), desc="regenerate", unit="prompt", disable=not todo)
     with out.open("a") as fh, bar:
-        for i in range(0, len(todo), batch):
-            if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
-                log(f"data time budget {time_budget_s:.0f}s reached: {i}/{len(todo)} prompts done (rerun resumes)")
-                return i
-            chunk = todo[i : i + batch]
-            outs = generate(target, None, [ids for _, ids in chunk], max_new_tokens=max_new_tokens, stop_token_ids=stop)
-            for (p, ids), o in zip(chunk, outs):
-                rec = {"dataset": p.dataset, "split": p.split, "text": p.text, "prompt_ids": ids,
-                       "response_ids": o.token_ids}  # fmt: skip
-                fh.write(json.dumps(rec) + "\n")
-                n_tok += len(o.token_ids)
+        for i, o in decode_stream(target, None, requests(), batch_size=batch):
+            p, ids = todo[i]
+            rec = {"dataset": p.dataset, "split": p.split, "text": p.text, "prompt_ids": ids,
+                   "response_ids": o.token_ids}  # fmt: skip
+            fh.write(json.dumps(rec) + "\n")
             fh.flush()
+            n_tok += len(o.token_ids)
+            n_done += 1
+            bar.update(1)
             dt = time.perf_counter() - t0
-            bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{n_tok / dt:.1f}")
-            left = dt / min(i + batch, len(todo)) * (len(todo) - min(i + batch, len(todo)))
-            log(f"regenerated {min(i + batch, len(todo))}/{len(todo)} prompts, {n_tok} tokens, {n_tok / dt:.1f} tok/s, "
-                f"~{left:.0f}s left")  # fmt: skip
-    return len(todo)
+            if n_done % max(1, batch) == 0 or n_done == len(todo):
+                left = dt / n_done * (len(todo) - n_done)
+                log(f"regenerated {n_done}/{len(todo)} prompts, {n_tok} tokens, {n_tok / dt:.1f} tok/s, "
+                    f"~{left:.0f}s left")
+    if n_done < len(todo):
+        log(f"data time budget {time_budget_s:.0f}s reached: {n_done}/{len(todo)} prompts done (rerun resumes)")
+    return n_done
 
 
 def write_prompts(out: Path, prompts: list[Prompt]) -> None:

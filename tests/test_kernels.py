@@ -177,3 +177,65 @@ def test_isa_choice_from_cpu_flags():
     assert kernels.wanted_isa({"DSPINE_KERNELS": "avx2"}, avx512) == "avx2"
     assert kernels.wanted_isa({"DSPINE_KERNELS": "avx512"}, {"avx2", "fma"}) == "avx2"  # never above the CPU
     assert kernels.wanted_isa({}, avx512) == "avx512"
+
+
+def _q4_1_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight made the way GGUF Q4_1 makes one: per 32 columns, m = the block min and d = (max - min) / 15,
+    both float16, values d * q + m (the min and max hit q = 0 and q = 15)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    m = (torch.randn(n, k // 32, generator=g) * 0.05).half().float()
+    return (d[..., None] * q + m[..., None]).reshape(n, k)
+
+
+def _q8_0_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 5] = 127
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    return (d[..., None] * q).reshape(n, k)
+
+
+def _bf16_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.mark.parametrize("fmt,make,ratio", [("q4_1", _q4_1_grid, 0.19), ("q8_0", _q8_0_grid, 0.29),
+                                            ("bf16", _bf16_grid, 0.5)])
+def test_exact_compact_formats_give_the_fp32_weights_outputs_bit_for_bit(fmt, make, ratio):
+    w = make(70, 192, seed=3)
+    x = torch.randn(9, 192)
+    packed, fp32 = kernels.PackedLinear(w), kernels.PackedLinear(w, formats=("f32",))
+    assert packed.format == fmt and fp32.format == "f32"
+    assert packed.packed.nbytes <= fp32.packed.nbytes * ratio
+    assert torch.equal(packed(x), fp32(x))
+    torch.testing.assert_close(packed(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # a weight one ulp off the grid is not a block weight: it stays fp32 (never approximated)
+    off = w.clone()
+    off[3, 40] = torch.nextafter(off[3, 40], torch.tensor(1.0))
+    assert kernels.PackedLinear(off).format == "f32"
+
+
+def test_block_recovery_round_trips():
+    w = _q4_1_grid(8, 64, seed=5)
+    q, d, m = kernels.exact_q4_1(w)
+    vals = torch.cat([q & 15, q >> 4], dim=-1).float()  # GGUF order: byte l holds q_l and q_{l+16}
+    assert torch.equal(d[..., None] * vals + m[..., None], w.view(8, 2, 32))
+    assert kernels.exact_q4_1(torch.randn(8, 64)) is None and kernels.exact_q8_0(torch.randn(8, 64)) is None
+    assert kernels.exact_q4_1(torch.randn(8, 48)) is None  # not whole blocks
+
+
+def test_embedded_target_is_stored_in_its_gguf_blocks():
+    """The shipped target's decoder weights are Q4_1 and its (tied) head Q8_0, exactly: stored as blocks, with
+    logits bit-identical to the same kernels on fp32 weights."""
+    from dspine.embedded import embedded_target_path
+
+    path = embedded_target_path()
+    blocks = load_target(path)
+    assert kernels.weight_formats(blocks) == {"q4_1": 4 * blocks.num_layers, "q8_0": 1}
+    fp32 = load_target(path, kernels=False).use_kernels(formats=("f32",))
+    assert kernels.weight_formats(fp32) == {"f32": 4 * blocks.num_layers + 1}
+    ids = torch.randint(0, blocks.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(blocks.score(ids), fp32.score(ids))

@@ -15,13 +15,19 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("mode", ["torch", "torch_fused", "kernels"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("length", [1, 7, 33, 100])
-def test_logits_match_transformers(family, length, fuse, llama_dir, qwen3_dir):
+def test_logits_match_transformers(family, length, mode, llama_dir, qwen3_dir):
+    """torch's modules, with fused projections, and our CPU kernels (dspine.kernels; the default, which fuses)."""
+    from dspine import kernels
+
+    if mode == "kernels" and kernels.load() is None:
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
     path = {"llama": llama_dir, "qwen3": qwen3_dir}[family]
-    ours, ref = load_target(path, fuse=fuse), _hf(path)
-    assert (ours.layers[0].self_attn.qkv_proj is not None) == fuse
+    ours, ref = load_target(path, fuse=mode == "torch_fused", kernels=mode == "kernels"), _hf(path)
+    assert (ours.layers[0].self_attn.qkv_proj is not None) == (mode != "torch")
+    assert ours.kernel.startswith("dspine-") == (mode == "kernels")
     ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         expect = ref(ids).logits
