@@ -50,6 +50,7 @@ from .sampling import (
 )
 from .schedule import History, plan
 from .target import Target
+from .threads import Governor
 from .verify import accept, check_rows
 
 VERIFY_MODES = ("cost", "fixed")
@@ -154,10 +155,21 @@ class _Batch:
     cache: ModelCache
     dcache: ModelCache | None
     hist: History | None
+    # taps of tokens committed by plain steps, not yet in the draft's context: [B, 1, D] per step. The draft
+    # catches up in one batched call when it next runs (``catch_up``) instead of once per plain step.
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+    def catch_up(self, draft) -> None:
+        """Append the pending context rows to the draft cache (one forward over all of them)."""
+        if self.pending:
+            taps = torch.cat(self.pending, dim=1)
+            draft.extend_context(self.dcache, taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long))
+            self.pending = []
 
     def select(self, keep: list[int]) -> _Batch:
         if len(keep) == len(self.rows):
             return self
+        assert not self.pending, "catch_up before changing the batch"
         return _Batch(
             [self.rows[b] for b in keep],
             self.cache.select(keep),
@@ -168,6 +180,7 @@ class _Batch:
     def append(self, other: _Batch) -> _Batch:
         if not self.rows:
             return other
+        assert not self.pending and not other.pending, "catch_up before changing the batch"
         return _Batch(
             self.rows + other.rows,
             ModelCache.concat([self.cache, other.cache]),
@@ -177,6 +190,7 @@ class _Batch:
 
     def assign(self, slots: list[int], other: _Batch) -> bool:
         """Write ``other``'s rows into ``slots`` in place (copies only the newcomers); False if not possible."""
+        assert not self.pending and not other.pending, "catch_up before changing the batch"
         if not can_assign(self.cache, other.cache) or (
             self.dcache is not None and not can_assign(self.dcache, other.dcache)
         ):
@@ -241,16 +255,18 @@ def _draft_generators(rows: list[_Row], sampled: list[bool]) -> list[torch.Gener
     return [make_generator((a << 32) | b) if s else None for (a, b), s in zip(h, sampled)]
 
 
-def _plain_round(target: Target, batch: _Batch) -> None:
+def _plain_round(target: Target, batch: _Batch, taps: tuple[int, ...] = ()) -> torch.Tensor | None:
+    """One decode step for every row; returns the taps of the committed tokens when ``taps`` are asked for."""
     rows = batch.rows
     dev = target.device
     ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=dev)
-    out = target.forward(ids, batch.cache)
+    out = target.forward(ids, batch.cache, taps=taps)
     p = target_probs(target.logits(out.hidden), [r.sp for r in rows])[:, 0]
     seeds, pos = _seeds_positions(rows)
     toks = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
     for r, t in zip(rows, toks):
         r.push([t])
+    return out.taps
 
 
 def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
@@ -265,6 +281,13 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     else:
         ell = plan(batch.hist.survival(), greedy, cfg.cost, cfg.nominal_rows)
     W = int(ell.max())
+    if W == 0:  # no row drafts: exactly a plain step (same uniforms), the draft's context catches up later
+        batch.pending.append(_plain_round(target, batch, cfg.taps))
+        for r in rows:
+            r.stats.plain_steps += 1
+        batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+        return
+    batch.catch_up(draft)
     pre = ell
     props, q = torch.zeros(B, 0, dtype=torch.long, device=dev), None
     if W > 0:
@@ -334,6 +357,7 @@ def decode_stream(
     verify: str = "fixed",
     cost: CostModel | None = None,
     accept_prior: float | None = None,
+    governor: Governor | None = None,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -342,7 +366,8 @@ def decode_stream(
     own ``dynamic_threshold`` stop); "cost" chooses ℓ per row and round (``schedule.py``) with ``cost`` (default:
     calibrated on first use); ``accept_prior`` is the per-slot acceptance it assumes for a row before that row
     has evidence (default ``schedule.PRIOR_ACCEPT``; a draft's ``decode.json`` may carry its measured one). A
-    request that cannot run is yielded at once with ``finish_reason="error"``.
+    request that cannot run is yielded at once with ``finish_reason="error"``. ``governor`` (default: a new
+    ``threads.Governor``) adjusts torch's thread count to the cores free as the rounds go.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -355,11 +380,20 @@ def decode_stream(
     cfg = _Config(draft, bs, dynamic_threshold, verify, cost, batch_size,
                   tuple(draft.target_layer_ids) if draft is not None else (), accept_prior)
     extra = bs if draft is not None else 0
+    gov = Governor() if governor is None else governor
+    try:
+        yield from _decode_loop(target, requests, batch_size, cfg, extra, draft, gov)
+    finally:
+        gov.restore()
+
+
+def _decode_loop(target, requests, batch_size, cfg, extra, draft, gov) -> Iterator[tuple[int, GenerationOutput]]:
     source = enumerate(requests)
     exhausted = False
     batch: _Batch | None = None
     dead: list[int] = []  # slots of finished rows, reusable by newcomers
     while True:
+        gov.tick()
         running = 0 if batch is None else len(batch.rows) - len(dead)
         newcomers: list[_Row] = []
         while not exhausted and running + len(newcomers) < batch_size:
@@ -368,7 +402,7 @@ def decode_stream(
             except StopIteration:
                 exhausted = True
                 break
-            row = _Row(i, [int(t) for t in prompt], sp, bs if draft is not None else 0)
+            row = _Row(i, [int(t) for t in prompt], sp, cfg.block_size if draft is not None else 0)
             why = check_request(target, row.prompt, sp, extra)
             if why is not None:
                 yield i, GenerationOutput([], "error", len(row.prompt), row.stats, error=f"prompt {i} {why}")
@@ -377,6 +411,8 @@ def decode_stream(
                 yield i, row.output()
             else:
                 newcomers.append(row)
+        if newcomers and batch is not None and draft is not None:
+            batch.catch_up(draft)
         if newcomers:
             fresh = _prefill(target, newcomers, cfg)
             for r in fresh.rows:
@@ -385,6 +421,8 @@ def decode_stream(
             fresh = fresh.select([b for b, r in enumerate(fresh.rows) if r.finish is None])
             batch, dead = _admit(batch, dead, fresh)
         if batch is not None and dead:
+            if draft is not None:
+                batch.catch_up(draft)
             batch, dead = batch.select([b for b in range(len(batch.rows)) if b not in set(dead)]), []
         if batch is None or not batch.rows:
             if exhausted:

@@ -1,11 +1,15 @@
-"""CPU thread hygiene: use the cores this process may use, and never spin against other processes.
+"""CPU thread hygiene: use the cores this process may use, and only the cores nobody else is using.
 
-Why: torch's OpenMP runtime (GNU libgomp in the CPU wheels) busy-waits between parallel regions by default.
-On a shared machine (Slurm nodes, overlapping cron jobs) those spinning threads compete with the other
-processes for the same cores and a decode collapses instead of slowing down in proportion: one decode took
-323 s with the default policy and 48 s with ``OMP_WAIT_POLICY=PASSIVE`` beside two CPU-bound processes.
-libgomp reads the policy once, when it is loaded (at ``import torch``), so :func:`prepare_env` must run
-before that; it only fills in variables the user did not set.
+Why: a decode step is ~150 short parallel regions, each ending in a barrier of all threads. On a shared
+machine (Slurm nodes, overlapping cron jobs) a thread that the OS has descheduled holds every barrier up, and
+a decode collapses instead of slowing down in proportion (one decode took 323 s beside two CPU-bound
+processes instead of ~10 s). Passive OpenMP waiting (``OMP_WAIT_POLICY=PASSIVE``) softens the collapse but
+makes every region pay a thread wake-up: on a quiet 2-core EPYC it halved the decode speed (31.8 vs 59.9 tok/s
+for the embedded model, `scripts/bench_contention.py`), slower even than one thread. So the wait policy is
+left at libgomp's default (a short spin, then sleep) and :class:`Governor` changes torch's thread count while
+the job runs: as many threads as there are cores this process is actually getting or could get (its own CPU
+use plus the idle time of its CPUs, read from ``/proc``), one when the machine is crowded, all again when it
+frees up.
 
 The thread count is the smallest of: the CPUs in this process's affinity mask, the cgroup CPU quota
 (containers, systemd slices), and Slurm's ``SLURM_CPUS_PER_TASK``; torch's own default honours only the
@@ -17,10 +21,10 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
-
-WAIT_POLICY = "PASSIVE"
 
 
 def affinity_cpus() -> int:
@@ -119,17 +123,15 @@ def available_cpus(
 
 
 def prepare_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Fill in ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy (or tuned ``GOMP_SPINCOUNT``).
-
-    Call before torch is imported: its OpenMP runtime reads the policy once, at load (:func:`torch_loaded` says
-    whether it is too late in this process). The thread count is not put in the environment, where it would
-    also bind engines that manage their own worker processes (SGLang); :func:`configure_torch` sets it.
-    Returns what it set.
+    """Environment for torch's OpenMP runtime, filled in before torch is imported (it is read once, at load;
+    :func:`torch_loaded` says whether it is too late). Nothing is set today: the default bounded spin is the
+    fast policy here, and contention is handled by :class:`Governor` (see the module docstring); a user's own
+    ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` are left alone. The thread count is not put in the environment,
+    where it would also bind engines that manage their own worker processes (SGLang); :func:`configure_torch`
+    sets it. Returns what it set.
     """
     env = os.environ if environ is None else environ
     changed: dict[str, str] = {}
-    if not env.get("OMP_WAIT_POLICY") and not env.get("GOMP_SPINCOUNT"):
-        changed["OMP_WAIT_POLICY"] = WAIT_POLICY
     env.update(changed)
     return changed
 
@@ -150,7 +152,21 @@ def configure_torch(threads: int | None = None) -> int:
         threads = int(user) if user.isdigit() and int(user) > 0 else available_cpus()
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+    global _configured
+    _configured = threads
     return threads
+
+
+_configured: int | None = None
+
+
+def configured_threads() -> int:
+    """The count :func:`configure_torch` chose (what a :class:`Governor` may go back up to), else torch's."""
+    if _configured is not None:
+        return _configured
+    import torch
+
+    return torch.get_num_threads()
 
 
 def describe() -> dict[str, object]:
@@ -161,3 +177,113 @@ def describe() -> dict[str, object]:
 
         out["threads"] = torch.get_num_threads()
     return out
+
+
+# -- the governor ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """One reading: wall and process CPU seconds, and the busy/idle jiffies of the CPUs this process may use."""
+
+    wall: float
+    process: float
+    busy: int
+    idle: int
+
+
+def read_cpu_stat(cpus: set[int] | None, stat: str | Path = "/proc/stat") -> tuple[int, int]:
+    """(busy, idle) jiffies summed over ``cpus`` (all when None) from ``/proc/stat``; idle includes iowait,
+    busy includes steal (time a hypervisor gave to someone else is not ours to use)."""
+    busy = idle = 0
+    for line in Path(stat).read_text().splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if cpus is not None and int(name[3:]) not in cpus:
+            continue
+        f = [int(x) for x in rest.split()]
+        idle_j = f[3] + (f[4] if len(f) > 4 else 0)
+        busy += sum(f[:8]) - idle_j
+        idle += idle_j
+    return busy, idle
+
+
+def cores_available(prev: CpuSample, cur: CpuSample, ncpus: int) -> float | None:
+    """Cores this process could use over the interval: its own CPU use plus its CPUs' idle time."""
+    dwall = cur.wall - prev.wall
+    jiffies = (cur.busy - prev.busy) + (cur.idle - prev.idle)
+    if dwall <= 0 or jiffies <= 0:
+        return None
+    own = (cur.process - prev.process) / dwall
+    idle = ncpus * (cur.idle - prev.idle) / jiffies
+    return own + idle
+
+
+class Governor:
+    """Keeps torch's intra-op thread count at the cores this process can actually get, between 1 and ``most``.
+
+    ``tick()`` is cheap and meant to be called every decoding round; at most once per ``interval_s`` it samples
+    ``/proc`` and, when the same new count is wanted twice running (hysteresis), sets it. Off Linux (no
+    ``/proc/stat``) or with ``most`` 1 it does nothing.
+    """
+
+    def __init__(self, most: int | None = None, interval_s: float = 0.5, set_threads=None, sample=None):
+        import torch
+
+        self.most = int(most or configured_threads())
+        self.interval_s = interval_s
+        self._set = set_threads or torch.set_num_threads
+        try:
+            self.cpus: set[int] | None = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = None
+        self.ncpus = len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+        self._sample = sample or self._read
+        self.threads = torch.get_num_threads()
+        self.changes = 0
+        self._prev: CpuSample | None = None
+        self._want: int | None = None
+        self.enabled = self.most > 1 and (sample is not None or Path("/proc/stat").exists())
+        if self.enabled and self.threads != self.most:
+            self._set(self.most)
+            self.threads = self.most
+        self._next = 0.0
+
+    def restore(self) -> None:
+        """Back to ``most`` threads (the end of a decode: the next one starts from the full count)."""
+        if self.threads != self.most and self.enabled:
+            self._set(self.most)
+            self.threads = self.most
+
+    def _read(self) -> CpuSample:
+        busy, idle = read_cpu_stat(self.cpus)
+        return CpuSample(time.monotonic(), time.process_time(), busy, idle)
+
+    def tick(self, now: float | None = None) -> int:
+        """Sample when due and adjust; returns the thread count in use."""
+        if not self.enabled:
+            return self.threads
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return self.threads
+        self._next = now + self.interval_s
+        try:
+            cur = self._sample()
+        except (OSError, ValueError):
+            self.enabled = False
+            return self.threads
+        prev, self._prev = self._prev, cur
+        if prev is None:
+            return self.threads
+        avail = cores_available(prev, cur, self.ncpus)
+        if avail is None:
+            return self.threads
+        want = max(1, min(self.most, int(avail + 0.3)))
+        if want != self.threads and want == self._want:
+            self.threads = want
+            self._set(want)
+            self.changes += 1
+            self._prev = None  # the next interval measures the new setting
+        self._want = want if want != self.threads else None
+        return self.threads

@@ -42,6 +42,8 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": n, "threads": t
 SETTINGS = {
     "default": {},  # torch's libgomp default: busy-wait between parallel regions
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin_1e4": {"GOMP_SPINCOUNT": "10000"},  # bounded spinning, then sleep (libgomp)
+    "spin_1e5": {"GOMP_SPINCOUNT": "100000"},
     "one_thread": {"OMP_NUM_THREADS": "1"},
 }
 

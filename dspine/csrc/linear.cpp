@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -130,6 +132,17 @@ inline void rows_tile(const float* x, int64_t Kp, const uint8_t* p, float* out, 
   }
 }
 
+// One tile of format W expanded to the F32 layout ([Kp / VL][NB][VL] floats): the same values W::w gives.
+template <class W>
+inline void expand_tile(const uint8_t* p, int64_t Kp, float* dst) {
+  for (int64_t b = 0; b < Kp / W::BK; ++b)
+    for (int s = 0; s < W::S; ++s)
+      for (int j = 0; j < NB; ++j) {
+        const vec v = W::w(p + b * W::BYTES, s, j);
+        std::memcpy(dst + ((b * W::S + s) * NB + j) * VL, &v, sizeof(v));
+      }
+}
+
 // x [M, K] float -> [M, N], with the weights packed in format W (K padded to W::BK, N to NB).
 template <class W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
@@ -148,11 +161,23 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   const int64_t grain = std::max<int64_t>(1, 32768 / tile_bytes);  // ~32 KB of weights per task at least
   for (int64_t c0 = 0; c0 < M; c0 += M_CHUNK) {
     const int64_t c1 = std::min(M, c0 + M_CHUNK);
+    // More rows than one register tile: a compact tile is expanded once into fp32 (an L1-sized scratch) and
+    // every row tile reads that, instead of expanding the blocks again for each (same values, same order).
+    const bool expand = !std::is_same_v<W, F32> && c1 - c0 > MB_MAX;
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scratch(expand ? NB * Kp : 0);
       for (int64_t t = t0; t < t1; ++t) {
         const uint8_t* p = pp + t * tile_bytes;
         const uint8_t* pf = t + PREFETCH_TILES < t1 ? p + PREFETCH_TILES * tile_bytes : nullptr;
-        rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+        if (expand) {
+          if (pf != nullptr)
+            for (int64_t o = 0; o < tile_bytes; o += 64) prefetch(pf + o);
+          expand_tile<W>(p, Kp, scratch.data());
+          rows_tile<F32, MB_MAX>(xp, Kp, reinterpret_cast<const uint8_t*>(scratch.data()), op, N, t * NB, c0, c1,
+                                 nullptr);
+        } else {
+          rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+        }
       }
     });
   }

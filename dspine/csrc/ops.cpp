@@ -14,8 +14,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "vec.h"
 
 namespace {
 
@@ -96,6 +99,50 @@ at::Tensor rope_store(at::Tensor q, const at::Tensor& k, const at::Tensor& v, co
   return q;
 }
 
+inline float dot(const float* a, const float* b, int64_t D) {
+  using namespace dspine;
+  if (D % VL == 0) {
+    vec acc = vzero();
+    for (int64_t x = 0; x < D; x += VL) acc = vfma(vload(a + x), vload(b + x), acc);
+    return vsum(acc);
+  }
+  float acc = 0.f;
+  for (int64_t x = 0; x < D; ++x) acc += a[x] * b[x];
+  return acc;
+}
+
+// w[0..n) = exp(w - mx); returns their sum
+inline float exp_shifted(float* w, int64_t n, float mx) {
+  using namespace dspine;
+  float sum = 0.f;
+  int64_t j = 0;
+  const vec m = vset(mx);
+  for (; j + VL <= n; j += VL) {
+    vec e = vexp(vload(w + j) - m);
+    std::memcpy(w + j, &e, sizeof(e));
+    sum += vsum(e);
+  }
+  for (; j < n; ++j) {
+    w[j] = std::exp(w[j] - mx);
+    sum += w[j];
+  }
+  return sum;
+}
+
+// o[0..D) += a * v
+inline void axpy(float* o, float a, const float* v, int64_t D) {
+  using namespace dspine;
+  if (D % VL == 0) {
+    const vec av = vset(a);
+    for (int64_t x = 0; x < D; x += VL) {
+      vec r = vfma(av, vload(v + x), vload(o + x));
+      std::memcpy(o + x, &r, sizeof(r));
+    }
+    return;
+  }
+  for (int64_t x = 0; x < D; ++x) o[x] += a * v[x];
+}
+
 // q [B, T, Hq, D], kc/vc [B, Hkv, cap, D], pos [B, T]: query (b, t) sees cache slots j <= pos[b, t] (and
 // j > pos - window when window > 0). -> [B, T, Hq * D]
 at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
@@ -125,30 +172,15 @@ at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Ten
       float* o = op + i * D;
       std::fill(o, o + D, 0.f);
       if (hi < lo) continue;
-      w.resize(hi - lo + 1);
+      const int64_t n = hi - lo + 1;
+      w.resize(n);
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float* kv = K + j * D;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < D; ++x) acc += qv[x] * kv[x];
-        acc *= sc;
-        w[j - lo] = acc;
-        mx = std::max(mx, acc);
+      for (int64_t j = 0; j < n; ++j) {
+        w[j] = dot(qv, K + (lo + j) * D, D) * sc;
+        mx = std::max(mx, w[j]);
       }
-      float sum = 0.f;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float e = std::exp(w[j - lo] - mx);
-        w[j - lo] = e;
-        sum += e;
-      }
-      const float inv = 1.f / sum;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const float a = w[j - lo] * inv;
-        const float* vv = V + j * D;
-#pragma omp simd
-        for (int64_t x = 0; x < D; ++x) o[x] += a * vv[x];
-      }
+      const float inv = 1.f / exp_shifted(w.data(), n, mx);
+      for (int64_t j = 0; j < n; ++j) axpy(o, w[j] * inv, V + (lo + j) * D, D);
     }
   });
   return out;
@@ -168,7 +200,14 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       const float* a = gp + r * I2;
       const float* u = a + I;
       float* o = op + r * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = a[i] / (1.f + std::exp(-a[i])) * u[i];
+      int64_t i = 0;
+      for (; i + dspine::VL <= I; i += dspine::VL) {
+        using namespace dspine;
+        const vec g = vload(a + i);
+        const vec r = g / (vset(1.f) + vexp(vzero() - g)) * vload(u + i);
+        std::memcpy(o + i, &r, sizeof(r));
+      }
+      for (; i < I; ++i) o[i] = a[i] / (1.f + std::exp(-a[i])) * u[i];
     }
   });
   return out;
