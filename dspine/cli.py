@@ -24,9 +24,6 @@ def main() -> None:
       dspine run path/to/hf-model --draft out/draft --prompt-ids 1,2,3 --max-new-tokens 16
       dspine train embedded data.jsonl out/draft --layers 2 --block-size 8 --steps 500
     """
-    from .threads import prepare_env
-
-    prepare_env()  # before any subcommand imports torch: passive OpenMP waiting, threads = usable cores
 
 
 def _target_path(path: str) -> Path:

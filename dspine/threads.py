@@ -122,20 +122,6 @@ def available_cpus(
     return max(1, min(limits)) if limits else 1
 
 
-def prepare_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for torch's OpenMP runtime, filled in before torch is imported (it is read once, at load;
-    :func:`torch_loaded` says whether it is too late). Nothing is set today: the default bounded spin is the
-    fast policy here, and contention is handled by :class:`Governor` (see the module docstring); a user's own
-    ``OMP_WAIT_POLICY``/``GOMP_SPINCOUNT`` are left alone. The thread count is not put in the environment,
-    where it would also bind engines that manage their own worker processes (SGLang); :func:`configure_torch`
-    sets it. Returns what it set.
-    """
-    env = os.environ if environ is None else environ
-    changed: dict[str, str] = {}
-    env.update(changed)
-    return changed
-
-
 def torch_loaded() -> bool:
     return "torch" in sys.modules
 

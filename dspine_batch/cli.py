@@ -316,9 +316,6 @@ def _as_list(v: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every failure ends in one line on stderr and a documented exit code (tracebacks only
     with DSPINE_BATCH_DEBUG=1): usage 2, bugs and fatal errors 1, interrupted 75."""
-    from dspine.threads import prepare_env
-
-    prepare_env()  # before torch loads: OpenMP threads wait passively instead of spinning against other processes
     debug = bool(os.environ.get("DSPINE_BATCH_DEBUG"))
     try:
         rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)

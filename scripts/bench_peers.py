@@ -35,11 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = Path.home() / ".cache" / "dspine" / "venv-llamacpp" / "bin" / "python"
 
-if __name__ == "__main__":  # before torch loads (see dspine.threads)
+if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    from dspine.threads import prepare_env
-
-    prepare_env()
 
 
 @dataclass
