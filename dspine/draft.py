@@ -302,6 +302,9 @@ class DSpineDraft(nn.Module):
 
         if self._kernels or self.dtype != torch.float32 or self.device.type != "cpu" or load() is None:
             return self
+        for layer in self.layers:  # gate/up as one streamed weight and the fused SiLU gate
+            layer.mlp.fuse()
+            layer.mlp.fast = True
         pack_linears(self)
         fuse_norms(self)
         self._kernels = True
