@@ -20,7 +20,7 @@ from typing import Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from . import ALGORITHM_NAME
-from .config import DSpineConfigError, check_target, is_hybrid_target, read_draft, resolve_block_size
+from .config import DSpineConfigError, check_target, read_draft, resolve_block_size
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,6 @@ def validate_server_args(sa: Any) -> None:
     if sa.speculative_adaptive:
         raise DSpineConfigError("--speculative-adaptive is not supported with DSPINE")
     check_draft_attention_backend(sa.speculative_draft_attention_backend or sa.attention_backend)
-    if str(sa.device) == "cpu" and not sa.enable_linear_replayssm_spec and is_hybrid_target(sa.model_path):
-        raise DSpineConfigError(
-            "DSPINE on a Gated DeltaNet hybrid target on the CPU needs --enable-linear-replayssm-spec: the CPU path "
-            "commits GDN state only through ReplaySSM (SGLang's per-draft state snapshots are GPU kernels)")
     unsupported = (("--speculative-use-block-verification", sa.speculative_use_block_verification),
                    ("--enable-lora / --lora-paths", sa.enable_lora or sa.lora_paths))
     for flag, value in unsupported:

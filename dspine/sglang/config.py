@@ -129,15 +129,6 @@ def _text_config(cfg: dict) -> dict:
     return cfg.get("text_config") or cfg
 
 
-def is_hybrid_target(model_path: Any) -> bool:
-    """True when the target's config.json (a local dir) describes a Gated DeltaNet hybrid (Qwen3.5 style)."""
-    p = Path(str(model_path)) if model_path is not None else None
-    if p is None or not (p / "config.json").is_file():
-        return False
-    tcfg = _text_config(_load_json(p / "config.json", "--model-path"))
-    return "linear_attention" in (tcfg.get("layer_types") or []) or "linear_num_value_heads" in tcfg
-
-
 def check_target(model_path: Any, draft: DraftInfo) -> None:
     """Draft/target compatibility from the target's config.json (skipped when model_path is not a local dir)."""
     if model_path is None:
