@@ -20,7 +20,8 @@ Tiny models: ``save_tiny_hf`` (Llama / Qwen3) and ``save_tiny_qwen35`` (the Qwen
 (the oracle) and loaded by dspine; the draft shapes of tests/test_draft.py (``make_draft``, ``fill_context``) and
 tests/test_train.py (``TRAIN_*``, ``train_stats``); the tiny reference-engine checkpoint with a tokenizer
 (``tokenizer_dir``, ``save_tiny_engine_pair``, ``reference_engine``, ``chat_requests``); the SGLang end-to-end
-checkpoints and engine runner (``random_pair``, ``constant_pair``, ``run_engine``).
+checkpoints and engine runner (``random_pair``, ``constant_pair``, ``hybrid_pair``,
+``alternating_hybrid_pair``, ``run_engine``).
 
 Only cheap imports at module level: the SGLang tests import this module under the SGLang virtual environment, so
 transformers, tokenizers and the like are imported inside the functions that need them. Fixtures live in
@@ -538,6 +539,8 @@ def chat_requests(engine, n=4, **p):
 #   embedding row is one shared direction plus a little noise, the decoder layers are damped, so the final
 #   state always points the same way) and a draft built the same way, which therefore proposes X at every slot:
 #   most rounds accept every draft (tau close to the block width), with non-zero injection weights too.
+# * ``hybrid_pair`` / ``alternating_hybrid_pair``: the same for a Qwen3.5 hybrid target (GDN + full attention);
+#   the alternating one makes verify rounds accept part of a block (see its docstring).
 # * ``run_engine``: start ``sglang.Engine`` (CPU test path without a GPU, CUDA with graphs on a GPU), run a
 #   workload, shut it down killing only the processes it started (``Engine.shutdown`` would kill every child of
 #   the test process).
