@@ -225,3 +225,24 @@ def test_verify_conv_windows_roll_back_to_the_accepted_prefix():
         want = gdn.roll_window(start[0, slots[i]][None], x[i : i + 1], last[i : i + 1] + 1)[0]
         assert torch.equal(conv[0, slots[i]], want)
     assert torch.equal(conv[0, 1], start[0, 1])
+
+
+def test_after_import_runs_every_callback_registered_for_one_module(tmp_path, monkeypatch):
+    """The CPU bridges patch several kernels of one SGLang module (the ReplaySSM ring): every callback must run."""
+    import sys
+
+    from dspine.sglang.after_import import after_import
+
+    (tmp_path / "dspine_after_import_probe.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    after_import("dspine_after_import_probe", lambda m: seen.append(("a", m.X)))
+    after_import("dspine_after_import_probe", lambda m: seen.append(("b", m.X)))
+    try:
+        import dspine_after_import_probe  # noqa: F401
+
+        assert seen == [("a", 1), ("b", 1)]
+        after_import("dspine_after_import_probe", lambda m: seen.append(("c", m.X)))  # already imported: at once
+        assert seen[-1] == ("c", 1)
+    finally:
+        sys.modules.pop("dspine_after_import_probe", None)

@@ -640,6 +640,18 @@ def test_cpu_bridges_are_in_place_without_a_gpu():
 
     assert getattr(sgl_kernel, "STAND_IN", False) == (not cpu.real_sgl_kernel_imports())
     torch.zeros(2).record_stream(None)  # a no-op on CPU tensors
+    if getattr(sgl_kernel, "STAND_IN", False):  # the Qwen3.5 / GDN CPU ops SGLang binds at import time
+        from sgl_kernel.mamba import chunk_gated_delta_rule_cpu  # noqa: F401
+
+        from dspine.sglang.cpu_kernels import TORCH_OPS
+
+        assert all(hasattr(torch.ops.sgl_kernel, name) for name in TORCH_OPS)
+    import sglang.kernels.ops.attention.linear.gdn_replayssm_spec_decode as ring
+    import sglang.kernels.ops.mamba.mamba_state_scatter_triton as scatter
+
+    for fn in (ring.gdn_replayssm_spec_decode, ring.commit_gdn_replayssm_spec, ring.commit_gdn_replayssm_circular,
+               scatter.fused_conv_window_scatter_with_mask):
+        assert getattr(fn, "_dspine_cpu", False), fn.__name__
 
 
 def test_cpu_kernel_stand_ins_do_what_their_names_say():
