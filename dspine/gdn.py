@@ -84,10 +84,23 @@ def delta_rule_step(
 
     Returns the new state (never mutates ``S``: ReplaySSM relies on the checkpoint staying intact).
     """
+    return delta_rule_update(S, k, v, g, beta)[0]
+
+
+def delta_rule_update(
+    S: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`delta_rule_step` that also returns its update vector ``delta`` [B, H_v, D_v]: the new state is
+    ``exp(g) S + k delta^T``, so a record of ``(k, delta, g)`` replays the step exactly (:func:`decay_add`)."""
     S = S * g.exp()[..., None, None]
     kv_mem = (k[..., None, :] @ S).squeeze(-2)  # [B, H_v, D_v]: what S already predicts for k
     delta = (v - kv_mem) * beta[..., None]  # [B, H_v, D_v]
-    return S + k[..., :, None] * delta[..., None, :]
+    return S + k[..., :, None] * delta[..., None, :], delta
+
+
+def decay_add(S: torch.Tensor, k: torch.Tensor, delta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``exp(g) S + k delta^T``: one step replayed from a :func:`delta_rule_update` record (same shapes)."""
+    return S * g.exp()[..., None, None] + k[..., :, None] * delta[..., None, :]
 
 
 def delta_rule_read(S: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,9 @@ OPERATIONAL_KEYS = frozenset({
     "max_total_tokens", "schedule_policy", "mamba_radix_cache_strategy",
 })
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" (sampling_params.TOP_K_ALL)
+# Refused on SGLang's CPU test path (docs/design.md, "The CPU test path"): the prefix cache's Mamba state
+# snapshots need GPU kernels (SGLang asserts platform support; its CPU prefill kernel returns no chunk states).
+CPU_REFUSED_MAMBA_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
 
 
 def _sglang_parser():
@@ -128,6 +131,9 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
         if key in ("model_path", "speculative_draft_model_path"):
             raise UsageError(f"--engine-arg {key}: use --model/--draft instead")
         kwargs.update(_typed_value(key, value, parser))
+    if on_cpu and kwargs.get("mamba_radix_cache_strategy") in CPU_REFUSED_MAMBA_STRATEGIES:
+        raise UsageError(f"mamba_radix_cache_strategy={kwargs['mamba_radix_cache_strategy']}: SGLang 0.5.23 keeps "
+                         "no Mamba state snapshots on the CPU (no GPU here); use no_buffer or leave it unset")
     if draft_path is None and kwargs.get("speculative_algorithm"):
         raise UsageError(f"--engine-arg speculative_algorithm={kwargs['speculative_algorithm']} needs --draft PATH")
     kwargs["custom_sigquit_handler"] = on_sigquit

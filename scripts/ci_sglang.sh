@@ -7,7 +7,8 @@
 # re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
 #
 # The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
-# tiny checkpoints built in fixtures: ~8 engine starts of 1-2 minutes each on a small CPU.
+# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 9 engine starts of about a minute each
+# on a small CPU.
 #
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
 set -euo pipefail

@@ -20,7 +20,8 @@ Tiny models: ``save_tiny_hf`` (Llama / Qwen3) and ``save_tiny_qwen35`` (the Qwen
 (the oracle) and loaded by dspine; the draft shapes of tests/test_draft.py (``make_draft``, ``fill_context``) and
 tests/test_train.py (``TRAIN_*``, ``train_stats``); the tiny reference-engine checkpoint with a tokenizer
 (``tokenizer_dir``, ``save_tiny_engine_pair``, ``reference_engine``, ``chat_requests``); the SGLang end-to-end
-checkpoints and engine runner (``random_pair``, ``constant_pair``, ``run_engine``).
+checkpoints and engine runner (``random_pair``, ``constant_pair``, ``hybrid_pair``,
+``alternating_hybrid_pair``, ``run_engine``).
 
 Only cheap imports at module level: the SGLang tests import this module under the SGLang virtual environment, so
 transformers, tokenizers and the like are imported inside the functions that need them. Fixtures live in
@@ -538,6 +539,8 @@ def chat_requests(engine, n=4, **p):
 #   embedding row is one shared direction plus a little noise, the decoder layers are damped, so the final
 #   state always points the same way) and a draft built the same way, which therefore proposes X at every slot:
 #   most rounds accept every draft (tau close to the block width), with non-zero injection weights too.
+# * ``hybrid_pair`` / ``alternating_hybrid_pair``: the same for a Qwen3.5 hybrid target (GDN + full attention);
+#   the alternating one makes verify rounds accept part of a block (see its docstring).
 # * ``run_engine``: start ``sglang.Engine`` (CPU test path without a GPU, CUDA with graphs on a GPU), run a
 #   workload, shut it down killing only the processes it started (``Engine.shutdown`` would kill every child of
 #   the test process).
@@ -611,6 +614,65 @@ def constant_pair(root: Path) -> tuple[str, str]:
     save_file(sd, str(path), metadata={"format": "pt"})
     save_random_draft(tdir, root / "draft", seed=5, damp=0.05)
     return tdir, str(root / "draft")
+
+
+def save_sglang_qwen35(path, **kw) -> str:
+    """``save_tiny_qwen35`` for SGLang, whose Qwen3.5 config reads the layer pattern from ``full_attention_interval``
+    (transformers saves only ``layer_types``; real checkpoints carry both)."""
+    tdir = save_tiny_qwen35(path, max_position_embeddings=4096, **kw)
+    cfg_path = Path(tdir) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["full_attention_interval"] = QWEN35_TEXT["full_attention_interval"]
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return tdir
+
+
+def hybrid_pair(root: Path) -> tuple[str, str]:
+    """A random Qwen3.5 hybrid target (GDN, full, GDN, full) and a random DSpine draft for it."""
+    tdir = save_sglang_qwen35(root / "target", seed=2)
+    save_random_draft(tdir, root / "draft", seed=3)
+    return tdir, str(root / "draft")
+
+
+def alternating_hybrid_pair(root: Path) -> tuple[str, str]:
+    """A hybrid target whose greedy continuation alternates X Y X Y ... and a draft that proposes X everywhere.
+
+    Every embedding row is one shared direction s plus a little noise, except X's, which is s plus an equal
+    orthogonal part u; the decoder layers are damped and the final norm is plain, so the final state points
+    along the current token's embedding. Head rows: X along s, Y slightly less along s plus along u, so Y wins
+    only after X. The draft (damped, built the same way as ``constant_pair``'s) proposes X at every slot: a round
+    anchored on Y accepts its first draft and rejects the second, so verify rounds commit partial blocks and
+    the GDN state of the rejected drafts must be rolled back (ReplaySSM).
+    """
+    from safetensors.torch import load_file, save_file
+
+    tdir = save_sglang_qwen35(root / "target", seed=4)
+    path = Path(tdir) / "model.safetensors"
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(11)
+    emb = sd["model.embed_tokens.weight"]
+    shared = torch.randn(emb.shape[1], generator=g)
+    u = torch.randn(emb.shape[1], generator=g)
+    u = u - (u @ shared) / (shared @ shared) * shared
+    u = u / u.norm() * shared.norm()
+    emb = shared + 0.05 * torch.randn(emb.shape, generator=g)
+    emb[ALTERNATING[0]] = shared + u
+    sd["model.embed_tokens.weight"] = emb
+    head = sd["lm_head.weight"].clone()
+    s_hat, u_hat = shared / shared.norm(), u / u.norm()
+    head[ALTERNATING[0]] = 50 * s_hat
+    head[ALTERNATING[1]] = 45 * s_hat + 30 * u_hat
+    sd["lm_head.weight"] = head
+    sd["model.norm.weight"] = torch.zeros_like(sd["model.norm.weight"])
+    for k in sd:
+        if k.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+            sd[k] = sd[k] * 0.05
+    save_file(sd, str(path), metadata={"format": "pt"})
+    save_random_draft(tdir, root / "draft", seed=5, damp=0.05)
+    return tdir, str(root / "draft")
+
+
+ALTERNATING = (42, 77)  # (X, Y) of ``alternating_hybrid_pair``
 
 
 def _child_pids() -> set[int]:

@@ -102,6 +102,7 @@ def _mini_parser():
     p.add_argument("--mem-fraction-static", dest="mem_fraction_static", type=float)
     p.add_argument("--enable-linear-replayssm-spec", dest="enable_linear_replayssm_spec", action="store_true")
     p.add_argument("--dtype", dest="dtype", default="auto")
+    p.add_argument("--mamba-radix-cache-strategy", dest="mamba_radix_cache_strategy")
     return p
 
 
@@ -128,6 +129,17 @@ def test_build_server_kwargs_precedence_and_types():
 def test_build_server_kwargs_errors(args, match):
     with pytest.raises(UsageError, match=match):
         se.build_server_kwargs("/m", "/d", args, parser=_mini_parser())
+
+
+def test_extra_buffer_is_refused_on_the_cpu_path():
+    """SGLang keeps Mamba prefix-cache state snapshots on GPUs only (docs/design.md, "The CPU test path")."""
+    with pytest.raises(UsageError, match="extra_buffer: SGLang 0.5.23 keeps no Mamba state snapshots on the CPU"):
+        se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser(),
+                               on_cpu=True)
+    kw, _ = se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser())
+    assert kw["mamba_radix_cache_strategy"] == "extra_buffer"  # a GPU run keeps it
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is True  # SGLang's auto then picks no_buffer
 
 
 def test_sampling_params_mapping():

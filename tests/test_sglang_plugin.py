@@ -523,6 +523,33 @@ def test_worker_refuses_other_devices():
         DSpineWorkerV2(None, 0, 0, SimpleNamespace(device="npu"))
 
 
+def test_worker_refuses_a_hybrid_target_on_the_cpu_without_replayssm():
+    from dspine.sglang.worker import DSpineWorkerV2, cpu_hybrid_problem
+
+    pool = SimpleNamespace
+    no_ring = pool(mamba_pool=pool(replayssm_cache_base=None, replayssm_spec_fold=False))
+    target = SimpleNamespace(device="cpu", model_runner=SimpleNamespace(req_to_token_pool=no_ring))
+    with pytest.raises(RuntimeError, match="on the CPU needs --enable-linear-replayssm-spec"):
+        DSpineWorkerV2(None, 0, 0, target)
+    assert cpu_hybrid_problem("cuda:0", no_ring) is None  # the GPU commits through the recurrent verify too
+    assert cpu_hybrid_problem("cpu", pool(mamba_pool=None)) is None  # a dense target
+    assert cpu_hybrid_problem("cpu", pool(mamba_pool=pool(replayssm_cache_base=torch.zeros(1)))) is None
+
+
+def test_extra_buffer_is_refused_on_the_cpu_and_auto_picks_no_buffer(tiny, monkeypatch):
+    """SGLang keeps Mamba prefix-cache state snapshots on GPUs only: on the CPU its own platform check refuses
+    extra_buffer; with the CPU path's defaults (overlap off) its auto strategy picks no_buffer."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU supports extra_buffer")
+    monkeypatch.undo()  # SGLang's real platform predicate
+    with pytest.raises(AssertionError, match="extra_buffer requires platform support for Mamba cache state"):
+        _resolve(**_seed_flags(tiny))
+    _, d = _resolve(model_path=str(tiny.target), speculative_algorithm="DSPINE",
+                    speculative_draft_model_path=str(tiny.draft), enable_linear_replayssm_spec=True,
+                    disable_overlap_schedule=True)
+    assert d["mamba_radix_cache_strategy"] == "no_buffer" and d["mamba_ssm_dtype"] == "float32"
+
+
 # -- 5. SGLang's name checks, the draft backend, shipped jobs ----------------------------------------------------
 
 
@@ -613,6 +640,18 @@ def test_cpu_bridges_are_in_place_without_a_gpu():
 
     assert getattr(sgl_kernel, "STAND_IN", False) == (not cpu.real_sgl_kernel_imports())
     torch.zeros(2).record_stream(None)  # a no-op on CPU tensors
+    if getattr(sgl_kernel, "STAND_IN", False):  # the Qwen3.5 / GDN CPU ops SGLang binds at import time
+        from sgl_kernel.mamba import chunk_gated_delta_rule_cpu  # noqa: F401
+
+        from dspine.sglang.cpu_kernels import TORCH_OPS
+
+        assert all(hasattr(torch.ops.sgl_kernel, name) for name in TORCH_OPS)
+    import sglang.kernels.ops.attention.linear.gdn_replayssm_spec_decode as ring
+    import sglang.kernels.ops.mamba.mamba_state_scatter_triton as scatter
+
+    for fn in (ring.gdn_replayssm_spec_decode, ring.commit_gdn_replayssm_spec, ring.commit_gdn_replayssm_circular,
+               scatter.fused_conv_window_scatter_with_mask):
+        assert getattr(fn, "_dspine_cpu", False), fn.__name__
 
 
 def test_cpu_kernel_stand_ins_do_what_their_names_say():

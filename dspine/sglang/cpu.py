@@ -22,6 +22,10 @@ What it bridges, and why (SGLang 0.5.23):
 * top-k in the DFlash candidate path uses flashinfer whenever it imports: torch top-k for CPU tensors.
 * sampled verify: SGLang's chain-acceptance kernel is Triton (no CPU driver): a torch version
   (``cpu_kernels.chain_speculative_sampling``) for CPU tensors.
+* Qwen3.5 hybrid targets: the model and its Gated DeltaNet backend bind about ten CPU ops at import time
+  (``torch.ops.sgl_kernel.*_cpu``, ``sgl_kernel.mamba``), which the stand-in registers; the GDN output norm
+  and the ReplaySSM ring (verify, cursor advance, fold, conv-state rollback) are Triton kernels, replaced by
+  their torch versions for CPU tensors (``cpu_kernels``, "GDN ReplaySSM ring").
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ STAND_IN_DIR = str(Path(__file__).with_name("stand_in"))
 CPU_ATTENTION_BACKEND = "torch_native"
 # The engine keyword arguments the CPU path needs (under the job's own): SGLang's CPU device, the attention
 # backend that runs there, no CUDA graphs, float32 (SGLang's "auto" picks a half-precision KV cache on CPU),
-# and a KV pool sized for tests (by default SGLang sizes it from free host memory: tens of GB).
+# a KV pool sized for tests (by default SGLang sizes it from free host memory: tens of GB), and no overlap
+# scheduling (DSPINE turns it off on the CPU anyway; with it on, SGLang's "auto" Mamba prefix-cache strategy
+# picks extra_buffer for hybrid targets, which it then refuses on the CPU).
 CPU_ENGINE_KWARGS = {"device": "cpu", "attention_backend": CPU_ATTENTION_BACKEND,
                      "speculative_draft_attention_backend": CPU_ATTENTION_BACKEND, "disable_cuda_graph": True,
-                     "dtype": "float32", "max_total_tokens": 65536, "max_running_requests": 8}
+                     "dtype": "float32", "max_total_tokens": 65536, "max_running_requests": 8,
+                     "disable_overlap_schedule": True}
 _applied = False
 
 
@@ -105,6 +112,7 @@ def _provide_sgl_kernel() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([STAND_IN_DIR, *paths])
     for name in [m for m in sys.modules if m == "sgl_kernel" or m.startswith("sgl_kernel.")]:
         del sys.modules[name]
+    importlib.import_module("sgl_kernel")  # the stand-in: registers its torch.ops.sgl_kernel ops in this process
 
 
 # -- hooks (SGLang's supported monkeypatch seam: HookRegistry, applied by load_plugins) ---------------------------
@@ -176,6 +184,56 @@ def torch_chain_sampling_off_cuda(original):
     return chain_speculative_sampling_triton
 
 
+def _first_tensor(args, kwargs):
+    import torch
+
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def torch_off_cuda(torch_version):
+    """A patch maker: the wrapped Triton function on CUDA tensors, ``torch_version`` (same arguments) otherwise
+    (decided by the first tensor argument)."""
+
+    def make(original):
+        def dispatch(*args, **kwargs):
+            t = _first_tensor(args, kwargs)
+            if t is not None and t.is_cuda:
+                return original(*args, **kwargs)
+            return torch_version(*args, **kwargs)
+
+        dispatch.__name__ = getattr(original, "__name__", torch_version.__name__)
+        dispatch.__doc__ = torch_version.__doc__
+        dispatch._dspine_cpu = True
+        return dispatch
+
+    return make
+
+
+def gated_rmsnorm_off_cuda(original):
+    """``fla.layernorm_gated.RMSNorm.forward`` (a Triton kernel unless the CPU has AMX) in torch for CPU tensors:
+    the GDN output norm, ``weight * rmsnorm(x) * silu(z)`` (``cpu_kernels.fused_rmsnorm_gated_cpu``)."""
+    from .cpu_kernels import fused_rmsnorm_gated_cpu
+
+    def forward(self, x, z=None):
+        if x.is_cuda:
+            return original(self, x, z)
+        if not (self.norm_before_gate and self.group_size is None and self.activation == "swish"):
+            raise NotImplementedError("gated RMSNorm on the CPU: norm before a swish gate, no groups, only")
+        return fused_rmsnorm_gated_cpu(x, self.weight, z, self.eps)
+
+    forward._dspine_cpu = True
+    return forward
+
+
+def _kernel(name: str):
+    from . import cpu_kernels
+
+    return torch_off_cuda(getattr(cpu_kernels, name))
+
+
 def wrap(owner, name: str, make) -> None:
     """owner.name = make(owner.name), once."""
     current = getattr(owner, name)
@@ -183,6 +241,7 @@ def wrap(owner, name: str, make) -> None:
         setattr(owner, name, make(current))
 
 
+RING = "sglang.kernels.ops.attention.linear.gdn_replayssm_spec_decode"
 # (module, attribute path, wrapper): applied right after the module's import, in the processes that import it.
 PATCHES = (
     ("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend.forward_extend", verify_as_extend),
@@ -190,6 +249,12 @@ PATCHES = (
     # patched in its defining module right after its import, i.e. before any ``from ... import`` of it runs
     ("sglang.kernels.ops.speculative.reject_sampling", "chain_speculative_sampling_triton",
      torch_chain_sampling_off_cuda),
+    # Qwen3.5 hybrid: the GDN output norm and the ReplaySSM ring kernels
+    ("sglang.kernels.ops.attention.fla.layernorm_gated", "RMSNorm.forward", gated_rmsnorm_off_cuda),
+    *((RING, name, lambda original, name=name: _kernel(name)(original))
+      for name in ("gdn_replayssm_spec_decode", "commit_gdn_replayssm_spec", "commit_gdn_replayssm_circular")),
+    ("sglang.kernels.ops.mamba.mamba_state_scatter_triton", "fused_conv_window_scatter_with_mask",
+     lambda original: _kernel("fused_conv_window_scatter_with_mask")(original)),
 )
 
 

@@ -11,7 +11,8 @@ last-write refinement and the walk. Greedy rows are verified by exact match; sam
 
 Overrides:
 
-* ``__init__``: refuses non-CUDA devices, non-DSpine drafts and a block width above the draft's block (DFlash
+* ``__init__``: refuses devices other than CUDA and the CPU test path, a hybrid target on the CPU without the GDN
+  ReplaySSM ring (``cpu_hybrid_problem``), non-DSpine drafts and a block width above the draft's block (DFlash
   only warns), attaches the target LM head to the draft before any capture.
 * ``_update_target_mamba_state_after_verify``: SGLang's DFLASH path commits through
   ``update_mamba_state_after_mtp_verify``, which handles only KDA ReplaySSM (hence its guard refusing
@@ -56,11 +57,26 @@ def gdn_replayssm_active(req_to_token_pool) -> bool:
     return bool(getattr(pool, "replayssm_spec_fold", False)) or getattr(pool, "replayssm_cache_base", None) is not None
 
 
+def cpu_hybrid_problem(device: str, req_to_token_pool) -> str | None:
+    """Why DSPINE cannot run this target on the CPU test path, or None: there a hybrid (Mamba-state) target
+    verifies only through the GDN ReplaySSM ring; the recurrent verify's per-draft state snapshots and the KDA
+    ReplaySSM are GPU kernels without CPU versions (``dspine.sglang.cpu_kernels``)."""
+    if not str(device).startswith("cpu") or getattr(req_to_token_pool, "mamba_pool", None) is None:
+        return None
+    if gdn_replayssm_active(req_to_token_pool):
+        return None
+    return ("DSPINE on a hybrid (Gated DeltaNet) target on the CPU needs --enable-linear-replayssm-spec: the CPU "
+            "path commits linear-attention state only through the GDN ReplaySSM ring")
+
+
 class DSpineWorkerV2(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
         if not device.startswith(("cuda", "cpu")):
             raise RuntimeError(f"DSPINE runs on CUDA (or the CPU test path), not on {device!r}")
+        problem = cpu_hybrid_problem(device, target_worker.model_runner.req_to_token_pool)
+        if problem:
+            raise RuntimeError(problem)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         if not isinstance(self.draft_model, DSpineDraftModel):
             raise RuntimeError(
