@@ -15,7 +15,7 @@ TORCH_VERSION=2.14.1
 SGLANG_VERSION=0.5.23
 # Light deps of dspine/dspine_batch (pyproject's `dependencies` minus torch) and the test tools. transformers and
 # tokenizers come pinned by sglang; we do not name them so the resolver keeps sglang's pins.
-LIGHT_DEPS=(safetensors numpy click pyarrow tqdm pytest hypothesis)
+LIGHT_DEPS=(safetensors numpy click pyarrow tqdm pytest hypothesis ninja)
 
 log() { printf '[setup_sglang_venv] %s\n' "$*" >&2; }
 
