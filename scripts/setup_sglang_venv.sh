@@ -66,7 +66,7 @@ else
   log "sglang==$SGLANG_VERSION already installed"
 fi
 
-if [ "$FORCE" = 1 ] || ! ours_ok || ! "$VPY" -c "import safetensors, click, pyarrow, pytest, hypothesis" 2>/dev/null; then
+if [ "$FORCE" = 1 ] || ! ours_ok || ! "$VPY" -c "import safetensors, click, pyarrow, pytest, hypothesis, ninja" 2>/dev/null; then
   log "installing dspine-batch (editable, --no-deps) and light deps"
   "${PIP[@]}" -q "${LIGHT_DEPS[@]}" "torch==$TORCH_VERSION" "sglang==$SGLANG_VERSION"
   "${PIP[@]}" -q --no-deps -e .
