@@ -19,9 +19,12 @@ of the engine's identity (``kernel_name``), since it changes fp32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -93,6 +96,30 @@ def load() -> str | None:
     return isa
 
 
+@contextlib.contextmanager
+def _ninja_on_path():
+    """PATH with a ``ninja`` on it, for the build: torch runs ``ninja`` from PATH (on every ``load``, a cached
+    build too), and the ``ninja`` pip package (our dependency) installs it beside this interpreter, which is not on
+    PATH when a virtualenv's python runs without activating the venv (``scripts/ci_sglang.sh`` runs it so)."""
+    old = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+        with contextlib.suppress(Exception):
+            import ninja
+
+            dirs.insert(0, ninja.BIN_DIR)
+        found = next((d for d in dirs if d and shutil.which("ninja", path=d)), None)
+        if found:
+            os.environ["PATH"] = found if not old else found + os.pathsep + old
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
 def _build(isa: str) -> str | None:
     try:
         from torch.utils import cpp_extension
@@ -104,9 +131,10 @@ def _build(isa: str) -> str | None:
             print(f"dspine: building the CPU kernels for {isa} (once per machine kind, ~20 s) in {where}",
                   file=sys.stderr, flush=True)
         where.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(where),
-                           is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]], verbose=False)
+        with _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(where),
+                               is_python_module=False,
+                               extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]], verbose=False)
         return str(torch.ops.dspine_cpu.isa())
     except Exception as e:  # no compiler / ninja, a read-only cache, a broken toolchain: torch still works
         text = str(e)

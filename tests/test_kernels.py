@@ -191,6 +191,16 @@ def test_isa_choice_from_cpu_flags():
     assert kernels.wanted_isa({}, avx512) == "avx512"
 
 
+def test_build_finds_the_ninja_beside_the_interpreter(tmp_path, monkeypatch):
+    # An unactivated venv's python (scripts/ci_sglang.sh) has the pip ninja beside it but not on PATH.
+    if kernels.shutil.which("ninja", path=kernels.sysconfig.get_path("scripts")) is None:
+        pytest.skip("no ninja installed beside this interpreter")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with kernels._ninja_on_path():
+        assert shutil.which("ninja") is not None
+    assert os.environ["PATH"] == str(tmp_path)
+
+
 def _q4_1_grid(n: int, k: int, seed: int) -> torch.Tensor:
     """A weight made the way GGUF Q4_1 makes one: per 32 columns, m = the block min and d = (max - min) / 15,
     both float16, values d * q + m (the min and max hit q = 0 and q = 15)."""
