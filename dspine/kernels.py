@@ -260,8 +260,26 @@ class PackedLinear(nn.Module):
             packed = torch.ops.dspine_cpu.pack_linear(w)
         self.register_buffer("packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self._op = {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
-                    "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16}[self.format]
+        self._op = self._ops()[self.format]
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, fmt: str, out_features: int, in_features: int,
+                    bias: torch.Tensor | None) -> PackedLinear:
+        """Rebuild from a packed buffer (``pack_cache``) without looking at the float weight again."""
+        if load() is None:
+            raise RuntimeError(f"dspine CPU kernels unavailable: {unavailable_reason()}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features, self.format = out_features, in_features, fmt
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", bias)
+        self._op = cls._ops()[fmt]
+        return self
+
+    @staticmethod
+    def _ops() -> dict:
+        return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
+                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -349,3 +367,57 @@ def attend_cache(q, kc, vc, pos, window: int | None, scale: float) -> torch.Tens
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     return torch.ops.dspine_cpu.silu_mul(gate_up)
+
+
+# -- packed weights cached on disk --------------------------------------------------------------------------
+
+
+def pack_cache_path(key: str) -> Path:
+    return cache_root() / "packed" / f"{build_name(load() or 'none')}-{key}.safetensors"
+
+
+def save_packed(module: nn.Module, path: Path) -> None:
+    """Every ``PackedLinear`` under ``module`` (buffers, format, shape) to one safetensors file, atomically; a
+    read-only cache is not an error."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, m in module.named_modules():
+        if isinstance(m, PackedLinear):
+            tensors[f"{name}.packed"] = m.packed.contiguous()
+            if m.bias is not None:
+                tensors[f"{name}.bias"] = m.bias.contiguous()
+            meta[name] = f"{m.format},{m.out_features},{m.in_features}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def load_packed(module: nn.Module, path: Path) -> bool:
+    """Replace the float ``nn.Linear`` modules named in ``path`` by their cached ``PackedLinear``; False (and
+    nothing changed) when the file is missing, unreadable or does not match the module."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            mods = dict(module.named_modules())
+            plan = []
+            for name, spec in meta.items():
+                fmt, n_out, n_in = spec.split(",")
+                lin = mods.get(name)
+                if not isinstance(lin, nn.Linear) or lin.weight.shape != (int(n_out), int(n_in)):
+                    return False
+                bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in f.keys() else None
+                plan.append((name, PackedLinear.from_packed(f.get_tensor(f"{name}.packed"), fmt, int(n_out), int(n_in),
+                                                            bias)))
+    except Exception:  # missing, damaged (safetensors' own error type), or from another layout: repack
+        return False
+    for name, packed in plan:
+        parent_name, _, child = name.rpartition(".")
+        setattr(mods[parent_name] if parent_name else module, child, packed)
+    return True

@@ -106,13 +106,15 @@ class Target(nn.Module):
         """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``torch``, or a quant mode."""
         return getattr(self, "_kernel", "torch")
 
-    def use_kernels(self, formats: tuple[str, ...] | None = None) -> Target:
+    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
         """Inference only: every fp32 decoder linear and the head through ``dspine.kernels`` (decode-shaped
         GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
         dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay). Weights
         that are exactly GGUF Q4_1/Q8_0 blocks are stored as such (``formats``: which to try; outputs are the
-        fp32 weights' either way, see ``kernels.PackedLinear``)."""
-        from .kernels import PackedLinear, fuse_norms, load, pack_linears
+        fp32 weights' either way, see ``kernels.PackedLinear``). With ``cache_key`` (a digest of the checkpoint)
+        the packed weights are kept on disk (``kernels.pack_cache_path``) and reused by the next load, which
+        then skips recognising and packing them."""
+        from .kernels import PackedLinear, fuse_norms, load, load_packed, pack_cache_path, pack_linears, save_packed
 
         if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
             return self
@@ -121,13 +123,19 @@ class Target(nn.Module):
             return self
         if not any(getattr(m, "qkv_proj", None) is not None for m in self.modules()):
             self.fuse_projections()  # one streamed weight per input instead of two or three
-        pack_linears(self.layers, formats)
+        cached = None if cache_key is None else pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
+        if cached is not None:  # a shape-only stand-in for the head, so the cache can name and check it
+            self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+        if cached is None or not load_packed(self, cached):
+            pack_linears(self.layers, formats)
+            self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one
+            # stays for embed and the draft
+            if cached is not None:
+                save_packed(self, cached)
         fuse_norms(self)
         for m in self.modules():
             if hasattr(m, "fast"):
                 m.fast = True
-        self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one stays
-        # for embed and the draft
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
         self._kernel = f"dspine-{isa}"
@@ -235,5 +243,17 @@ def load_target(
         model.fuse_projections()
     model.quantize(quant)
     if kernels and quant == "none":
-        model.use_kernels()
+        model.use_kernels(cache_key=_checkpoint_key(path))
     return model
+
+
+def _checkpoint_key(path: Path) -> str | None:
+    """A digest of a checkpoint directory's files (names, sizes, modification times), or None if unreadable."""
+    import hashlib
+
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".bin"))
+        parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    except OSError:
+        return None
+    return hashlib.sha256("|".join([str(path.resolve()), *parts]).encode()).hexdigest()[:20]

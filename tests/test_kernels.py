@@ -261,3 +261,19 @@ def test_embedded_target_is_stored_in_its_gguf_blocks():
     assert kernels.weight_formats(fp32) == {"f32": 4 * blocks.num_layers + 1}
     ids = torch.randint(0, blocks.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(blocks.score(ids), fp32.score(ids))
+
+
+def test_packed_weights_are_cached_on_disk_and_reused(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path))
+    first = load_target(llama_dir)
+    files = list((tmp_path / "packed").glob("*.safetensors"))
+    assert len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    second = load_target(llama_dir)  # from the cache: the file is read, not rewritten
+    assert files[0].stat().st_mtime_ns == stamp
+    assert kernels.weight_formats(second) == kernels.weight_formats(first)
+    ids = torch.randint(0, first.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(first.score(ids), second.score(ids))
+    files[0].write_bytes(b"not a safetensors file")  # a damaged cache entry: packed afresh, same outputs
+    third = load_target(llama_dir)
+    assert torch.equal(third.score(ids), first.score(ids))
