@@ -247,13 +247,19 @@ def load_target(
     return model
 
 
+PACK_CACHE_MIN_BYTES = 16 << 20  # smaller checkpoints pack in a blink: not worth a cache file each
+
+
 def _checkpoint_key(path: Path) -> str | None:
-    """A digest of a checkpoint directory's files (names, sizes, modification times), or None if unreadable."""
+    """A digest of a checkpoint directory's files (names, sizes, modification times); None if unreadable or
+    smaller than ``PACK_CACHE_MIN_BYTES``."""
     import hashlib
 
     try:
         files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".bin"))
         parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+        if sum(p.stat().st_size for p in files) < PACK_CACHE_MIN_BYTES:
+            return None
     except OSError:
         return None
     return hashlib.sha256("|".join([str(path.resolve()), *parts]).encode()).hexdigest()[:20]

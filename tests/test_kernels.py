@@ -264,7 +264,10 @@ def test_embedded_target_is_stored_in_its_gguf_blocks():
 
 
 def test_packed_weights_are_cached_on_disk_and_reused(llama_dir, tmp_path, monkeypatch):
+    import dspine.target
+
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dspine.target, "PACK_CACHE_MIN_BYTES", 0)  # tiny test checkpoints are not cached
     first = load_target(llama_dir)
     files = list((tmp_path / "packed").glob("*.safetensors"))
     assert len(files) == 1
