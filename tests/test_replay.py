@@ -177,7 +177,9 @@ def test_commit_equals_direct_forward(q35, seed):
     for b in range(len(lens)):
         seq = torch.cat([prompts[b], block[b, : n[b]], nxt[b]])[None]
         ref = q35.score(seq)[0, -3:]
-        assert (cont[b] - ref).abs().max().item() < 1e-5
+        # incremental steps vs one full-sequence forward: different reduction orders (chunked vs stepwise GDN,
+        # ISA-specific kernels), so fp32 rounding scales with the logits (|logit| ~ 4 here; AVX2 gave 1.3e-5)
+        assert (cont[b] - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
 def test_commit_after_select(q35):
