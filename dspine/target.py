@@ -14,6 +14,7 @@ Every reference target (``llama.py`` for Llama/Qwen3 dense, ``qwen3_5.py`` for t
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,13 +254,11 @@ PACK_CACHE_MIN_BYTES = 16 << 20  # smaller checkpoints pack in a blink: not wort
 def _checkpoint_key(path: Path) -> str | None:
     """A digest of a checkpoint directory's files (names, sizes, modification times); None if unreadable or
     smaller than ``PACK_CACHE_MIN_BYTES``."""
-    import hashlib
-
     try:
-        files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json", ".bin"))
-        parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-        if sum(p.stat().st_size for p in files) < PACK_CACHE_MIN_BYTES:
-            return None
+        files = [(p, p.stat()) for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json", ".bin")]
     except OSError:
         return None
+    if sum(st.st_size for _, st in files) < PACK_CACHE_MIN_BYTES:
+        return None
+    parts = [f"{p.name}:{st.st_size}:{st.st_mtime_ns}" for p, st in files]
     return hashlib.sha256("|".join([str(path.resolve()), *parts]).encode()).hexdigest()[:20]
