@@ -80,6 +80,10 @@ class Target(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         head = getattr(self, "infer_head", None)  # a submodule set by ``quantize``/``use_kernels`` (no class
         # default: it would shadow the registered module)
+        if head is not None and torch.is_grad_enabled() and flat.requires_grad:
+            # a draft being trained backpropagates through these logits; the packed/quantized heads have no
+            # autograd formula (torch would warn and drop the gradient), the float head has one
+            head = None
         out = head(flat.to(self.dtype)) if head is not None else head_matmul(self.head_weight, flat)
         return out.float().view(*hidden.shape[:-1], -1)
 

@@ -331,6 +331,7 @@ class TrainConfig:
     log_every: int = 10
     capture_dtype: str | None = None  # keep captures in this dtype ("bfloat16" halves their memory); None: the draft's
     autocast: str | None = None  # "bfloat16": draft forward/backward under autocast (fp32 weights and optimiser)
+    block_size: int | None = None  # train blocks of this many slots (<= the draft's); None: the draft's own block
 
 
 def trainable_parameters(draft: DSpineDraft) -> list[torch.nn.Parameter]:
@@ -343,6 +344,19 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     if not cfg.autocast:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, cfg.autocast))
+
+
+def train_block_size(draft: DSpineDraft, cfg: TrainConfig) -> int:
+    """The block a training step uses: ``cfg.block_size`` when set, else the draft's own.
+
+    In-block attention is causal, so the first k slots of a block never see the later ones: a block-8 draft
+    trained on blocks of 3 is the same model on its first two proposals, with all of the step's compute spent
+    on the slots a block-3 decode verifies (``decode.json``), and it still loads and decodes at any block <= 8.
+    """
+    bs = cfg.block_size or draft.block_size
+    if not 2 <= bs <= draft.block_size:
+        raise ValueError(f"training block_size {bs} out of range 2..{draft.block_size} (the draft's block)")
+    return bs
 
 
 def train_step(
@@ -359,7 +373,7 @@ def train_step(
     gradient must never reach them.
     """
     target.requires_grad_(False)
-    bs = draft.block_size
+    bs = train_block_size(draft, cfg)
     p_rep = replacement_probability(
         step, cfg.steps, cfg.replacement_probability, cfg.replacement_hold_ratio, cfg.replacement_end_ratio
     )

@@ -260,3 +260,71 @@ def test_cli_train_resume_and_teacher_forced(target_dir, tmp_path):
     assert bad.exit_code != 0 and "lr=" in bad.output and "Traceback" not in bad.output
     other = CliRunner().invoke(main, [*base[:-1], "--steps", "4", "--resume"])  # same tokens, other label mode
     assert other.exit_code != 0 and "other data" in other.output
+
+
+def test_short_training_block_is_the_first_slots_of_the_long_one(target):
+    """``TrainConfig.block_size`` trains blocks of k < bs slots; that is sound only because in-block attention is
+    causal: a k-slot block's outputs are the first k slots of the full block's (features, refinement)."""
+    from dspine.train import train_block_size
+
+    draft = randomize(init_draft(target, **DRAFT_KW))
+    ex = _sequence()
+    cap = capture(target, ex.ids, draft.target_layer_ids)
+    anchors = torch.tensor([3, 11, 20, 33])
+    truth = ex.ids[(anchors[:, None] + torch.arange(BS)).clamp(max=len(ex.ids) - 1)]
+    outs = {}
+    for bs in (BS, 3):
+        block = torch.full((len(anchors), bs), draft.mask_token_id)
+        block[:, 0] = ex.ids[anchors]
+        with torch.no_grad():
+            out = draft.train_forward(cap.taps, anchors, block, target)
+            outs[bs] = (out.hidden, draft.refine_slots(out, truth[:, : bs - 1]))
+    torch.testing.assert_close(outs[3][0], outs[BS][0][:, :3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[3][1], outs[BS][1][:, :2], rtol=1e-5, atol=1e-5)
+    assert train_block_size(draft, TrainConfig(block_size=3)) == 3
+    assert train_block_size(draft, TrainConfig()) == BS
+    with pytest.raises(ValueError, match="out of range"):
+        train_block_size(draft, TrainConfig(block_size=BS + 1))
+
+
+def test_training_on_a_short_block_keeps_the_draft_block(target, tmp_path):
+    """Training with a shorter block trains (losses fall) and leaves the draft's own block (its decode maximum)."""
+    exs = [_sequence(seed=1), _sequence(seed=2)]
+    torch.manual_seed(0)
+    draft = init_draft(target, **DRAFT_KW)
+    draft.train()
+    cfg = TrainConfig(steps=20, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5,
+                      block_size=3)  # fmt: skip
+    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids)) for ex in exs]
+    losses = _train_losses(draft, target, batch, cfg)
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    cfg2 = TrainConfig(steps=2, batch_size=2, anchors_per_seq=4, block_size=3, log_every=1)
+    train(target, exs, tmp_path / "d", cfg2, num_layers=1, block_size=4, log=lambda s: None,
+          draft_overrides=dict(transfer_rank=16, message_size=32, top_k=4, intermediate_size=96))  # fmt: skip
+    assert load_draft(tmp_path / "d").block_size == 4
+
+
+def test_backbone_gradient_flows_through_a_kernel_target(target_dir):
+    """A draft without a draft vocabulary is scored by ``target.logits``; on a target packed for inference
+    (``use_kernels``, the ``load_target`` default on CPU) that head has no autograd formula, so training once got
+    no backbone gradient at all (torch only warned). The gradients must equal those through torch's head."""
+    import copy
+
+    from dspine.target import load_target
+    from dspine.train import train_step
+
+    ex = _sequence(seed=3)
+    grads = {}
+    for kernels in (False, True):
+        t = load_target(target_dir, kernels=kernels).requires_grad_(False)
+        torch.manual_seed(0)
+        draft = copy.deepcopy(randomize(init_draft(t, **DRAFT_KW))).train()
+        cap = capture(t, ex.ids, draft.target_layer_ids)
+        cfg = TrainConfig(anchors_per_seq=8, replacement_probability=0.0, alignment_weight=0.0)
+        train_step(draft, t, [(ex, cap)], 10, cfg, torch.Generator().manual_seed(0))
+        grads[kernels] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys()
+    assert any(g.abs().sum() > 0 for n, g in grads[True].items() if n.startswith("layers.0.mlp"))
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=1e-3, atol=1e-5, msg=n)
