@@ -260,7 +260,7 @@ def run(model: str, draft: str | None, prompt_ids: str, max_new_tokens: int, tem
     except ValueError:
         raise click.BadParameter("expected comma-separated integers", param_hint="--prompt-ids") from None
     t = _load_target(model)
-    d = load_draft(draft) if draft else None
+    d = load_draft(draft).use_kernels() if draft else None  # packed like the target (a no-op off CPU/fp32)
     try:
         (o,) = generate(t, d, [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     except ValueError as e:

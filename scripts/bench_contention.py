@@ -28,7 +28,7 @@ from dspine.embedded import embedded_draft_path, embedded_target_path
 cfg = json.loads(sys.argv[1])
 torch.manual_seed(0)
 target = load_target(embedded_target_path())
-draft = load_draft(embedded_draft_path()) if cfg["draft"] else None
+draft = load_draft(embedded_draft_path()).use_kernels() if cfg["draft"] else None  # packed, as the engine runs it
 prompts = [torch.randint(0, 40000, (60,), generator=torch.Generator().manual_seed(i)).tolist()
            for i in range(cfg["prompts"])]
 generate(target, draft, prompts[:1], max_new_tokens=4)  # warm-up

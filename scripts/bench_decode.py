@@ -141,9 +141,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target = load_target(_resolve_model(args.model, tmp))
     draft = (
-        init_draft(target, num_layers=5, block_size=args.block_size or 16)
+        init_draft(target, num_layers=5, block_size=args.block_size or 16).use_kernels()
         if args.draft == "random"
-        else load_draft(args.draft)
+        else load_draft(args.draft).use_kernels()  # packed, as the engine runs it
     )
     args.block_size = args.block_size or draft.block_size
     report = {
