@@ -62,6 +62,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    from bench_acceptance import Clock, ms  # scripts/ is on sys.path when this runs as a script
+
     from dspine import generate, load_target
     from dspine.embedded import embedded_target_path
 
@@ -78,38 +80,26 @@ def main() -> None:
     for c in args.concurrency:
         batches = [prompts[i : i + c] for i in range(0, len(prompts), c)]
         plain_t = plain_n = 0.0
-        acc = {n: {"t": 0.0, "rounds": 0, "tokens": 0, "propose": []} for n in drafts}
+        acc = {n: {"t": 0.0, "rounds": 0, "propose": []} for n in drafts}
         for b in batches:  # plain and every shape alternate per batch, so load drift hits all alike
             t0 = time.perf_counter()
             outs = generate(target, None, b, max_new_tokens=M)
             plain_t += time.perf_counter() - t0
             plain_n += max(len(o.token_ids) for o in outs)  # plain steps of this batch
             for name, d in drafts.items():
-                times: list[float] = []
-                orig = d.propose
-
-                def timed(*a, _orig=orig, _times=times, **k):
-                    t1 = time.perf_counter()
-                    try:
-                        return _orig(*a, **k)
-                    finally:
-                        _times.append(time.perf_counter() - t1)
-
-                d.propose = timed
+                clock = Clock(d, "propose")
                 t0 = time.perf_counter()
                 outs = generate(target, d, b, max_new_tokens=M, block_size=args.block_size)
                 acc[name]["t"] += time.perf_counter() - t0
-                del d.propose  # the class method shows through again
-                acc[name]["rounds"] += max(o.stats.verify_steps for o in outs) if outs else 0
-                acc[name]["tokens"] += sum(len(o.token_ids) for o in outs)
-                acc[name]["propose"] += times
+                acc[name]["propose"] += clock.close()
+                acc[name]["rounds"] += max(o.stats.verify_steps for o in outs)  # rounds of this batch
         ms_plain_token = 1000 * plain_t / max(1.0, plain_n)  # a plain step at batch c (prefill included)
         for name, a in acc.items():
             ms_round = 1000 * a["t"] / max(1, a["rounds"])
             r = res["shapes"].setdefault(name, {"params": sum(p.numel() for p in drafts[name].parameters())})
             r[f"c{c}"] = {
                 "ms_plain_step": round(ms_plain_token, 2),
-                "ms_propose": round(1000 * sum(a["propose"]) / max(1, len(a["propose"])), 2),
+                "ms_propose": ms(a["propose"]),
                 "ms_round": round(ms_round, 2),
                 "tau_break_even": round(ms_round / ms_plain_token, 3),
             }
