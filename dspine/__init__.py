@@ -14,17 +14,17 @@ __version__ = "0.1.0"
 __all__ = ["load_target", "load_draft", "init_draft", "generate", "ModelLoadError", "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import ModelLoadError
-    from .decode import generate
-    from .draft_io import init_draft, load_draft
-    from .target import load_target
+    from dspine.decoding.decode import generate
+    from dspine.draft.io import init_draft, load_draft
+    from dspine.models.checkpoint import ModelLoadError
+    from dspine.models.registry import load_target
 
 _LAZY = {
-    "load_target": ".target",
-    "load_draft": ".draft_io",
-    "init_draft": ".draft_io",
-    "generate": ".decode",
-    "ModelLoadError": ".checkpoint",
+    "load_target": ".models.registry",
+    "load_draft": ".draft.io",
+    "init_draft": ".draft.io",
+    "generate": ".decoding.decode",
+    "ModelLoadError": ".models.checkpoint",
 }
 
 

@@ -31,7 +31,7 @@ def _target_path(path: str) -> Path:
     from dspine import ModelLoadError
 
     if path == "embedded":
-        from dspine.embedded import embedded_target_path
+        from dspine.embedded.smollm2 import embedded_target_path
 
         try:
             return embedded_target_path()
@@ -92,12 +92,12 @@ def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None,
     import torch
 
     from dspine import ModelLoadError, load_draft, load_target
-    from dspine.train import load_examples
+    from dspine.training.train import load_examples
 
     path = _target_path(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        # torch's linears, not dspine.kernels: training forwards are prefill-shaped (hundreds of rows), where
+        # torch's linears, not dspine.cpu.kernels: training forwards are prefill-shaped (hundreds of rows), where
         # the decode-shaped kernels run ~2x slower than MKL (a 652-token capture: 2.7 s vs 1.4 s, AVX2 EPYC)
         target = load_target(path, device=device, kernels=False)
         draft = load_draft(draft_dir, device=device) if draft_dir else None
@@ -105,7 +105,7 @@ def _training_inputs(model: str, data: str, max_len: int, draft_dir: str | None,
         raise click.ClickException(str(e)) from None
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-        from dspine_batch.tokenizer import HFTokenizer
+        from dspine.models.tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(path)
     try:
@@ -192,9 +192,9 @@ def train(
     ``"teacher_forced": true`` per line). Runs on CUDA when available, else CPU. ``--resume`` continues a stopped
     run exactly.
     """
-    from dspine.train import TrainConfig, choose_draft_vocab
-    from dspine.train import train as run_training
-    from dspine.train_state import ResumeError
+    from dspine.training.train import TrainConfig, choose_draft_vocab
+    from dspine.training.train import train as run_training
+    from dspine.training.train_state import ResumeError
 
     target, draft, examples = _training_inputs(model, data, max_len, init_from, teacher_forced)
     overrides = {k: v for k, v in (("intermediate_size", intermediate_size), ("transfer_rank", transfer_rank)) if v}
@@ -230,7 +230,7 @@ def fit_confidence_cmd(
 
     Example: ``dspine fit-confidence embedded out/train.jsonl out/draft --sequences 256``
     """
-    from dspine.confidence import fit_confidence_on_examples
+    from dspine.training.confidence import fit_confidence_on_examples
 
     target, draft, examples = _training_inputs(model, data, max_len, draft_dir)
     try:

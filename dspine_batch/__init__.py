@@ -1,8 +1,11 @@
 """dspine-batch: offline batch generation with exactly-once resume.
 
-Data flows one way: ``sources`` (input rows) -> ``mapping`` (rows to requests) -> ``scheduler`` (bounded
-in-flight work) -> ``engine`` (any implementation of the engine protocol) -> ``sink`` (atomic Parquet parts).
-``pipeline`` wires them; ``cli`` is the user-facing entry point.
+Data flows one way: ``pipeline.sources`` (input rows) -> ``pipeline.mapping`` (rows to requests) ->
+``pipeline.scheduler`` (bounded in-flight work) -> ``engines`` (any implementation of ``engines.base.Engine``) ->
+``pipeline.sink`` (atomic Parquet parts); ``pipeline.job`` wires them. ``ops`` holds the commands around a job
+(slurm, status, finalize, report); ``cli`` is the user-facing entry point. ``errors`` (exit codes) and ``digest``
+(file content digests) sit beneath everything. Imports point down that list, never back up:
+``tests/house/test_layering.py`` checks it.
 """
 
 __version__ = "0.1.0"

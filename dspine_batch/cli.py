@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .config import GenerateConfig, default, load_toml
-from .errors import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
+from dspine_batch import __version__
+from dspine_batch.errors import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
+from dspine_batch.pipeline.config import GenerateConfig, default, load_toml
 
 ENV = "DSPINE_BATCH_"
 
@@ -182,8 +182,8 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
 
     Without -o the output goes to ./<first input's name>-out (printed at start); the same command again
     resumes there."""
-    from .pipeline import default_output
-    from .pipeline import generate as run_generate
+    from dspine_batch.pipeline.job import default_output
+    from dspine_batch.pipeline.job import generate as run_generate
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:
@@ -204,7 +204,7 @@ def status(outdir: str, as_json: bool) -> None:
     Example:
       dspine-batch status out/
     """
-    from .status import format_status, read_status
+    from dspine_batch.ops.status import format_status, read_status
 
     st = read_status(outdir)
     click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
@@ -224,7 +224,7 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
       dspine-batch report out/
       dspine-batch report out/ --plot accept.png
     """
-    from .report import format_report, plot_report, summarize, write_report
+    from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
 
     summary = summarize(outdir)
     write_report(outdir, summary)
@@ -248,7 +248,7 @@ def finalize(outdir: str, compact: bool, target_rows: int) -> int:
     Example:
       dspine-batch finalize out/ --compact
     """
-    from .finalize import finalize as run_finalize
+    from dspine_batch.ops.finalize import finalize as run_finalize
 
     return run_finalize(outdir, compact, target_rows)
 
@@ -282,8 +282,8 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
     TOML with a [slurm] table (see jobs/nightly-synth.toml and docs/slurm.md); optionally submit both.
 
     Arguments after `--` are passed to every `dspine-batch generate` of the array."""
-    from .slurm import render
-    from .slurm import submit as do_submit
+    from dspine_batch.ops.slurm import render
+    from dspine_batch.ops.slurm import submit as do_submit
 
     overrides: dict[str, Any] = {"template": template, "shards": shards}
     overrides |= {key.replace("-", "_"): value for key, value in sets}

@@ -58,7 +58,7 @@ def hybrid_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama target with a tokenizer, and a random DSpine draft for it: ``(model_dir, draft_dir)``.
-    (tests/test_sglang_plugin.py has its own ``tiny``, which overrides this one there.)"""
+    (tests/sglang_plugin/test_sglang_plugin.py has its own ``tiny``, which overrides this one there.)"""
     return save_tiny_engine_pair(tmp_path_factory.mktemp("tiny"), tmp_path_factory.mktemp("tiny_draft"))
 
 

@@ -4,7 +4,7 @@ dspine_batch: run the CLI in-process (``run_cli``) or as a subprocess (``spawn``
 engine put behind the default engine names through the engine registry (no environment switch in the
 production path); write inputs and read outputs.
 
-dspine: test doubles that follow the draft interface used by ``dspine.generate`` (see dspine/draft.py).
+dspine: test doubles that follow the draft interface used by ``dspine.generate`` (see dspine/draft/model.py).
 
 They let the decoding loop be tested for losslessness independently of the real DSpine draft:
 - ``ScriptedDraft`` proposes a known continuation (the target's own greedy output) with optional injected
@@ -17,8 +17,8 @@ The row identity rides in a one-element "KV" tensor so ``ModelCache.select`` kee
 make the prompts and injected mistakes for them.
 
 Tiny models: ``save_tiny_hf`` (Llama / Qwen3) and ``save_tiny_qwen35`` (the Qwen3.5 hybrid) saved by transformers
-(the oracle) and loaded by dspine; the draft shapes of tests/test_draft.py (``make_draft``, ``fill_context``) and
-tests/test_train.py (``TRAIN_*``, ``train_stats``); the tiny reference-engine checkpoint with a tokenizer
+(the oracle) and loaded by dspine; the draft shapes of tests/draft/test_draft.py (``make_draft``, ``fill_context``) and
+tests/training/test_train.py (``TRAIN_*``, ``train_stats``); the tiny reference-engine checkpoint with a tokenizer
 (``tokenizer_dir``, ``save_tiny_engine_pair``, ``reference_engine``, ``chat_requests``); the SGLang end-to-end
 checkpoints and engine runner (``random_pair``, ``constant_pair``, ``hybrid_pair``,
 ``alternating_hybrid_pair``, ``run_engine``).
@@ -43,11 +43,12 @@ from typing import Any
 import pyarrow.dataset as ds
 import torch
 
-from dspine.cache import KVCache, ModelCache
+from dspine.models.cache import KVCache, ModelCache
 from dspine_batch.cli import main
-from dspine_batch.engine import Request, SamplingParams, engines_replaced
-from dspine_batch.keyset import fallback_id_hashes, key_hash
-from dspine_batch.scripted_engine import ScriptedEngine
+from dspine_batch.engines.base import Request, SamplingParams
+from dspine_batch.engines.registry import engines_replaced
+from dspine_batch.engines.scripted import ScriptedEngine
+from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hash
 
 # -- dspine_batch -------------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,7 +363,7 @@ def save_tiny_qwen35(path, seed: int = 0, vlm: bool = False, tie: bool = False, 
     return str(path)
 
 
-# -- the draft shape of tests/test_draft.py (also tests/test_sglang_math.py) -------------------------------------
+# -- the draft shape of tests/draft/test_draft.py (also tests/sglang_plugin/test_sglang_math.py) ------------------
 DRAFT_BS = 8
 DRAFT_KW = dict(num_layers=3, block_size=DRAFT_BS, transfer_rank=16, message_size=32, top_k=4, intermediate_size=96)
 DRAFT_VOCAB = list(range(0, TINY_VOCAB, 3))  # a draft vocabulary: 86 of 256 ids
@@ -403,7 +404,7 @@ def randomize_draft(draft, seed: int = 1, backbone_std: float = 0.08, inj_std: f
 def make_draft(target, random_writes=True, seed=0, **kw):
     """A ``DRAFT_KW`` draft for ``target`` (``**kw`` overrides), randomised by ``randomize_draft`` unless not
     ``random_writes``."""
-    from dspine.draft_io import init_draft
+    from dspine.draft.io import init_draft
 
     draft = init_draft(target, seed=seed, **{**DRAFT_KW, **kw})
     return randomize_draft(draft, seed + 1) if random_writes else draft
@@ -419,7 +420,7 @@ def fill_context(draft, lengths, seed=0, cap=64):
     return cache, taps
 
 
-# -- the tiny peaky Qwen3 target and draft shape of tests/test_train.py (also tests/test_confidence.py) ----------
+# -- the tiny peaky Qwen3 target and draft shape of tests/training/test_train.py (also test_confidence.py) --------
 TRAIN_BS = 6
 TRAIN_DRAFT_KW = dict(num_layers=2, block_size=TRAIN_BS, transfer_rank=16, message_size=32, top_k=4,
                       intermediate_size=96)
@@ -441,7 +442,7 @@ def save_train_qwen3(path):
 
 def load_train_target(path):
     """``save_train_qwen3``'s model loaded by dspine, with peaky teacher distributions."""
-    from dspine.target import load_target
+    from dspine.models.registry import load_target
 
     t = load_target(path)
     with torch.no_grad():
@@ -463,7 +464,7 @@ def randomize_train_draft(draft, seed: int = 1):
 
 def train_stats(draft, target, batch, cfg) -> list[dict]:
     """``cfg.steps`` AdamW steps of ``train_step`` on one fixed batch; its stats per step."""
-    from dspine.train import train_step
+    from dspine.training.train import train_step
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
@@ -517,7 +518,7 @@ def save_tiny_engine_pair(model_dir: Path, draft_dir: Path) -> tuple[Path, Path]
 
 def reference_engine(tiny, draft=True, **args):
     """The reference engine on ``tiny`` (a ``save_tiny_engine_pair`` pair), with or without its draft."""
-    from dspine_batch.reference_engine import ReferenceEngine
+    from dspine_batch.engines.reference import ReferenceEngine
 
     model, draft_dir = tiny
     return ReferenceEngine.load(str(model), str(draft_dir) if draft else "none", args)
@@ -531,7 +532,7 @@ def chat_requests(engine, n=4, **p):
             for i in range(n)]
 
 
-# -- SGLang end to end on a CPU (tests/test_sglang_e2e.py, tests/test_sglang_cli.py) --------------------------------
+# -- SGLang end to end on a CPU (tests/sglang_plugin/test_sglang_e2e.py, tests/cli/test_sglang_cli.py) -------------
 # * ``random_pair``: a random Qwen3 target and a random DSpine draft whose injection weights are non-zero, so the
 #   injection after every layer and the last-write refinement of the transition cache really change proposals
 #   (a fresh ``init_draft`` has zero writes: exactly the causal DFlash backbone).
@@ -549,7 +550,7 @@ SGLANG_BLOCK = 4
 CONSTANT_TOKEN = 42
 COMMON_KWARGS = dict(tp_size=1, dtype="float32", max_total_tokens=4096, max_running_requests=8,
                      mem_fraction_static=0.5, skip_tokenizer_init=True, log_level="error")
-# Without a GPU: SGLang's CPU test path (dspine.sglang.cpu). With one (scripts/gpu_check.sh --sglang), the same
+# Without a GPU: SGLang's CPU test path (dspine.sglang.cpu). With one (scripts/gpu/gpu_check.sh --sglang), the same
 # tests run on CUDA with CUDA graphs on; triton attention because it takes the fp32 tiny models.
 GPU_ENGINE_KWARGS = dict(device="cuda", attention_backend="triton", disable_cuda_graph=False, cuda_graph_max_bs=8)
 
@@ -559,7 +560,7 @@ def on_gpu() -> bool:
 
 
 def engine_kwargs() -> dict:
-    from dspine_batch.sglang_args import cpu_defaults
+    from dspine_batch.engines.sglang.args import cpu_defaults
 
     return {**COMMON_KWARGS, **(GPU_ENGINE_KWARGS if on_gpu() else cpu_defaults(speculative=False))}
 
@@ -568,7 +569,7 @@ def save_random_draft(target_dir: str, out: Path, seed: int, damp: float | None 
     """A 2-layer DSpine draft for ``target_dir`` with random non-zero injection weights (all residual writes
     scaled by ``damp`` when given), saved to ``out``; returns the loaded target."""
     from dspine import load_target
-    from dspine.draft_io import init_draft
+    from dspine.draft.io import init_draft
 
     target = load_target(target_dir)
     draft = init_draft(target, num_layers=2, block_size=SGLANG_BLOCK, transfer_rank=8, message_size=16, top_k=4,
@@ -687,7 +688,7 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     import sglang
 
     from dspine.sglang import plugin
-    from dspine_batch.sglang_engine import scoped_shutdown
+    from dspine_batch.engines.sglang.engine import scoped_shutdown
 
     plugin.register()
     kw = {**engine_kwargs(), "model_path": model, **kwargs}

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import scripted_engine  # noqa: E402
 
 from dspine_batch.cli import main  # noqa: E402
-from dspine_batch.engine import engines_replaced  # noqa: E402
+from dspine_batch.engines.registry import engines_replaced  # noqa: E402
 
 if __name__ == "__main__":
     with engines_replaced(scripted_engine):

@@ -1,5 +1,6 @@
 """Builds SGLang-0.5.23-shaped ``meta_info`` dicts by running SGLang's own ``TokenizerManager.
-_calculate_spec_decoding_metrics`` on scheduler-side counters (used by tests/test_sglang_plugin.py to check that
+_calculate_spec_decoding_metrics`` on scheduler-side counters (used by tests/sglang_plugin/test_sglang_plugin.py to
+check that
 tests/data/sglang_0_5_23_meta_info.json is what 0.5.23 produces; needs sglang installed).
 
 Each case is a request as the scheduler accounts it: the first token comes from the prefill, then every verify

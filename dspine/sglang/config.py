@@ -72,8 +72,8 @@ def read_draft(path: str | Path | None, *, check_weights: bool = True) -> DraftI
         raise DSpineConfigError(
             f"{flag} {path}: config.json has no dflash_config block (block_size, target_layer_ids, "
             "mask_token_id); SGLang reads it for every DFlash-family algorithm")
-    from dspine.checkpoint import ModelLoadError
-    from dspine.draft_config import parse_draft_config
+    from dspine.draft.config import parse_draft_config
+    from dspine.models.checkpoint import ModelLoadError
 
     try:
         spec = parse_draft_config(cfg, where=str(p / "config.json"))

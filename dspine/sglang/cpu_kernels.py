@@ -13,10 +13,10 @@ verify); the Qwen3.5 layer ops (gated attention norms and gate, GDN input split)
 (conv, gates, recurrence; prefill and decode); the GDN ReplaySSM ring (verify, cursor advance, fold, conv-window
 rollback). Each does what SGLang's kernel of the same name does to the same tensors (same shapes, layouts and
 in-place effects), with plain tensor indexing and Python loops over requests: speed is irrelevant on the tiny
-models the CPU tests run. The Gated DeltaNet math itself is ``dspine.gdn``'s (our reference target's), so a
+models the CPU tests run. The Gated DeltaNet math itself is ``dspine.models.gdn``'s (our reference target's), so a
 state SGLang commits here is computed by the same step function our reference engine uses.
 
-Layouts (SGLang's): a GDN recurrent state is ``[HV, V, K]`` (``dspine.gdn`` keeps ``[H_v, D_k, D_v]``: the
+Layouts (SGLang's): a GDN recurrent state is ``[HV, V, K]`` (``dspine.models.gdn`` keeps ``[H_v, D_k, D_v]``: the
 transpose); a conv state is ``[dim, K - 1]`` (the last K-1 conv inputs, oldest first); pool tensors carry a
 slot (and sometimes a layer) dimension in front.
 """
@@ -28,7 +28,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from dspine.gdn import (
+from dspine.models.gdn import (
     causal_conv,
     decay_add,
     delta_rule_read,
@@ -134,7 +134,7 @@ def chain_speculative_sampling(predicts: torch.Tensor, accept_index: torch.Tenso
 
 def _gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim in fp32, ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, as
-    ``dspine.layers.RMSNorm(offset=1.0)``; returns the input dtype."""
+    ``dspine.models.layers.RMSNorm(offset=1.0)``; returns the input dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
 
@@ -162,7 +162,7 @@ def fused_qk_gemma_rmsnorm_with_gate_cpu(q_gate: torch.Tensor, k: torch.Tensor, 
     """Replaces the CPU kernel that splits the gated q projection and norms q/k in one pass.
 
     q_gate [T, num_heads * 2 * head_dim] holds per head ``[query | gate]`` (the Qwen3.5 layout, as
-    ``dspine.qwen3_5.GatedAttention``); k [T, num_kv_heads * head_dim] -> (q [T*num_heads, head_dim] normed,
+    ``dspine.models.qwen3_5.GatedAttention``); k [T, num_kv_heads * head_dim] -> (q [T*num_heads, head_dim] normed,
     k [T*num_kv_heads, head_dim] normed, gate [T*num_heads, head_dim] copied), all contiguous.
     """
     qg = q_gate.reshape(q_gate.shape[0], num_heads, 2 * head_dim)
@@ -200,7 +200,7 @@ def _conv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_out(window: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias, activation) -> torch.Tensor:
-    """Causal depthwise conv of u [dim, T] after window [dim, K-1] (``dspine.gdn.causal_conv``), + bias, SiLU."""
+    """Causal depthwise conv of u [dim, T] after window [dim, K-1] (``dspine.models.gdn.causal_conv``), + bias, SiLU."""
     y = causal_conv(window[None], u[None], _conv_weight(weight))[0]
     if bias is not None:
         y = y + bias[:, None].to(y.dtype)
@@ -208,7 +208,7 @@ def _conv_out(window: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias,
 
 
 def _rolled(window: torch.Tensor, u: torch.Tensor, n: int) -> torch.Tensor:
-    """The conv window after the first n of u [dim, T] (``dspine.gdn.roll_window``)."""
+    """The conv window after the first n of u [dim, T] (``dspine.models.gdn.roll_window``)."""
     return roll_window(window[None], u[None], torch.tensor([n]))[0]
 
 
@@ -271,13 +271,13 @@ def causal_conv1d_update_cpu(mixed_qkv: torch.Tensor, conv_states: torch.Tensor,
 def fused_gdn_gating_cpu(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Replaces the CPU GDN gating kernel: a, b [T, HV] -> (g, beta) [1, T, HV] fp32, with
-    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (``dspine.gdn.gates``)."""
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (``dspine.models.gdn.gates``)."""
     g, beta = gates(a[None], b[None], A_log, dt_bias)
     return g, beta
 
 
 def _state_in(state: torch.Tensor) -> torch.Tensor:
-    """SGLang's [..., HV, V, K] state -> dspine.gdn's [..., HV, K, V] fp32."""
+    """SGLang's [..., HV, V, K] state -> dspine.models.gdn's [..., HV, K, V] fp32."""
     return state.float().transpose(-1, -2)
 
 
@@ -286,7 +286,7 @@ def _state_out(S: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _qk(q: torch.Tensor, k: torch.Tensor, l2norm: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k [1, T, H, K] -> fp32 (L2-normalised with ``l2norm``, as ``dspine.gdn.prepare_qk``), q times scale
+    """q, k [1, T, H, K] -> fp32 (L2-normalised with ``l2norm``, as ``dspine.models.gdn.prepare_qk``), q times scale
     (default K^-0.5)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if l2norm:
@@ -304,7 +304,7 @@ def chunk_gated_delta_rule_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     q, k [1, N, H, K], v [1, N, HV, V] (post-conv), g/beta [1, N, HV] (``fused_gdn_gating_cpu``); sequence i
     (bounds in cu_seqlens) starts from initial_state[initial_state_indices[i]] ([slots, HV, V, K], updated in
-    place with its final state). SGLang's kernel is chunked; this runs ``dspine.gdn.delta_rule_scan`` token by
+    place with its final state). SGLang's kernel is chunked; this runs ``dspine.models.gdn.delta_rule_scan`` token by
     token (the same math). Returns (outputs [1, N, HV, V] in q's dtype, final states [B, HV, V, K], None).
     """
     if head_first:
@@ -366,7 +366,7 @@ def fused_sigmoid_gating_delta_rule_update_cpu(A_log: torch.Tensor, dt_bias: tor
 
 def fused_rmsnorm_gated_cpu(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Replaces the GDN output norm (``fla.layernorm_gated.RMSNorm``: a Triton kernel off the AMX path):
-    ``weight * rmsnorm(x) * silu(z)`` per row (``dspine.gdn.gated_rmsnorm``); plain RMSNorm without z."""
+    ``weight * rmsnorm(x) * silu(z)`` per row (``dspine.models.gdn.gated_rmsnorm``); plain RMSNorm without z."""
     if z is None:
         xf = x.float()
         return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
@@ -379,7 +379,7 @@ def fused_rmsnorm_gated_cpu(x: torch.Tensor, weight: torch.Tensor, z: torch.Tens
 # ``temporal`` state, keyed by the mamba slot) and a circular ring of the last committed steps' records
 # (delta [HV, V], normalised key [H, K], log-decay g [HV]) of length L (power of two), addressed from
 # ``cache_base[r]``, ``write_pos[r]`` records long. The committed state is the checkpoint advanced over the ring
-# (``dspine.gdn.decay_add`` per record). Verify reconstructs it, runs the block, and writes the block's records
+# (``dspine.models.gdn.decay_add`` per record). Verify reconstructs it, runs the block, and writes the block's records
 # after the committed ones; the commit only moves ``write_pos`` by the accepted count (a rejected draft's record
 # is simply overwritten later) and folds the ring into the checkpoint when the next block might not fit.
 
@@ -428,7 +428,7 @@ def gdn_replayssm_spec_decode(q, k, v, a, b, A_log, dt_bias, checkpoint_state, d
     q, k [N, H, K], v [N, HV, V], a, b [N, HV] (post-conv, packed by query_start_loc); per request i: mamba slot
     ``ssm_state_indices[i]`` (checkpoint [HV, V, K] in checkpoint_state, read only) and ring slot
     ``replay_indices[i]``. Reconstructs the committed state from the checkpoint and the ring's write_pos records,
-    runs the block through ``dspine.gdn.delta_rule_update`` writing outputs into ``out`` [N, HV, V], and stores
+    runs the block through ``dspine.models.gdn.delta_rule_update`` writing outputs into ``out`` [N, HV, V], and stores
     each block token's (delta, key, g) record at ring position write_pos + t (only while it fits in L).
     Requests on a padding slot (<= null_block_id) get zero output; ring slots flagged for a flush are left to the
     flush launch, as in the kernel. The kernel reconstructs outputs with a chunked (I + A)^-1 transform; this

@@ -1,9 +1,9 @@
 """The DSpine draft in SGLang's layout, for the SGLang draft model and worker (plain torch, no SGLang import).
 
-The math itself is not here: injection, predecessor codes, last-write refinement (``dspine.draft.Injection``)
-and the walk step (``dspine.proposal.choose``) are the reference draft's own functions. This module only
+The math itself is not here: injection, predecessor codes, last-write refinement (``dspine.draft.model.Injection``)
+and the walk step (``dspine.draft.proposal.choose``) are the reference draft's own functions. This module only
 adapts them to SGLang's layout: flat tokens ``[bs * B, ...]``, fused-residual decoder layers, a candidate
-"selector" that scores a ``k x k`` lattice per slot, a packed hidden row; ``tests/test_sglang_math.py``
+"selector" that scores a ``k x k`` lattice per slot, a packed hidden row; ``tests/sglang_plugin/test_sglang_math.py``
 checks the whole against the reference draft on CPU. Nothing here syncs with the host (no ``.item()`` /
 ``.tolist()``), so it is safe inside a captured CUDA graph.
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dspine.proposal import choose
+from dspine.draft.proposal import choose
 
 # A decoder layer in SGLang's fused-residual convention: (hidden, residual) -> (hidden, residual), where the
 # residual stream is ``hidden + residual`` (or ``hidden`` alone when residual is None).
@@ -140,7 +140,7 @@ def walk(cand: torch.Tensor, scores: torch.Tensor, uniforms: torch.Tensor, tempe
     cand [bs, n, k], scores [bs, n, k, k], uniforms [bs, n] in [0, 1), temperatures [bs] (> 0; ignored for
     greedy rows), greedy_mask [bs] bool -> (tokens [bs, n], q_rows [bs, n, k] float32: the distribution each
     token was drawn from over the k candidates, one-hot for greedy rows). Same draws as
-    ``dspine.proposal.sample_path`` given the same uniforms, with no host sync.
+    ``dspine.draft.proposal.sample_path`` given the same uniforms, with no host sync.
     """
     bs, n, k = cand.shape
     temps = torch.where(greedy_mask, torch.ones_like(temperatures), temperatures).float()[:, None]  # [bs, 1]

@@ -6,7 +6,7 @@ SGLang's paged draft KV, context rows materialised from the target's tapped hidd
 TARGET_VERIFY mode, and **causal in-block attention** when the config says ``"is_causal": true``
 (``_get_dflash_attention_type`` -> ``AttentionType.DECODER``; DFlash's own checkpoints are bidirectional).
 
-What DSpine adds here (math in ``dspine.sglang.draft_math``, checked against ``dspine.draft`` on CPU):
+What DSpine adds here (math in ``dspine.sglang.draft_math``, checked against ``dspine.draft.model`` on CPU):
 
 * adjacent injection after every layer (``Injection``, the reference module and checkpoint names);
 * the packed output ``[normed_post | last_pre | last_feat]`` so the worker can refine;
@@ -29,9 +29,9 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.dflash import DFlashDraftModel, candidate_topk
 
-from dspine.checkpoint import ModelLoadError
-from dspine.draft import DSpineDraft, Injection
-from dspine.draft_config import parse_draft_config
+from dspine.draft.config import parse_draft_config
+from dspine.draft.model import DSpineDraft, Injection
+from dspine.models.checkpoint import ModelLoadError
 
 from .. import draft_math as dm
 
@@ -89,7 +89,7 @@ class DSpineDraftModel(DFlashDraftModel):
         self.injection = Injection(spec.hidden_size, spec.transfer_rank, spec.message_size, spec.num_layers)
         self.register_buffer("transfer_codes", torch.zeros(spec.vocab_size, spec.transfer_rank))
         self.register_buffer("transfer_ready", torch.tensor(False))
-        # A draft vocabulary (dspine.draft.DSpineDraft.head): candidates come from these target ids only.
+        # A draft vocabulary (dspine.draft.model.DSpineDraft.head): candidates come from these target ids only.
         if spec.draft_vocab_size is not None:
             self.register_buffer("draft_vocab", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         else:

@@ -1,0 +1,282 @@
+// Decode-shaped linear layers on the CPU: y[M, N] = x[M, K] @ W[N, K]^T for a few rows M, fp32 arithmetic,
+// with W stored as fp32 or, where it is exactly representable so, in GGUF's 4-bit Q4_1 or 8-bit Q8_0 blocks
+// or as bfloat16 (a draft trained in bf16).
+//
+// Why (docs/design.md, "The CPU step"): a small model's decode step reads every weight once per token, with
+// 1-32 rows of activations. MKL's sgemm/sgemv reach 5-10 GB/s on those shapes on our 2-core machines (the
+// weights stream from DRAM at 20-40 GB/s): each of the ~200 small matrices of a step starts cold and the
+// library's blocking is made for large M. Here the weights are repacked once at load so that each group of
+// NB output rows is one contiguous stream, and every weight vector loaded is used for all M rows before the
+// next one is read, so a forward costs about one pass over the weights for any M up to a few dozen rows.
+//
+// Quantized blocks: the embedded target *is* a Q4_1 GGUF (Q8_0 embeddings); its fp32 weights are the blocks'
+// values d * q + m. dspine/cpu/kernels.py recognises such weights exactly and keeps them as blocks; a block is
+// expanded to floats in registers with one fused multiply-add, which reproduces d * q + m bit for bit (d * q
+// is exact in fp32). The arithmetic after that is the fp32 kernel's, so the outputs are bit-identical to the
+// fp32 weights' while 4-8x fewer bytes cross the memory bus.
+//
+// Batch invariance: out[m, n] is accumulated in the same order whatever M, the row's position in the batch
+// and the tile that computes it (VL partial sums over k in order, then a fixed horizontal reduction), so a
+// row's logits do not depend on what else is in the forward.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+using namespace dspine;
+
+constexpr int NB = 4;            // output rows per tile (one contiguous weight stream)
+constexpr int64_t M_CHUNK = 96;  // rows per pass over the weights (keeps the input rows in L2 for prefill)
+constexpr int PREFETCH_TILES = 2;
+constexpr int QK = 32;  // GGUF block length (Q4_1, Q8_0)
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// Weight formats. A tile is NB output rows; it is a sequence of blocks of BK input columns, each stored in
+// BYTES bytes; w(block, s, j) is the float vector of columns [s*VL, (s+1)*VL) of the block for output j.
+struct F32 {  // per block: float[NB][VL]
+  static constexpr int BK = VL;
+  static constexpr int S = 1;
+  static constexpr int BYTES = NB * VL * 4;
+  static inline vec w(const uint8_t* blk, int /*s*/, int j) {
+    return vload(reinterpret_cast<const float*>(blk) + j * VL);
+  }
+};
+
+struct BF16 {  // per block: uint16 (bfloat16 bits)[NB][VL]
+  static constexpr int BK = VL;
+  static constexpr int S = 1;
+  static constexpr int BYTES = NB * VL * 2;
+  static inline vec w(const uint8_t* blk, int /*s*/, int j) {
+    return bf16s(reinterpret_cast<const uint16_t*>(blk) + j * VL);
+  }
+};
+
+struct Q4_1 {  // per block: uint8 q[NB][16] (GGUF order: byte l = q_l | q_{l+16} << 4), float d[NB], float m[NB]
+  static constexpr int BK = QK;
+  static constexpr int S = QK / VL;
+  static constexpr int BYTES = NB * 16 + NB * 8;
+  static inline vec w(const uint8_t* blk, int s, int j) {
+    const float* dm = reinterpret_cast<const float*>(blk + NB * 16);
+    const vec q = nibbles(blk + j * 16 + (s % (S / 2)) * VL, s >= S / 2);
+    return vfma(vset(dm[j]), q, vset(dm[NB + j]));
+  }
+};
+
+struct Q8_0 {  // per block: int8 q[NB][32], float d[NB]
+  static constexpr int BK = QK;
+  static constexpr int S = QK / VL;
+  static constexpr int BYTES = NB * 32 + NB * 4;
+  static inline vec w(const uint8_t* blk, int s, int j) {
+    const float* d = reinterpret_cast<const float*>(blk + NB * 32);
+    return vfma(vset(d[j]), sbytes(reinterpret_cast<const int8_t*>(blk) + j * 32 + s * VL), vzero());
+  }
+};
+
+// out[m0 + i, n + j] for i < MB, j < NB (j clipped to N): one tile; pf = a later tile's weights to prefetch
+// meanwhile (only on the first pass over a tile's rows).
+template <class W, int MB>
+inline void tile(const float* __restrict x, int64_t Kp, const uint8_t* __restrict p, float* __restrict out,
+                 int64_t N, int64_t n, int64_t m0, const uint8_t* pf) {
+  vec acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
+  const int64_t blocks = Kp / W::BK;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = p + b * W::BYTES;
+    if (pf != nullptr)
+      for (int o = 0; o < W::BYTES; o += 64) prefetch(pf + b * W::BYTES + o);
+    for (int s = 0; s < W::S; ++s) {
+      const vec w0 = W::w(blk, s, 0), w1 = W::w(blk, s, 1), w2 = W::w(blk, s, 2), w3 = W::w(blk, s, 3);
+      const float* xk = x + b * W::BK + s * VL;
+      for (int i = 0; i < MB; ++i) {
+        const vec xv = vload(xk + (m0 + i) * Kp);
+        acc[i][0] = vfma(xv, w0, acc[i][0]);
+        acc[i][1] = vfma(xv, w1, acc[i][1]);
+        acc[i][2] = vfma(xv, w2, acc[i][2]);
+        acc[i][3] = vfma(xv, w3, acc[i][3]);
+      }
+    }
+  }
+  const int jn = N - n < NB ? static_cast<int>(N - n) : NB;
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < jn; ++j) out[(m0 + i) * N + n + j] = vsum(acc[i][j]);
+}
+
+template <class W, int MB>
+inline void rows_tile(const float* x, int64_t Kp, const uint8_t* p, float* out, int64_t N, int64_t n, int64_t m0,
+                      int64_t m1, const uint8_t* pf) {
+  int64_t m = m0;
+  for (; m + MB <= m1; m += MB, pf = nullptr) tile<W, MB>(x, Kp, p, out, N, n, m, pf);
+  switch (m1 - m) {  // the remainder, in one tile of its own height (same per-element order)
+#define DSPINE_REST(r)                                             \
+  case r:                                                          \
+    if constexpr (r < MB) tile<W, r>(x, Kp, p, out, N, n, m, pf); \
+    break;
+    DSPINE_REST(1)
+    DSPINE_REST(2)
+    DSPINE_REST(3)
+    DSPINE_REST(4)
+    DSPINE_REST(5)
+#undef DSPINE_REST
+    default:
+      break;
+  }
+}
+
+// One tile of format W expanded to the F32 layout ([Kp / VL][NB][VL] floats): the same values W::w gives.
+template <class W>
+inline void expand_tile(const uint8_t* p, int64_t Kp, float* dst) {
+  for (int64_t b = 0; b < Kp / W::BK; ++b)
+    for (int s = 0; s < W::S; ++s)
+      for (int j = 0; j < NB; ++j) {
+        const vec v = W::w(p + b * W::BYTES, s, j);
+        std::memcpy(dst + ((b * W::S + s) * NB + j) * VL, &v, sizeof(v));
+      }
+}
+
+// x [M, K] float -> [M, N], with the weights packed in format W (K padded to W::BK, N to NB).
+template <class W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear: expected a 2-D float32 input");
+  const int64_t M = x.size(0), K = x.size(1), Kp = round_up(K, W::BK), Np = round_up(N, NB);
+  const int64_t tile_bytes = Kp / W::BK * W::BYTES;
+  TORCH_CHECK(packed.nbytes() == static_cast<size_t>(Np / NB * tile_bytes), "linear: packed weight does not match N, K");
+  at::Tensor xc = x.contiguous();
+  if (Kp != K) xc = at::constant_pad_nd(xc, {0, Kp - K}, 0.0);
+  auto out = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* pp = static_cast<const uint8_t*>(packed.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t tiles = Np / NB;
+  const int64_t grain = std::max<int64_t>(1, 32768 / tile_bytes);  // ~32 KB of weights per task at least
+  for (int64_t c0 = 0; c0 < M; c0 += M_CHUNK) {
+    const int64_t c1 = std::min(M, c0 + M_CHUNK);
+    // More rows than one register tile: a compact tile is expanded once into fp32 (an L1-sized scratch) and
+    // every row tile reads that, instead of expanding the blocks again for each (same values, same order).
+    const bool expand = !std::is_same_v<W, F32> && c1 - c0 > MB_MAX;
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scratch(expand ? NB * Kp : 0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* p = pp + t * tile_bytes;
+        const uint8_t* pf = t + PREFETCH_TILES < t1 ? p + PREFETCH_TILES * tile_bytes : nullptr;
+        if (expand) {
+          if (pf != nullptr)
+            for (int64_t o = 0; o < tile_bytes; o += 64) prefetch(pf + o);
+          expand_tile<W>(p, Kp, scratch.data());
+          rows_tile<F32, MB_MAX>(xp, Kp, reinterpret_cast<const uint8_t*>(scratch.data()), op, N, t * NB, c0, c1,
+                                 nullptr);
+        } else {
+          rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+// W [N, K] (float) -> F32 tiles (zero padded).
+at::Tensor pack_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack: expected a 2-D float32 weight");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  const int64_t Np = round_up(N, NB), Kp = round_up(K, VL), KV = Kp / VL;
+  auto out = at::zeros({Np * Kp}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t t = n / NB, j = n % NB;
+      for (int64_t k = 0; k < K; ++k) dst[((t * KV + k / VL) * NB + j) * VL + k % VL] = src[n * K + k];
+    }
+  });
+  return out;
+}
+
+// W [N, K] (bfloat16) -> BF16 tiles (zero padded).
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack: expected a 2-D bfloat16 weight");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  const int64_t Np = round_up(N, NB), Kp = round_up(K, VL), KV = Kp / VL;
+  auto out = at::zeros({Np * Kp * 2}, wc.options().dtype(at::kByte));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<uint8_t>());
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = n / NB, j = n % NB;
+    for (int64_t k = 0; k < K; ++k) dst[((t * KV + k / VL) * NB + j) * VL + k % VL] = src[n * K + k];
+  }
+  return out;
+}
+
+// GGUF blocks (q [N, K/32, QBYTES] uint8/int8, d and m [N, K/32] float) -> tiles of the matching format.
+template <int QBYTES, bool HAS_M>
+at::Tensor pack_blocks(const at::Tensor& q, const at::Tensor& d, const at::Tensor* m) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == QBYTES && q.element_size() == 1, "pack: bad block tensor");
+  auto qc = q.contiguous();
+  auto dc = d.to(at::kFloat).contiguous();
+  at::Tensor mc = HAS_M ? m->to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t N = qc.size(0), KB = qc.size(1), Np = round_up(N, NB);
+  constexpr int BYTES = NB * QBYTES + NB * 4 * (HAS_M ? 2 : 1);
+  auto out = at::zeros({Np / NB * KB * BYTES}, qc.options().dtype(at::kByte));
+  const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = HAS_M ? mc.data_ptr<float>() : nullptr;
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t t = n / NB, j = n % NB;
+    for (int64_t b = 0; b < KB; ++b) {
+      uint8_t* blk = op + (t * KB + b) * BYTES;
+      std::memcpy(blk + j * QBYTES, qp + (n * KB + b) * QBYTES, QBYTES);
+      float* scales = reinterpret_cast<float*>(blk + NB * QBYTES);
+      scales[j] = dp[n * KB + b];
+      if (HAS_M) scales[NB + j] = mp[n * KB + b];
+    }
+  }
+  return out;
+}
+
+at::Tensor pack_q4_1(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  return pack_blocks<16, true>(q, d, &m);
+}
+at::Tensor pack_q8_0(const at::Tensor& q, const at::Tensor& d) { return pack_blocks<32, false>(q, d, nullptr); }
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return run<F32>(x, packed, n); }
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return run<BF16>(x, packed, n); }
+at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return run<Q4_1>(x, packed, n); }
+at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return run<Q8_0>(x, packed, n); }
+
+std::string isa() { return DSPINE_ISA; }
+}  // namespace
+
+TORCH_LIBRARY(dspine_cpu, m) {
+  m.def("pack_linear(Tensor w) -> Tensor");
+  m.def("pack_bf16(Tensor w) -> Tensor");
+  m.def("pack_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("pack_q8_0(Tensor q, Tensor d) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("linear_q4_1(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("linear_q8_0(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
+  m.impl("pack_linear", &pack_f32);
+  m.impl("pack_bf16", &pack_bf16);
+  m.impl("pack_q4_1", &pack_q4_1);
+  m.impl("pack_q8_0", &pack_q8_0);
+  m.impl("linear", &linear_f32);
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_q4_1", &linear_q4_1);
+  m.impl("linear_q8_0", &linear_q8_0);
+}

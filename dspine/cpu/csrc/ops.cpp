@@ -1,0 +1,231 @@
+// The small per-layer operations of a decode step, fused: RMSNorm, RoPE + KV-cache store, attention over the
+// cache, SiLU-gate.
+//
+// Why (docs/design.md, "The CPU step"): once the linears stream at memory speed (linear.cpp), what is left of
+// a small model's CPU decode step is ~60 tiny torch ops per layer (norm: 8, rope: 14, masked attention: 10,
+// ...), a few microseconds each, ~2,000 per step for a 30-layer model. Each op here replaces one such chain
+// with one call. All are inference-only fp32 CPU functions; their results match the torch chains they
+// replace to fp32 rounding (tests/cpu/test_kernels.py), and each output row depends only on its own inputs (a
+// row's result does not depend on the rest of the batch).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+// x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + w)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: float32 only");
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t D = xc.size(-1), R = xc.numel() / std::max<int64_t>(D, 1);
+  TORCH_CHECK(wc.numel() == D, "rms_norm: weight size");
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float off = static_cast<float>(offset), e = static_cast<float>(eps);
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = xp + r * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < D; ++i) ss += a[i] * a[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + e);
+      float* o = op + r * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * (off + wp[i]);
+    }
+  });
+  return out;
+}
+
+// Rotate-half RoPE on the first d dims of one head vector, in place: cos/sin [d] (duplicated halves).
+inline void rotate(float* v, const float* c, const float* s, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = v[i], b = v[i + h];
+    v[i] = a * c[i] - b * s[i];
+    v[i + h] = b * c[i + h] + a * s[i + h];
+  }
+}
+
+// q [B, T, Hq, D] (rotated in place), k/v [B, T, Hkv, D], cos/sin [B, T, d], pos [B, T]:
+// rotate q and k, store k and v into kc/vc [B, Hkv, cap, D] at pos. Returns q.
+at::Tensor rope_store(at::Tensor q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor kc, at::Tensor vc, const at::Tensor& pos) {
+  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "rope_store: contiguous q and caches");
+  auto kk = k.contiguous();
+  auto vv = v.contiguous();
+  auto cc = cos.contiguous();
+  auto ss = sin.contiguous();
+  auto pp = pos.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = kk.size(2);
+  const int64_t cap = kc.size(2), d = cc.size(-1);
+  float* qp = q.data_ptr<float>();
+  const float* kp = kk.data_ptr<float>();
+  const float* vp = vv.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = ss.data_ptr<float>();
+  const int64_t* pp_ = pp.data_ptr<int64_t>();
+  float* kcp = kc.data_ptr<float>();
+  float* vcp = vc.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pp_[b * T + t];
+      TORCH_CHECK(p >= 0 && p < cap, "rope_store: position outside the cache");
+      const float* c = cp + (b * T + t) * d;
+      const float* s = sp + (b * T + t) * d;
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + ((b * T + t) * Hq + h) * D, c, s, d);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        float* kd = kcp + ((b * Hkv + h) * cap + p) * D;
+        float* vd = vcp + ((b * Hkv + h) * cap + p) * D;
+        const float* ks = kp + ((b * T + t) * Hkv + h) * D;
+        const float* vs = vp + ((b * T + t) * Hkv + h) * D;
+        std::copy(ks, ks + D, kd);
+        std::copy(vs, vs + D, vd);
+        rotate(kd, c, s, d);
+      }
+    }
+  return q;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  using namespace dspine;
+  if (D % VL == 0) {
+    vec acc = vzero();
+    for (int64_t x = 0; x < D; x += VL) acc = vfma(vload(a + x), vload(b + x), acc);
+    return vsum(acc);
+  }
+  float acc = 0.f;
+  for (int64_t x = 0; x < D; ++x) acc += a[x] * b[x];
+  return acc;
+}
+
+// w[0..n) = exp(w - mx); returns their sum
+inline float exp_shifted(float* w, int64_t n, float mx) {
+  using namespace dspine;
+  float sum = 0.f;
+  int64_t j = 0;
+  const vec m = vset(mx);
+  for (; j + VL <= n; j += VL) {
+    vec e = vexp(vload(w + j) - m);
+    std::memcpy(w + j, &e, sizeof(e));
+    sum += vsum(e);
+  }
+  for (; j < n; ++j) {
+    w[j] = std::exp(w[j] - mx);
+    sum += w[j];
+  }
+  return sum;
+}
+
+// o[0..D) += a * v
+inline void axpy(float* o, float a, const float* v, int64_t D) {
+  using namespace dspine;
+  if (D % VL == 0) {
+    const vec av = vset(a);
+    for (int64_t x = 0; x < D; x += VL) {
+      vec r = vfma(av, vload(v + x), vload(o + x));
+      std::memcpy(o + x, &r, sizeof(r));
+    }
+    return;
+  }
+  for (int64_t x = 0; x < D; ++x) o[x] += a * v[x];
+}
+
+// q [B, T, Hq, D], kc/vc [B, Hkv, cap, D], pos [B, T]: query (b, t) sees cache slots j <= pos[b, t] (and
+// j > pos - window when window > 0). -> [B, T, Hq * D]
+at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                        int64_t window, double scale) {
+  auto qc = q.contiguous();
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend_cache: contiguous caches");
+  auto pp = pos.to(at::kLong).contiguous();
+  const int64_t B = qc.size(0), T = qc.size(1), Hq = qc.size(2), D = qc.size(3);
+  const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
+  auto out = at::empty({B, T, Hq * D}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const int64_t* pos_ = pp.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * T * Hq, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> w;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i % Hq, bt = i / Hq, b = bt / T;
+      const int64_t p = pos_[bt];
+      const int64_t hi = std::min(p, cap - 1);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const float* qv = qp + i * D;
+      const float* K = kp + (b * Hkv + h / rep) * cap * D;
+      const float* V = vp + (b * Hkv + h / rep) * cap * D;
+      float* o = op + i * D;
+      std::fill(o, o + D, 0.f);
+      if (hi < lo) continue;
+      const int64_t n = hi - lo + 1;
+      w.resize(n);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        w[j] = dot(qv, K + (lo + j) * D, D) * sc;
+        mx = std::max(mx, w[j]);
+      }
+      const float inv = 1.f / exp_shifted(w.data(), n, mx);
+      for (int64_t j = 0; j < n; ++j) axpy(o, w[j] * inv, V + (lo + j) * D, D);
+    }
+  });
+  return out;
+}
+
+// gu [..., 2I] = [gate, up] -> silu(gate) * up [..., I]
+at::Tensor silu_mul(const at::Tensor& gu) {
+  auto g = gu.contiguous();
+  const int64_t I2 = g.size(-1), I = I2 / 2, R = g.numel() / std::max<int64_t>(I2, 1);
+  auto sizes = g.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = gp + r * I2;
+      const float* u = a + I;
+      float* o = op + r * I;
+      int64_t i = 0;
+      for (; i + dspine::VL <= I; i += dspine::VL) {
+        using namespace dspine;
+        const vec g = vload(a + i);
+        const vec r = g / (vset(1.f) + vexp(vzero() - g)) * vload(u + i);
+        std::memcpy(o + i, &r, sizeof(r));
+      }
+      for (; i < I; ++i) o[i] = a[i] / (1.f + std::exp(-a[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  m.def("rope_store(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(b!) kc, Tensor(c!) vc, "
+        "Tensor pos) -> Tensor(a!)");
+  m.def("attend_cache(Tensor q, Tensor kc, Tensor vc, Tensor pos, int window, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_store", &rope_store);
+  m.impl("attend_cache", &attend_cache);
+  m.impl("silu_mul", &silu_mul);
+}

@@ -1,0 +1,150 @@
+// The vector type our CPU kernels are written in, for the ISA the build was compiled for (dspine/cpu/kernels.py
+// passes -mavx512* / -mavx2 -mfma / nothing, never -march=native): AVX-512F (16 lanes), AVX2+FMA (8 lanes) or
+// portable C++ vectors (8 lanes). Each provides load, fused multiply-add, a fixed-order horizontal sum,
+// prefetch and the int8/uint8/bfloat16 -> float conversions the compact weight formats need.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DSPINE_ISA "avx512"
+namespace dspine {
+constexpr int VL = 16;
+constexpr int MB_MAX = 6;  // row tile: 24 accumulators + 4 weight vectors + 1 input vector of 32 registers
+typedef __m512 vec;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float a) { return _mm512_set1_ps(a); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // AVX512DQ
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+// 16 bytes -> their low nibbles (hi = false) or high nibbles (hi = true) as floats
+inline vec nibbles(const uint8_t* q, bool hi) {
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  v = hi ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+  return _mm512_cvtepi32_ps(v);
+}
+// 16 signed bytes -> floats
+inline vec sbytes(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+// 16 bfloat16 -> floats (exact: a bfloat16 is the top half of a float)
+inline vec bf16s(const uint16_t* p) {
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+}  // namespace dspine
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DSPINE_ISA "avx2"
+namespace dspine {
+constexpr int VL = 8;
+constexpr int MB_MAX = 2;  // 8 accumulators + 4 weight vectors + 1 input vector of 16 registers
+typedef __m256 vec;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float a) { return _mm256_set1_ps(a); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+// 8 bytes -> their low or high nibbles as floats
+inline vec nibbles(const uint8_t* q, bool hi) {
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  v = hi ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(v);
+}
+// 8 signed bytes -> floats
+inline vec sbytes(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+// 8 bfloat16 -> floats
+inline vec bf16s(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+}  // namespace dspine
+#else
+#define DSPINE_ISA "generic"
+namespace dspine {
+constexpr int VL = 8;
+constexpr int MB_MAX = 2;
+typedef float vec __attribute__((vector_size(VL * sizeof(float))));
+inline vec vzero() { return vec{}; }
+inline vec vset(float a) { return vec{} + a; }
+inline vec vload(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+inline float vsum(vec v) {
+  float t[VL];
+  std::memcpy(t, &v, sizeof(v));
+  float a = (t[0] + t[4]) + (t[2] + t[6]), b = (t[1] + t[5]) + (t[3] + t[7]);
+  return a + b;
+}
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline vec nibbles(const uint8_t* q, bool hi) {
+  vec v;
+  for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(hi ? q[i] >> 4 : q[i] & 15);
+  return v;
+}
+inline vec sbytes(const int8_t* q) {
+  vec v;
+  for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(q[i]);
+  return v;
+}
+inline vec bf16s(const uint16_t* p) {
+  vec v;
+  for (int i = 0; i < VL; ++i) {
+    const uint32_t b = static_cast<uint32_t>(p[i]) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    v[i] = f;
+  }
+  return v;
+}
+}  // namespace dspine
+#endif
+
+namespace dspine {
+// exp(x) on a vector (Cephes-style: 2^n * polynomial; about 1 ulp in float32 over the clamped range). Written
+// with GCC vector extensions on top of ``vec``, so the same code serves every ISA.
+typedef int32_t ivec __attribute__((vector_size(VL * 4)));
+typedef float fvec __attribute__((vector_size(VL * 4)));
+inline vec vexp(vec xin) {
+  const fvec one = fvec{} + 1.0f;
+  fvec x = reinterpret_cast<fvec&>(xin);
+  const fvec hi = one * 88.3762626647949f, lo = one * -87.3365447505531f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  fvec fx = x * 1.44269504088896341f + 0.5f;
+  fvec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), fvec);
+  fl = fl > fx ? fl - one : fl;  // floor
+  fvec r = x - fl * 0.693359375f - fl * -2.12194440e-4f;
+  fvec r2 = r * r;
+  fvec y = one * 1.9875691500E-4f;
+  y = y * r + 1.3981999507E-3f;
+  y = y * r + 8.3334519073E-3f;
+  y = y * r + 4.1665795894E-2f;
+  y = y * r + 1.6666665459E-1f;
+  y = y * r + 5.0000001201E-1f;
+  y = y * r2 + r + one;
+  ivec e = (__builtin_convertvector(fl, ivec) + 127) << 23;
+  fvec out = y * reinterpret_cast<fvec&>(e);
+  return reinterpret_cast<vec&>(out);
+}
+}  // namespace dspine

@@ -1,0 +1,410 @@
+"""Our CPU kernels (``dspine/cpu/csrc/``), built on first use for this machine's instruction set and cached.
+
+Why our own (docs/design.md, "The CPU step"): on the 2-core machines this project runs on, torch's fp32
+linear (MKL) moves 5-10 GB/s on decode shapes (1-32 rows against ~200 small weight matrices per step) while
+the weights could stream at 20-40 GB/s, and a 4-row verify costs ~2x a 1-row step where it could cost about
+the same. ``csrc/linear.cpp`` repacks each weight once and streams it once per forward for any small number
+of rows; it is also batch invariant (a row's outputs do not depend on the other rows), which torch's kernels
+are not. ``csrc/ops.cpp`` fuses the chains of tiny ops around them (RMSNorm, RoPE + KV store, attention over
+the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast.
+
+The build is a JIT C++ extension (``torch.utils.cpp_extension``: a C++ compiler and ninja), once per machine
+kind, under ``$DSPINE_CACHE_DIR/kernels`` (default ``~/.cache/dspine/kernels``), keyed by torch version, the
+instruction set and the source, and locked against concurrent builds (Slurm array tasks on a shared home).
+The instruction set is chosen from ``/proc/cpuinfo`` and passed as explicit flags, never ``-march=native``,
+so a build made on one node runs on every node with the same ISA. Where the build cannot run (no compiler),
+or with ``DSPINE_KERNELS=0``, everything falls back to torch with a one-line warning; which one ran is part
+of the engine's identity (``kernel_name``), since it changes fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dspine.cpu.disk_cache import cache_root
+from dspine.cpu.precision import cpu_flags
+
+ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("linear.cpp", "ops.cpp")]
+HEADERS = [CSRC / "vec.h"]
+QK = 32  # GGUF block length
+FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
+ISA_CFLAGS = {
+    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma"],
+    "generic": [],
+}
+
+_state: dict[str, object] = {}
+
+
+def cpu_isa(flags: set[str] | None = None) -> str:
+    """The kernel build for this CPU: ``avx512``, ``avx2`` or ``generic``."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "generic"
+
+
+def wanted_isa(env: dict[str, str] | None = None, flags: set[str] | None = None) -> str:
+    """``cpu_isa()``, or a lower build named by ``DSPINE_KERNELS`` (to test the AVX2/portable code on any CPU)."""
+    env = os.environ if env is None else env
+    best = cpu_isa(flags)
+    order = list(ISA_CFLAGS)  # best first
+    asked = env.get(ENV, "").strip().lower()
+    if asked in ISA_CFLAGS and order.index(asked) >= order.index(best):
+        return asked
+    return best
+
+
+def disabled(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return env.get(ENV, "").strip().lower() in ("0", "off", "torch", "false", "no")
+
+
+def build_name(isa: str) -> str:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
+    torch_tag = torch.__version__.split("+")[0].replace(".", "_")
+    return f"dspine_cpu_{isa}_t{torch_tag}_py{sys.version_info[0]}{sys.version_info[1]}_{digest}"
+
+
+def load() -> str | None:
+    """Build (first time) and load the kernels; the ISA name when they are usable here, else None.
+
+    Never raises: a failed build is reported once on stderr and torch is used from then on.
+    """
+    if "isa" in _state:
+        return _state["isa"]  # type: ignore[return-value]
+    isa: str | None = None
+    if disabled():
+        _state["why"] = f"{ENV}={os.environ.get(ENV)}"
+    else:
+        isa = _build(wanted_isa())
+    _state["isa"] = isa
+    return isa
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """PATH with a ``ninja`` on it, for the build: torch runs ``ninja`` from PATH (on every ``load``, a cached
+    build too), and the ``ninja`` pip package (our dependency) installs it beside this interpreter, which is not on
+    PATH when a virtualenv's python runs without activating the venv (``scripts/ci/ci_sglang.sh`` runs it so)."""
+    old = os.environ.get("PATH")
+    if shutil.which("ninja") is None:
+        dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+        with contextlib.suppress(Exception):
+            import ninja
+
+            dirs.insert(0, ninja.BIN_DIR)
+        found = next((d for d in dirs if d and shutil.which("ninja", path=d)), None)
+        if found:
+            os.environ["PATH"] = found if not old else found + os.pathsep + old
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
+def _build(isa: str) -> str | None:
+    try:
+        from torch.utils import cpp_extension
+
+        name = build_name(isa)
+        where = cache_root() / "kernels" / name
+        so = where / f"{name}.so"
+        if not so.exists():
+            print(f"dspine: building the CPU kernels for {isa} (once per machine kind, ~20 s) in {where}",
+                  file=sys.stderr, flush=True)
+        where.mkdir(parents=True, exist_ok=True)
+        with _ninja_on_path():
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(where),
+                               is_python_module=False,
+                               extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]], verbose=False)
+        return str(torch.ops.dspine_cpu.isa())
+    except Exception as e:  # no compiler / ninja, a read-only cache, a broken toolchain: torch still works
+        text = str(e)
+        errors = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() and "Error building" not in ln]
+        why = " ".join((errors[0] if errors else text).split())[:300]
+        _state["why"] = why
+        print(f"dspine: warning: CPU kernels unavailable, using torch's ({why})", file=sys.stderr, flush=True)
+        return None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``load()`` returned None (after it ran), else None."""
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def kernel_name() -> str:
+    """What computes the fp32 linears: ``dspine-avx512`` / ``dspine-avx2`` / ``dspine-generic`` or ``torch``."""
+    isa = load()
+    return f"dspine-{isa}" if isa else "torch"
+
+
+def _fp16_grid(estimate: torch.Tensor, step: int) -> torch.Tensor:
+    """The float16 value ``step`` representable numbers away from ``estimate`` rounded to float16 (>= 0), as fp32."""
+    bits = estimate.clamp(min=0).half().view(torch.int16).int() + step
+    return bits.clamp(0, 0x7BFF).short().view(torch.float16).float()
+
+
+def _search(blocks: torch.Tensor, estimate: torch.Tensor, decode) -> torch.Tensor | None:
+    """Per block, the first float16 scale near ``estimate`` for which ``decode(scale)`` -> (q, values) gives
+    back the block's values exactly; None when some block has none (not a quantized weight)."""
+    scale = torch.full_like(estimate, float("nan"))
+    todo = torch.arange(estimate.numel())
+    flat_b, flat_e = blocks.reshape(-1, QK), estimate.reshape(-1)
+    for step in (0, -1, 1, -2, 2, -3, 3):
+        d = _fp16_grid(flat_e[todo], step)
+        _, values = decode(flat_b[todo], d, todo)
+        ok = (values == flat_b[todo]).all(-1)
+        scale.view(-1)[todo[ok]] = d[ok]
+        todo = todo[~ok]
+        if todo.numel() == 0:
+            return scale
+    return None
+
+
+def exact_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """W [N, K] whose every block of 32 columns is ``d * q + m`` (q in 0..15, d and m float16), as GGUF Q4_1
+    stores it -> (q bytes [N, K/32, 16] in GGUF order, d [N, K/32], m [N, K/32]); None if W is not such a weight.
+
+    Q4_1 sets m to the block's minimum and d to (max - min) / 15, so min(W) = m and the scale is float16 within
+    a few steps of (max(W) - m) / 15; each candidate is checked by rebuilding the block in fp32 (d * q is exact
+    there, so the kernel's fused multiply-add gives the same values).
+    """
+    n, k = weight.shape
+    if k % QK or weight.dtype != torch.float32:
+        return None
+    blocks = weight.detach().reshape(n, k // QK, QK)
+    m = blocks.amin(-1)
+    if not torch.equal(m.half().float(), m):
+        return None
+    flat_m = m.reshape(-1)
+
+    def decode(b, d, idx):
+        mm = flat_m[idx][:, None]
+        q = torch.where(d[:, None] > 0, (b - mm) / d[:, None], torch.zeros_like(b)).round().clamp(0, 15)
+        return q, d[:, None] * q + mm
+
+    d = _search(blocks, (blocks.amax(-1) - m) / 15, decode)
+    if d is None:
+        return None
+    q, _ = decode(blocks.reshape(-1, QK), d.reshape(-1), torch.arange(d.numel()))
+    q = q.to(torch.uint8).reshape(n, k // QK, QK)
+    return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), d, m
+
+
+def exact_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """W [N, K] whose every block of 32 columns is ``d * q`` (q in -128..127, d float16), as GGUF Q8_0 stores
+    it -> (q [N, K/32, 32] int8, d [N, K/32]); None if W is not such a weight."""
+    n, k = weight.shape
+    if k % QK or weight.dtype != torch.float32:
+        return None
+    blocks = weight.detach().reshape(n, k // QK, QK)
+
+    def decode(b, d, idx):
+        q = torch.where(d[:, None] > 0, b / d[:, None], torch.zeros_like(b)).round().clamp(-128, 127)
+        return q, d[:, None] * q
+
+    d = _search(blocks, blocks.abs().amax(-1) / 127, decode)
+    if d is None:
+        return None
+    q, _ = decode(blocks.reshape(-1, QK), d.reshape(-1), torch.arange(d.numel()))
+    return q.to(torch.int8).reshape(n, k // QK, QK), d
+
+
+class PackedLinear(nn.Module):
+    """Inference-only ``nn.Linear`` replacement whose weight is repacked for ``csrc/linear.cpp``.
+
+    The weight is stored in the most compact of ``formats`` that holds it *exactly* (Q4_1 or Q8_0 blocks
+    where the fp32 values are such blocks' values, as in a model converted from a GGUF; bfloat16 where every
+    value is one, as in a draft trained and saved in bf16; fp32 otherwise), so
+    the outputs are the fp32 weight's whatever the format. The packed copy is the only one (no ``weight``).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 formats: tuple[str, ...] | None = None):
+        super().__init__()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("PackedLinear needs a float32 CPU weight")
+        if load() is None:
+            raise RuntimeError(f"dspine CPU kernels unavailable: {unavailable_reason()}")
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach()
+        self.format, packed = "f32", None
+        for fmt in FORMATS if formats is None else formats:
+            if fmt == "q4_1" and (blocks := exact_q4_1(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q4_1(*blocks)
+            elif fmt == "q8_0" and (blocks := exact_q8_0(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8_0(*blocks)
+            elif fmt == "bf16" and torch.equal((half := w.bfloat16()).float(), w):
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16(half)
+            if packed is not None:
+                break
+        if packed is None:
+            packed = torch.ops.dspine_cpu.pack_linear(w)
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._op = self._ops()[self.format]
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, fmt: str, out_features: int, in_features: int,
+                    bias: torch.Tensor | None) -> PackedLinear:
+        """Rebuild from a packed buffer (``pack_cache``) without looking at the float weight again."""
+        if load() is None:
+            raise RuntimeError(f"dspine CPU kernels unavailable: {unavailable_reason()}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features, self.format = out_features, in_features, fmt
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", bias)
+        self._op = cls._ops()[fmt]
+        return self
+
+    @staticmethod
+    def _ops() -> dict:
+        return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
+                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        y = self._op(flat, self.packed, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def weight_formats(module: nn.Module) -> dict[str, int]:
+    """How many ``PackedLinear`` under ``module`` hold their weight in each format (for the run's manifest)."""
+    counts: dict[str, int] = {}
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            counts[m.format] = counts.get(m.format, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def pack_linears(module: nn.Module, formats: tuple[str, ...] | None = None) -> int:
+    """Replace every float32 CPU ``nn.Linear`` under ``module`` by a ``PackedLinear``, in place; how many.
+
+    Call ``load()`` first (this does not fall back by itself).
+    """
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            w = getattr(child, "weight", None)
+            if isinstance(child, nn.Linear) and w.dtype == torch.float32 and w.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child.weight, child.bias, formats))
+                count += 1
+    return count
+
+
+class FusedRMSNorm(nn.Module):
+    """Inference-only ``dspine.models.layers.RMSNorm`` in one call (fp32); shares the original's weight."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps, self.offset = float(norm.eps), float(norm.offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return _rms_norm_torch(x, self.weight, self.eps, self.offset)
+        return torch.ops.dspine_cpu.rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def _rms_norm_torch(x, weight, eps, offset):
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (x * (offset + weight.float())).to(dtype)
+
+
+def rope_store(q, k, v, cos, sin, kc, vc, pos):
+    """RoPE on q [B, T, Hq, D] (in place) and k; k and v stored into the caches [B, Hkv, cap, D] at pos [B, T];
+    cos/sin [B, T, rotary_dim]. Returns q."""
+    return torch.ops.dspine_cpu.rope_store(q, k, v, cos, sin, kc, vc, pos)
+
+
+def attend_cache(q, kc, vc, pos, window: int | None, scale: float) -> torch.Tensor:
+    """Attention of q [B, T, Hq, D] at positions pos [B, T] over the caches (slots <= pos, within ``window``)
+    -> [B, T, Hq * D]."""
+    return torch.ops.dspine_cpu.attend_cache(q, kc, vc, pos, int(window or 0), float(scale))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
+    return torch.ops.dspine_cpu.silu_mul(gate_up)
+
+
+# -- packed weights cached on disk --------------------------------------------------------------------------
+
+
+def pack_cache_path(key: str) -> Path:
+    return cache_root() / "packed" / f"{build_name(load() or 'none')}-{key}.safetensors"
+
+
+def save_packed(module: nn.Module, path: Path) -> None:
+    """Every ``PackedLinear`` under ``module`` (buffers, format, shape) to one safetensors file, atomically; a
+    read-only cache is not an error."""
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, m in module.named_modules():
+        if isinstance(m, PackedLinear):
+            tensors[f"{name}.packed"] = m.packed.contiguous()
+            if m.bias is not None:
+                tensors[f"{name}.bias"] = m.bias.contiguous()
+            meta[name] = f"{m.format},{m.out_features},{m.in_features}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def load_packed(module: nn.Module, path: Path) -> bool:
+    """Replace the float ``nn.Linear`` modules named in ``path`` by their cached ``PackedLinear``; False (and
+    nothing changed) when the file is missing, unreadable or does not match the module."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            mods = dict(module.named_modules())
+            plan = []
+            for name, spec in meta.items():
+                fmt, n_out, n_in = spec.split(",")
+                lin = mods.get(name)
+                if not isinstance(lin, nn.Linear) or lin.weight.shape != (int(n_out), int(n_in)):
+                    return False
+                bias = f.get_tensor(f"{name}.bias") if f"{name}.bias" in f.keys() else None
+                plan.append((name, PackedLinear.from_packed(f.get_tensor(f"{name}.packed"), fmt, int(n_out), int(n_in),
+                                                            bias)))
+    except Exception:  # missing, damaged (safetensors' own error type), or from another layout: repack
+        return False
+    for name, packed in plan:
+        parent_name, _, child = name.rpartition(".")
+        setattr(mods[parent_name] if parent_name else module, child, packed)
+    return True

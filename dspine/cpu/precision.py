@@ -1,0 +1,64 @@
+"""The reference targets' precision settings: a dtype name and a weight-only quantization mode.
+
+Why a module: the setting changes outputs, so the engine must parse it, validate it with a clear message and
+record it in the run's manifest; ``auto`` picks bfloat16 only where the CPU computes it natively (AVX512-BF16
+or AMX), since elsewhere bf16 is emulated and slower than fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspine.cpu.quant import MODES
+
+DTYPES = ("float32", "bfloat16", "auto")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(flags: set[str] | None = None) -> bool:
+    """True where the CPU has bf16 arithmetic instructions (x86 AVX512-BF16/AMX; read from /proc/cpuinfo)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(f in flags for f in BF16_FLAGS)
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str = "float32"  # resolved: float32 or bfloat16
+    quant: str = "none"  # none, int8, int4
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
+
+    def describe(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "quant": self.quant}
+
+
+def resolve(dtype: str = "float32", quant: str = "none", flags: set[str] | None = None) -> Precision:
+    """Validate the names and resolve ``auto``; weight-only quantization computes in bf16, so it implies bf16.
+
+    Raises ValueError with a one-line message naming the bad value and the choices.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    if quant not in MODES:
+        raise ValueError(f"quant {quant!r}: choose from {', '.join(MODES)}")
+    if dtype == "auto":
+        dtype = "bfloat16" if quant != "none" or native_bf16(flags) else "float32"
+    if quant != "none" and dtype != "bfloat16":
+        raise ValueError(f"quant {quant}: quantized linears compute in bfloat16; use dtype=bfloat16 or auto")
+    return Precision(dtype, quant)

@@ -1,0 +1,211 @@
+"""What a decoding round costs on this machine: the target forward and the draft proposal, measured.
+
+Cost-aware verification (``schedule.py``) trades expected committed tokens against time, so it needs the time
+of a target forward over ``rows x tokens`` (a ragged verify pads every row to the longest) and of a draft
+proposal of a given block size. Both are measured at start-up at the four corners rows in {1, R} x tokens in
+{1 or 2, block} and interpolated bilinearly (``a + b*rows + c*tokens + d*rows*tokens``, exact at the corners,
+linear beyond them): small CPU forwards are weight-bandwidth bound (flat in tokens) and large ones compute
+bound (linear in rows x tokens), which the corners capture well enough to rank choices.
+
+Calibration takes a few timed forwards (minimum of repeats, about a second for a small model) and is cached on
+disk under ``$DSPINE_CACHE_DIR/cost`` (default ``~/.cache/dspine/cost``), keyed by the model identity the
+caller gives, the CPU model, the thread count, the dtype and the calibrated shape, so a second run skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspine.cpu.disk_cache import cache_root
+
+CALIBRATION_CONTEXT = 32  # context tokens per row during calibration (short: attention is not what we rank)
+MAX_CALIBRATION_ROWS = 32  # beyond this the cost is extrapolated linearly in rows
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Seconds measured at rows in {r0, r1} x tokens in {t0, t1}: ``s[i][j]`` at (rows_i, tokens_j)."""
+
+    rows: tuple[int, int]
+    tokens: tuple[int, int]
+    s: tuple[tuple[float, float], tuple[float, float]]
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        def frac(x: float, lo: int, hi: int) -> float:
+            return 0.0 if hi == lo else (x - lo) / (hi - lo)
+
+        fr, ft = frac(rows, *self.rows), frac(tokens, *self.tokens)
+        (a, b), (c, d) = self.s
+        low = a + (b - a) * ft
+        high = c + (d - c) * ft
+        return max(1e-6, low + (high - low) * fr)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one target forward (with logits) and one draft proposal, as functions of the batch shape."""
+
+    target: Grid
+    draft: Grid | None
+
+    def target_s(self, rows: int, tokens: int) -> float:
+        return self.target(rows, tokens)
+
+    def draft_s(self, rows: int, block: int) -> float:
+        return 0.0 if self.draft is None else self.draft(rows, block)
+
+    @staticmethod
+    def flat(target_s: float = 1.0, per_token_s: float = 0.0, draft_s: float = 0.0) -> CostModel:
+        """A synthetic model (tests, or no calibration): target = target_s + per_token_s * rows * tokens."""
+        t = Grid((1, 2), (1, 2), ((target_s + per_token_s, target_s + 2 * per_token_s),
+                                  (target_s + 2 * per_token_s, target_s + 4 * per_token_s)))
+        d = Grid((1, 2), (2, 3), ((draft_s, draft_s), (draft_s, draft_s)))
+        return CostModel(t, d)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> CostModel:
+        def grid(g: dict | None) -> Grid | None:
+            if g is None:
+                return None
+            s = g["s"]
+            return Grid(tuple(g["rows"]), tuple(g["tokens"]), ((s[0][0], s[0][1]), (s[1][0], s[1][1])))
+
+        return CostModel(grid(d["target"]), grid(d.get("draft")))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _best_of(fn, reps: int, budget_s: float) -> float:
+    """Minimum wall time of ``fn`` over up to ``reps`` runs after one warm-up (fewer when over budget)."""
+    fn()
+    best = float("inf")
+    t_end = time.perf_counter() + budget_s
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
+@torch.no_grad()
+def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budget_s: float = 2.0) -> CostModel:
+    """Time the target forward (speculative, with taps and logits) and the draft proposal at the corners."""
+    dev = target.device
+    R = max(1, min(int(max_rows), MAX_CALIBRATION_ROWS))
+    T = max(2, int(block_size))
+    C = CALIBRATION_CONTEXT
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, target.vocab_size, (R, C), generator=g).to(dev)
+    taps = tuple(draft.target_layer_ids) if draft is not None else ()
+    per = budget_s / 8
+    rows = (1, R)
+
+    def fresh(n: int, cap: int):
+        cache = target.new_cache(n, cap)
+        out = target.forward(ctx[:n], cache, taps=taps)
+        return cache, out
+
+    caches = {n: fresh(n, C + 8 * T * (reps + 2))[0] for n in set(rows)}
+
+    def target_step(n: int, t: int):
+        cache = caches[n]
+        ids = ctx[:n, :t]
+        out = target.forward(ids, cache, speculative=True, taps=taps)
+        target.logits(out.hidden)
+        target.commit(cache, torch.ones(n, dtype=torch.long, device=dev))
+
+    tgt = Grid(rows, (1, T), tuple(tuple(_best_of(lambda n=n, t=t: target_step(n, t), reps, per)  # type: ignore[misc]
+                                         for t in (1, T)) for n in rows))
+    if draft is None:
+        return CostModel(tgt, None)
+    dcaches = {}
+    for n in set(rows):
+        _, out = fresh(n, C)
+        dc = draft.new_cache(n, C + T)
+        draft.extend_context(dc, out.taps, torch.full((n,), C, dtype=torch.long, device=dev))
+        dcaches[n] = dc
+    temps = torch.zeros(R, dtype=torch.float32, device=dev)
+
+    def draft_step(n: int, bs: int):
+        draft.propose(dcaches[n], ctx[:n, -1], target, temps[:n], [None] * n, block_size=bs)
+
+    drf = Grid(rows, (2, T), tuple(tuple(_best_of(lambda n=n, b=b: draft_step(n, b), reps, per)  # type: ignore[misc]
+                                         for b in (2, T)) for n in rows))
+    return CostModel(tgt, drf)
+
+
+def cache_dir() -> Path:
+    return cache_root() / "cost"
+
+
+def _code_version() -> str:
+    """A digest of the modules a forward's time depends on, so a change to the step invalidates old timings."""
+    here = Path(__file__).resolve().parents[1]  # dspine/
+    digest = hashlib.sha256()
+    for name in ("models/layers.py", "models/llama.py", "models/qwen3_5.py", "models/cache.py", "draft/model.py",
+                 "draft/proposal.py", "cpu/kernels.py", "cpu/csrc/linear.cpp", "models/target.py"):
+        try:
+            digest.update((here / name).read_bytes())
+        except OSError:
+            pass
+    return digest.hexdigest()[:12]
+
+
+def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
+    """Everything the measured times depend on: models, CPU, threads, dtype, kernels, our code, the shape."""
+    key = {
+        "identity": identity,
+        "cpu": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(target.dtype),
+        "device": str(target.device),
+        "rows": max(1, min(int(max_rows), MAX_CALIBRATION_ROWS)),
+        "block": int(block_size),
+        "torch": torch.__version__,
+        "kernel": getattr(target, "kernel", "torch"),
+        "code": _code_version(),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: dict | None = None) -> CostModel:
+    """The cached model for this key, else a fresh calibration (written to the cache when ``identity`` is given;
+    without one there is no safe key, so nothing is written)."""
+    path = None
+    if identity is not None:
+        path = cache_dir() / f"{cache_key(identity, target, max_rows, block_size)}.json"
+        try:
+            return CostModel.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass
+    model = calibrate(target, draft, max_rows, block_size)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(model.to_json()))
+            tmp.replace(path)
+        except OSError:  # a read-only home must not stop generation
+            pass
+    return model

@@ -1,0 +1,159 @@
+"""How many drafted tokens each row verifies this round: cost-aware dynamic verification (the DSpark idea).
+
+Each round, for each row, choose ℓ ∈ {0, …, block−1} to maximise expected committed tokens per second:
+
+    tokens(ℓ) = 1 + Σ_{j≤ℓ} a_j        (a_j = probability that drafts 1..j are all accepted: the survival)
+    time(ℓ)   = target(rows, width + 1) + [width > 0] · draft(rows, width + 1)
+
+where ``width`` is the longest ℓ in the batch (one ragged forward pads every row to it) and the two times come
+from ``cost.CostModel``. ℓ = 0 is a plain decode step; when every row picks 0 the draft is not run.
+
+The survival ``a_j`` comes from two places. Before the draft runs (deciding whether to run it, and how long a
+block), only the row's own history is known: ``History`` keeps per-slot accept counts per row (a Beta prior
+pulled back in while the row is not speculating, so a row that stopped drafting tries again later). After the
+draft ran, a trained confidence head gives ``c_i`` along the drafted path and ``a_j = Π_{i≤j} c_i``.
+
+Losslessness (docs/design.md, "Verification and sampling"): ℓ must be a stopping time, i.e. whether slot j+1 is
+verified may depend only on what is known before x_{j+1} is drawn. History is the past; ``c_{j+1}`` is computed
+from x_{≤j}; the rules below take the leading run of improvements ("stop at the first non-improvement"), never a
+maximum over the finished block, so each row's ℓ is a stopping time.
+
+Greedy rows (T = 0) take a batch-wide choice: any truncation is exact at T = 0, so the width maximising the
+batch's tokens per second is used directly. Sampled rows take a rule that is a function of the row alone — its
+history, its own draft path, and the cost model evaluated at the stream's nominal ``batch_size`` — so a sampled
+request's tokens for a given seed do not depend on which rows share its batch or when it joined (they do
+depend on the cost model, i.e. on the machine the calibration ran on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspine.decoding.cost import CostModel
+
+PRIOR_ACCEPT = 0.6  # prior per-slot acceptance (given the previous slot was accepted)
+PRIOR_WEIGHT = 3.0  # in pseudo-trials
+FORGET = 0.9  # evidence kept per round in which a row did not verify (pulls it back to the prior)
+
+
+@dataclass
+class History:
+    """Per-row, per-slot acceptance evidence [rows, block-1] (CPU, float): trials and hits of slot j."""
+
+    trials: torch.Tensor
+    hits: torch.Tensor
+    prior: float = PRIOR_ACCEPT  # per-slot acceptance assumed before evidence (a draft's measured one, if known)
+
+    @staticmethod
+    def empty(rows: int, slots: int, prior: float | None = None) -> History:
+        return History(torch.zeros(rows, slots), torch.zeros(rows, slots), PRIOR_ACCEPT if prior is None else prior)
+
+    def select(self, idx: list[int]) -> History:
+        return History(self.trials[idx], self.hits[idx], self.prior)
+
+    def assign(self, slots: list[int], other: History) -> None:
+        self.trials[slots] = other.trials
+        self.hits[slots] = other.hits
+
+    @staticmethod
+    def concat(parts: list[History]) -> History:
+        return History(torch.cat([p.trials for p in parts]), torch.cat([p.hits for p in parts]), parts[0].prior)
+
+    def survival(self) -> torch.Tensor:
+        """a [rows, slots]: estimated probability that drafts 1..j+1 are all accepted."""
+        rate = (self.hits + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+        return rate.cumprod(-1)
+
+    def update(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """verified ℓ [rows], accepted [rows] (CPU longs): slot j was tried when j < ℓ and slots < j passed."""
+        j = torch.arange(self.trials.shape[1])[None, :]
+        tried = (j < verified[:, None]) & (j <= accepted[:, None])
+        idle = (verified == 0)[:, None]
+        self.trials = torch.where(idle, self.trials * FORGET, self.trials + tried.float())
+        self.hits = torch.where(idle, self.hits * FORGET, self.hits + (j < accepted[:, None]).float())
+
+
+def _leading_improvements(obj: torch.Tensor) -> torch.Tensor:
+    """obj [rows, n+1] -> ℓ [rows]: how many steps obj[:, 0] -> obj[:, 1] -> ... improve before the first that
+    does not (the stopping-time form of "maximise")."""
+    if obj.shape[1] == 1:
+        return torch.zeros(obj.shape[0], dtype=torch.long, device=obj.device)
+    better = obj[:, 1:] > obj[:, :-1]
+    return better.long().cumprod(-1).sum(-1)
+
+
+def _tokens(a: torch.Tensor) -> torch.Tensor:
+    """a [rows, n] survival -> expected committed tokens [rows, n+1] for ℓ = 0..n."""
+    zero = torch.zeros(a.shape[0], 1, dtype=a.dtype, device=a.device)
+    return 1.0 + torch.cat([zero, a.cumsum(-1)], dim=-1)
+
+
+def row_rule(
+    a: torch.Tensor, cost: CostModel, nominal_rows: int, sunk_blocks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-row ℓ from the row's own survival a [rows, n] at ``nominal_rows``: tokens/s improving left to right.
+
+    ``sunk_blocks`` [rows] (after the draft ran): the block each row itself chose before drafting; its draft
+    time is paid whatever ℓ is (the row's own choice, not the batch's, so the rule stays a function of the row).
+    """
+    n = a.shape[1]
+    secs = torch.tensor([cost.target_s(nominal_rows, ell + 1) for ell in range(n + 1)], dtype=a.dtype)[None, :]
+    if sunk_blocks is None:
+        draft = torch.tensor([0.0] + [cost.draft_s(nominal_rows, ell + 1) for ell in range(1, n + 1)], dtype=a.dtype)
+        secs = secs + draft[None, :]
+    else:
+        by_block = torch.tensor([0.0, 0.0] + [cost.draft_s(nominal_rows, b) for b in range(2, n + 2)], dtype=a.dtype)
+        secs = secs + by_block[sunk_blocks.clamp(0, n + 1)][:, None]
+    return _leading_improvements(_tokens(a) / secs.to(a.device))
+
+
+def batch_width(
+    a: torch.Tensor, floor: int, fixed_tokens: float, cost: CostModel, rows: int, sunk_block: int | None = None
+) -> int:
+    """Greedy rows' common ℓ (>= ``floor``, the sampled rows' widest): argmax of the batch's tokens/s.
+
+    a [greedy rows, n] survival; ``fixed_tokens`` the sampled rows' expected tokens (their ℓ is set).
+    """
+    n = a.shape[1]
+    tok = _tokens(a).sum(0).tolist() if a.shape[0] else [0.0] * (n + 1)
+    best, best_obj = floor, -1.0
+    for w in range(floor, n + 1):
+        t = cost.target_s(rows, w + 1)
+        if sunk_block is not None:
+            t += cost.draft_s(rows, sunk_block)
+        elif w:
+            t += cost.draft_s(rows, w + 1)
+        obj = (tok[w] + fixed_tokens) / t
+        if obj > best_obj:
+            best, best_obj = w, obj
+    return best
+
+
+def plan(
+    a: torch.Tensor, greedy: torch.Tensor, cost: CostModel, nominal_rows: int, cap: torch.Tensor | None = None,
+    sunk_block: int | None = None, row_blocks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ℓ [rows] (CPU long) for survival a [rows, n] (CPU): sampled rows by ``row_rule``, greedy rows by
+    ``batch_width``; ``cap`` [rows] bounds ℓ (the draft's own stop, or the pre-draft plan). After the draft ran,
+    ``sunk_block`` is the block it drafted (greedy rows) and ``row_blocks`` [rows] each row's own pre-draft
+    block (sampled rows)."""
+    rows, n = a.shape
+    ell = torch.zeros(rows, dtype=torch.long)
+    sampled = ~greedy
+    if bool(sampled.any()):
+        own = None if row_blocks is None else row_blocks[sampled]
+        ell[sampled] = row_rule(a[sampled], cost, nominal_rows, own)
+        if cap is not None:
+            ell = torch.minimum(ell, cap)
+    floor = int(ell.max()) if rows else 0
+    fixed = float(_tokens(a[sampled]).gather(1, ell[sampled][:, None]).sum()) if bool(sampled.any()) else 0.0
+    if bool(greedy.any()):
+        if cap is not None and bool(greedy.any()):
+            # a greedy row's survival beyond its cap is zero: it cannot verify more than it has
+            j = torch.arange(n)[None, :]
+            a = torch.where(j < cap[:, None], a, torch.zeros_like(a))
+        w = batch_width(a[greedy], floor, fixed, cost, rows, sunk_block)
+        ell[greedy] = w if cap is None else torch.clamp(cap[greedy], max=w)
+    return ell

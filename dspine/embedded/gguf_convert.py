@@ -1,0 +1,379 @@
+"""Convert a llama.cpp GGUF (Llama architecture, byte-level BPE tokenizer) into a Hugging Face model dir.
+
+Why convert at all: our reference targets load plain HF directories (``config.json`` + safetensors), and
+speculative decoding is checked for identity against fp32 logits, so a quantized GGUF is dequantized to
+fp32 once and cached rather than re-read on every start. The output is a normal HF Llama directory that
+``dspine.models.registry.load_target`` (and transformers) can load without the ``gguf`` package.
+
+What the conversion has to undo or rebuild:
+
+- **Weights.** Every tensor is dequantized to fp32 with gguf's own reference dequantizer (the same one
+  transformers uses for ``gguf_file=`` loading, so the two agree bit for bit). llama.cpp stores Q and K
+  projections with each head's rows interleaved for its adjacent-pair RoPE kernel; HF Llama rotates
+  halves, so :func:`unpermute_qk` puts the rows back.
+- **Config.** Read from the ``llama.*`` metadata; float32 metadata values are written as the shortest
+  decimal that round-trips through float32 (``1e-05``, not ``9.999999747378752e-06``), which is the value
+  the original config held.
+- **Tokenizer.** A GGUF carries the vocabulary, merges, special-token ids and chat template but no
+  ``tokenizer.json``. We build one with the ``tokenizers`` library. The pre-tokenizer is chosen from
+  ``tokenizer.ggml.pre`` and must reproduce llama.cpp's split for that name (for SmolLM2's ``smollm``:
+  every digit on its own, then the GPT-2 byte-level regex); an unknown name is refused rather than
+  guessed, because a wrong split gives plausible but different token ids.
+
+``convert_cached`` wraps the conversion for a cache: it writes into a temporary sibling directory and
+renames it into place, and records the source file's sha256 so a changed GGUF is converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+# Bump when the output of ``convert_gguf`` changes, so caches written by an older converter are redone.
+CONVERTER_VERSION = 1
+MARKER_NAME = "dspine-source.json"
+
+# llama.cpp token types (``tokenizer.ggml.token_type``).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# ``tokenizer.ggml.pre`` names whose llama.cpp split is "each \p{N} alone, then the GPT-2 regex"
+# (llama-vocab.cpp groups them in one case), and those that use the GPT-2 regex alone.
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2_ONLY = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
+
+# GGUF tensor name (within ``blk.N.``) -> HF Llama parameter name (within ``model.layers.N.``).
+_BLOCK_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFConversionError(ValueError):
+    """A GGUF that cannot be converted: unreadable, truncated, or not a model this converter handles."""
+
+
+class GGUFPackageMissing(GGUFConversionError):
+    """The optional ``gguf`` package, needed only to convert, is not installed."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, streamed (the cache key: a changed source must be converted again)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation for ``n_heads`` heads (use the KV head count for K).
+
+    ``convert_hf_to_gguf.py`` maps each head's rows ``[first half | second half]`` (HF's rotate-half
+    pairing, dims i and i + D/2) to interleaved pairs ``(2i, 2i+1)`` for llama.cpp's RoPE kernel, via
+    ``reshape(H, 2, D/2, in).swapaxes(1, 2)``. The inverse is the same reshape with the 2 and D/2 swapped.
+    """
+    rows, cols = w.shape
+    if rows % (2 * n_heads):
+        raise GGUFConversionError(f"Q/K tensor with {rows} rows does not split into {n_heads} heads of even size")
+    return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+
+
+def _f32_value(x: float) -> float:
+    """The decimal a float32 metadata value was written from (``9.999999747e-06`` -> ``1e-05``)."""
+    return float(str(np.float32(x)))
+
+
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFPackageMissing(
+            "converting a GGUF needs the `gguf` package: pip install gguf  (or the dspine-batch[gguf] extra)"
+        ) from None
+    return gguf
+
+
+class _Metadata:
+    """Typed access to a GGUF's key/value metadata, naming the file and key in every error."""
+
+    def __init__(self, reader: Any, path: Path):
+        self.reader = reader
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
+        return value
+
+
+def _read_gguf(path: Path) -> tuple[Any, _Metadata]:
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+        raise GGUFConversionError(f"{path}: not a readable GGUF file ({e})") from None
+    meta = _Metadata(reader, path)
+    arch = meta.require("general.architecture")
+    if arch != "llama":
+        raise GGUFConversionError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    return reader, meta
+
+
+def _config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
+    """HF ``LlamaForCausalLM`` config from ``llama.*`` metadata (the field names transformers writes)."""
+    n_heads = int(meta.require("llama.attention.head_count"))
+    hidden = int(meta.require("llama.embedding_length"))
+    head_dim = hidden // n_heads
+    rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise GGUFConversionError(f"{meta.path}: partial rotary ({rope_dim} of {head_dim} dims) is not supported")
+    if meta.get("llama.rope.scaling.type") not in (None, "none"):
+        raise GGUFConversionError(f"{meta.path}: RoPE scaling is not supported by this converter")
+    theta = _f32_value(meta.get("llama.rope.freq_base", 10000.0))
+    vocab = meta.get("llama.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require("llama.feed_forward_length")),
+        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32_value(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(meta.require("llama.context_length")),
+        "vocab_size": int(vocab),
+        # llama.cpp writes output.weight only when the head is not the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        # transformers 5 reads rope_parameters, 4.x reads rope_theta; dspine's RopeSpec reads either.
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def _state_dict(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """All tensors dequantized to fp32 under HF names, Q/K un-permuted. Unknown tensors are refused."""
+    gguf = _import_gguf()
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = t.name
+        parts = name.split(".", 2)  # "blk.7.attn_q.weight" -> ["blk", "7", "attn_q.weight"]
+        if name in _TOP_TENSORS:
+            hf = _TOP_TENSORS[name]
+        elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
+            hf = f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}"
+        else:
+            raise GGUFConversionError(f"{path}: unexpected tensor {name!r} for a Llama model")
+        try:
+            w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, off the mmap
+        except (ValueError, NotImplementedError, IndexError) as e:
+            raise GGUFConversionError(f"{path}: tensor {name!r} ({t.tensor_type.name}) cannot be read ({e})") from None
+        if name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, cfg["num_attention_heads"])
+        elif name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        out[hf] = torch.from_numpy(w)
+    return out
+
+
+def _pre_tokenizer(pre: str | None, path: Path) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre is None or pre in _GPT2_ONLY:
+        return byte_level
+    raise GGUFConversionError(
+        f"{path}: tokenizer pre-type {pre!r} is not supported "
+        f"(known: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY))})"
+    )
+
+
+def _token_name(tokens: list[str], meta: _Metadata, key: str) -> str | None:
+    token_id = meta.get(f"tokenizer.ggml.{key}")
+    return None if token_id is None else tokens[int(token_id)]
+
+
+def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
+    """``(tokenizer, tokenizer_config)`` for a byte-level BPE GGUF vocabulary.
+
+    Control tokens become special added tokens (so ``<|im_start|>`` in a chat prompt stays one token and
+    ``skip_special_tokens`` drops it); user-defined ones become plain added tokens, as llama.cpp matches
+    both whole.
+    """
+    model = meta.require("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFConversionError(f"{meta.path}: tokenizer model {model!r} is not supported (only byte-level BPE)")
+    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ")) for m in meta.require("tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+        raise GGUFConversionError(f"{meta.path}: malformed BPE merges")
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens) or len(types) != len(tokens):
+        raise GGUFConversionError(f"{meta.path}: malformed vocabulary (duplicate tokens or token types)")
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), meta.path)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == _TOKEN_CONTROL]
+    user = [t for t, ty in zip(tokens, types, strict=True) if ty == _TOKEN_USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    if user:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+    names = {
+        "bos_token": _token_name(tokens, meta, "bos_token_id"),
+        "eos_token": _token_name(tokens, meta, "eos_token_id"),
+        "unk_token": _token_name(tokens, meta, "unknown_token_id"),
+        "pad_token": _token_name(tokens, meta, "padding_token_id"),
+    }
+    tok_cfg: dict[str, Any] = {
+        # Load tokenizer.json verbatim (a model-specific class could rebuild the pre-tokenizer).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.require("llama.context_length")),
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        tok_cfg["chat_template"] = template
+    return tok, tok_cfg
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
+    """Write an HF Llama directory for ``gguf_path`` into ``out_dir`` (created; existing files overwritten).
+
+    Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32), ``tokenizer.json``,
+    ``tokenizer_config.json`` and ``special_tokens_map.json``. Not atomic: see :func:`convert_cached`.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader, meta = _read_gguf(gguf_path)
+    cfg = _config(meta, {t.name for t in reader.tensors})
+    state = _state_dict(reader, cfg, gguf_path)
+    tokenizer, tok_cfg = build_tokenizer(meta)
+    if tokenizer.get_vocab_size(with_added_tokens=True) != cfg["vocab_size"]:
+        raise GGUFConversionError(
+            f"{gguf_path}: tokenizer has {tokenizer.get_vocab_size()} tokens, "
+            f"the model's vocabulary {cfg['vocab_size']}"
+        )
+    if tuple(state["model.embed_tokens.weight"].shape) != (cfg["vocab_size"], cfg["hidden_size"]):
+        raise GGUFConversionError(f"{gguf_path}: token_embd.weight shape does not match the metadata")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    specials = {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if tok_cfg[k]}
+    for name, obj in (
+        ("config.json", cfg),
+        ("generation_config.json", ids),
+        ("tokenizer_config.json", tok_cfg),
+        ("special_tokens_map.json", specials),
+    ):
+        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _marker(source: Path, sha256: str) -> dict[str, Any]:
+    return {"source_name": source.name, "source_sha256": sha256, "converter_version": CONVERTER_VERSION}
+
+
+def cache_is_valid(out_dir: str | Path, sha256: str) -> bool:
+    """Whether ``out_dir`` holds a complete conversion of the file with this sha256 by this converter."""
+    try:
+        marker = json.loads((Path(out_dir) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("source_sha256") == sha256 and marker.get("converter_version") == CONVERTER_VERSION
+
+
+def convert_cached(gguf_path: str | Path, out_dir: str | Path, expected_sha256: str | None = None) -> Path:
+    """Return ``out_dir``, first converting ``gguf_path`` into it unless it holds this file's conversion.
+
+    The conversion is written to a temporary sibling and renamed into place with the marker inside, so a
+    crash never leaves a directory that looks complete, and concurrent callers each see a whole one.
+    ``expected_sha256`` (e.g. from the installing wheel's RECORD) turns a damaged source into an error
+    instead of a silently different model.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    try:
+        digest = file_sha256(gguf_path)
+    except OSError as e:
+        raise GGUFConversionError(f"{gguf_path}: cannot be read ({e.strerror or e})") from None
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise GGUFConversionError(
+            f"{gguf_path}: sha256 {digest[:12]}… is not the expected {expected_sha256[:12]}… (damaged)"
+        )
+    if cache_is_valid(out_dir, digest):
+        return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A plain mkdir (not mkdtemp's 0700) so the cache gets the umask's permissions and can be shared.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        convert_gguf(gguf_path, tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps(_marker(gguf_path, digest), indent=2) + "\n")
+        file_mode = tmp.stat().st_mode & 0o666  # safetensors writes 0600 files; align them with the dir
+        for f in tmp.iterdir():
+            f.chmod(file_mode)
+        _replace_dir(tmp, out_dir, digest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _replace_dir(new: Path, dest: Path, sha256: str) -> None:
+    """Move ``new`` to ``dest``, first moving a stale ``dest`` aside (a rename cannot replace a full dir)."""
+    if dest.exists():
+        stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale-", dir=dest.parent))
+        try:
+            os.replace(dest, stale / dest.name)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(new, dest)
+    except OSError:
+        # Lost a race: another process renamed its own complete conversion into place in between.
+        if not cache_is_valid(dest, sha256):
+            raise

@@ -1,0 +1,209 @@
+"""The target-model contract the decoding loop relies on (``load_target`` lives in ``registry.py``).
+
+Every reference target (``llama.py`` for Llama/Qwen3 dense, ``qwen3_5.py`` for the Qwen3.5 hybrid) is a
+``Target``. The decoding loop only ever calls:
+
+- ``new_cache(batch, capacity)`` -> ``ModelCache`` with ``lengths`` zero;
+- ``forward(ids [B,T], cache, n_valid=None, speculative=False, taps=())`` -> ``TargetOutput``. Row b's tokens
+  sit at positions ``cache.lengths[b] + t``. Without ``speculative`` the first ``n_valid[b]`` tokens
+  (default all T) are committed: ``lengths += n_valid`` and recurrent state advances over exactly those.
+  With ``speculative`` nothing is committed yet; ``commit(cache, n)`` then keeps the first ``n[b]`` tokens
+  (KV: a length change; GDN: ReplaySSM from the pre-verify checkpoint);
+- ``logits(hidden)`` -> float32 logits; ``embed(ids)``; ``head_weight`` (the lm_head, shared with the draft).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dspine.models.cache import ModelCache
+from dspine.models.checkpoint import ModelLoadError
+
+
+def head_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [M, H] @ weight[V, H].T -> [M, V], computed as (weight @ x.T).T, with one row padded to two.
+
+    Used for the target head and for the draft's head over its vocabulary. Why: for a large head (49k x 576)
+    and a few rows, MKL's x @ W.T path is pathological on some CPUs (AMD EPYC, 2 threads: 18 ms for 2 rows,
+    26 ms for 3, vs 2.7 / 4.2 ms for W @ x.T), and one row goes to a single-threaded GEMV (7.2 ms) where two
+    rows through the GEMM take 2.7 ms. Each output row is the same dot
+    products either way; only the kernel (and so the fp32 rounding) differs. ``scripts/bench/bench_step.py``.
+    """
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        return (weight @ x.repeat(2, 1).T)[:, :1].T  # a stride-0 expand is slow here: copy the row
+    return (weight @ x.T).T
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [B, T, H] after the final norm (feed to ``logits``)
+    taps: torch.Tensor | None  # [B, T, n_taps * H]: outputs of the requested layers, concatenated
+
+
+class Target(nn.Module):
+    """Base class: shared helpers; subclasses implement ``forward``/``new_cache``/``commit``."""
+
+    config: dict
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear | None
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def max_position(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 1 << 30)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # One contiguous 2-D GEMM: a strided 3-D input (e.g. block slots 1..) falls back to a slow batched
+        # matmul on CPU (measured 176 ms vs 56 ms for a draft block at batch 8).
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        head = getattr(self, "infer_head", None)  # a submodule set by ``quantize``/``use_kernels`` (no class
+        # default: it would shadow the registered module)
+        if head is not None and torch.is_grad_enabled() and flat.requires_grad:
+            # a draft being trained backpropagates through these logits; the packed/quantized heads have no
+            # autograd formula (torch would warn and drop the gradient), the float head has one
+            head = None
+        out = head(flat.to(self.dtype)) if head is not None else head_matmul(self.head_weight, flat)
+        return out.float().view(*hidden.shape[:-1], -1)
+
+    def quantize(self, mode: str) -> Target:
+        """Weight-only quantization of every linear of the decoder and of the head used by ``logits``.
+
+        The float ``head_weight`` (= the embeddings when tied) stays for ``embed`` and for the draft, which
+        scores its own proposals with it; only the target's logits, which decide acceptance, use the quantized
+        head, so plain and speculative decoding sample from the same (quantized) distribution.
+        """
+        from dspine.cpu.quant import quantize_linears, quantized_linear
+
+        if mode == "none":
+            return self
+        quantize_linears(self.layers, mode)
+        # int4 keeps an int8 head, like the 4-bit GGUFs (Q4_1 layers, Q8_0 token embedding/head): the head's
+        # errors land directly on the logits
+        self.infer_head = quantized_linear(self.head_weight, "int8" if mode == "int4" else mode)
+        if self.lm_head is not None:  # untied: logits no longer need the float copy, but the draft does
+            self.lm_head.requires_grad_(False)
+        return self
+
+    @property
+    def kernel(self) -> str:
+        """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``torch``, or a quant mode."""
+        return getattr(self, "_kernel", "torch")
+
+    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
+        """Inference only: every fp32 decoder linear and the head through ``dspine.cpu.kernels`` (decode-shaped
+        GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
+        dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay). Weights
+        that are exactly GGUF Q4_1/Q8_0 blocks are stored as such (``formats``: which to try; outputs are the
+        fp32 weights' either way, see ``kernels.PackedLinear``). With ``cache_key`` (a digest of the checkpoint)
+        the packed weights are kept on disk (``kernels.pack_cache_path``) and reused by the next load, which
+        then skips recognising and packing them."""
+        from dspine.cpu.kernels import PackedLinear, load, load_packed, pack_cache_path, pack_linears, save_packed
+        from dspine.models.layers import fuse_norms
+
+        if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
+            return self
+        isa = load()
+        if isa is None:
+            return self
+        if not any(getattr(m, "qkv_proj", None) is not None for m in self.modules()):
+            self.fuse_projections()  # one streamed weight per input instead of two or three
+        cached = None if cache_key is None else pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
+        if cached is not None:  # a shape-only stand-in for the head, so the cache can name and check it
+            self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+        if cached is None or not load_packed(self, cached):
+            pack_linears(self.layers, formats)
+            self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one
+            # stays for embed and the draft
+            if cached is not None:
+                save_packed(self, cached)
+        fuse_norms(self)
+        for m in self.modules():
+            if hasattr(m, "fast"):
+                m.fast = True
+        if self.lm_head is not None:
+            self.lm_head.requires_grad_(False)
+        self._kernel = f"dspine-{isa}"
+        return self
+
+    def fuse_projections(self) -> Target:
+        """Inference only: merge the projections that read the same input (q/k/v, gate/up, GDN inputs) into one
+        GEMM each. On CPU a small model's decode step is dominated by per-call overhead, so fewer, wider GEMMs
+        are faster; the parameters are renamed, so fuse after loading a checkpoint, never before."""
+        for module in [m for m in self.modules() if m is not self]:
+            fuse = getattr(module, "fuse", None)
+            if callable(fuse):
+                fuse()
+        return self
+
+    def new_cache(self, batch: int, capacity: int) -> ModelCache:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(  # pragma: no cover - abstract
+        self,
+        ids: torch.Tensor,
+        cache: ModelCache,
+        n_valid: torch.Tensor | None = None,
+        speculative: bool = False,
+        taps: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        raise NotImplementedError
+
+    def commit(self, cache: ModelCache, n: torch.Tensor) -> None:
+        """Keep the first ``n[b]`` tokens of the pending speculative forward (default: KV-only models)."""
+        cache.lengths += n.to(cache.lengths)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [B, T, V] (fp32) with a fresh cache; no padding."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+        cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
+        return self.logits(self.forward(input_ids, cache).hidden)
+
+    @classmethod
+    def empty(cls, cfg: dict, dtype: torch.dtype, device, path: Path, required: tuple[str, ...] = ()):
+        """Build the module on the meta device (no init cost), then allocate it uninitialised for loading."""
+        for key in required:
+            if key not in cfg:
+                raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
+        return model
+
+    def default_tap_ids(self, n: int = 5) -> list[int]:
+        return default_tap_ids(self.num_layers, n)
+
+
+def default_tap_ids(num_layers: int, n: int) -> list[int]:
+    """DFlash default taps: ``round(1 + i*(L-4)/(n-1))`` (half-to-even), ``[L//2]`` for one tap."""
+    if n == 1:
+        return [num_layers // 2]
+    ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    if len(set(ids)) < n or min(ids) < 0:
+        # tiny targets (L < n + 3): the formula repeats layers; fall back to distinct, evenly spaced
+        # inner layers (never the last one, whose HF hidden state is post-norm)
+        inner = max(1, num_layers - 1)
+        ids = sorted({min(inner - 1, round(i * (inner - 1) / max(1, n - 1))) for i in range(n)})
+    return ids

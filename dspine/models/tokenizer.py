@@ -1,0 +1,128 @@
+"""Tokenizer and chat template for HF-layout model dirs, without transformers in the runtime path.
+
+``tokenizers`` does the BPE; the chat template (``tokenizer_config.json`` ``chat_template`` or a
+``chat_template.jinja`` file) is rendered with jinja2 the way transformers does it: a sandboxed environment
+with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
+non-ASCII, and the special tokens (``bos_token``, ``eos_token``, ...) as variables. The rendered text is
+tokenized without adding special tokens (the template already has them), as ``apply_chat_template`` does.
+A missing or unreadable file is a ``ModelLoadError`` naming it (callers turn it into their own one-line error).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from dspine.models.checkpoint import ModelLoadError
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HFTokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer
+
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").exists():
+            raise ModelLoadError(f"{d}: no tokenizer.json (the reference engine needs a fast-tokenizer file)")
+        self.dir = d
+        self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self.config: dict[str, Any] = _read_json(d / "tokenizer_config.json")
+        self.special = {k: _token_text(self.config.get(k)) for k in SPECIAL_KEYS}
+        for k, v in _read_json(d / "special_tokens_map.json").items():
+            if k in SPECIAL_KEYS and self.special.get(k) is None:
+                self.special[k] = _token_text(v)
+        self.template_source = self._template()
+
+    def _template(self) -> str | None:
+        jinja_file = self.dir / "chat_template.jinja"
+        if jinja_file.exists():
+            return jinja_file.read_text()
+        t = self.config.get("chat_template")
+        if isinstance(t, list):  # named templates: use "default"
+            named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+            t = named.get("default") or next(iter(named.values()), None)
+        return t if isinstance(t, str) else None
+
+    @cached_property
+    def _compiled(self) -> Any:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+                   sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.template_source or "")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.template_source)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if not self.template_source:
+            raise ValueError(f"{self.dir}: the tokenizer has no chat template")
+        special = {k: v for k, v in self.special.items() if v is not None}
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **special, **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tok.encode(self.render(messages), add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def stop_token_ids(self, stop) -> tuple[int, ...]:
+        """EOS ids plus the ids of any stop strings that are single tokens (others are applied to the text)."""
+        ids = list(self.eos_ids())
+        for text in stop:
+            t = self.token_id(text)
+            if t is not None and t not in ids:
+                ids.append(t)
+        return tuple(ids)
+
+    def eos_ids(self) -> list[int]:
+        """EOS from the tokenizer config plus ``eos_token_id`` of config.json / generation_config.json."""
+        ids: list[int] = []
+        eos = self.special.get("eos_token")
+        if eos and self.tok.token_to_id(eos) is not None:
+            ids.append(self.tok.token_to_id(eos))
+        for name in ("generation_config.json", "config.json"):
+            v = _read_json(self.dir / name).get("eos_token_id")
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, int) and x not in ids:
+                    ids.append(x)
+        return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable ({e})") from e

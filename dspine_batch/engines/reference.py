@@ -1,0 +1,185 @@
+"""The CPU reference engine: ``dspine.decoding.decode.decode_stream`` (speculative with a DSpine draft, plain AR
+without).
+
+``run`` streams: up to ``batch_size`` requests decode together, a finished request is yielded the round it
+finishes (so the sink commits it at once) and the next request is pulled from the iterator only when a slot is
+free, so admission stops as soon as the request iterator does. A request the decoder rejects (e.g. an over-long
+prompt) comes back as that row's error, never its neighbours'. Stop strings are applied after generation (the
+decoder takes token ids). Verification is cost-aware by default (``verify=cost``; ``verify=fixed`` verifies
+whole blocks): the cost model is calibrated once per model, machine and thread count and cached on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from dspine.models.tokenizer import HFTokenizer
+from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
+from dspine_batch.engines.stop_strings import cut_at_stop
+from dspine_batch.errors import FatalError, UsageError
+
+ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
+        "accept_prior": float,
+        "dtype": str, "quant": str}
+
+
+class ReferenceEngine:
+    name = "reference"
+
+    def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
+                 batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
+                 verify: str = "cost", precision: dict[str, str] | None = None,
+                 accept_prior: float | None = None):
+        self.target, self.draft, self.tok = target, draft, tokenizer
+        self.model_path, self.draft_path = model_path, draft_path
+        self.batch_size = batch_size
+        self.block_size = block_size or (int(draft.block_size) if draft is not None else None)
+        # Confidence-based early stop of each proposal (lossless; needs a fitted confidence head, else ignored).
+        self.dynamic_threshold = dynamic_threshold if draft is not None and draft.confidence_enabled else None
+        self._identity = {"engine": "reference", "model": model_identity(model_path),
+                          "draft": model_identity(draft_path) if draft_path else None,
+                          "block_size": self.block_size, "dtype": "float32"}
+        # dtype/quant change the target's outputs, so they are part of the run's identity ("quant" only when set,
+        # so fingerprints of existing fp32 runs stay the same)
+        precision = precision or {}
+        self._identity["dtype"] = precision.get("dtype", "float32")
+        kernel = getattr(target, "kernel", "torch")
+        if kernel != "torch":  # our linears round differently from torch's (fingerprints of torch runs unchanged)
+            self._identity["kernel"] = kernel
+        if precision.get("quant", "none") != "none":
+            self._identity["quant"] = precision["quant"]
+        if self.dynamic_threshold is not None:
+            self._identity["dynamic_threshold"] = self.dynamic_threshold
+        self.accept_prior = accept_prior if draft is not None else None
+        if self.accept_prior is not None:  # changes which rounds draft, so sampled tokens: part of the identity
+            self._identity["accept_prior"] = self.accept_prior
+        self.verify = verify
+        if draft is not None:
+            self._identity["verify"] = verify
+        self._costs: dict[int, Any] = {}
+
+    @classmethod
+    def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
+        opts: dict[str, Any] = {}
+        for k, v in args.items():
+            if k not in ARGS:
+                raise UsageError(f"--engine-arg {k}: unknown for the reference engine ({', '.join(ARGS)})")
+            try:
+                opts[k] = ARGS[k](v)
+            except ValueError as e:
+                kind = "an integer" if ARGS[k] is int else "a number"
+                raise UsageError(f"--engine-arg {k}={v}: expected {kind}") from e
+        from dspine import load_draft, load_target
+        from dspine.cpu.precision import resolve
+        from dspine.cpu.threads import configure_torch
+        from dspine.draft.io import read_decode_defaults
+
+        configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
+        quant = opts.get("quant", "none")
+        try:
+            precision = resolve(opts.get("dtype", "float32" if quant == "none" else "bfloat16"), quant)
+        except ValueError as e:
+            raise UsageError(f"--engine-arg {e}") from e
+        model_path = resolve_model(model)
+        draft_path = resolve_draft(draft, model)
+        try:
+            target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
+            drafter = load_draft(draft_path).use_kernels() if draft_path else None
+            defaults = read_decode_defaults(draft_path) if draft_path else {}
+        except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
+            raise UsageError(f"cannot load the model: {e}") from e
+        tok = open_tokenizer(model_path)
+        # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
+        verify = opts.get("verify", "cost")
+        if verify not in ("cost", "fixed"):
+            raise UsageError(f"--engine-arg verify={verify}: expected cost or fixed")
+        block_size = opts.get("block_size", defaults.get("block_size"))
+        if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
+            raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
+        return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
+                   opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe(),
+                   opts.get("accept_prior", defaults.get("accept_prior")))
+
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+    @property
+    def max_context(self) -> int | None:
+        return int(self.target.max_position) - (self.block_size or 1) - 1
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tok
+
+    def close(self) -> None:
+        self.target = self.draft = None
+
+    def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
+        from dspine.decoding.decode import decode_stream
+        from dspine.decoding.sampling import SamplingParams
+
+        size = max(1, min(self.batch_size, max_in_flight))
+        room = int(self.target.max_position) - (self.block_size or 1)
+        pending: dict[int, Request] = {}
+        refused: dict[int, str] = {}
+
+        def feed():
+            for i, r in enumerate(requests):
+                pending[i] = r
+                p = r.params
+                try:
+                    sp = SamplingParams(max(0, min(p.max_new_tokens, room - len(r.prompt_ids))), p.temperature,
+                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids))
+                except ValueError as e:  # the decoder refuses an empty prompt: the row gets this error instead
+                    refused[i] = str(e)
+                    yield [], SamplingParams(max_new_tokens=0)
+                    continue
+                yield r.prompt_ids, sp
+
+        stream = decode_stream(self.target, self.draft, feed(), size,
+                               self.block_size if self.draft is not None else None, self.dynamic_threshold,
+                               self.verify, self._cost(size), self.accept_prior)
+        try:
+            for i, out in stream:
+                req = pending.pop(i)
+                if out.error is not None:
+                    yield Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
+                                 error=f"engine rejected the request: {refused.pop(i, out.error)}")
+                else:
+                    yield self._result(req, out)
+        except RuntimeError as e:
+            raise FatalError(f"reference engine failed: {e}") from e
+
+    def _cost(self, rows: int) -> Any:
+        """The calibrated cost model for ``rows`` (cost-aware verification only; cached on disk per identity)."""
+        if self.draft is None or self.verify != "cost":
+            return None
+        if rows not in self._costs:
+            from dspine.decoding.cost import load_or_calibrate
+
+            ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
+            self._costs[rows] = load_or_calibrate(self.target, self.draft, rows, self.block_size, ident)
+        return self._costs[rows]
+
+    def _result(self, req: Request, out: Any) -> Result:
+        tokens = list(out.token_ids)
+        text = self.tok.decode(tokens)
+        finish = out.finish_reason
+        cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
+        if cut is not None:
+            (text, tokens), finish = cut, "stop"
+        res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
+                     latency_s=float(getattr(out, "latency_s", 0.0)))
+        st = out.stats
+        if self.draft is not None:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
+            res.verify_steps = st.verify_steps
+            res.draft_tokens_proposed = st.draft_tokens_proposed
+            res.draft_tokens_accepted = st.draft_tokens_accepted
+            res.accept_length = float(st.accept_length) if st.verify_steps else None
+            res.accept_histogram = list(st.accept_histogram)
+        return res
+
+

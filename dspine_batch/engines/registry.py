@@ -1,0 +1,81 @@
+"""Engines by name: what ``--engine`` accepts and how each is loaded.
+
+Its own module so the protocol (``base.py``) knows no implementation: each engine imports ``base``, this module
+imports the engines (lazily, so ``--engine reference`` never imports SGLang), and the pipeline imports this.
+Tests put the scripted engine behind the default names with ``engines_replaced``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+from dspine_batch.engines.base import Engine
+from dspine_batch.errors import UsageError
+
+EngineLoader = Callable[[str, str, dict[str, str]], Engine]
+"""``(model, draft, engine_args) -> Engine``."""
+
+
+def _load_reference(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from dspine_batch.engines.reference import ReferenceEngine
+
+    return ReferenceEngine.load(model, draft, engine_args)
+
+
+def _load_sglang(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from dspine_batch.engines.sglang.engine import SGLangEngine, sglang_available
+
+    ok, why = sglang_available(need_gpu=False)  # no GPU: SGLang's CPU test path
+    if not ok:
+        raise UsageError(
+            f"--engine sglang is not available here: {why}; install the sglang extra in its own virtualenv "
+            "(bash scripts/setup_sglang_venv.sh) and run dspine-batch from it, "
+            "or use --engine reference"
+        )
+    return SGLangEngine.load(model, draft, engine_args)
+
+
+def _load_scripted(model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    from dspine_batch.engines.scripted import ScriptedEngine
+
+    return ScriptedEngine.from_args(engine_args)
+
+
+def _pick_auto() -> str:
+    from dspine_batch.engines.sglang.engine import sglang_available
+
+    ok, why = sglang_available()
+    name = "sglang" if ok else "reference"
+    print(f"dspine-batch: --engine auto picked {name} ({why})", file=sys.stderr)
+    return name
+
+
+ENGINE_NAMES = ("auto", "reference", "sglang")  # what --help offers
+ENGINES: dict[str, EngineLoader] = {"reference": _load_reference, "sglang": _load_sglang,
+                                    "scripted": _load_scripted}  # scripted: the hidden deterministic test engine
+
+
+@contextmanager
+def engines_replaced(loader: EngineLoader, names: Iterable[str] = ("auto", "reference")) -> Iterator[None]:
+    """Load every engine in ``names`` with ``loader`` for the duration (``auto`` included): how tests and the
+    benchmark put the scripted engine behind the default command line without touching the production path."""
+    saved = dict(ENGINES)
+    try:
+        ENGINES.update(dict.fromkeys(names, loader))
+        yield
+    finally:
+        ENGINES.clear()
+        ENGINES.update(saved)
+
+
+def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    """Build the engine the user asked for. ``auto`` is SGLang when it is installed and a GPU is present,
+    else the reference engine; it says which it picked and why on stderr."""
+    if name == "auto" and "auto" not in ENGINES:
+        name = _pick_auto()
+    loader = ENGINES.get(name)
+    if loader is None:
+        raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")
+    return loader(model, draft, engine_args)

@@ -1,0 +1,185 @@
+"""A deterministic fake engine for tests and the pipeline benchmark.
+
+Tokens are a pure function of (prompt ids, sampling params), so a resumed run can be compared with an
+uninterrupted one; latency and errors are scripted; stats come out SGLang-shaped (``meta_info`` names) and
+go through the same normalisation as a real backend. Selected with the hidden ``--engine scripted``, or put
+behind the default command line by the tests (``registry.engines_replaced``); configured with
+``--engine-arg KEY=VALUE``. ``crash_after`` raises ``EngineDied`` (a transient death: exit 75), ``fail_after`` a
+plain exception (a bug: exit 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.sglang.stats import stats_from_sglang_meta
+from dspine_batch.engines.stop_strings import cut_at_stop
+from dspine_batch.errors import EngineDied, UsageError
+
+EOS = 0
+
+
+@dataclass
+class ScriptedTokenizer:
+    """One token per character (``ord``); generated tokens decode to letters."""
+
+    chat_template: bool = True
+    zero_cost: bool = False
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template
+
+    def encode(self, text: str) -> list[int]:
+        if self.zero_cost:
+            return [len(text)]  # tokenization is engine cost too
+        return list(map(ord, text))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode("".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>")
+
+    def decode(self, ids: list[int]) -> str:
+        return _letters(ids)
+
+    def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
+        return (EOS,)
+
+
+@dataclass
+class ScriptedEngine:
+    latency: float = 0.0  # seconds per request (x0.5..1.5 jitter by request, so results finish out of order)
+    error_every: int = 0  # every k-th request (by hash) returns an engine error
+    crash_after: int = 0  # raise EngineDied (transient: rerun helps) after this many results
+    fail_after: int = 0  # raise a plain RuntimeError (a bug) after this many results
+    zero_cost: bool = False  # skip token synthesis: for measuring the pipeline alone
+    draft: bool = True
+    block_size: int = 8
+    max_context_len: int = 4096
+    chat_template: bool = True
+    name: str = "scripted"
+
+    @classmethod
+    def from_args(cls, args: dict[str, str]) -> ScriptedEngine:
+        kinds = {"latency": float, "error_every": int, "crash_after": int, "fail_after": int, "block_size": int,
+                 "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag}
+        kw: dict[str, Any] = {}
+        for key, value in args.items():
+            if key not in kinds:
+                raise UsageError(f"--engine-arg {key}: unknown for the scripted engine ({', '.join(kinds)})")
+            try:
+                kw["max_context_len" if key == "max_context" else key] = kinds[key](value)
+            except ValueError as e:
+                raise UsageError(f"--engine-arg {key}={value}: {e}") from e
+        return cls(**kw)
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": "scripted", "draft": self.draft, "block_size": self.block_size,
+                "error_every": self.error_every, "zero_cost": self.zero_cost}
+
+    @property
+    def max_context(self) -> int | None:
+        return self.max_context_len
+
+    @property
+    def tokenizer(self) -> ScriptedTokenizer:
+        return ScriptedTokenizer(self.chat_template, self.zero_cost)
+
+    def close(self) -> None:
+        pass
+
+    def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
+        produced = 0
+        if self.latency <= 0:
+            for req in requests:
+                yield self._result(req, 0.0)
+                produced += 1
+                self._maybe_crash(produced)
+            return
+        it = iter(requests)
+        heap: list[tuple[float, int, Request, float]] = []
+        seq, exhausted = 0, False
+        while True:
+            while not exhausted and len(heap) < max_in_flight:
+                try:
+                    req = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                lat = self.latency * (0.5 + _h(req.row_id, req.sample_index) % 1000 / 1000)
+                heapq.heappush(heap, (time.monotonic() + lat, seq, req, lat))
+                seq += 1
+            if not heap:
+                return
+            due, _, req, lat = heapq.heappop(heap)
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            yield self._result(req, lat)
+            produced += 1
+            self._maybe_crash(produced)
+
+    def _maybe_crash(self, produced: int) -> None:
+        if self.crash_after and produced >= self.crash_after:
+            raise EngineDied(f"scripted engine died after {produced} results")
+        if self.fail_after and produced >= self.fail_after:
+            raise RuntimeError(f"scripted engine bug after {produced} results")
+
+    def _result(self, req: Request, latency: float) -> Result:
+        p = req.params
+        if self.zero_cost:
+            return Result(req.row_id, req.sample_index, [], "", "stop", len(req.prompt_ids), 0, latency_s=latency)
+        if self.error_every and _h(req.row_id, req.sample_index) % self.error_every == 0:
+            return Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
+                          error="scripted engine error", latency_s=latency)
+        salt = f"{p.temperature}:{p.top_p}:{p.top_k}:{p.seed if p.temperature > 0 else ''}"
+        base = _h(",".join(map(str, req.prompt_ids[-64:])), salt)
+        want = 1 + base % 48
+        n = min(want, p.max_new_tokens)
+        tokens = [1 + (base >> (i % 48)) % 26 + i % 7 for i in range(n)]
+        text = _letters(tokens)
+        finish = "stop" if want <= p.max_new_tokens else "length"
+        cut = cut_at_stop(text, tokens, p.stop, _letters)
+        if cut is not None:
+            (text, tokens), finish = cut, "stop"
+        result = Result(req.row_id, req.sample_index, tokens, text, finish, len(req.prompt_ids), len(tokens),
+                        latency_s=latency)
+        if self.draft and len(tokens) > 1:
+            meta = _spec_meta(base, len(tokens), self.block_size)
+            stats_from_sglang_meta(meta, result, block_size=self.block_size)
+        return result
+
+
+def _spec_meta(base: int, completion: int, block: int) -> dict[str, Any]:
+    """SGLang-style per-request spec stats: the first token comes from the prefill, then each verify round
+    commits accepted + 1 tokens until ``completion`` is covered."""
+    hist = [0] * block
+    steps, done, x = 0, 1, base
+    while done < completion:
+        x = (x * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        accepted = min((x >> 33) % block, block - 1)
+        hist[accepted] += 1
+        steps += 1
+        done += accepted + 1
+    correct = sum(j * c for j, c in enumerate(hist))
+    return {"completion_tokens": completion, "spec_verify_ct": steps, "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": steps * (block - 1), "spec_correct_drafts_histogram": hist,
+            "spec_accept_length": completion / steps}
+
+
+def _h(*parts: object) -> int:
+    data = "\x1f".join(map(str, parts)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _letters(ids: list[int]) -> str:
+    return "".join(chr(96 + t % 26 + 1) for t in ids)
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")

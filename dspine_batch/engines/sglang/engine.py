@@ -1,0 +1,324 @@
+"""The SGLang engine adapter: ``sglang.Engine`` in-process behind the pipeline's ``Engine`` protocol.
+
+* **Server args**: ``args`` (defaults < ``server_flags`` < single ``KEY=VALUE`` engine args). On a machine
+  without a GPU the engine runs SGLang's CPU test path (``dspine.sglang.cpu``; slow, for tests and
+  development); ``--engine auto`` picks SGLang only with a GPU.
+* **Requests** go through ``async_generate`` (one ``input_ids`` request each) on the engine's own event loop,
+  driven from ``run``'s thread (SGLang installs its signal handlers there); at most ``max_in_flight`` are open
+  and the request iterator is pulled lazily, so stopping admission loses no finished work.
+* **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages).
+* **Failures**: a request SGLang aborts becomes a row error (``finish_reason`` abort, the engine's message);
+  engine death raises ``EngineDied`` (``processes``); the pipeline then commits finished rows and exits
+  75 (run again to resume).
+* **Shutdown** kills only the processes SGLang started (``processes.scoped_shutdown``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
+from dspine_batch.engines.sglang import stats as sglang_stats
+from dspine_batch.engines.sglang.args import (  # noqa: F401  (re-exported: the adapter's public names)
+    ADAPTER_KEYS,
+    OPERATIONAL_KEYS,
+    TOP_K_ALL,
+    build_server_kwargs,
+    parse_server_flags,
+    sampling_params,
+)
+from dspine_batch.engines.sglang.processes import (  # noqa: F401  (re-exported)
+    _SIGQUIT,
+    EngineDied,
+    _child_pids,
+    kill_owned,
+    on_sigquit,
+    reclaim_signals,
+    scoped_shutdown,
+)
+from dspine_batch.engines.stop_strings import cut_at_stop
+from dspine_batch.errors import UsageError
+
+
+def sglang_available(need_gpu: bool = True) -> tuple[bool, str]:
+    """(usable, why): SGLang importable here and (``need_gpu``, as ``--engine auto`` asks) a CUDA GPU visible.
+    ``--engine sglang`` without a GPU runs SGLang's CPU test path instead."""
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            return False, "sglang is not installed in this interpreter"
+        if not need_gpu:
+            return True, "sglang is installed"
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "no CUDA GPU is visible"
+    except Exception as e:  # pragma: no cover - broken installs
+        return False, f"cannot check for SGLang: {e}"
+    return True, "sglang and a CUDA GPU are available"
+
+
+def on_cpu() -> bool:
+    """No CUDA GPU here: SGLang runs its CPU test path (``dspine.sglang.cpu``)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+class SGLangEngine:
+    name = "sglang"
+
+    def __init__(self, engine: Any, tokenizer: Any, identity: dict[str, Any], block_size: int | None,
+                 max_context: int | None, owned_pids: set[int], poll_seconds: float = 1.0,
+                 loop: asyncio.AbstractEventLoop | None = None, watch_pids: set[int] | None = None,
+                 meta_log: str | None = None):
+        self._engine = engine
+        self.tok = tokenizer
+        self._identity = identity
+        self.block_size = block_size
+        self._max_context = max_context
+        self._owned = set(owned_pids)  # killed on close (the engine's whole process tree)
+        self._watch = set(watch_pids if watch_pids is not None else owned_pids)  # must stay alive
+        self._poll = poll_seconds
+        self._meta_log = meta_log
+        self._loop = loop or getattr(engine, "loop", None) or asyncio.new_event_loop()
+        self._old_sigquit = None
+
+    # -- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str, draft: str, args: dict[str, str],
+             engine_factory: Callable[..., Any] | None = None, tokenizer: Any = None,
+             server_parser: Any = None) -> SGLangEngine:
+        model_path = resolve_model(model)
+        draft_path = resolve_draft(draft, model)
+        cpu = engine_factory is None and on_cpu()
+        kwargs, opts = build_server_kwargs(str(model_path), None if draft_path is None else str(draft_path), args,
+                                           parser=server_parser, on_cpu=cpu)
+        if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
+            from dspine.sglang.config import check_target, read_draft, resolve_block_size
+
+            try:  # the same checks the plugin runs at ServerArgs resolution, before any process starts
+                info = read_draft(draft_path)
+                resolve_block_size(kwargs.get("speculative_num_draft_tokens"),
+                                   kwargs.get("speculative_dflash_block_size"), info)
+                check_target(model_path, info)
+            except ValueError as e:
+                raise UsageError(f"--engine sglang: {e}") from e
+        if engine_factory is None:
+            ok, why = sglang_available(need_gpu=False)
+            if not ok:
+                raise UsageError(f"--engine sglang: {why} (use --engine reference)")
+            if cpu:
+                print("dspine-batch: note: no GPU here; SGLang runs its CPU test path (slow)", file=sys.stderr)
+            if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
+                from dspine.sglang.plugin import ensure_available
+
+                try:
+                    ensure_available()
+                except RuntimeError as e:
+                    raise UsageError(str(e)) from e
+            import sglang
+
+            engine_factory = sglang.Engine
+        if tokenizer is None:
+            tokenizer = open_tokenizer(model_path)
+        block = _block_size(kwargs, draft_path)
+        identity = {"engine": "sglang", "sglang_version": _sglang_version(),
+                    "model": model_identity(model_path),
+                    "draft": model_identity(draft_path) if draft_path else None, "block_size": block,
+                    "server_args": {k: _jsonable(v) for k, v in sorted(kwargs.items())
+                                    if k not in OPERATIONAL_KEYS and k not in ("model_path",
+                                                                                "speculative_draft_model_path")}}
+        max_ctx = kwargs.get("context_length") or _config_max_position(model_path)
+        _SIGQUIT.clear()
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.getsignal(signal.SIGQUIT) if main else None
+        ours = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGQUIT: on_sigquit} if main else {}
+        before = _child_pids()
+        try:
+            engine = engine_factory(**kwargs)
+        except (TypeError, ValueError) as e:  # bad ServerArgs / resolution errors (incl. DSPINE's checks)
+            kill_owned(_child_pids() - before)  # whatever it had started
+            raise UsageError(f"--engine sglang: {e}") from e
+        except Exception as e:
+            from dspine_batch.errors import FatalError
+
+            kill_owned(_child_pids() - before)
+            raise FatalError(f"--engine sglang: the engine failed to start: {type(e).__name__}: {e}") from e
+        self = cls(engine, tokenizer, identity, block, None if max_ctx is None else int(max_ctx) - (block or 1) - 1,
+                   _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
+                   watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
+        self._old_sigquit = old
+        reclaim_signals(engine, ours, self._loop)
+        return self
+
+    # -- protocol -------------------------------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+    @property
+    def max_context(self) -> int | None:
+        return self._max_context
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.tok
+
+    def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
+        if self._engine is None:
+            raise EngineDied("the SGLang engine is closed")
+        self._check_alive()
+        loop = self._loop
+        it = iter(requests)
+        pending: dict[asyncio.Task, tuple[Request, str]] = {}
+        exhausted = False
+        window = max(1, int(max_in_flight))
+        try:
+            while True:
+                while not exhausted and len(pending) < window:
+                    req = next(it, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    rid = f"{req.row_id}#{req.sample_index}#{uuid.uuid4().hex[:12]}"
+                    pending[loop.create_task(self._one(req, rid))] = (req, rid)
+                if not pending:
+                    return
+                done, _ = loop.run_until_complete(
+                    asyncio.wait(list(pending), timeout=self._poll, return_when=asyncio.FIRST_COMPLETED))
+                self._check_alive()
+                for task in done:
+                    req, _rid = pending.pop(task)
+                    yield self._result(req, task.result())
+        finally:
+            if pending:
+                self._abandon(pending)
+
+    def close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        try:
+            scoped_shutdown(engine, self._owned)
+        finally:
+            if self._old_sigquit is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGQUIT, self._old_sigquit)
+
+    # -- internals ------------------------------------------------------------------------------------------------
+    async def _one(self, req: Request, rid: str) -> dict[str, Any] | BaseException:
+        try:
+            return await self._engine.async_generate(input_ids=list(req.prompt_ids),
+                                                     sampling_params=sampling_params(req.params), rid=rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # request-level failure (bad request, abort raised as an error, ...)
+            return e
+
+    def _check_alive(self) -> None:
+        if _SIGQUIT.is_set():
+            raise EngineDied("the SGLang engine died (a scheduler/detokenizer process crashed; SGLang's "
+                             "watchdog sent SIGQUIT); see the SGLang log above")
+        if self._watch:
+            import psutil
+
+            gone = []
+            for pid in self._watch:
+                try:
+                    if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                        gone.append(pid)
+                except psutil.NoSuchProcess:
+                    gone.append(pid)
+            if gone:
+                raise EngineDied(f"the SGLang engine died: its processes {sorted(gone)} exited")
+
+    def _abandon(self, pending: dict) -> None:
+        """Abort unfinished requests in the engine and cancel their tasks (stop signal, error, death)."""
+        tm = getattr(self._engine, "tokenizer_manager", None) if self._engine is not None else None
+        for task, (_req, rid) in pending.items():
+            if tm is not None and hasattr(tm, "abort_request"):
+                try:
+                    tm.abort_request(rid=rid)
+                except Exception:
+                    pass
+            task.cancel()
+        try:
+            self._loop.run_until_complete(asyncio.wait(list(pending), timeout=5.0))
+        except Exception:
+            pass
+
+    def _result(self, req: Request, out: dict[str, Any] | BaseException) -> Result:
+        res = Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids))
+        if isinstance(out, BaseException):
+            res.error = f"engine rejected the request: {type(out).__name__}: {out}"
+            return res
+        if isinstance(out, list):  # one request in, one dict out; tolerate a batch-shaped answer
+            out = out[0]
+        meta = out.get("meta_info") or {}
+        if self._meta_log:
+            with open(self._meta_log, "a") as f:
+                f.write(json.dumps({"key": req.row_id, "sample_index": req.sample_index, "meta_info": meta},
+                                   default=str) + "\n")
+        finish, err = sglang_stats.finish(meta)
+        tokens = [int(t) for t in out.get("output_ids") or []]
+        res.token_ids, res.finish_reason, res.error = tokens, finish, err
+        res.completion_tokens = len(tokens)
+        try:
+            sglang_stats.apply(meta, res, block_size=self.block_size)
+        except ValueError as e:
+            res.error = res.error or f"unreadable SGLang meta_info: {e}"
+        text = self.tok.decode(tokens) if tokens else ""
+        cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
+        if cut is not None:
+            (text, res.token_ids), res.finish_reason = cut, "stop"
+            res.completion_tokens = len(res.token_ids)
+        res.text = text
+        return res
+
+
+def _block_size(kwargs: dict[str, Any], draft_path: Path | None) -> int | None:
+    if draft_path is None:
+        return None
+    if kwargs.get("speculative_num_draft_tokens"):
+        return int(kwargs["speculative_num_draft_tokens"])
+    import json
+
+    try:
+        cfg = json.loads((Path(draft_path) / "config.json").read_text())
+        return int((cfg.get("dflash_config") or {}).get("block_size") or cfg.get("block_size") or 16)
+    except (OSError, ValueError):
+        return None
+
+
+def _config_max_position(model_path: Path) -> int | None:
+    import json
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config") or cfg
+    v = cfg.get("max_position_embeddings")
+    return int(v) if v else None
+
+
+def _sglang_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def _jsonable(v: Any) -> Any:
+    return v if isinstance(v, str | int | float | bool | type(None)) else repr(v)

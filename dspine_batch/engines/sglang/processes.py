@@ -1,0 +1,110 @@
+"""The processes behind an in-process ``sglang.Engine``: noticing that they died and stopping only them.
+
+* **Death**: SGLang's subprocess watchdog SIGQUITs this process when a scheduler or detokenizer child crashes
+  (with our ``custom_sigquit_handler`` that only sets a flag), and a watched child can simply be gone; both
+  end the run with ``EngineDied`` (finished rows are committed, a rerun resumes).
+* **Shutdown**: ``Engine.shutdown`` calls ``kill_process_tree(os.getpid(), include_parent=False)``, which would
+  SIGKILL every descendant of this process; ``scoped_shutdown`` limits it to the processes the engine started.
+* **Signals**: SGLang's tokenizer manager installs running-phase SIGTERM/SIGQUIT handlers on its loop;
+  ``reclaim_signals`` puts ours back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from dspine_batch.errors import EngineDied  # noqa: F401  (re-exported: engine death is the pipeline's exit-75 case)
+
+_SIGQUIT = threading.Event()
+
+
+def on_sigquit(signum, frame) -> None:  # module level: ServerArgs (with this handler) is pickled to children
+    _SIGQUIT.set()
+
+
+def _child_pids(recursive: bool = True) -> set[int]:
+    import psutil
+
+    try:
+        return {c.pid for c in psutil.Process().children(recursive=recursive)}
+    except psutil.Error:
+        return set()
+
+
+def kill_owned(pids: Iterable[int], timeout: float = 60.0) -> None:
+    """SIGKILL these processes and their descendants (only these), then wait for them."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += p.children(recursive=True) + [p]
+        except psutil.NoSuchProcess:
+            continue
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def scoped_shutdown(engine: Any, owned: set[int]) -> None:
+    """``engine.shutdown()`` with its ``kill_process_tree(os.getpid(), ...)`` limited to the engine's own
+    processes (those that appeared while it started), so other children of this process survive."""
+    module = sys.modules.get(type(engine).__module__)
+    original = getattr(module, "kill_process_tree", None)
+    me = os.getpid()
+
+    def limited(parent_pid=None, include_parent: bool = True, skip_pid=None, wait_timeout=60):
+        if parent_pid in (None, me):
+            kill_owned(owned - ({skip_pid} if skip_pid else set()), wait_timeout or 60)
+            return None
+        return original(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+    if original is not None:
+        module.kill_process_tree = limited
+    try:
+        engine.shutdown()
+    finally:
+        if original is not None:
+            module.kill_process_tree = original
+        kill_owned(owned)  # whatever shutdown left behind, but nothing else
+
+
+def reclaim_signals(engine: Any, handlers: dict[int, Any], loop: Any = None) -> None:
+    """Undo SGLang's running-phase signal handlers in this process.
+
+    On its first request SGLang's tokenizer manager adds event-loop handlers for SIGTERM (drain and exit) and
+    SIGQUIT (``kill_process_tree(os.getpid())``: kills this process too). We create that loop now and put back
+    our handlers: SIGTERM stays the pipeline's graceful stop, SIGQUIT only marks the engine dead.
+
+    The handle loop must be created *on the loop the requests run on* (``loop``): outside a running loop
+    SGLang's ``get_or_create_event_loop`` makes a fresh one, whose output reader then never runs and every
+    request waits forever.
+    """
+    tm = getattr(engine, "tokenizer_manager", None)
+    if tm is None or not handlers or not hasattr(tm, "auto_create_handle_loop"):
+        return
+    if loop is not None:
+        async def create() -> None:
+            tm.auto_create_handle_loop()
+
+        loop.run_until_complete(create())
+    else:
+        tm.auto_create_handle_loop()
+    loop = getattr(tm, "event_loop", None)
+    for sig, handler in handlers.items():
+        if loop is not None:
+            try:
+                loop.remove_signal_handler(sig)
+            except (ValueError, RuntimeError):
+                pass
+        if handler is not None:
+            signal.signal(sig, handler)

@@ -1,0 +1,178 @@
+"""SGLang ``meta_info`` -> our per-request stats columns (pure Python, no SGLang import).
+
+SGLang reports speculative stats per request in ``meta_info`` only when the request finished, speculation
+was on and at least one verify round ran (``TokenizerManager._calculate_spec_decoding_metrics`` in 0.5.23):
+
+====================================  =============================================================
+``spec_verify_ct``                    verify rounds
+``spec_num_correct_drafts``           accepted drafts, bonus excluded (scheduler adds accept_len-1)
+``spec_num_proposed_drafts``          ``spec_verify_ct * (speculative_num_draft_tokens - 1)``
+``spec_accept_rate``                  correct / proposed
+``spec_accept_length``                ``completion_tokens / spec_verify_ct`` (bonus *and* prefill token)
+``spec_correct_drafts_histogram``     index j = rounds that accepted j drafts
+====================================  =============================================================
+
+Older releases spelled them ``spec_accept_token_num``/``spec_draft_token_num`` and later
+``spec_accepted_drafts``/``spec_proposed_drafts``; ``ALIASES`` reads every vintage, current name first.
+
+Our columns follow the reference engine (``dspine.decoding.decode.SpecStats``, docs/design.md, "Verification and
+sampling"):
+``accept_length`` is tau per verify round *with the bonus token* and *without* the first token (which
+comes from the prefill, not from a verify round): ``(completion_tokens - 1) / verify_steps``. SGLang's own
+``spec_accept_length`` counts the prefill token too; ``ACCEPT_LENGTH_SGLANG`` keeps that convention for
+callers who want SGLang's number (``accept_length(..., convention=ACCEPT_LENGTH_SGLANG)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Our name -> SGLang names, current (0.5.23) first, then older spellings.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "verify_steps": ("spec_verify_ct", "spec_verify_count", "spec_num_verify"),
+    "accepted": ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num",
+                 "spec_num_accepted_tokens"),
+    "proposed": ("spec_num_proposed_drafts", "spec_proposed_drafts", "spec_draft_token_num",
+                 "spec_num_draft_tokens"),
+    "histogram": ("spec_correct_drafts_histogram", "spec_accept_histogram", "spec_accepted_drafts_histogram"),
+    "accept_length": ("spec_accept_length",),
+    "accept_rate": ("spec_accept_rate",),
+}
+
+ACCEPT_LENGTH_OURS = "verify_rounds"  # (completion - 1) / verify_steps: bonus counted, prefill token not
+ACCEPT_LENGTH_SGLANG = "sglang"  # completion / verify_steps (SGLang's spec_accept_length)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecStats:
+    verify_steps: int
+    draft_tokens_proposed: int | None
+    draft_tokens_accepted: int | None
+    accept_length: float
+    accept_histogram: list[int] | None
+
+
+def _first(meta: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = meta.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"meta_info {name}: expected a number, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta_info {name}: expected a number, got {value!r}") from e
+    if f != int(f) or f < 0:
+        raise ValueError(f"meta_info {name}: expected a non-negative integer, got {value!r}")
+    return int(f)
+
+
+def spec_stats(meta: Mapping[str, Any], *, block_size: int | None = None,
+               convention: str = ACCEPT_LENGTH_OURS) -> SpecStats | None:
+    """Speculative stats of one finished request, or None when no verify round ran / speculation was off.
+
+    ``block_size`` (the verify width B, anchor slot included = ``speculative_num_draft_tokens``) fills
+    ``proposed`` when an old SGLang omits it and pads the histogram to ``B + 1`` entries like the reference
+    engine's. Raises ``ValueError`` on a malformed field (a version we do not understand must not be read
+    silently as zeros).
+    """
+    steps_raw = _first(meta, ALIASES["verify_steps"])
+    if steps_raw is None:
+        return None
+    steps = _int(steps_raw, "spec_verify_ct")
+    if steps == 0:
+        return None
+    accepted_raw = _first(meta, ALIASES["accepted"])
+    proposed_raw = _first(meta, ALIASES["proposed"])
+    accepted = None if accepted_raw is None else _int(accepted_raw, "accepted drafts")
+    proposed = None if proposed_raw is None else _int(proposed_raw, "proposed drafts")
+    if proposed is None and block_size is not None:
+        proposed = steps * (block_size - 1)
+    hist_raw = _first(meta, ALIASES["histogram"])
+    hist: list[int] | None = None
+    if hist_raw is not None:
+        if isinstance(hist_raw, Mapping):  # {"j": count} in some serialisations
+            width = 1 + max((int(k) for k in hist_raw), default=-1)
+            hist = [0] * width
+            for k, c in hist_raw.items():
+                hist[int(k)] = _int(c, "histogram")
+        else:
+            hist = [_int(c, "histogram") for c in hist_raw]
+        if block_size is not None and len(hist) < block_size + 1:
+            hist += [0] * (block_size + 1 - len(hist))
+        if sum(hist) not in (0, steps):
+            raise ValueError(f"meta_info histogram counts {sum(hist)} rounds but spec_verify_ct = {steps}")
+        if accepted is None and sum(hist):
+            accepted = sum(j * c for j, c in enumerate(hist))
+    return SpecStats(steps, proposed, accepted, accept_length(meta, steps, convention), hist)
+
+
+def accept_length(meta: Mapping[str, Any], steps: int, convention: str = ACCEPT_LENGTH_OURS) -> float:
+    """tau for one request. Ours: committed tokens per verify round (bonus included, prefill token not)."""
+    completion = meta.get("completion_tokens")
+    if completion is None:  # only SGLang's own number is there
+        raw = _first(meta, ALIASES["accept_length"])
+        if raw is None:
+            raise ValueError("meta_info has spec_verify_ct but neither completion_tokens nor spec_accept_length")
+        tau = float(raw)
+        return tau if convention == ACCEPT_LENGTH_SGLANG else tau - 1.0 / steps
+    completion = _int(completion, "completion_tokens")
+    if convention == ACCEPT_LENGTH_SGLANG:
+        return completion / steps
+    if convention != ACCEPT_LENGTH_OURS:
+        raise ValueError(f"unknown accept-length convention {convention!r}")
+    return max(completion - 1, 0) / steps
+
+
+def finish(meta: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(finish_reason in stop/length/abort/error, error message or None) from ``meta_info["finish_reason"]``.
+
+    0.5.23: ``{"type": "length", "length": N}``, ``{"type": "stop", "matched": id|str}``,
+    ``{"type": "abort", "message": ..., "status_code": ...}``, ``None`` while running. Older releases sent a
+    bare string.
+    """
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return "error", "the engine returned an unfinished request (no finish_reason)"
+    kind = fr.get("type") if isinstance(fr, Mapping) else str(fr)
+    if kind in ("stop", "length"):
+        return kind, None
+    if kind == "abort":
+        msg = fr.get("message") if isinstance(fr, Mapping) else None
+        code = fr.get("status_code") if isinstance(fr, Mapping) else None
+        detail = f"{msg}" + (f" (status {code})" if code is not None else "") if msg else "no reason given"
+        return "abort", f"aborted by the engine: {detail}"
+    return "error", f"unknown finish_reason {fr!r}"
+
+
+def apply(meta: Mapping[str, Any], result: Any, *, block_size: int | None = None) -> Any:
+    """Fill a ``dspine_batch.engines.base.Result`` (or anything with the same attributes) from ``meta``."""
+    if meta.get("prompt_tokens") is not None:
+        result.prompt_tokens = _int(meta["prompt_tokens"], "prompt_tokens")
+    if meta.get("completion_tokens") is not None:
+        result.completion_tokens = _int(meta["completion_tokens"], "completion_tokens")
+    if meta.get("e2e_latency") is not None:
+        result.latency_s = float(meta["e2e_latency"])
+    st = spec_stats(meta, block_size=block_size)
+    if st is not None:
+        result.verify_steps = st.verify_steps
+        result.draft_tokens_proposed = st.draft_tokens_proposed
+        result.draft_tokens_accepted = st.draft_tokens_accepted
+        result.accept_length = st.accept_length
+        result.accept_histogram = st.accept_histogram
+    return result
+
+
+def stats_from_sglang_meta(meta: Mapping[str, Any], result: Any, block_size: int | None = None) -> Any:
+    """Fill ``result``'s token counts and speculative stats from an SGLang-shaped ``meta_info`` dict.
+
+    One normalisation for every backend that reports SGLang-style stats (``apply``: all name
+    vintages, our accept-length convention); without speculation the stats stay null."""
+    return apply(meta, result, block_size=block_size)

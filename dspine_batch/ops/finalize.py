@@ -1,0 +1,130 @@
+"""``finalize``: the exactly-once audit over all shards, then ``_SUCCESS``.
+
+Coverage is checked on exact row-id strings (not the 64-bit hashes the run used), with Arrow group-bys:
+every expected (row, sample) present once, nothing unexpected. Expected ids are recomputed by re-reading the
+inputs with the run's own identity rules (id column, duplicate handling, limit).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
+from dspine_batch.pipeline import compact as compaction
+from dspine_batch.pipeline.job import _write_success, log
+from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
+from dspine_batch.pipeline.manifest import read_manifest
+from dspine_batch.pipeline.mapping import RowIds
+from dspine_batch.pipeline.resume import Lock, list_parts, read_state, remove_staging
+from dspine_batch.pipeline.shard import shard_tag
+from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
+
+
+def expected_ids(manifest: dict) -> pa.Array:
+    cfg = manifest["config"]
+    cols = manifest["fingerprint_fields"]["columns"]
+    files = resolve_inputs(cfg["inputs"], cfg.get("split"))
+    ids = RowIds(cols["id"])
+    chunks = []
+    read = [c for c in (cols["id"],) if c]
+    for batch in iter_inputs(files, read, cfg.get("limit")):
+        chunks.append(pa.array(list(ids.assign_ids(batch)[0]), pa.string()))
+    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks else pa.array([], pa.string())
+
+
+def missing_by_shard(row_ids: list[str], shards: int, id_column: bool) -> dict[int, int]:
+    """How many of ``row_ids`` each shard owns (the same hash the run used to split rows)."""
+    hashes = (key_hashes if id_column else fallback_id_hashes)(row_ids)
+    counts = np.bincount((hashes % np.uint64(shards)).astype(np.int64), minlength=shards)
+    return {i: int(c) for i, c in enumerate(counts) if c}
+
+
+def shard_report(outdir: str, manifest: dict) -> tuple[list[str], list[str]]:
+    """(shards that never started, shards whose last run did not finish) from the per-shard state files."""
+    shards = int(manifest.get("num_shards", 1))
+    never, unfinished = [], []
+    for i in range(shards):
+        st = read_state(outdir, shard_tag(i, shards))
+        if not st:
+            never.append(f"{i}/{shards}")
+        elif st.get("state") != "done":
+            unfinished.append(f"{i}/{shards} ({st.get('state')}, {st.get('rows_done', 0):,} rows)")
+    return never, unfinished
+
+
+def audit(outdir: str, manifest: dict) -> list[str]:
+    """Problems with coverage; empty when every input row x sample is present exactly once."""
+    n = int(manifest["config"]["num_samples"])
+    parts = list_parts(outdir)
+    got = pa.concat_tables([pq.read_table(p.path, columns=["row_id", "sample_index"]) for p in parts]) if parts \
+        else pa.table({"row_id": pa.array([], pa.string()), "sample_index": pa.array([], pa.int32())})
+    problems = []
+    counts = got.group_by(["row_id", "sample_index"]).aggregate([([], "count_all")])
+    dup = counts.filter(pc.greater(counts["count_all"], 1))
+    if dup.num_rows:
+        problems.append(f"{dup.num_rows:,} (row, sample) pairs appear more than once, e.g. {dup['row_id'][0]}")
+    bad_sample = got.filter(pc.or_(pc.less(got["sample_index"], 0), pc.greater_equal(got["sample_index"], n)))
+    if bad_sample.num_rows:
+        problems.append(f"{bad_sample.num_rows:,} rows have a sample_index outside 0..{n - 1}")
+    per_row = counts.group_by("row_id").aggregate([([], "count_all")])
+    short = per_row.filter(pc.less(per_row["count_all"], n))
+    if short.num_rows:
+        problems.append(f"{short.num_rows:,} rows have fewer than {n} samples, e.g. {short['row_id'][0]}")
+    want = pa.table({"row_id": expected_ids(manifest)})
+    have = pa.table({"row_id": per_row["row_id"]})
+    missing = want.join(have, "row_id", join_type="left anti")
+    extra = have.join(want, "row_id", join_type="left anti")
+    if missing.num_rows:
+        problems.append(f"{missing.num_rows:,} of {want.num_rows:,} input rows are missing, e.g. "
+                        f"{missing['row_id'][0]} (run generate again)")
+        shards = int(manifest.get("num_shards", 1))
+        if shards > 1:
+            id_col = manifest["fingerprint_fields"]["columns"]["id"] is not None
+            by_shard = missing_by_shard(missing["row_id"].to_pylist(), shards, id_col)
+            problems.append("missing rows by shard: " + ", ".join(f"{i}/{shards}: {c:,}" for i, c in by_shard.items())
+                            + f" (rerun those shards: generate --shard I/{shards}, or array indices "
+                            + ",".join(str(i) for i in by_shard) + ")")
+    if extra.num_rows:
+        problems.append(f"{extra.num_rows:,} output rows match no input row, e.g. {extra['row_id'][0]}")
+    return problems
+
+
+def finalize(outdir: str, compact: bool, target_rows: int) -> int:
+    manifest = read_manifest(outdir)
+    if manifest is None:
+        raise UsageError(f"{outdir}: no _manifest.json (not a dspine-batch output)")
+    shards = int(manifest.get("num_shards", 1))
+    locks = []
+    try:
+        for i in range(shards):
+            locks.append(Lock(outdir, shard_tag(i, shards)).acquire())  # no shard may run meanwhile
+        compaction.recover(outdir)
+        remove_staging(outdir)
+        if compact:
+            merged = compaction.compact(outdir, target_rows)
+            log(f"compacted {merged} parts into {len(list_parts(outdir))}")
+        problems = audit(outdir, manifest)
+        never, unfinished = shard_report(outdir, manifest)
+        if problems:
+            if never:
+                problems.append(f"shards never started: {', '.join(never)}")
+            if unfinished:
+                problems.append(f"shards not finished: {', '.join(unfinished)}")
+            for p in problems:
+                print(f"dspine-batch: {p}", file=sys.stderr)
+            return EXIT_FATAL
+        for what, items in (("never started (they own no rows)", never), ("ended without a final 'done'", unfinished)):
+            if items:
+                log(f"note: shards {what}: {', '.join(items)}; every row is present, so this is harmless")
+        _write_success(outdir)
+        log(f"complete: every input row x {manifest['config']['num_samples']} sample(s) present exactly once; "
+            "_SUCCESS written")
+        return EXIT_OK
+    finally:
+        for lock in locks:
+            lock.release()

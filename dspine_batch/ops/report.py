@@ -1,0 +1,158 @@
+"""``report``: a summary of committed results, computed from the parts (so it is right after crashes).
+
+tau (accept length) is reported request-weighted (mean/median over rows) and token-weighted (total
+completion tokens / total verify steps); the two differ when long outputs accept better (see the design
+notes). "tau by position" is the fraction of verify steps whose draft was accepted at least up to position j.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from dspine_batch.pipeline.resume import list_parts, read_state
+
+COLUMNS = ["row_id", "status", "error", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
+           "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram", "latency_s"]
+
+
+def summarize(outdir: str) -> dict[str, Any]:
+    n = ok = 0
+    prompt_toks = comp_toks = steps = spec_toks = proposed = accepted = 0
+    taus: list[np.ndarray] = []
+    lat: list[np.ndarray] = []
+    hist = np.zeros(0, dtype=np.int64)
+    finish: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    rows: set[str] = set()
+    for part in list_parts(outdir):
+        t = pq.read_table(part.path, columns=COLUMNS).to_pydict()
+        n += len(t["row_id"])
+        rows.update(t["row_id"])
+        for i, st in enumerate(t["status"]):
+            finish[t["finish_reason"][i]] += 1
+            if st != "ok":
+                key = _error_kind(t["error"][i] or "")
+                errors[key] += 1
+                examples.setdefault(key, t["error"][i] or "")
+                continue
+            ok += 1
+            prompt_toks += t["prompt_tokens"][i] or 0
+            comp_toks += t["completion_tokens"][i] or 0
+            if t["verify_steps"][i]:
+                steps += t["verify_steps"][i]
+                # tokens committed by verify rounds, in the engine's own accept_length convention
+                spec_toks += (t["accept_length"][i] or 0.0) * t["verify_steps"][i]
+                proposed += t["draft_tokens_proposed"][i] or 0
+                accepted += t["draft_tokens_accepted"][i] or 0
+                h = t["accept_histogram"][i]
+                if h:
+                    if len(h) > len(hist):
+                        hist = np.pad(hist, (0, len(h) - len(hist)))
+                    hist[: len(h)] += np.asarray(h, dtype=np.int64)
+        taus.append(np.array([x for x, s in zip(t["accept_length"], t["status"], strict=True)
+                              if x is not None and s == "ok"], dtype=np.float64))
+        lat.append(np.array([x for x in t["latency_s"] if x is not None], dtype=np.float64))
+    tau = np.concatenate(taus) if taus else np.zeros(0)
+    lats = np.concatenate(lat) if lat else np.zeros(0)
+    shards = {p.shard for p in list_parts(outdir)}
+    elapsed = max((read_state(outdir, tag).get("elapsed_s", 0.0) for tag in shards), default=0.0)
+    total_steps = int(hist.sum())
+    by_pos = [float(hist[j:].sum() / total_steps) for j in range(1, len(hist))] if total_steps else []
+    return {
+        "outdir": os.path.abspath(outdir), "input_rows": len(rows), "output_rows": n, "ok": ok, "errors": n - ok,
+        "prompt_tokens": prompt_toks, "completion_tokens": comp_toks, "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(comp_toks / elapsed, 2) if elapsed else None,
+        "latency_s": _quantiles(lats),
+        "tau_mean": _r(tau.mean()) if len(tau) else None, "tau_median": _r(np.median(tau)) if len(tau) else None,
+        "tau_token_weighted": _r(spec_toks / steps) if steps else None,  # = sum(tau_i * steps_i) / sum(steps_i)
+        "accept_rate": _r(accepted / proposed) if proposed else None,
+        "verify_steps": steps, "accept_histogram": hist.tolist(), "accept_rate_by_position": [_r(x) for x in by_pos],
+        "finish_reasons": dict(finish.most_common()),
+        "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
+    }
+
+
+def _error_kind(msg: str) -> str:
+    """Group errors by what went wrong, not where: drop the 'file: row N' prefix."""
+    head, sep, tail = msg.partition(": row ")
+    if sep:
+        _, _, rest = tail.partition(": ")
+        field = tail.split(", field ", 1)[1].split(":", 1)[0] if ", field " in tail else ""
+        return (f"field {field}: " if field else "") + rest.split(" (")[0][:120]
+    return msg[:120]
+
+
+def _quantiles(x: np.ndarray) -> dict[str, float] | None:
+    if not len(x):
+        return None
+    return {k: _r(np.quantile(x, q)) for k, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+
+
+def _r(x: float) -> float:
+    return round(float(x), 4)
+
+
+def write_report(outdir: str, summary: dict[str, Any]) -> None:
+    path = os.path.join(outdir, "_report.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def format_report(s: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str = "{:.3f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    lines = [
+        f"{s['outdir']}",
+        f"  rows        {s['input_rows']:,} input rows, {s['output_rows']:,} outputs ({s['ok']:,} ok, "
+        f"{s['errors']:,} errors)",
+        f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
+        f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s",
+        f"  tau         mean {f(s['tau_mean'])}, median {f(s['tau_median'])}, token-weighted "
+        f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
+        "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
+    ]
+    if s["latency_s"]:
+        q = s["latency_s"]
+        lines.append(f"  latency     p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")
+    if s["accept_rate_by_position"]:
+        lines.append("  by position " + " ".join(f"{x:.2f}" for x in s["accept_rate_by_position"]))
+    for e in s["error_kinds"]:
+        lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
+    return "\n".join(lines)
+
+
+def plot_report(s: dict[str, Any], path: str) -> None:
+    from dspine_batch.errors import UsageError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    hist = s["accept_histogram"]
+    a.bar([j + 1 for j in range(len(hist))], hist)
+    a.set_xlabel("tokens committed per verify step (accepted drafts + 1)")
+    a.set_ylabel("verify steps")
+    a.set_title(f"acceptance length (mean tau {s['tau_mean'] or 0:.2f})")
+    pos = s["accept_rate_by_position"]
+    b.plot(range(1, len(pos) + 1), pos, marker="o")
+    b.set_xticks(range(1, len(pos) + 1))
+    b.set_ylim(0, 1)
+    b.set_xlabel("draft position")
+    b.set_ylabel("P(accepted)")
+    b.set_title("acceptance by position")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""``status``: where a run stands, from what is on disk (works while it runs, across all shards).
+
+Done/failed come from the committed parts (the truth); the per-shard state files add timing and whether
+a shard is running (its lock is held), finished, interrupted, or dead (its state file says running but
+nobody holds its lock: the process was killed without a chance to say so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dspine_batch.pipeline.manifest import read_manifest
+from dspine_batch.pipeline.resume import STATE_DIR, held_locks, list_parts, part_info
+
+
+def read_status(outdir: str) -> dict[str, Any]:
+    manifest = read_manifest(outdir) or {}
+    done = failed = outputs = 0
+    parts = list_parts(outdir)
+    for part in parts:
+        info = part_info(part.path)  # footer only: status stays cheap on big outputs
+        if "rows" in info:
+            done, failed, outputs = done + info["rows"], failed + info.get("error_rows", 0), outputs + info["outputs"]
+            continue
+        t = pq.read_table(part.path, columns=["row_id", "status"])
+        outputs += t.num_rows
+        done += len(pc.unique(t.column("row_id")))
+        failed += len(pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error"))))
+    held = set(held_locks(outdir))
+    shards = []
+    state_dir = os.path.join(outdir, STATE_DIR)
+    for name in sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []:
+        if name.startswith("state-") and name.endswith(".json"):
+            with open(os.path.join(state_dir, name)) as f:
+                st = json.load(f)
+            tag = name[len("state-"):-len(".json")]
+            st["running"] = f"lock-{tag}" in held  # the kernel drops the lock when the process dies (kill -9)
+            if st.get("state") == "running" and not st["running"]:
+                st["state"] = "dead"  # it never wrote its end: killed, or its machine went away
+            shards.append(st)
+    total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
+    all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and \
+        len(shards) == manifest.get("num_shards", 1)
+    n_shards = int(manifest.get("num_shards", 1) or 1)
+    started = {s.get("shard") for s in shards}
+    missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
+    last = max((s.get("last_commit_at") or 0 for s in shards), default=0)
+    return {"outdir": os.path.abspath(outdir), "fingerprint": manifest.get("fingerprint"),
+            "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
+            "output_rows": outputs, "parts": len(parts),
+            "rows_remaining": (total - done) if all_done else None,
+            "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")),
+            "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
+            "shards": shards, "shards_not_started": missing}
+
+
+def format_status(st: dict[str, Any]) -> str:
+    remaining = "unknown until every shard has read all inputs" if st["rows_remaining"] is None \
+        else f"{st['rows_remaining']:,}"
+    lines = [f"{st['outdir']}  fingerprint {st['fingerprint']}",
+             f"  done {st['rows_done']:,}  failed {st['rows_failed']:,}  remaining {remaining}",
+             f"  {st['output_rows']:,} output rows in {st['parts']} parts; last commit {st['last_commit_at'] or '-'}"
+             f"; {'complete (_SUCCESS)' if st['complete'] else 'not finalized'}"]
+    for s in st["shards"]:
+        what = "running" if s["running"] else s.get("state", "?")
+        if what == "dead":
+            what = f"dead (pid {s.get('pid')} ended without finishing; run the same command again to resume)"
+        slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
+        lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
+                     f"{slurm}")
+    if st.get("shards_not_started"):
+        lines.append(f"  shards not started yet: {', '.join(st['shards_not_started'])}")
+    return "\n".join(lines)

@@ -1,0 +1,12 @@
+"""The exactly-once batch pipeline: source -> scheduler -> engine -> sink.
+
+Holds the job settings (``config.py``), input rows (``sources.py``), rows to requests (``mapping.py``, row keys in
+``keyset.py``), bounded in-flight work (``scheduler.py``), atomic Parquet parts (``sink.py``, output schema in
+``schema.py``), resume's done-set (``resume.py``), the run's fingerprint (``manifest.py``), part compaction
+(``compact.py``), sharding (``shard.py``), signal handling (``shutdown.py``), the progress bar (``progress.py``),
+and ``job.py``, which wires them for one ``dspine-batch generate``. See ``docs/design.md``, "The exactly-once
+pipeline".
+
+May import: ``dspine_batch.engines`` (the protocol and the registry), ``dspine_batch.errors``,
+``dspine_batch.digest``.
+"""

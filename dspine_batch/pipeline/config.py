@@ -1,0 +1,85 @@
+"""The resolved settings of a ``generate`` run, and what of them defines the run's identity.
+
+Precedence (flags > DSPINE_BATCH_* env > --config TOML > defaults) is applied by the CLI; this module only
+holds the result. ``IDENTITY_FIELDS`` are the settings that change outputs: they go into the fingerprint.
+Operational knobs (in-flight window, commit interval, error policy) do not, so they can change on resume.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field
+from typing import Any
+
+from dspine_batch.engines.base import DEFAULTS
+from dspine_batch.errors import UsageError
+
+
+@dataclass
+class GenerateConfig:
+    inputs: list[str]
+    output: str
+    engine: str = "auto"
+    model: str = "embedded"
+    draft: str = "embedded"
+    split: str | None = None
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+    system_prompt: str | None = None
+    chat_template: bool | None = None  # None: use the model's template when it has one
+    max_new_tokens: int = DEFAULTS.max_new_tokens  # generation defaults live in one place: engine.SamplingParams
+    temperature: float = DEFAULTS.temperature
+    top_p: float = DEFAULTS.top_p
+    top_k: int = DEFAULTS.top_k
+    seed: int = DEFAULTS.seed
+    stop: list[str] = field(default_factory=list)
+    num_samples: int = 1
+    row_params: bool = True
+    keep_columns: list[str] = field(default_factory=list)
+    save_token_ids: bool = False
+    limit: int | None = None
+    engine_args: dict[str, str] = field(default_factory=dict)
+    max_in_flight: int = 64
+    shard: str | None = None
+    on_error: str = "skip"
+    max_error_rate: float = 0.05
+    resume: bool = True
+    overwrite: bool = False
+    commit_rows: int = 1000
+    commit_seconds: float = 5.0
+    grace_seconds: float = 20.0
+    progress: str = "auto"
+    log_interval: float = 10.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default(name: str) -> Any:
+    """The default of one setting (the CLI shows and uses these, so there is one copy); MISSING for
+    ``inputs``/``output``, which have none."""
+    f = GenerateConfig.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+IDENTITY_FIELDS = ("split", "system_prompt", "chat_template", "max_new_tokens", "temperature", "top_p",
+                   "top_k", "seed", "stop", "num_samples", "row_params", "save_token_ids", "limit")
+
+
+def load_toml_raw(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"--config {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {path}: invalid TOML ({e})") from e
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a job file. Keys are option names with ``-`` or ``_``; a ``[generate]`` table is also accepted.
+    A ``[slurm]`` table belongs to ``dspine-batch slurm`` and is ignored here."""
+    data = load_toml_raw(path)
+    data = data.get("generate", {k: v for k, v in data.items() if k != "slurm"})
+    return {k.replace("-", "_"): v for k, v in data.items()}

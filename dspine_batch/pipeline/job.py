@@ -1,0 +1,381 @@
+"""``generate``: source -> rows -> scheduler -> engine -> sink, with resume and signals around it.
+
+Each step is a small function or object that takes an iterator and yields (datatrove's ``run(data, ...)``
+habit), so ``_stream`` reads as the data flow: input batches -> ``RowSelector`` (this shard's rows not yet
+committed, as work items) -> ``schedule`` (bounded in-flight engine work) -> ``stop_on_row_error`` -> the sink.
+The sink owns the statistics it writes; progress, the state file and the final summary read them there.
+
+Start-up order is chosen so mistakes fail fast and cheaply: check the inputs and their columns, take the
+lock, load the engine, check the fingerprint, build the done-set, then stream. Exit codes follow ``errors``:
+75 only for a stop signal or ``EngineDied``; a bug exits 1 (``cli.main``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dspine_batch.engines.base import Engine, Result, SamplingParams, Tokenizer
+from dspine_batch.engines.registry import open_engine
+from dspine_batch.errors import (
+    EXIT_ERROR_BUDGET,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EngineDied,
+    FatalError,
+    Interrupted,
+    UsageError,
+)
+from dspine_batch.pipeline import compact
+from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
+from dspine_batch.pipeline.keyset import KeySet
+from dspine_batch.pipeline.manifest import build_manifest, create_or_check, describe_inputs, read_manifest
+from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
+from dspine_batch.pipeline.progress import Progress
+from dspine_batch.pipeline.resume import (
+    DoneSet,
+    Lock,
+    held_locks,
+    load_done,
+    prepare_outdir,
+    read_state,
+    remove_staging,
+    wipe,
+    write_state,
+)
+from dspine_batch.pipeline.scheduler import schedule
+from dspine_batch.pipeline.schema import SCHEMA_VERSION, output_schema
+from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
+from dspine_batch.pipeline.shutdown import Shutdown
+from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
+from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
+
+SUCCESS = "_SUCCESS"
+Finished = tuple[WorkItem, list[Result] | None]
+
+
+def log(msg: str) -> None:
+    print(f"dspine-batch: {msg}", file=sys.stderr, flush=True)
+
+
+def default_output(inputs: list[str]) -> str:
+    """``-o`` when not given: ``<name of the first input>-out`` in the working directory, e.g.
+    ``prompts.parquet`` -> ``./prompts-out``, ``data/*.parquet`` -> ``./data-out``; the same command line
+    always maps to the same folder, so rerunning it resumes."""
+    parts = Path(inputs[0].rstrip("/")).parts or ("dspine",)
+    name = re.split(r"[*?\[]", parts[-1])[0]
+    for suffix in (".gz", ".zst", ".jsonl", ".json", ".parquet", ".arrow"):
+        name = name.removesuffix(suffix)
+    name = name.strip("-_.") or (parts[-2] if len(parts) > 1 and parts[-2] != "/" else "dspine")
+    return os.path.abspath(f"{name}-out")
+
+
+# -- steps ------------------------------------------------------------------------------------------------------
+@dataclass
+class RowSelector:
+    """Input batches -> work items for the rows of this shard that are not committed yet, in input order.
+    Counts what it read, so the end of a run knows whether every input row was seen."""
+
+    mapper: RowMapper
+    shard: tuple[int, int]
+    done: KeySet
+    rows: int = 0  # rows of this shard read from the inputs
+    skipped: int = 0  # of which already committed
+    finished: bool = False
+
+    def run(self, batches: Iterator[RowBatch]) -> Iterator[WorkItem]:
+        index, count = self.shard
+        check_done = len(self.done) > 0
+        for batch in batches:
+            ids, problems, hashes = self.mapper.assign_ids(batch)
+            mask = (hashes % np.uint64(count)) == np.uint64(index) if count > 1 else None
+            mine = len(ids) if mask is None else int(mask.sum())
+            if check_done:
+                todo = ~self.done.contains_many(hashes)
+                mask = todo if mask is None else mask & todo
+            picks = range(len(ids)) if mask is None else np.flatnonzero(mask).tolist()
+            self.rows += mine
+            self.skipped += mine - len(picks)
+            if not picks:
+                continue
+            rows = batch.rows_at(list(picks))
+            for k, row in zip(picks, rows, strict=True):
+                yield self.mapper.build(ids[k], batch.file, batch.indices[k], row, problems[k], int(hashes[k]))
+        self.finished = True
+
+
+@dataclass
+class StopOnRowError:
+    """``--on-error fail``: the first bad row stops admission; rows already in flight still finish."""
+
+    shutdown: Shutdown
+    failure: str | None = None
+
+    def run(self, finished: Iterator[Finished]) -> Iterator[Finished]:
+        for item, results in finished:
+            error = item.error or next((r.error for r in results or () if r.error), None)
+            if error:
+                self.failure = self.failure or error
+                self.shutdown.request("--on-error fail")
+                continue
+            yield item, results
+
+
+def write_rows(finished: Iterator[Finished], sink: PartSink, progress: Progress, shutdown: Shutdown) -> None:
+    """The last step: every finished row into the sink, commits when due, a progress tick per row."""
+    for item, results in finished:
+        sink.add(item, results)
+        progress.tick()
+        if sink.due():
+            sink.commit()
+        if shutdown.expired:
+            break
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+@dataclass
+class ShardState:
+    """The advisory ``_dspine/state-<shard>.json`` that ``status`` reads (the truth is in the parts)."""
+
+    outdir: str
+    tag: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    before: DoneSet | None = None
+
+    def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
+        prev = read_state(self.outdir, self.tag)
+        attempt = attempt_from_env()
+        self.before = done
+        self.fields = {"shard": f"{shard[0]}/{shard[1]}", "fingerprint": fingerprint, "state": "running",
+                       "pid": os.getpid(), "attempt": attempt, "starts": int(prev.get("starts", 0)) + 1,
+                       "started_at": time.time(), "elapsed_before_s": float(prev.get("elapsed_s", 0.0)),
+                       "rows_before": done.rows, "error_rows_before": done.error_rows}
+        if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
+            job = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
+            self.fields["slurm_job"] = job
+            log(f"shard {shard[0]}/{shard[1]}: Slurm job {job}, restart {attempt}, start {self.fields['starts']} "
+                "of this shard")
+        self.save(SinkStats())
+
+    def save(self, committed: SinkStats, state: str | None = None, **extra: Any) -> None:
+        f, before = self.fields, self.before
+        assert before is not None
+        f.update(rows_done=before.rows + committed.rows, error_rows=before.error_rows + committed.error_rows,
+                 parts=committed.parts, last_commit_at=committed.last_commit,
+                 completion_tokens_this_run=committed.completion_tokens,
+                 elapsed_s=f["elapsed_before_s"] + time.time() - f["started_at"], **extra)
+        if state:
+            f["state"] = state
+        write_state(self.outdir, self.tag, f)
+
+
+@dataclass
+class Job:
+    """What a run needs once its inputs are checked: the resolved settings shared by the steps."""
+
+    cfg: GenerateConfig
+    files: list[InputFile]
+    columns: Columns
+    outdir: str
+    shard: tuple[int, int]
+    tag: str
+
+
+def generate(cfg: GenerateConfig) -> int:
+    shard = parse_shard(cfg.shard)
+    cfg.inputs = [os.path.abspath(p) for p in cfg.inputs]  # finalize re-reads them from the manifest
+    files = resolve_inputs(cfg.inputs, cfg.split)
+    for inp in files:
+        if inp.kind in ("jsonl", "openai") and os.path.getsize(inp.path) == 0:
+            log(f"warning: {inp.name}: empty file (0 rows)")
+    columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
+                              cfg.row_params)  # before the model loads: a typo costs a second, not a minute
+    job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard))
+    prepare_outdir(job.outdir)
+    shutdown, lock = Shutdown(cfg.grace_seconds), Lock(job.outdir, job.tag)
+    try:
+        lock.acquire()
+        shutdown.install()
+        _check_previous_run(job)
+        compact.recover(job.outdir)  # a crashed `finalize --compact` must not leave duplicates behind
+        total = _total_rows(files, cfg.limit, shard[1])
+        found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
+        log(f"{found}; output -> {job.outdir}")
+        t0 = time.monotonic()
+        log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft})")
+        engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
+        log(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.name} engine)")
+        try:
+            return _run(job, engine, shutdown, total)
+        finally:
+            engine.close()
+    except Interrupted:
+        log("interrupted before work started; run the same command again")
+        return EXIT_INTERRUPTED
+    finally:
+        lock.release()
+        shutdown.restore()
+
+
+def _check_previous_run(job: Job) -> None:
+    if read_manifest(job.outdir) is None:
+        return
+    if job.cfg.overwrite:
+        held = [h for h in held_locks(job.outdir) if h != f"lock-{job.tag}"]
+        if held:
+            raise UsageError(f"--overwrite: other shards are running ({', '.join(held)})")
+        wipe(job.outdir)
+        log(f"--overwrite: removed the previous run in {job.outdir}")
+    elif not job.cfg.resume:
+        raise UsageError(f"{job.outdir} holds a run; use --resume to continue it or --overwrite to start over")
+
+
+def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bool:
+    if cfg.chat_template is True and not tokenizer.has_chat_template:
+        raise UsageError("--chat-template: the model has no chat template (use --raw)")
+    use_chat = tokenizer.has_chat_template if cfg.chat_template is None else cfg.chat_template
+    if not use_chat and columns.messages:
+        raise UsageError(f"--raw cannot render the messages column {columns.messages!r}; it needs a chat template")
+    if not use_chat and cfg.system_prompt:
+        raise UsageError("--system-prompt needs a chat template (not --raw)")
+    return use_chat
+
+
+def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int | None:
+    """Input rows when the formats know their length (Parquet/Arrow metadata), for the progress bar."""
+    if shards > 1:
+        return None
+    total = 0
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for inp in files:
+            if inp.kind == "parquet":
+                total += pq.ParquetFile(inp.path).metadata.num_rows
+            elif inp.kind == "arrow":
+                for path in inp.arrow_files:
+                    with pa.memory_map(path) as src:
+                        total += pa.ipc.open_stream(src).read_all().num_rows
+            else:
+                return None
+    except Exception:  # only a progress hint
+        return None
+    return min(total, limit) if limit is not None else total
+
+
+def _open_output(job: Job, engine: Engine, use_chat: bool) -> tuple[Any, dict[str, Any], DoneSet]:
+    """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set."""
+    cfg, columns, outdir = job.cfg, job.columns, job.outdir
+    schema = output_schema(columns.keep_schema(), cfg.save_token_ids)
+    settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat}
+    fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(job.files), "settings": settings,
+              "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
+                          "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
+                          "row_params": list(columns.row_params)},
+              "engine": engine.identity()}
+    manifest = create_or_check(outdir, build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
+    schema = schema.with_metadata({"dspine_batch.pipeline.manifest": _manifest_meta(manifest)})
+    removed = remove_staging(outdir, job.tag)
+    t0 = time.monotonic()
+    done = load_done(outdir, job.tag, id_column=columns.id is not None)
+    if done.rows or removed:
+        log(f"resuming: {done.rows:,} rows already committed in {done.next_seq} parts "
+            f"({time.monotonic() - t0:.2f}s); {removed} unfinished staging file(s) discarded")
+    return schema, manifest, done
+
+
+def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int:
+    cfg, outdir, tokenizer = job.cfg, job.outdir, engine.tokenizer
+    use_chat = _use_chat(cfg, job.columns, tokenizer)
+    schema, manifest, done = _open_output(job, engine, use_chat)
+    defaults = SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p), max(cfg.top_k, 0),
+                              cfg.seed, tokenizer.stop_token_ids(cfg.stop), tuple(cfg.stop))
+    mapper = RowMapper(MapSettings(job.columns, defaults, cfg.num_samples, cfg.system_prompt, use_chat), tokenizer,
+                       engine.max_context)
+    state = ShardState(outdir, job.tag)
+    state.start(job.shard, manifest["fingerprint"], done)
+    sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
+                    attempt_from_env(), state.save)
+    selector = RowSelector(mapper, job.shard, done.keys)
+    progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
+                        read=lambda: selector.rows)
+    fail_fast = StopOnRowError(shutdown)
+    interrupted = False
+    try:
+        _stream(job, engine, selector, fail_fast, sink, progress, shutdown)
+    except Interrupted:
+        interrupted = True
+    except EngineDied as e:
+        _stop_with(sink, state, progress, "interrupted")
+        log(f"the engine died: {str(e)[:300]}; finished rows are committed; run the same command again to resume")
+        return EXIT_INTERRUPTED
+    except Exception:
+        _stop_with(sink, state, progress, "failed")
+        raise
+    sink.commit()
+    progress.close()
+    if fail_fast.failure:
+        state.save(sink.stats, "failed")
+        raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")
+    if interrupted or (shutdown.requested and not selector.finished):
+        state.save(sink.stats, "interrupted")
+        log(f"stopped ({shutdown.reason or 'grace period over'}): {sink.stats.rows:,} rows committed this run; "
+            "run the same command again to resume")
+        return EXIT_INTERRUPTED
+    return _finish(job, done, selector, sink, state)
+
+
+def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
+            progress: Progress, shutdown: Shutdown) -> None:
+    batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
+    finished = schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown)
+    if job.cfg.on_error == "fail":
+        finished = fail_fast.run(finished)
+    write_rows(finished, sink, progress, shutdown)
+
+
+def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: str) -> None:
+    """Commit what is finished and record why the run ended (an exception is on its way out)."""
+    sink.commit()
+    state.save(sink.stats, outcome)
+    progress.close()
+
+
+def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, state: ShardState) -> int:
+    committed = sink.stats
+    rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
+    state.save(committed, "done", total_rows=selector.rows)
+    tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
+    log(f"done: {rows:,} rows ({committed.rows:,} this run, {selector.skipped:,} were already committed), "
+        f"{errors:,} with errors, {committed.completion_tokens:,} tokens this run{tau} -> {job.outdir}")
+    rate = errors / rows if rows else 0.0
+    if rate > job.cfg.max_error_rate:
+        log(f"error rate {rate:.1%} is over --max-error-rate {job.cfg.max_error_rate:.1%}; see `dspine-batch report`")
+        return EXIT_ERROR_BUDGET
+    if job.shard[1] == 1:
+        _write_success(job.outdir)
+    return EXIT_OK
+
+
+def _write_success(outdir: str) -> None:
+    path = os.path.join(outdir, SUCCESS)
+    with open(path, "w") as f:
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(outdir)
+
+
+def _manifest_meta(manifest: dict) -> str:
+    return json.dumps({k: manifest[k] for k in ("fingerprint", "config", "versions", "num_shards")} |
+                      {"engine": manifest["fingerprint_fields"]["engine"]}, default=str)

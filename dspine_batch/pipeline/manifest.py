@@ -1,0 +1,136 @@
+"""Run identity: the fingerprint and ``_manifest.json``.
+
+Resuming is only safe if the run is the same run: same inputs (paths, sizes, a content hash of what is
+read), same generation settings, same model and draft. The manifest is created once per OUTDIR (atomically:
+link a temp file to the final name, which fails if another shard got there first) and every later start
+compares against it; a mismatch is refused with a list of what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+from dspine_batch import __version__
+from dspine_batch.digest import content_digest
+from dspine_batch.errors import FingerprintMismatch, UsageError
+from dspine_batch.pipeline.sources import InputFile
+
+MANIFEST = "_manifest.json"
+def describe_inputs(files: list[InputFile]) -> list[dict[str, Any]]:
+    out = []
+    for inp in files:
+        parts = inp.content_files()
+        out.append({"name": inp.name, "path": inp.path, "kind": inp.kind, "split": inp.split,
+                    "size": sum(os.path.getsize(p) for p in parts),
+                    "digest": hashlib.sha256("".join(content_digest(p) for p in parts).encode()).hexdigest()[:32]})
+    return out
+
+
+def fingerprint(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable differences between two fingerprint field dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b, name = old.get(key), new.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff(a, b, name + "."))
+        elif isinstance(a, list) and isinstance(b, list) and name == "inputs":
+            out.extend(_diff_inputs(a, b))
+        elif json.dumps(a, default=str) != json.dumps(b, default=str):
+            out.append(f"{name}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _diff_inputs(a: list[dict], b: list[dict]) -> list[str]:
+    old, new = {x["name"]: x for x in a}, {x["name"]: x for x in b}
+    out = [f"inputs: {n} removed" for n in old if n not in new] + [f"inputs: {n} added" for n in new if n not in old]
+    for n in old.keys() & new.keys():
+        for k in ("kind", "split", "size", "digest"):
+            if old[n].get(k) != new[n].get(k):
+                out.append(f"inputs: {n} changed ({k} {_short(old[n].get(k))} -> {_short(new[n].get(k))})")
+                break
+    if not out and [x["name"] for x in a] != [x["name"] for x in b]:
+        out.append("inputs: order changed (row ids and shards depend on it)")
+    return out
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, default=str)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def versions() -> dict[str, str]:
+    import pyarrow
+
+    out = {"dspine_batch": __version__, "python": platform.python_version(), "pyarrow": pyarrow.__version__}
+    for dist in ("torch", "sglang", "tokenizers"):  # metadata only: importing torch costs seconds
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if "dspine" in sys.modules:
+        out["dspine"] = getattr(sys.modules["dspine"], "__version__", "unknown")
+    return out
+
+
+def build_manifest(fields: dict[str, Any], config: dict[str, Any], num_shards: int,
+                   schema: list[str]) -> dict[str, Any]:
+    return {"schema_version": 1, "tool": "dspine-batch", "fingerprint": fingerprint(fields),
+            "fingerprint_fields": fields, "num_shards": num_shards, "config": config, "versions": versions(),
+            "output_columns": schema, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "created_by": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def read_manifest(outdir: str) -> dict[str, Any] | None:
+    path = os.path.join(outdir, MANIFEST)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: unreadable manifest ({e}); use --overwrite to start over") from e
+
+
+def create_or_check(outdir: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Create ``_manifest.json`` if absent (atomic, first writer wins), else verify it matches.
+
+    Returns the manifest in force. Raises ``FingerprintMismatch`` listing what changed."""
+    existing = read_manifest(outdir)
+    if existing is None:
+        tmp = os.path.join(outdir, f".{MANIFEST}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, os.path.join(outdir, MANIFEST))  # fails if it exists: create-if-absent
+            return manifest
+        except FileExistsError:
+            existing = read_manifest(outdir)
+        finally:
+            os.unlink(tmp)
+    assert existing is not None
+    if existing.get("fingerprint") != manifest["fingerprint"]:
+        changes = diff(existing.get("fingerprint_fields", {}), manifest["fingerprint_fields"]) or ["(unknown)"]
+        raise FingerprintMismatch(
+            f"{outdir} holds a different run (fingerprint {existing.get('fingerprint')} != "
+            f"{manifest['fingerprint']}); changed: " + "; ".join(changes[:8])
+            + ("; ..." if len(changes) > 8 else "") + ". Use the original settings to resume, "
+            "or --overwrite to start over.")
+    if existing.get("num_shards") != manifest["num_shards"]:
+        raise FingerprintMismatch(
+            f"{outdir} was started with {existing.get('num_shards')} shards, now {manifest['num_shards']}; "
+            "use the same --shard N (or --overwrite)")
+    return existing

@@ -1,0 +1,70 @@
+"""Bounded in-flight scheduling between the row stream and the engine.
+
+The engine pulls requests lazily from ``feed``; at most ``max_in_flight`` are open at once, so memory is
+bounded by in-flight work, never by input size. Samples of a row are gathered until the row is complete
+(a row commits whole). Rows that need no engine work (input errors) bypass the engine; if many pile up, the
+current ``engine.run`` is drained and restarted so they can flow out without unbounded buffering.
+Setting ``stop.requested`` stops admission: in-flight requests finish, then the schedule ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from dspine_batch.engines.base import Engine, Request, Result
+from dspine_batch.pipeline.mapping import WorkItem
+
+MAX_BYPASS = 4096
+
+
+class StopFlag(Protocol):
+    requested: bool
+    in_engine: bool  # set while the engine runs: only there may a grace timeout abort work
+
+
+def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int,
+             stop: StopFlag) -> Iterator[tuple[WorkItem, list[Result] | None]]:
+    """Yield ``(item, results)`` for every admitted row as it completes; ``results`` is None for error rows."""
+    source = iter(items)
+    bypass: deque[WorkItem] = deque()
+    pending: dict[str, list] = {}  # row_id -> [item, results, remaining]
+    state = {"exhausted": False}
+
+    def feed() -> Iterator[Request]:
+        while not stop.requested and len(bypass) < MAX_BYPASS:
+            try:
+                item = next(source)
+            except StopIteration:
+                state["exhausted"] = True
+                return
+            if not item.requests:
+                bypass.append(item)
+                continue
+            pending[item.row_id] = [item, [None] * len(item.requests), len(item.requests)]
+            yield from item.requests
+
+    while True:
+        stop.in_engine = True  # off only while our consumer (sink, progress) runs, i.e. around each yield
+        try:
+            for res in engine.run(feed(), max_in_flight):
+                entry = pending[res.row_id]
+                entry[1][res.sample_index] = res
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del pending[res.row_id]
+                    stop.in_engine = False
+                    yield entry[0], entry[1]
+                    stop.in_engine = True
+                if bypass:
+                    stop.in_engine = False
+                    while bypass:
+                        yield bypass.popleft(), None
+                    stop.in_engine = True
+        finally:
+            stop.in_engine = False
+        while bypass:
+            yield bypass.popleft(), None
+        if state["exhausted"] or stop.requested:
+            return

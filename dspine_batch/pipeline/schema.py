@@ -1,0 +1,41 @@
+"""The output contract: every column typed up front, so parts never drift and error rows never null-type.
+
+A column that is null in a whole part (e.g. speculative stats without a draft) still has its declared type;
+readers that concatenate parts (pyarrow.dataset, pandas, datasets, polars) then always agree on the schema.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from dspine_batch.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+BASE_FIELDS = [
+    pa.field("row_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("output", pa.string()),
+    pa.field("finish_reason", pa.string(), nullable=False),  # stop / length / abort / error
+    pa.field("status", pa.string(), nullable=False),  # ok / error
+    pa.field("error", pa.string()),
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("completion_tokens", pa.int32()),
+    pa.field("verify_steps", pa.int32()),  # null without a draft
+    pa.field("draft_tokens_proposed", pa.int32()),
+    pa.field("draft_tokens_accepted", pa.int32()),
+    pa.field("accept_length", pa.float32()),  # completion_tokens / verify_steps (bonus token included)
+    pa.field("accept_histogram", pa.list_(pa.int32())),  # index j = verify steps that accepted j drafts
+    pa.field("latency_s", pa.float32()),
+    pa.field("attempt", pa.int32()),  # SLURM_RESTART_COUNT (0 outside Slurm): which requeue produced the row
+]
+BASE_NAMES = [f.name for f in BASE_FIELDS]
+TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int32()))
+
+
+def output_schema(keep: list[pa.Field], save_token_ids: bool) -> pa.Schema:
+    clash = [f.name for f in keep if f.name in BASE_NAMES or f.name == TOKEN_IDS_FIELD.name]
+    if clash:
+        raise UsageError(f"--keep-columns {clash[0]!r}: clashes with an output column of the same name")
+    fields = BASE_FIELDS + list(keep) + ([TOKEN_IDS_FIELD] if save_token_ids else [])
+    return pa.schema(fields)

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Benchmark the dspine-batch pipeline itself (source -> scheduler -> engine -> sink), engine cost removed.
+
+Three numbers, each from a real ``dspine-batch generate`` subprocess on the scripted engine in zero-cost mode
+(``--engine scripted --engine-arg zero_cost=1``: no token synthesis, so only the pipeline is measured):
+
+1. throughput: rows/s over ``--rows`` generated Parquet input rows (default 10M);
+2. memory: peak RSS of that run, and RSS sampled along the way (it must stay flat, not grow with input);
+3. resume start-up with ``--resume-rows`` (default 1M) committed rows: time to rebuild the done-set, and time
+   from process start until the first new part is committed (done-set + skipping the committed input rows).
+
+Targets (issue 3): >= 50,000 rows/s, flat RSS < 1 GB, resume start-up < 3 s.
+
+Usage:
+    python scripts/bench/bench_pipeline.py                      # full run (~5 min on 2 cores)
+    python scripts/bench/bench_pipeline.py --rows 1000000       # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = ["Explain {i} in one sentence.", "Write a Python function that returns {i} squared.",
+             "What is {i} plus {j}?", "Summarize the plot of story number {i}.", "Translate '{i}' into French."]
+
+
+def make_input(path: Path, rows: int, chunk: int = 500_000) -> None:
+    """Parquet input with varied short prompts, written in row groups (never all in memory)."""
+    schema = pa.schema([("prompt", pa.string())])
+    with pq.ParquetWriter(path, schema, compression="zstd") as w:
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            w.write_table(pa.table({"prompt": [TEMPLATES[i % 5].format(i=i, j=i % 97)
+                                               for i in range(start, start + n)]}), row_group_size=100_000)
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows: int = 100_000) -> dict:
+    """Run dspine-batch; sample RSS every 0.5 s; optionally time until part number ``watch_parts`` appears."""
+    env = dict(os.environ, DSPINE_BATCH_PROGRESS="log", DSPINE_BATCH_LOG_INTERVAL="5",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", *args, "-o", str(out), "--engine", "scripted",
+           "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--commit-rows", str(commit_rows)]
+    t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    samples, first_new_part = [], None
+    while p.poll() is None:
+        r = rss_mb(p.pid)
+        if r:
+            samples.append((round(time.perf_counter() - t0, 2), round(r, 1)))
+        if watch_parts is not None and first_new_part is None and out.exists():
+            if len([n for n in os.listdir(out) if n.endswith(".parquet")]) > watch_parts:
+                first_new_part = time.perf_counter() - t0
+        time.sleep(0.05 if watch_parts is not None else 0.5)
+    wall = time.perf_counter() - t0
+    err = p.stderr.read()
+    if p.returncode != 0:
+        raise SystemExit(f"dspine-batch failed ({p.returncode}):\n{err}")
+    m = re.search(r"already committed in \d+ parts \(([\d.]+)s\)", err)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (usage.ru_utime - cpu0.ru_utime) + (usage.ru_stime - cpu0.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "rss_samples_mb": samples, "peak_rss_mb_children": usage.ru_maxrss / 1024,
+            "done_set_s": float(m.group(1)) if m else None, "first_new_part_s": first_new_part, "log": err}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=10_000_000)
+    ap.add_argument("--resume-rows", type=int, default=1_000_000)
+    ap.add_argument("--tmp", default=None, help="work dir (default: a temp dir, deleted afterwards)")
+    a = ap.parse_args()
+    tmp = Path(a.tmp or tempfile.mkdtemp(prefix="bench_pipeline_"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    results: dict = {"rows": a.rows, "resume_rows": a.resume_rows, "cpus": os.cpu_count()}
+    try:
+        big = tmp / "input.parquet"
+        t = time.perf_counter()
+        make_input(big, a.rows)
+        print(f"input: {a.rows:,} rows in {time.perf_counter() - t:.1f}s ({big.stat().st_size / 1e6:.0f} MB)",
+              file=sys.stderr)
+        r = run([str(big)], tmp / "out")
+        samples = r["rss_samples_mb"]
+        n = len(samples)
+        results["throughput_rows_per_s"] = round(a.rows / r["wall_s"])
+        results["throughput_wall_s"] = round(r["wall_s"], 1)
+        # rows per CPU-second of the pipeline process: what one free core sustains (wall time includes
+        # start-up and any other load on the machine)
+        results["throughput_rows_per_cpu_s"] = round(a.rows / r["cpu_s"])
+        results["load_average_1min"] = os.getloadavg()[0]
+        results["peak_rss_mb"] = round(r["peak_rss_mb_children"])
+        results["rss_mb_at_10_50_90_pct"] = [samples[int(n * q)][1] for q in (0.1, 0.5, 0.9)] if n else None
+        print(r["log"], file=sys.stderr)
+        shutil.rmtree(tmp / "out")
+
+        # resume: commit resume_rows + 100k, drop the last 100k-row part -> exactly resume_rows committed
+        small = tmp / "resume.parquet"
+        make_input(small, a.resume_rows + 100_000)
+        out = tmp / "resume_out"
+        run([str(small)], out)
+        last = sorted(n for n in os.listdir(out) if n.endswith(".parquet"))[-1]
+        os.unlink(out / last)
+        (out / "_SUCCESS").unlink()
+        parts_left = len([n for n in os.listdir(out) if n.endswith(".parquet")])
+        r = run([str(small)], out, watch_parts=parts_left, commit_rows=1000)  # first new part: 1000 rows
+        results["resume_done_set_s"] = r["done_set_s"]
+        results["resume_first_new_part_s"] = round(r["first_new_part_s"], 2) if r["first_new_part_s"] else None
+        results["resume_total_wall_s"] = round(r["wall_s"], 2)
+        print(r["log"], file=sys.stderr)
+    finally:
+        if not a.tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

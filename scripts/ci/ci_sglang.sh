@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# CI for the SGLang backend: set up (or reuse) the sglang venv and run the `sglang`-marked tests in it.
+#
+# The venv (~11 GB: torch 2.14.1 CUDA build + sglang 0.5.23 pins) is cached between runs at
+# ${DSPINE_SGLANG_VENV:-$HOME/.cache/dspine/venv-sglang} when CI runs on a reused machine (a fresh clone each
+# run, so the default is outside the work tree); setup_sglang_venv.sh re-installs only what is missing and
+# re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
+#
+# The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
+# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 9 engine starts of about a minute each
+# on a small CPU.
+#
+# Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export DSPINE_SGLANG_VENV=${DSPINE_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine/venv-sglang}
+mkdir -p "$(dirname "$DSPINE_SGLANG_VENV")"
+t0=$(date +%s)
+bash scripts/setup_sglang_venv.sh
+echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV ($(du -sh "$DSPINE_SGLANG_VENV" 2>/dev/null | cut -f1))"
+unset SGLANG_PLUGINS  # the tests set it where they need it
+set +e
+"$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning "$@" \
+  tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py tests/cli/test_sglang_cli.py
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "[ci_sglang] no sglang tests ran" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,50 @@
+"""The round cost model: bilinear grid, calibration on a tiny pair, the on-disk cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspine.decoding import cost as cost_mod
+from dspine.decoding.cost import CostModel, Grid
+
+
+def test_grid_is_exact_at_corners_and_linear_between():
+    g = Grid((1, 9), (1, 5), ((1.0, 2.0), (3.0, 8.0)))
+    assert [g(1, 1), g(1, 5), g(9, 1), g(9, 5)] == [1.0, 2.0, 3.0, 8.0]
+    assert g(5, 1) == pytest.approx(2.0) and g(1, 3) == pytest.approx(1.5)
+    assert g(17, 1) == pytest.approx(5.0)  # extrapolated linearly in rows
+    m = CostModel.from_json(json.loads(json.dumps(CostModel(g, None).to_json())))
+    assert m.target_s(5, 3) == g(5, 3) and m.draft_s(4, 4) == 0.0
+
+
+@pytest.fixture(scope="module")
+def pair(llama_target):
+    from dspine import init_draft
+
+    return llama_target, init_draft(llama_target, num_layers=1, block_size=4, intermediate_size=64)
+
+
+def test_calibration_measures_every_corner(pair):
+    target, draft = pair
+    m = cost_mod.calibrate(target, draft, max_rows=4, block_size=4, reps=1)
+    assert m.target.rows == (1, 4) and m.target.tokens == (1, 4) and m.draft.tokens == (2, 4)
+    assert all(s > 0 for row in m.target.s + m.draft.s for s in row)
+    assert cost_mod.calibrate(target, None, 1, 4, reps=1).draft is None
+
+
+def test_calibration_is_cached_per_identity(pair, tmp_path, monkeypatch):
+    target, draft = pair
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path))
+    ident = {"model": "tiny", "draft": "d"}
+    first = cost_mod.load_or_calibrate(target, draft, 2, 4, ident)
+    assert len(list((tmp_path / "cost").glob("*.json"))) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("recalibrated")
+
+    monkeypatch.setattr(cost_mod, "calibrate", boom)
+    assert cost_mod.load_or_calibrate(target, draft, 2, 4, ident) == first
+    with pytest.raises(AssertionError, match="recalibrated"):  # another model identity is another entry
+        cost_mod.load_or_calibrate(target, draft, 2, 4, {"model": "other"})

@@ -1,0 +1,241 @@
+"""The reference engine (dspine.generate) and its tokenizer/chat template, on a tiny random model.
+
+The chat template is checked against transformers' ``apply_chat_template`` (the semantics we promise);
+the engine against direct ``dspine.generate`` calls. The embedded SmolLM2 run is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import SMOL_TEMPLATE, chat_requests, read_output, reference_engine, tokenizer_dir, write_jsonl
+
+from dspine.models.tokenizer import HFTokenizer
+from dspine_batch.cli import main
+from dspine_batch.engines.base import SamplingParams
+
+FANCY_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+                  "{% set messages = messages[1:] %}{% else %}{% set sys = 'none' %}{% endif %}"
+                  "[SYS {{ sys | tojson }}]\n"
+                  "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                  "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+                  "  {{ m['role'] | upper }}: {{ m['content'] | trim }}{% if not loop.last %}\n{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}\nASSISTANT:{% endif %}")
+MESSAGES = [
+    [{"role": "user", "content": "hello world"}],
+    [{"role": "system", "content": "be brief, café"}, {"role": "user", "content": " what is two plus two? "},
+     {"role": "assistant", "content": "four"}, {"role": "user", "content": "ünïcode"}],
+]
+
+
+@pytest.mark.parametrize("template", [SMOL_TEMPLATE, FANCY_TEMPLATE])
+def test_chat_template_matches_transformers(tmp_path, template):
+    transformers = pytest.importorskip("transformers")
+    tokenizer_dir(tmp_path, template)
+    ours = HFTokenizer(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for msgs in MESSAGES:
+        text = theirs.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert ours.render(msgs) == text
+        assert ours.render_chat(msgs) == theirs.encode(text, add_special_tokens=False)
+    assert ours.encode("hello world") == theirs.encode("hello world")
+    assert ours.eos_ids()[0] == theirs.eos_token_id
+
+
+def test_template_errors_are_row_errors(tmp_path):
+    tokenizer_dir(tmp_path, FANCY_TEMPLATE)
+    with pytest.raises(ValueError, match="bad role tool"):
+        HFTokenizer(tmp_path).render([{"role": "tool", "content": "x"}])
+
+
+@pytest.fixture(autouse=True)
+def _cost_cache(tmp_path, monkeypatch):
+    """Calibrated cost models go to a per-test cache directory, never the user's."""
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "dspine-cache"))
+
+
+def test_engine_matches_dspine_generate_and_reports_stats(tiny):
+    from dspine import generate
+
+    eng = reference_engine(tiny, batch_size="8", verify="fixed")
+    reqs = chat_requests(eng)
+    got = list(eng.run(iter(reqs), max_in_flight=8))
+    want = generate(eng.target, eng.draft, [r.prompt_ids for r in reqs], max_new_tokens=5,
+                    stop_token_ids=list(reqs[0].params.stop_token_ids))
+    assert [r.token_ids for r in got] == [w.token_ids for w in want]
+    assert all(r.verify_steps and r.accept_histogram and len(r.accept_histogram) == 5 for r in got)
+    assert all(r.finish_reason in ("stop", "length") and r.error is None for r in got)
+    plain = list(reference_engine(tiny, draft=False).run(iter(reqs), 8))
+    assert [r.token_ids for r in plain] == [r.token_ids for r in got]  # lossless: same greedy output
+    assert all(r.verify_steps is None and r.accept_length is None for r in plain)
+
+
+def test_cost_aware_verification_is_the_default(tiny, tmp_path):
+    """verify=cost (default): same greedy tokens as plain, streamed as rows finish; the calibration is cached
+    on disk per model/machine/threads and reused; a bad value is a usage error."""
+    from dspine.decoding import cost as cost_mod
+    from dspine_batch.errors import UsageError
+
+    eng = reference_engine(tiny, batch_size="2")
+    assert eng.verify == "cost" and eng.identity()["verify"] == "cost"
+    reqs = chat_requests(eng, n=5)
+    got = list(eng.run(iter(reqs), 8))
+    plain = list(reference_engine(tiny, draft=False).run(iter(reqs), 8))
+    assert sorted((r.row_id, r.token_ids) for r in got) == sorted((r.row_id, r.token_ids) for r in plain)
+    assert all(r.verify_steps is not None and r.draft_tokens_proposed is not None for r in got)
+    cached = list((tmp_path / "dspine-cache" / "cost").glob("*.json"))
+    assert len(cached) == 1
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated again despite the cache")
+
+    orig = cost_mod.calibrate
+    cost_mod.calibrate = no_calibration
+    try:
+        again = list(reference_engine(tiny, batch_size="2").run(iter(reqs), 8))
+    finally:
+        cost_mod.calibrate = orig
+    assert [r.token_ids for r in again] == [r.token_ids for r in got]
+    with pytest.raises(UsageError, match="verify=always: expected cost or fixed"):
+        reference_engine(tiny, verify="always")
+
+
+def test_rows_stream_back_as_they_finish(tiny):
+    """A short request is handed back before a long one that started with it; admission stays lazy."""
+    eng = reference_engine(tiny, batch_size="2")
+    reqs = chat_requests(eng, n=4)
+    for r, m in zip(reqs, [40, 2, 40, 2]):
+        r.params = SamplingParams(max_new_tokens=m, stop_token_ids=())
+    keys = [r.row_id for r in eng.run(iter(reqs), 8)]
+    assert keys.index("r1") < keys.index("r0") and keys.index("r3") < keys.index("r2")
+
+
+def test_dynamic_threshold_engine_arg(tiny, tmp_path):
+    """``--engine-arg dynamic_threshold=X`` stops proposals early with a fitted confidence head (same greedy
+    output, fewer drafts); without a fitted head it is ignored; a non-number is a usage error."""
+    import torch
+
+    from dspine import load_draft
+    from dspine_batch.errors import UsageError
+
+    model, draft_dir = tiny
+    d = load_draft(draft_dir)
+    with torch.no_grad():
+        d.confidence_head.proj.weight.zero_()
+        d.confidence_head.proj.bias.fill_(-2.0)  # c = 0.12 everywhere: below 0.5, so every proposal stops at 0
+    d.confidence_trained = True
+    d.save(tmp_path / "fitted")
+    reqs = chat_requests(reference_engine(tiny))
+    full = list(reference_engine(tiny, verify="fixed").run(iter(reqs), 8))
+    cut = list(reference_engine((model, tmp_path / "fitted"), dynamic_threshold="0.5", verify="fixed")
+               .run(iter(reqs), 8))
+    assert [r.token_ids for r in cut] == [r.token_ids for r in full]
+    assert all(r.draft_tokens_proposed == 0 for r in cut) and all(r.draft_tokens_proposed > 0 for r in full)
+    unfitted = reference_engine(tiny, dynamic_threshold="0.5")
+    assert unfitted.dynamic_threshold is None and "dynamic_threshold" not in unfitted.identity()
+    with pytest.raises(UsageError, match="expected a number"):
+        reference_engine(tiny, dynamic_threshold="high")
+
+
+def test_decode_json_defaults_and_overrides(tiny, tmp_path):
+    """A draft's decode.json sets block_size/dynamic_threshold unless --engine-arg does; bad values are usage
+    errors naming the file."""
+    import json
+    import shutil
+
+    from dspine_batch.errors import UsageError
+
+    model, draft_dir = tiny
+    d = tmp_path / "draft"
+    shutil.copytree(draft_dir, d)
+    (d / "decode.json").write_text(json.dumps({"_measured": "BENCHMARKS.md", "block_size": 3}))
+    assert reference_engine((model, d)).block_size == 3
+    assert reference_engine((model, d), block_size="4").block_size == 4
+    assert reference_engine((model, d)).identity()["block_size"] == 3
+    with pytest.raises(UsageError, match="supports 2..4"):
+        reference_engine((model, d), block_size="9")
+    (d / "decode.json").write_text(json.dumps({"block_size": "eight"}))
+    with pytest.raises(UsageError, match=r"decode\.json: block_size must be an integer"):
+        reference_engine((model, d))
+    (d / "decode.json").write_text(json.dumps({"speed": 1}))
+    with pytest.raises(UsageError, match="unknown key 'speed'"):
+        reference_engine((model, d))
+
+
+def test_per_request_sampling_and_bounded_batches(tiny):
+    eng = reference_engine(tiny, draft=False, batch_size="2")
+    reqs = chat_requests(eng, n=3, temperature=1.0, seed=3)
+    a = [r.token_ids for r in eng.run(iter(reqs), 8)]
+    b = [r.token_ids for r in eng.run(iter(reqs), 1)]  # different batching, same seeds -> same samples
+    assert a == b
+    pulled = []
+
+    def feed():
+        for r in reqs:
+            pulled.append(r.row_id)
+            yield r
+
+    it = eng.run(feed(), 8)
+    next(it)
+    assert len(pulled) == 2  # batch_size bounds admission
+
+
+def test_overlong_request_fails_alone(tiny):
+    eng = reference_engine(tiny, draft=False)
+    reqs = chat_requests(eng, n=3)
+    reqs[1].prompt_ids = reqs[1].prompt_ids * 10  # longer than the 96-token context
+    out = {r.row_id: r for r in eng.run(iter(reqs), 8)}  # finish order: the rejected row comes back first
+    assert out["r0"].error is None and out["r2"].error is None
+    assert "engine rejected the request" in out["r1"].error
+
+
+def test_embedded_draft_only_with_the_embedded_model(tiny, capsys, monkeypatch):
+    from dspine.embedded import smollm2 as embedded
+    from dspine_batch.engines.reference import ReferenceEngine, resolve_draft
+
+    eng = ReferenceEngine.load(str(tiny[0]), "embedded", {})  # the default --draft with a custom model
+    assert eng.draft is None and "pairs only with --model embedded" in capsys.readouterr().err
+
+    def missing():
+        raise FileNotFoundError("not shipped")
+
+    monkeypatch.setattr(embedded, "embedded_draft_path", missing, raising=False)
+    assert resolve_draft("embedded", "embedded") is None
+    assert "no embedded draft is available (not shipped)" in capsys.readouterr().err
+    assert resolve_draft("none", "embedded") is None and resolve_draft(str(tiny[1]), "x") == tiny[1]
+
+
+def test_cli_on_the_reference_engine(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv("DSPINE_BATCH_TEST_ENGINE", raising=False)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hello world"},
+                                               {"id": "b", "messages": None, "prompt": "two plus two"}])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(src), "-o", str(out), "--engine", "reference", "--model", str(tiny[0]),
+              "--draft", str(tiny[1]), "--max-new-tokens", "5", "--progress", "none", "--stop", "the"])
+    assert e.value.code == 0
+    rows = read_output(out)
+    # the speculative columns are filled with a draft (verify_steps may be 0: cost-aware verification can
+    # judge a random draft not worth running, and then every round is a plain step)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["verify_steps"] is not None for r in rows)
+    assert all("the" not in (r["output"] or "") for r in rows)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["fingerprint_fields"]["engine"]["draft"]["path"] == str(tiny[1])
+
+
+@pytest.mark.slow
+def test_embedded_model_end_to_end(tmp_path, monkeypatch):
+    try:
+        from dspine.embedded.smollm2 import embedded_target_path
+
+        embedded_target_path()
+    except Exception as e:  # not installed here
+        pytest.skip(f"embedded model unavailable: {e}")
+    monkeypatch.delenv("DSPINE_BATCH_TEST_ENGINE", raising=False)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "q", "prompt": "What is 2+2?"}])
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(src), "-o", str(tmp_path / "out"), "--max-new-tokens", "8", "--progress", "none"])
+    assert e.value.code == 0
+    (row,) = read_output(tmp_path / "out")
+    assert row["status"] == "ok" and row["output"] and row["completion_tokens"] <= 8

@@ -1,0 +1,323 @@
+"""The SGLang adapter without SGLang: meta_info -> stats on recorded 0.5.23 dicts, server-arg building, and the
+engine loop (bounded in-flight window, lazy admission, aborts, request errors, engine death, scoped shutdown)
+against ``tests/fake_sglang.FakeEngine``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fake_sglang import FakeEngine, FakeTokenizer
+
+from dspine_batch.engines.base import Request, Result, SamplingParams
+from dspine_batch.engines.sglang import engine as se
+from dspine_batch.engines.sglang import stats as sglang_stats
+from dspine_batch.errors import UsageError
+
+RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_0_5_23_meta_info.json").read_text())
+
+
+# -- meta_info -> stats ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_recorded_meta_info_maps_to_our_stats(name):
+    case = RECORDED[name]
+    meta, B, rounds = case["meta_info"], case["block_size"], case["accepted_per_round"]
+    st = sglang_stats.spec_stats(meta, block_size=B)
+    if not rounds:  # prefill only: SGLang sends no spec fields, our columns stay null
+        assert st is None
+        return
+    assert st.verify_steps == len(rounds)
+    assert st.draft_tokens_accepted == sum(rounds)
+    assert st.draft_tokens_proposed == len(rounds) * (B - 1)
+    hist = [0] * (B + 1)
+    for a in rounds:
+        hist[a] += 1
+    assert st.accept_histogram == hist  # padded to B + 1 like the reference engine's
+    # ours: verify-round tokens per round, bonus counted, the prefill token not
+    assert st.accept_length == pytest.approx((meta["completion_tokens"] - 1) / len(rounds))
+    sg = sglang_stats.spec_stats(meta, block_size=B, convention=sglang_stats.ACCEPT_LENGTH_SGLANG)
+    assert sg.accept_length == pytest.approx(meta["spec_accept_length"])
+
+
+OLD_NAMES = {"spec_num_correct_drafts": "spec_accept_token_num", "spec_num_proposed_drafts": "spec_draft_token_num",
+             "spec_correct_drafts_histogram": "spec_accept_histogram"}
+MIDDLE_NAMES = {"spec_num_correct_drafts": "spec_accepted_drafts", "spec_num_proposed_drafts": "spec_proposed_drafts"}
+
+
+@pytest.mark.parametrize("renames", [OLD_NAMES, MIDDLE_NAMES])
+def test_older_field_names_give_the_same_stats(renames):
+    meta = RECORDED["greedy_b16_length"]["meta_info"]
+    old = {renames.get(k, k): v for k, v in meta.items()}
+    assert sglang_stats.spec_stats(old, block_size=16) == sglang_stats.spec_stats(meta, block_size=16)
+
+
+def test_missing_fields_are_derived_or_null():
+    meta = dict(RECORDED["greedy_b16_length"]["meta_info"])
+    del meta["spec_num_proposed_drafts"], meta["spec_num_correct_drafts"]
+    st = sglang_stats.spec_stats(meta, block_size=16)
+    assert st.draft_tokens_proposed == 5 * 15 and st.draft_tokens_accepted == 40  # from B and the histogram
+    assert sglang_stats.spec_stats({"completion_tokens": 9}) is None
+    assert sglang_stats.spec_stats({"spec_verify_ct": 0, "completion_tokens": 1}) is None
+
+
+def test_malformed_meta_info_is_an_error_not_zeros():
+    meta = dict(RECORDED["greedy_b16_length"]["meta_info"])
+    with pytest.raises(ValueError, match="histogram counts"):
+        sglang_stats.spec_stats({**meta, "spec_correct_drafts_histogram": [1, 2]})
+    with pytest.raises(ValueError, match="non-negative integer"):
+        sglang_stats.spec_stats({**meta, "spec_verify_ct": 2.5})
+
+
+def test_finish_reasons():
+    assert sglang_stats.finish({"finish_reason": {"type": "length", "length": 3}}) == ("length", None)
+    assert sglang_stats.finish({"finish_reason": {"type": "stop", "matched": 2}}) == ("stop", None)
+    assert sglang_stats.finish({"finish_reason": "stop"}) == ("stop", None)
+    reason, err = sglang_stats.finish(RECORDED["aborted"]["meta_info"])
+    assert reason == "abort" and "Abort in waiting queue" in err and "500" in err
+    assert sglang_stats.finish({})[0] == "error"
+
+
+def test_apply_fills_a_result():
+    res = sglang_stats.apply(RECORDED["stop_mid_round_b16"]["meta_info"], Result("k", 0), block_size=16)
+    assert (res.prompt_tokens, res.completion_tokens, res.verify_steps) == (12, 16, 3)
+    assert res.accept_length == pytest.approx(15 / 3) and res.latency_s == 0.25
+
+
+# -- server args --------------------------------------------------------------------------------------------------
+
+
+def _mini_parser():
+    """The shape of SGLang's parser for a few fields (the real one is exercised in test_sglang_plugin.py)."""
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--model-path", dest="model_path")
+    p.add_argument("--speculative-algorithm", dest="speculative_algorithm")
+    p.add_argument("--speculative-num-draft-tokens", dest="speculative_num_draft_tokens", type=int)
+    p.add_argument("--mem-fraction-static", dest="mem_fraction_static", type=float)
+    p.add_argument("--enable-linear-replayssm-spec", dest="enable_linear_replayssm_spec", action="store_true")
+    p.add_argument("--dtype", dest="dtype", default="auto")
+    p.add_argument("--mamba-radix-cache-strategy", dest="mamba_radix_cache_strategy")
+    return p
+
+
+def test_build_server_kwargs_precedence_and_types():
+    kw, opts = se.build_server_kwargs(
+        "/m", "/d", {"server_flags": "--dtype bfloat16 --mem-fraction-static 0.8 --enable-linear-replayssm-spec",
+                     "mem-fraction-static": "0.7", "block_size": "8", "poll_seconds": "0.5"}, parser=_mini_parser())
+    assert kw["model_path"] == "/m" and kw["speculative_draft_model_path"] == "/d"
+    assert kw["speculative_algorithm"] == "DSPINE" and kw["skip_tokenizer_init"] is True
+    assert kw["dtype"] == "bfloat16" and kw["mem_fraction_static"] == 0.7  # single arg beats server_flags
+    assert kw["speculative_num_draft_tokens"] == 8 and kw["enable_linear_replayssm_spec"] is True
+    assert kw["custom_sigquit_handler"] is se.on_sigquit and opts["poll_seconds"] == 0.5
+    kw, _ = se.build_server_kwargs("/m", None, {"enable_linear_replayssm_spec": "false"}, parser=_mini_parser())
+    assert "speculative_algorithm" not in kw and kw["enable_linear_replayssm_spec"] is False
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"mem_fracton_static": "0.5"}, "did you mean mem_fraction_static"),
+    ({"enable_linear_replayssm_spec": "maybe"}, "expected true or false"),
+    ({"model_path": "/x"}, "use --model/--draft"),
+    ({"server_flags": "--no-such-flag 1"}, "unknown"),
+    ({"speculative_num_draft_tokens": "many"}, "SGLang flags"),
+])
+def test_build_server_kwargs_errors(args, match):
+    with pytest.raises(UsageError, match=match):
+        se.build_server_kwargs("/m", "/d", args, parser=_mini_parser())
+
+
+def test_extra_buffer_is_refused_on_the_cpu_path():
+    """SGLang keeps Mamba prefix-cache state snapshots on GPUs only (docs/design.md, "The CPU test path")."""
+    with pytest.raises(UsageError, match="extra_buffer: SGLang 0.5.23 keeps no Mamba state snapshots on the CPU"):
+        se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser(),
+                               on_cpu=True)
+    kw, _ = se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser())
+    assert kw["mamba_radix_cache_strategy"] == "extra_buffer"  # a GPU run keeps it
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is True  # SGLang's auto then picks no_buffer
+
+
+def test_sampling_params_mapping():
+    sp = se.sampling_params(SamplingParams(max_new_tokens=5, temperature=0.0, top_k=0, stop_token_ids=(2, 7)))
+    assert sp["top_k"] == se.TOP_K_ALL and sp["stop_token_ids"] == [2, 7] and "sampling_seed" not in sp
+    sp = se.sampling_params(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=123))
+    assert (sp["top_k"], sp["top_p"], sp["sampling_seed"]) == (20, 0.9, 123)
+
+
+# -- the engine loop ----------------------------------------------------------------------------------------------
+
+
+def _engine(fake: FakeEngine, **kw) -> se.SGLangEngine:
+    return se.SGLangEngine(fake, FakeTokenizer(), {"engine": "sglang"}, kw.pop("block", 4), 4096, set(),
+                           poll_seconds=kw.pop("poll", 0.05), **kw)
+
+
+def _requests(n, pulled=None, **params):
+    for i in range(n):
+        if pulled is not None:
+            pulled.append(i)
+        yield Request(f"row{i}", 0, [1 + i % 7] * (3 + i % 11), SamplingParams(max_new_tokens=8, **params))
+
+
+@pytest.fixture(autouse=True)
+def _clear_death():
+    se._SIGQUIT.clear()
+    yield
+    se._SIGQUIT.clear()
+
+
+def test_run_returns_every_request_with_stats_and_bounded_window():
+    fake = FakeEngine(block=4)
+    eng = _engine(fake)
+    pulled: list[int] = []
+    out = list(eng.run(_requests(40, pulled), max_in_flight=6))
+    assert sorted(r.row_id for r in out) == sorted(f"row{i}" for i in range(40))
+    assert fake.max_in_flight <= 6 and len(pulled) == 40
+    for r in out:
+        assert r.error is None and r.finish_reason == "length" and r.completion_tokens == len(r.token_ids)
+        if r.completion_tokens > 1:
+            assert r.verify_steps and r.accept_length == pytest.approx((r.completion_tokens - 1) / r.verify_steps)
+            assert len(r.accept_histogram) == 5  # B + 1
+        assert r.text == FakeTokenizer().decode(r.token_ids)
+    assert all(c[2]["top_k"] == se.TOP_K_ALL for c in fake.calls)
+
+
+def test_admission_is_lazy():
+    fake = FakeEngine()
+    eng = _engine(fake)
+    pulled: list[int] = []
+    it = eng.run(_requests(100, pulled), max_in_flight=4)
+    first = next(it)
+    assert first.row_id.startswith("row") and len(pulled) <= 5  # the window, plus at most the one being admitted
+    it.close()  # stopping the consumer abandons in-flight work in the engine
+    assert len(fake.tokenizer_manager.aborted) <= 4
+
+
+def test_aborted_and_failed_requests_become_row_errors():
+    fake = FakeEngine(abort_keys={"row1"}, fail_keys={"row2"})
+    out = {r.row_id: r for r in _engine(fake).run(_requests(4), 8)}
+    assert out["row1"].finish_reason == "abort" and "aborted by the engine: Abort in waiting queue" in out["row1"].error
+    assert out["row1"].verify_steps is None
+    assert "longer than the model's context length" in out["row2"].error and out["row2"].finish_reason == "error"
+    assert out["row0"].error is None and out["row3"].error is None
+
+
+def test_stop_strings_are_applied_after_generation():
+    fake = FakeEngine()
+    eng = _engine(fake)
+    req = Request("k", 0, [5, 5, 5], SamplingParams(max_new_tokens=8))
+    full = next(eng.run([req], 1))
+    stop = full.text[2:4]
+    req.params = SamplingParams(max_new_tokens=8, stop=(stop,))
+    cut = next(eng.run([req], 1))
+    assert cut.finish_reason == "stop" and stop not in cut.text and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_engine_death_raises_and_abandons_in_flight():
+    fake = FakeEngine(hang_keys={f"row{i}" for i in range(2, 50)})
+    eng = _engine(fake)
+    it = eng.run(_requests(50), max_in_flight=5)
+    got = [next(it), next(it)]
+    assert {r.row_id for r in got} == {"row0", "row1"}
+    se.on_sigquit(3, None)  # what SGLang's watchdog does when a scheduler dies
+    with pytest.raises(se.EngineDied, match="crashed"):
+        next(it)
+    assert len(fake.tokenizer_manager.aborted) == 5  # every in-flight request aborted
+    with pytest.raises(se.EngineDied):
+        list(eng.run(_requests(1), 1))
+
+
+def test_dead_engine_process_is_detected():
+    eng = _engine(FakeEngine(), watch_pids={_dead_pid()})
+    with pytest.raises(se.EngineDied, match="exited"):
+        list(eng.run(_requests(2), 2))
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_close_kills_only_the_engines_processes():
+    psutil = pytest.importorskip("psutil")
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        before = se._child_pids()
+        fake = FakeEngine(spawn_child=True)  # the "scheduler" the engine starts
+        owned = se._child_pids() - before
+        assert fake.child.pid in owned and bystander.pid not in owned
+        eng = se.SGLangEngine(fake, FakeTokenizer(), {}, 4, None, owned)
+        eng.close()
+        assert fake.shutdown_called
+        fake.child.wait(timeout=10)
+        assert bystander.poll() is None and psutil.pid_exists(bystander.pid)  # SGLang's own call would kill it
+        eng.close()  # idempotent
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.fixture
+def tiny_pair(qwen3_dir, qwen3_target, tmp_path):
+    from dspine.draft.io import init_draft
+
+    init_draft(qwen3_target, num_layers=2, block_size=8, transfer_rank=8, message_size=16, top_k=4,
+               intermediate_size=64).save(tmp_path / "draft")
+    return qwen3_dir, str(tmp_path / "draft")
+
+
+def _load(model, draft, args, seen):
+    def factory(**kw):
+        seen.update(kw)
+        return FakeEngine()
+
+    return se.SGLangEngine.load(model, draft, args, engine_factory=factory, tokenizer=FakeTokenizer(),
+                                server_parser=_mini_parser())
+
+
+def test_load_with_a_fake_engine_builds_identity_and_kwargs(tiny_pair):
+    model, draft = tiny_pair
+    seen = {}
+    eng = _load(model, draft, {"mem_fraction_static": "0.5", "dtype": "bfloat16"}, seen)
+    assert seen["speculative_algorithm"] == "DSPINE" and seen["mem_fraction_static"] == 0.5
+    ident = eng.identity()
+    assert ident["block_size"] == 8 and ident["server_args"]["dtype"] == "bfloat16"
+    assert "mem_fraction_static" not in ident["server_args"]  # operational: may change on resume
+    assert eng.max_context == 1024 - 8 - 1
+    eng.close()
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"block_size": "9"}, "counts the anchor"),
+    ({"speculative_num_draft_tokens": "1"}, "does not fit"),
+])
+def test_load_checks_the_draft_before_starting_anything(tiny_pair, args, match):
+    model, draft = tiny_pair
+    seen = {}
+    with pytest.raises(UsageError, match=match):
+        _load(model, draft, args, seen)
+    assert not seen  # no engine was built
+
+
+def test_load_refuses_a_non_dspine_draft(tiny_pair, tmp_path):
+    model, draft = tiny_pair
+    bad = tmp_path / "dflash"
+    bad.mkdir()
+    cfg = json.loads((Path(draft) / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match="DFlash draft"):
+        _load(model, str(bad), {}, {})
+
+
+def test_sglang_available_reports_a_reason():
+    ok, why = se.sglang_available()
+    assert isinstance(ok, bool) and why
+    if os.environ.get("CI") and not ok:
+        assert "sglang" in why or "GPU" in why

@@ -1,0 +1,63 @@
+"""report and status: numbers computed from committed parts; the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.dataset as ds
+import pytest
+from helpers import prompts, run_cli, write_jsonl
+
+from dspine_batch.ops.report import summarize
+from dspine_batch.ops.status import read_status
+
+
+@pytest.fixture(scope="module")
+def outdir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report")
+    src = write_jsonl(tmp / "in.jsonl", prompts(40) + [{"id": "e1", "prompt": ""}, {"id": "e2", "prompt": ""}])
+    out = tmp / "out"
+    assert run_cli(["generate", str(src), "-o", str(out), "--num-samples", "2", "--commit-rows", "9",
+                    "--max-error-rate", "0.5"]) == 0
+    return out
+
+
+def test_summary_matches_the_parts(outdir):
+    s = summarize(str(outdir))
+    t = ds.dataset(str(outdir), format="parquet").to_table().to_pylist()
+    ok = [r for r in t if r["status"] == "ok"]
+    assert (s["input_rows"], s["output_rows"], s["ok"], s["errors"]) == (42, 84, 80, 4)
+    assert s["completion_tokens"] == sum(r["completion_tokens"] for r in ok)
+    steps = sum(r["verify_steps"] for r in ok)
+    rounds = sum(r["accept_length"] * r["verify_steps"] for r in ok)
+    assert s["tau_token_weighted"] == pytest.approx(rounds / steps, abs=1e-3)
+    assert s["accept_rate"] == pytest.approx(sum(r["draft_tokens_accepted"] for r in ok)
+                                             / sum(r["draft_tokens_proposed"] for r in ok), abs=1e-4)
+    assert sum(s["accept_histogram"]) == steps
+    pos = s["accept_rate_by_position"]
+    assert pos == sorted(pos, reverse=True) and 0 <= pos[-1] <= pos[0] <= 1
+    assert s["finish_reasons"]["error"] == 4
+    assert s["error_kinds"][0]["count"] == 4 and "empty prompt" in s["error_kinds"][0]["error"]
+
+
+def test_report_cli_text_json_and_plot(outdir, tmp_path, capsys):
+    capsys.readouterr()
+    assert run_cli(["report", str(outdir)]) == 0
+    text = capsys.readouterr().out
+    assert "tau" in text and "42 input rows" in text and "empty prompt" in text
+    assert run_cli(["report", str(outdir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["input_rows"] == 42
+    assert (outdir / "_report.json").exists()
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    assert run_cli(["report", str(outdir), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_status(outdir, capsys):
+    st = read_status(str(outdir))
+    assert (st["rows_done"], st["rows_failed"], st["rows_remaining"]) == (40, 2, 0)
+    assert st["complete"] and st["fingerprint"] and st["last_commit_at"]
+    capsys.readouterr()
+    assert run_cli(["status", str(outdir)]) == 0
+    assert "done 40  failed 2  remaining 0" in capsys.readouterr().out
