@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from . import __version__
-from .errors import FingerprintMismatch, UsageError
+from .errors import FingerprintMismatch, UsageError, disk_full_named
 from .sources import InputFile
 
 MANIFEST = "_manifest.json"
@@ -129,17 +129,21 @@ def create_or_check(outdir: str, manifest: dict[str, Any]) -> dict[str, Any]:
     existing = read_manifest(outdir)
     if existing is None:
         tmp = os.path.join(outdir, f".{MANIFEST}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
+        path = os.path.join(outdir, MANIFEST)
         try:
-            os.link(tmp, os.path.join(outdir, MANIFEST))  # fails if it exists: create-if-absent
+            with disk_full_named(path, lambda: os.path.getsize(tmp) if os.path.exists(tmp) else 0,
+                                 "no manifest was created"):
+                with open(tmp, "w") as f:
+                    json.dump(manifest, f, indent=2, sort_keys=True, default=str)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # fails if it exists: create-if-absent
             return manifest
         except FileExistsError:
             existing = read_manifest(outdir)
         finally:
-            os.unlink(tmp)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     assert existing is not None
     if existing.get("fingerprint") != manifest["fingerprint"]:
         changes = diff(existing.get("fingerprint_fields", {}), manifest["fingerprint_fields"]) or ["(unknown)"]
