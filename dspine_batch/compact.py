@@ -16,7 +16,17 @@ import pyarrow.parquet as pq
 
 from .errors import disk_full_named
 from .resume import STATE_DIR, list_parts, part_info
-from .sink import fsync_dir, keys_path, part_name, record_path, stage_part, staging_name, unstage
+from .sink import (
+    fsync_dir,
+    keys_path,
+    load_keys,
+    part_name,
+    read_record,
+    record_path,
+    stage_part,
+    staging_name,
+    unstage,
+)
 
 JOURNAL = "compact.json"
 
@@ -74,8 +84,11 @@ def _merge(outdir: str, group: list, name: str) -> None:
                   compacted_from=[os.path.basename(p.path) for p in group])
     meta[b"dspine_batch.part"] = json.dumps(merged).encode()
     table = table.replace_schema_metadata(meta)
-    sidecars = [keys_path(outdir, os.path.basename(p.path)) for p in group]
-    keys = np.concatenate([np.load(k) for k in sidecars]) if all(os.path.exists(k) for k in sidecars) else None
+    names = [os.path.basename(p.path) for p in group]
+    parts_keys = [load_keys(outdir, n, i.get("rows"), read_record(outdir, n))
+                  for n, i in zip(names, infos, strict=True)]
+    # the merged key file only from key files that check out: a doubtful one must not be blessed by a new record
+    keys = None if any(k is None for k in parts_keys) else np.concatenate(parts_keys)
     stage_part(outdir, name, table, keys, rows=merged["rows"])  # with a fresh commit record for the merged bytes
     journal = os.path.join(outdir, STATE_DIR, JOURNAL)
     try:

@@ -337,12 +337,8 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
         _stream(job, engine, selector, fail_fast, sink, progress, shutdown)
     except Interrupted:
         interrupted = True
-    except DiskFull:  # no second commit: it would hit the same full disk; what was being written is gone
-        progress.close()
-        try:
-            state.save(sink.stats, "failed")
-        except (DiskFull, OSError):
-            pass  # advisory, and the disk is full
+    except DiskFull:
+        _stop_on_full_disk(state, sink, progress)
         raise
     except EngineDied as e:
         _stop_with(sink, state, progress, "interrupted")
@@ -351,7 +347,11 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     except Exception:
         _stop_with(sink, state, progress, "failed")
         raise
-    sink.commit()
+    try:
+        sink.commit()
+    except DiskFull:
+        _stop_on_full_disk(state, sink, progress)
+        raise
     progress.close()
     if fail_fast.failure:
         state.save(sink.stats, "failed")
@@ -380,6 +380,16 @@ def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: s
     progress.close()
 
 
+def _stop_on_full_disk(state: ShardState, sink: PartSink, progress: Progress) -> None:
+    """Record the failure if the disk lets us; no second commit, which would hit the same full disk (what was
+    being written was removed; its rows are generated again on resume)."""
+    progress.close()
+    try:
+        state.save(sink.stats, "failed")
+    except (DiskFull, OSError):
+        pass  # advisory, and the disk is full
+
+
 def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, state: ShardState) -> int:
     committed = sink.stats
     rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
@@ -398,7 +408,7 @@ def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, stat
 
 def _write_success(outdir: str) -> None:
     path = os.path.join(outdir, SUCCESS)
-    with disk_full_named(path, then="every row is committed: `dspine-batch finalize` writes it once space is freed"):
+    with disk_full_named(path, then="every row is committed, only this marker is missing"):
         with open(path, "w") as f:
             f.flush()
             os.fsync(f.fileno())

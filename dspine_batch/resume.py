@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -40,6 +39,7 @@ from .sink import (
     file_checksum,
     fsync_dir,
     keys_path,
+    load_keys,
     read_record,
     record_part_name,
     record_path,
@@ -356,12 +356,9 @@ def load_done(outdir: str, tag: str, id_column: bool = True, on_damaged: str = "
         if check.problem is not None:
             continue
         info = check.info or {}
-        try:
-            sidecar = keys_path(outdir, os.path.basename(check.path))
-            hashes = np.load(sidecar) if os.path.exists(sidecar) else None
-        except (OSError, ValueError):
-            hashes = None  # a damaged key file only costs reading row_id
-        if hashes is not None and "rows" in info and len(hashes) == info["rows"]:
+        name = os.path.basename(check.path)
+        hashes = load_keys(outdir, name, info.get("rows"), read_record(outdir, name))  # None: read row_id
+        if hashes is not None:
             keys.add_many(hashes)
             rows += info["rows"]
             errors += info.get("error_rows", 0)

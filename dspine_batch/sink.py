@@ -81,15 +81,16 @@ def record_part_name(record_file: str) -> str:
     return PART_PREFIX + record_file.removeprefix("commit-").removesuffix(".json") + ".parquet"
 
 
-def _write_durably(path: str, write: Callable[[Any], None], binary: bool) -> None:
-    """temp + fsync + rename; on any failure the temp file is removed, and a full disk is named (``DiskFull``)."""
+def _write_durably(path: str, write: Callable[[Any], None], binary: bool, fsync: bool = True) -> None:
+    """temp (+ fsync) + rename; on any failure the temp file is removed, and a full disk is named (``DiskFull``)."""
     tmp = f"{path}.tmp"
     try:
         with disk_full_named(path, lambda: _size(tmp)):
             with open(tmp, "wb" if binary else "w") as f:
                 write(f)
-                f.flush()
-                os.fsync(f.fileno())
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)
@@ -118,9 +119,31 @@ def write_keys(outdir: str, name: str, keys: np.ndarray) -> None:
 
 
 def write_record(outdir: str, name: str, record: dict[str, Any]) -> None:
+    """No fsync (it cost ~10% of throughput at 1,000-row commits): a record lost or torn by a power cut only
+    makes its part "trusted by row count" like a part from before records existed; it can never drop rows."""
     path = record_path(outdir, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _write_durably(path, lambda f: json.dump(record, f, sort_keys=True), binary=False)
+    _write_durably(path, lambda f: json.dump(record, f, sort_keys=True), binary=False, fsync=False)
+
+
+def keys_checksum(keys: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(keys, dtype="<u8").view(np.uint8))
+
+
+def load_keys(outdir: str, name: str, rows: int | None, record: dict[str, Any] | None) -> np.ndarray | None:
+    """The part's key file when it can be trusted: present, ``rows`` long, and matching the crc32 in the commit
+    record (when there is one). A key file is only a cache of the part's row ids, but a wrong hash in it would
+    skip an unrelated row or redo a done one, so a doubtful one is ignored and ``row_id`` is read instead."""
+    path = keys_path(outdir, name)
+    try:
+        hashes = np.load(path) if os.path.exists(path) else None
+    except (OSError, ValueError):
+        return None
+    if hashes is None or rows is None or len(hashes) != rows:
+        return None
+    if record is not None and "keys_crc32" in record and keys_checksum(hashes) != record["keys_crc32"]:
+        return None
+    return hashes
 
 
 def read_record(outdir: str, name: str) -> dict[str, Any] | None:
@@ -190,8 +213,8 @@ def stage_part(outdir: str, name: str, table: pa.Table, keys: np.ndarray | None 
                   "bytes": w.size, CHECKSUM: w.crc, "committed_at": time.time()}
         if keys is not None:
             write_keys(outdir, name, keys)
+            record["keys_crc32"] = keys_checksum(keys)
         write_record(outdir, name, record)
-        fsync_dir(os.path.join(outdir, KEYS_DIR))
     except BaseException:
         unstage(outdir, name)
         raise

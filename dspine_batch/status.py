@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -28,12 +29,17 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
     checks = check_parts(outdir, None, checksum=verify)
     damaged = [{"path": c.path, "problem": c.problem} for c in checks if c.problem is not None]
     parts = [c for c in checks if c.problem is None]
-    for part in parts:
+    for part in list(parts):
         info = part.info or {}
         if "rows" in info:
             done, failed, outputs = done + info["rows"], failed + info.get("error_rows", 0), outputs + info["outputs"]
             continue
-        t = pq.read_table(part.path, columns=["row_id", "status"])
+        try:
+            t = pq.read_table(part.path, columns=["row_id", "status"])
+        except (pa.ArrowException, OSError, ValueError) as e:
+            damaged.append({"path": part.path, "problem": f"unreadable ({str(e).strip()[:160]})"})
+            parts.remove(part)
+            continue
         outputs += t.num_rows
         done += len(pc.unique(t.column("row_id")))
         failed += len(pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error"))))

@@ -170,6 +170,25 @@ def test_unreadable_row_ids_of_an_old_part_are_damage_too(tmp_path, capsys):
     _assert_same_as_reference(tmp_path, out)
 
 
+def test_altered_key_file_is_not_trusted(tmp_path):
+    """A key file is what the done-set is built from: one wrong hash would skip an unrelated row (lost) or redo a
+    done one (duplicated). Its crc32 is in the commit record; a mismatch falls back to reading row_id."""
+    from dspine_batch.keyset import key_hashes
+
+    args, out = _job(tmp_path)
+    name = os.path.basename(list_parts(str(out))[1].path)
+    keys = np.load(keys_path(str(out), name))
+    bogus = keys.copy()
+    bogus[0] = key_hashes(["r99999"])[0]  # a row that is not done, in place of one that is
+    np.save(keys_path(str(out), name), bogus)
+    done = load_done(str(out), TAG)
+    assert done.rows == N and done.damaged == 0
+    assert done.keys.contains_many(key_hashes([r["id"] for r in prompts(N)])).all()
+    assert not done.keys.contains_many(key_hashes(["r99999"])).any()
+    assert run_cli([*args, "-o", str(out)]) == 0
+    _assert_same_as_reference(tmp_path, out)
+
+
 def test_crash_mid_commit_is_not_mistaken_for_a_lost_part(tmp_path, capsys):
     """Staging file + key file + record, no part: an interrupted commit, silently discarded (as before)."""
     args, out = _job(tmp_path)
@@ -276,7 +295,14 @@ def test_enospc_mid_part_leaves_nothing_half_committed(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("needle", ["commit-", "keys-"])
 def test_edquot_on_a_sidecar_unstages_the_part(tmp_path, monkeypatch, needle):
-    _fail_fsync_for(monkeypatch, needle, errno.EDQUOT)
+    real = os.replace
+
+    def replace(a, b, *rest, **kw):
+        if needle in str(b):
+            raise _enospc(errno.EDQUOT)
+        return real(a, b, *rest, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
     name = "train-00000-of-00001-000000.parquet"
     with pytest.raises(DiskFull, match=rf"{needle}00000-of-00001-000000\.(json|npy): disk quota exceeded after"):
         write_part_atomically(str(tmp_path), name, pa.table({"x": [1, 2]}), np.arange(2, dtype=np.uint64))
