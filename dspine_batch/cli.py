@@ -105,7 +105,8 @@ sampling settings for their row (--no-row-params to ignore them).
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
 duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
-or bad data: running again would fail the same way).
+or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
+part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
 """
 
 

@@ -256,8 +256,11 @@ def check_parts(outdir: str, tag: str | None = None, checksum: bool = True) -> l
     zlib and file reads release the GIL."""
     keys_dir = os.path.join(outdir, KEYS_DIR)
     # records listed before parts: a commit landing in between then shows up as a part, never as "missing"
-    records = [record_part_name(n) for n in (os.listdir(keys_dir) if os.path.isdir(keys_dir) else [])
-               if n.startswith("commit-") and n.endswith(".json") and (tag is None or tag in n)]
+    records = []
+    for n in os.listdir(keys_dir) if os.path.isdir(keys_dir) else []:
+        m = PART_RE.match(record_part_name(n)) if n.startswith("commit-") and n.endswith(".json") else None
+        if m and (tag is None or m.group(1) == tag):
+            records.append(m.group(0))
     parts = list_parts(outdir, tag)
     workers = min(4, os.cpu_count() or 1, len(parts))
     if workers > 1 and checksum:

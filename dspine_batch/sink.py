@@ -6,7 +6,8 @@ Commit protocol (invariant: a part is committed iff it exists under its final na
   2. write the part's **key file** ``_dspine/keys/keys-{shard}-{seq}.npy`` (the 64-bit hashes of its row ids,
      so a resume loads its done-set without reading or hashing row ids) and its **commit record**
      ``_dspine/keys/commit-{shard}-{seq}.json`` (rows, outputs, bytes, crc32: what resume checks the part
-     against), each temp + fsync + rename, then fsync ``_dspine/keys``;
+     against), each temp + rename (the key file fsynced; the record not: a lost record only makes its part
+     "trusted by row count", see ``write_record``);
   3. rename the staging file to ``OUTDIR/{name}`` (atomic on POSIX), 4. fsync the directory.
 All samples of a row go into the same part, so "row_id present in a part" means "row done".
 A crash before 3 leaves a staging file (and maybe its sidecars), all removed on the next start; after 3 the

@@ -116,6 +116,24 @@ def test_damaged_part_is_moved_aside_and_regenerated(tmp_path, capsys, damage):
     assert "committed part" not in capsys.readouterr().err
 
 
+def test_each_shard_repairs_only_its_own_parts(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(N))
+    args = ["generate", str(src), *GEN]
+    out = tmp_path / "out"
+    for i in range(2):
+        assert run_cli([*args, "-o", str(tmp_path / "ref"), "--shard", f"{i}/2"]) == 0
+        assert run_cli([*args, "-o", str(out), "--shard", f"{i}/2"]) == 0
+    part = list_parts(str(out), "00001-of-00002")[0].path
+    os.unlink(part)
+    capsys.readouterr()
+    assert run_cli([*args, "-o", str(out), "--shard", "0/2"]) == 0
+    assert "committed part" not in capsys.readouterr().err  # not shard 0's part: left to shard 1
+    assert run_cli([*args, "-o", str(out), "--shard", "1/2"]) == 0
+    assert f"{part}: committed part is missing" in capsys.readouterr().err
+    _assert_same_as_reference(tmp_path, out)
+    assert run_cli(["finalize", str(out)]) == 0
+
+
 def test_on_damaged_part_fail_refuses_and_says_how_to_continue(tmp_path, capsys):
     args, out = _job(tmp_path)
     part = list_parts(str(out))[2].path
