@@ -422,6 +422,22 @@ def test_cli_disk_full_on_the_state_file_after_a_commit(tmp_path, monkeypatch, c
     _assert_same_as_reference(tmp_path, out)
 
 
+def test_disk_full_during_compaction_merges_nothing(tmp_path, monkeypatch, capsys):
+    args, out = _job(tmp_path)
+    before = sorted(os.listdir(out))
+    _disk_of(monkeypatch, 1000)
+    capsys.readouterr()
+    assert run_cli(["finalize", str(out), "--compact"]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"dspine-batch: error: {out}/train-00000-of-00001-000004.parquet: no space left")
+    assert sorted(os.listdir(out)) == before
+    assert not [n for n in os.listdir(out / KEYS_DIR) if "000004" in n]  # no sidecar of the merged part either
+    assert len(list_parts(str(out))) == 4 and all(c.problem is None for c in check_parts(str(out)))
+    monkeypatch.undo()
+    assert run_cli(["finalize", str(out), "--compact"]) == 0 and len(list_parts(str(out))) == 1
+    _assert_same_as_reference(tmp_path, out)
+
+
 def test_low_free_space_warns_before_the_model_loads(tmp_path, monkeypatch, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", prompts(5))
     monkeypatch.setattr(errors.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 20, 10 << 20, 100))
