@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from dspine_batch import __version__
-from dspine_batch.errors import EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
+from dspine_batch.errors import DISK_FULL_ERRNOS, EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
 from dspine_batch.pipeline.config import GenerateConfig, default, load_toml
 
 ENV = "DSPINE_BATCH_"
@@ -105,7 +105,8 @@ sampling settings for their row (--no-row-params to ignore them).
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
 duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
-or bad data: running again would fail the same way).
+or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
+part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
 """
 
 
@@ -164,6 +165,9 @@ def cli() -> None:
 @env_option("--on-error", type=click.Choice(["skip", "fail"]),
             help="Bad rows: write a status=error row, or stop the job.")
 @env_option("--max-error-rate", type=FiniteFloatRange(min=0, max=1), help="Exit 3 when errors exceed this.")
+@env_option("--on-damaged-part", type=click.Choice(["repair", "fail"]),
+            help="A committed part that is missing, truncated, unreadable or fails its checksum on resume: move it "
+                 "aside to OUTDIR/_dspine/damaged/ and generate its rows again, or stop (exit 1) and leave it.")
 @env_option("--resume/--no-resume", help="Continue a run found in OUTDIR.")
 @env_option("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
 @env_option("--commit-rows", type=click.IntRange(min=1), help="Commit a part after this many rows...")
@@ -197,8 +201,13 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
 @cli.command()
 @click.argument("outdir", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(outdir: str, as_json: bool) -> None:
+@click.option("--verify", is_flag=True,
+              help="Also compare every part's bytes with its commit record's checksum (reads all output).")
+def status(outdir: str, as_json: bool, verify: bool) -> None:
     """Done / failed / remaining rows, fingerprint and last commit time of OUTDIR (works while running).
+
+    Parts that are missing, truncated or unreadable (and with --verify, altered) are listed, one line each;
+    status only reads: the next generate or finalize moves them aside and regenerates their rows.
 
     \b
     Example:
@@ -206,7 +215,7 @@ def status(outdir: str, as_json: bool) -> None:
     """
     from dspine_batch.ops.status import format_status, read_status
 
-    st = read_status(outdir)
+    st = read_status(outdir, verify=verify)
     click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
 
@@ -239,10 +248,15 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
 @click.option("--compact", is_flag=True, help="Merge small parts into larger ones first.")
 @click.option("--target-rows", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Rows per compacted part.")
-def finalize(outdir: str, compact: bool, target_rows: int) -> int:
+@click.option("--on-damaged-part", type=click.Choice(["repair", "fail"]), default="repair", show_default=True,
+              envvar=ENV + "ON_DAMAGED_PART", show_envvar=True,
+              help="A part that is missing, truncated, unreadable or fails its checksum: move it aside (its rows "
+                   "are then reported missing: run generate again), or stop (exit 1) and leave it.")
+def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str) -> int:
     """Check that every input row x sample is in OUTDIR exactly once, then write _SUCCESS.
 
-    Run it after all shards finished. Exit 1 (and no _SUCCESS) when rows are missing or duplicated.
+    Run it after all shards finished. Every part is first checked against its commit record (size, crc32,
+    rows). Exit 1 (and no _SUCCESS) when rows are missing or duplicated.
 
     \b
     Example:
@@ -250,7 +264,7 @@ def finalize(outdir: str, compact: bool, target_rows: int) -> int:
     """
     from dspine_batch.ops.finalize import finalize as run_finalize
 
-    return run_finalize(outdir, compact, target_rows)
+    return run_finalize(outdir, compact, target_rows, on_damaged_part)
 
 
 SLURM_EXAMPLES = """
@@ -337,7 +351,12 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if debug:
             raise
-        print(f"dspine-batch: error: {e}", file=sys.stderr)
+        if e.errno in DISK_FULL_ERRNOS:  # a write no caller named: still one line, with the path when known
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"dspine-batch: error: {where}{e.strerror}; free space (or raise the quota) and run the same "
+                  "command again to resume", file=sys.stderr)
+        else:
+            print(f"dspine-batch: error: {e}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
     except Exception as e:  # a bug, or a setting the code did not foresee: running again would not help
         if debug:

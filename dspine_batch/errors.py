@@ -6,6 +6,12 @@ must always arrive here as one of these classes, never as a bare Python exceptio
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 EXIT_OK = 0
 EXIT_FATAL = 1
 EXIT_USAGE = 2
@@ -37,6 +43,51 @@ class FatalError(BatchError):
     """Unrecoverable failure (engine load, disk full, --on-error fail tripped)."""
 
     exit_code = EXIT_FATAL
+
+
+class DiskFull(FatalError):
+    """ENOSPC or EDQUOT while writing output, the manifest, the lock or the state file. Exit 1, not 75:
+    running again before space is freed fails the same way (a requeue loop would spin); once it is freed, the
+    same command resumes, because whatever was being written when the disk filled was never committed."""
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # unreachable
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent), None when unknown."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None
+
+
+@contextmanager
+def disk_full_named(path: str, written: Callable[[], int] = lambda: 0, then: str = "") -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT inside the block into one ``DiskFull`` line naming ``path`` and how much of it was
+    written (a bare "[Errno 28] No space left on device" names neither). Other errors pass unchanged.
+    ``then`` says what became of the write, e.g. "the part was not committed"."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL_ERRNOS:
+            raise
+        what = "disk quota exceeded" if e.errno == errno.EDQUOT else "no space left on device"
+        free = free_bytes(os.path.dirname(path) or ".")
+        room = f", {human_bytes(free)} free" if free is not None else ""
+        then = f"; {then}" if then else ""
+        raise DiskFull(f"{path}: {what} after writing {human_bytes(written())}{room}{then}; free space (or raise "
+                       "the quota) and run the same command again to resume") from e
 
 
 class EngineDied(Exception):

@@ -20,7 +20,7 @@ from dspine_batch.pipeline.job import _write_success, log
 from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import read_manifest
 from dspine_batch.pipeline.mapping import RowIds
-from dspine_batch.pipeline.resume import Lock, list_parts, read_state, remove_staging
+from dspine_batch.pipeline.resume import Lock, list_parts, read_state, remove_staging, verify_parts
 from dspine_batch.pipeline.shard import shard_tag
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
 
@@ -94,7 +94,7 @@ def audit(outdir: str, manifest: dict) -> list[str]:
     return problems
 
 
-def finalize(outdir: str, compact: bool, target_rows: int) -> int:
+def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "repair") -> int:
     manifest = read_manifest(outdir)
     if manifest is None:
         raise UsageError(f"{outdir}: no _manifest.json (not a dspine-batch output)")
@@ -105,6 +105,8 @@ def finalize(outdir: str, compact: bool, target_rows: int) -> int:
             locks.append(Lock(outdir, shard_tag(i, shards)).acquire())  # no shard may run meanwhile
         compaction.recover(outdir)
         remove_staging(outdir)
+        good = verify_parts(outdir, None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
+        log(f"checked {len(good)} part(s) against their commit records")
         if compact:
             merged = compaction.compact(outdir, target_rows)
             log(f"compacted {merged} parts into {len(list_parts(outdir))}")

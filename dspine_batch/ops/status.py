@@ -12,23 +12,34 @@ import os
 import time
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspine_batch.pipeline.manifest import read_manifest
-from dspine_batch.pipeline.resume import STATE_DIR, held_locks, list_parts, part_info
+from dspine_batch.pipeline.resume import STATE_DIR, check_parts, held_locks
 
 
-def read_status(outdir: str) -> dict[str, Any]:
+def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
+    """Counts from the parts that pass their check: size and footer against the commit record (cheap: status
+    stays fast on big outputs), plus the crc32 of every part's bytes with ``verify``. Damaged parts are only
+    listed: status runs next to live writers without their lock, so it never moves files."""
     manifest = read_manifest(outdir) or {}
     done = failed = outputs = 0
-    parts = list_parts(outdir)
-    for part in parts:
-        info = part_info(part.path)  # footer only: status stays cheap on big outputs
+    checks = check_parts(outdir, None, checksum=verify)
+    damaged = [{"path": c.path, "problem": c.problem} for c in checks if c.problem is not None]
+    parts = [c for c in checks if c.problem is None]
+    for part in list(parts):
+        info = part.info or {}
         if "rows" in info:
             done, failed, outputs = done + info["rows"], failed + info.get("error_rows", 0), outputs + info["outputs"]
             continue
-        t = pq.read_table(part.path, columns=["row_id", "status"])
+        try:
+            t = pq.read_table(part.path, columns=["row_id", "status"])
+        except (pa.ArrowException, OSError, ValueError) as e:
+            damaged.append({"path": part.path, "problem": f"unreadable ({str(e).strip()[:160]})"})
+            parts.remove(part)
+            continue
         outputs += t.num_rows
         done += len(pc.unique(t.column("row_id")))
         failed += len(pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error"))))
@@ -55,9 +66,10 @@ def read_status(outdir: str) -> dict[str, Any]:
             "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
             "output_rows": outputs, "parts": len(parts),
             "rows_remaining": (total - done) if all_done else None,
-            "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")),
+            "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")) and not damaged,
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
-            "shards": shards, "shards_not_started": missing}
+            "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,
+            "parts_verified": sum(c.verified for c in parts) if verify else None}
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -74,6 +86,9 @@ def format_status(st: dict[str, Any]) -> str:
         slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
         lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
                      f"{slurm}")
+    for d in st.get("damaged_parts") or ():
+        lines.append(f"  damaged: {d['path']}: {d['problem']}; the next generate (or finalize) of this output moves "
+                     "it aside and generates its rows again")
     if st.get("shards_not_started"):
         lines.append(f"  shards not started yet: {', '.join(st['shards_not_started'])}")
     return "\n".join(lines)

@@ -14,8 +14,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dspine_batch.errors import disk_full_named
 from dspine_batch.pipeline.resume import STATE_DIR, list_parts, part_info
-from dspine_batch.pipeline.sink import fsync_dir, keys_path, part_name, staging_name, write_keys
+from dspine_batch.pipeline.sink import (
+    fsync_dir,
+    keys_path,
+    load_keys,
+    part_name,
+    read_record,
+    record_path,
+    stage_part,
+    staging_name,
+    unstage,
+)
 
 JOURNAL = "compact.json"
 
@@ -32,8 +43,8 @@ def recover(outdir: str) -> None:
         os.rename(staged, new)
         fsync_dir(outdir)
     if os.path.exists(new):
-        for old in j["old"]:
-            for p in (os.path.join(outdir, old), keys_path(outdir, old)):
+        for old in j["old"]:  # record first (see sink.unstage): a record without its part reads as "lost"
+            for p in (record_path(outdir, old), os.path.join(outdir, old), keys_path(outdir, old)):
                 if os.path.exists(p):
                     os.unlink(p)
         fsync_dir(outdir)
@@ -73,18 +84,24 @@ def _merge(outdir: str, group: list, name: str) -> None:
                   compacted_from=[os.path.basename(p.path) for p in group])
     meta[b"dspine_batch.part"] = json.dumps(merged).encode()
     table = table.replace_schema_metadata(meta)
-    sidecars = [keys_path(outdir, os.path.basename(p.path)) for p in group]
-    if all(os.path.exists(k) for k in sidecars):
-        write_keys(outdir, name, np.concatenate([np.load(k) for k in sidecars]))
-    staged = os.path.join(outdir, staging_name(name))
-    with open(staged, "wb") as f:
-        pq.write_table(table, f, compression="zstd", row_group_size=256 * 1024)
-        f.flush()
-        os.fsync(f.fileno())
+    names = [os.path.basename(p.path) for p in group]
+    parts_keys = [load_keys(outdir, n, i.get("rows"), read_record(outdir, n))
+                  for n, i in zip(names, infos, strict=True)]
+    # the merged key file only from key files that check out: a doubtful one must not be blessed by a new record
+    keys = None if any(k is None for k in parts_keys) else np.concatenate(parts_keys)
+    stage_part(outdir, name, table, keys, rows=merged["rows"])  # with a fresh commit record for the merged bytes
     journal = os.path.join(outdir, STATE_DIR, JOURNAL)
-    with open(journal + ".tmp", "w") as f:
-        json.dump({"new": name, "old": [os.path.basename(p.path) for p in group]}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(journal + ".tmp", journal)
+    try:
+        with disk_full_named(journal, then="nothing was merged"):
+            with open(journal + ".tmp", "w") as f:
+                json.dump({"new": name, "old": [os.path.basename(p.path) for p in group]}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(journal + ".tmp", journal)
+    except BaseException:
+        for path in (journal + ".tmp", journal):
+            if os.path.exists(path):
+                os.unlink(path)
+        unstage(outdir, name)
+        raise
     recover(outdir)

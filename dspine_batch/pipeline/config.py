@@ -43,6 +43,7 @@ class GenerateConfig:
     max_in_flight: int = 64
     shard: str | None = None
     on_error: str = "skip"
+    on_damaged_part: str = "repair"  # a committed part failing its check on resume: move aside + regenerate, or fail
     max_error_rate: float = 0.05
     resume: bool = True
     overwrite: bool = False

@@ -30,10 +30,14 @@ from dspine_batch.errors import (
     EXIT_ERROR_BUDGET,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    DiskFull,
     EngineDied,
     FatalError,
     Interrupted,
     UsageError,
+    disk_full_named,
+    free_bytes,
+    human_bytes,
 )
 from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
@@ -211,6 +215,7 @@ def generate(cfg: GenerateConfig) -> int:
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
         log(f"{found}; output -> {job.outdir}")
+        _check_free_space(job, total)
         t0 = time.monotonic()
         log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft})")
         engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
@@ -238,6 +243,31 @@ def _check_previous_run(job: Job) -> None:
         log(f"--overwrite: removed the previous run in {job.outdir}")
     elif not job.cfg.resume:
         raise UsageError(f"{job.outdir} holds a run; use --resume to continue it or --overwrite to start over")
+
+
+BYTES_PER_TOKEN = 2.0  # compressed output text (zstd, ~4 characters a token); token ids add 4 more before zstd
+BYTES_PER_OUTPUT_ROW = 100  # the other columns, compressed
+
+
+def _check_free_space(job: Job, total: int | None) -> None:
+    """Before the model loads: warn (never refuse) when the output filesystem has less free space than a rough
+    upper bound of what the run writes, rows x samples x max_new_tokens x ~2 bytes. Committed rows are not
+    subtracted (they are not known before the fingerprint check), so on a resume it errs on the safe side.
+    Without a row count (JSONL, shards) only the input size is known: rows ~ input bytes / 200."""
+    cfg = job.cfg
+    free = free_bytes(job.outdir)
+    if free is None:
+        return
+    if total is None:
+        rows = sum(os.path.getsize(p) for inp in job.files for p in inp.content_files()) // 200 // job.shard[1]
+    else:
+        rows = total
+    per_token = BYTES_PER_TOKEN + (4.0 if cfg.save_token_ids else 0.0)
+    need = int(rows * cfg.num_samples * (cfg.max_new_tokens * per_token + BYTES_PER_OUTPUT_ROW))
+    if free < need:
+        log(f"warning: {job.outdir}: {human_bytes(free)} free, this run may write up to ~{human_bytes(need)} "
+            f"(~{rows:,} rows x {cfg.num_samples} sample(s) x {cfg.max_new_tokens} tokens); if the disk fills it "
+            "stops with exit 1, committed rows kept, and the same command resumes once space is freed")
 
 
 def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bool:
@@ -288,10 +318,12 @@ def _open_output(job: Job, engine: Engine, use_chat: bool) -> tuple[Any, dict[st
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": _manifest_meta(manifest)})
     removed = remove_staging(outdir, job.tag)
     t0 = time.monotonic()
-    done = load_done(outdir, job.tag, id_column=columns.id is not None)
-    if done.rows or removed:
-        log(f"resuming: {done.rows:,} rows already committed in {done.next_seq} parts "
-            f"({time.monotonic() - t0:.2f}s); {removed} unfinished staging file(s) discarded")
+    done = load_done(outdir, job.tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=log)
+    if done.rows or removed or done.damaged:
+        damaged = f"; {done.damaged} damaged part(s) moved aside, their rows are generated again" \
+            if done.damaged else ""
+        log(f"resuming: {done.rows:,} rows already committed in {done.next_seq} parts, checked "
+            f"({time.monotonic() - t0:.2f}s); {removed} unfinished staging file(s) discarded{damaged}")
     return schema, manifest, done
 
 
@@ -316,6 +348,9 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
         _stream(job, engine, selector, fail_fast, sink, progress, shutdown)
     except Interrupted:
         interrupted = True
+    except DiskFull:
+        _stop_on_full_disk(state, sink, progress)
+        raise
     except EngineDied as e:
         _stop_with(sink, state, progress, "interrupted")
         log(f"the engine died: {str(e)[:300]}; finished rows are committed; run the same command again to resume")
@@ -323,7 +358,11 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     except Exception:
         _stop_with(sink, state, progress, "failed")
         raise
-    sink.commit()
+    try:
+        sink.commit()
+    except DiskFull:
+        _stop_on_full_disk(state, sink, progress)
+        raise
     progress.close()
     if fail_fast.failure:
         state.save(sink.stats, "failed")
@@ -352,6 +391,16 @@ def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: s
     progress.close()
 
 
+def _stop_on_full_disk(state: ShardState, sink: PartSink, progress: Progress) -> None:
+    """Record the failure if the disk lets us; no second commit, which would hit the same full disk (what was
+    being written was removed; its rows are generated again on resume)."""
+    progress.close()
+    try:
+        state.save(sink.stats, "failed")
+    except (DiskFull, OSError):
+        pass  # advisory, and the disk is full
+
+
 def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, state: ShardState) -> int:
     committed = sink.stats
     rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
@@ -370,10 +419,11 @@ def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, stat
 
 def _write_success(outdir: str) -> None:
     path = os.path.join(outdir, SUCCESS)
-    with open(path, "w") as f:
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(outdir)
+    with disk_full_named(path, then="every row is committed, only this marker is missing"):
+        with open(path, "w") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(outdir)
 
 
 def _manifest_meta(manifest: dict) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from dspine_batch import __version__
 from dspine_batch.digest import content_digest
-from dspine_batch.errors import FingerprintMismatch, UsageError
+from dspine_batch.errors import FingerprintMismatch, UsageError, disk_full_named
 from dspine_batch.pipeline.sources import InputFile
 
 MANIFEST = "_manifest.json"
@@ -110,17 +110,21 @@ def create_or_check(outdir: str, manifest: dict[str, Any]) -> dict[str, Any]:
     existing = read_manifest(outdir)
     if existing is None:
         tmp = os.path.join(outdir, f".{MANIFEST}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
+        path = os.path.join(outdir, MANIFEST)
         try:
-            os.link(tmp, os.path.join(outdir, MANIFEST))  # fails if it exists: create-if-absent
+            with disk_full_named(path, lambda: os.path.getsize(tmp) if os.path.exists(tmp) else 0,
+                                 "no manifest was created"):
+                with open(tmp, "w") as f:
+                    json.dump(manifest, f, indent=2, sort_keys=True, default=str)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)  # fails if it exists: create-if-absent
             return manifest
         except FileExistsError:
             existing = read_manifest(outdir)
         finally:
-            os.unlink(tmp)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     assert existing is not None
     if existing.get("fingerprint") != manifest["fingerprint"]:
         changes = diff(existing.get("fingerprint_fields", {}), manifest["fingerprint_fields"]) or ["(unknown)"]

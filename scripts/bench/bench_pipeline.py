@@ -81,7 +81,7 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
     err = p.stderr.read()
     if p.returncode != 0:
         raise SystemExit(f"dspine-batch failed ({p.returncode}):\n{err}")
-    m = re.search(r"already committed in \d+ parts \(([\d.]+)s\)", err)
+    m = re.search(r"already committed in \d+ parts(?:, checked)? \(([\d.]+)s\)", err)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (usage.ru_utime - cpu0.ru_utime) + (usage.ru_stime - cpu0.ru_stime)
     return {"wall_s": wall, "cpu_s": cpu, "rss_samples_mb": samples, "peak_rss_mb_children": usage.ru_maxrss / 1024,
@@ -124,6 +124,10 @@ def main() -> None:
         run([str(small)], out)
         last = sorted(n for n in os.listdir(out) if n.endswith(".parquet"))[-1]
         os.unlink(out / last)
+        stem = last.removeprefix("train-").removesuffix(".parquet")  # and its sidecars: as if never committed
+        for sidecar in (f"keys-{stem}.npy", f"commit-{stem}.json"):
+            if (out / "_dspine" / "keys" / sidecar).exists():
+                (out / "_dspine" / "keys" / sidecar).unlink()
         (out / "_SUCCESS").unlink()
         parts_left = len([n for n in os.listdir(out) if n.endswith(".parquet")])
         r = run([str(small)], out, watch_parts=parts_left, commit_rows=1000)  # first new part: 1000 rows

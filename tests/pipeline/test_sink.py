@@ -51,16 +51,17 @@ def test_time_based_commit(tmp_path):
 
 
 def test_commit_is_atomic(tmp_path, monkeypatch):
-    """A failure before the rename leaves only a hidden staging file; nothing visible, nothing partial."""
+    """A failure before the rename leaves nothing: no visible part, no staging file, no key file or record."""
     table = pa.table({"x": [1, 2]})
 
     def boom(*a):
-        raise OSError("disk full")
+        raise OSError("rename failed")
 
     monkeypatch.setattr(os, "rename", boom)
     with pytest.raises(OSError):
         write_part_atomically(str(tmp_path), "part-x.parquet", table)
-    assert os.listdir(tmp_path) == [staging_name("part-x.parquet")]
+    assert staging_name("part-x.parquet") not in os.listdir(tmp_path)
+    assert os.listdir(tmp_path / "_dspine" / "keys") == []
     assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
     monkeypatch.undo()
     write_part_atomically(str(tmp_path), "part-x.parquet", table)
