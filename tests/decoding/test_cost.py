@@ -48,3 +48,21 @@ def test_calibration_is_cached_per_identity(pair, tmp_path, monkeypatch):
     assert cost_mod.load_or_calibrate(target, draft, 2, 4, ident) == first
     with pytest.raises(AssertionError, match="recalibrated"):  # another model identity is another entry
         cost_mod.load_or_calibrate(target, draft, 2, 4, {"model": "other"})
+
+
+def test_disturbed_timings_are_made_monotone():
+    """A corner timed during someone else's burst must not make a wider or taller shape look cheaper."""
+    from dspine.decoding.cost import Grid, _monotone
+
+    g = _monotone(Grid((1, 8), (1, 4, 17), ((0.052, 0.0007, 0.0008), (0.001, 0.021, 0.145))))
+    assert g.s == ((0.052, 0.052, 0.052), (0.052, 0.052, 0.145))
+    assert g(8, 17) >= g(8, 4) >= g(1, 4) and g(1, 17) >= g(1, 1)
+
+
+def test_three_width_grid_is_piecewise_linear_in_tokens():
+    from dspine.decoding.cost import CostModel, Grid
+
+    g = Grid((1, 2), (1, 3, 17), ((1.0, 1.2, 2.6), (1.0, 1.2, 2.6)))
+    assert g(1, 2) == pytest.approx(1.1) and g(1, 10) == pytest.approx(1.9) and g(1, 21) == pytest.approx(3.0)
+    back = CostModel.from_json(CostModel(g, None).to_json())
+    assert back.target == g

@@ -103,7 +103,7 @@ def test_cost_aware_verification_is_the_default(tiny, tmp_path):
 
 def test_rows_stream_back_as_they_finish(tiny):
     """A short request is handed back before a long one that started with it; admission stays lazy."""
-    eng = reference_engine(tiny, batch_size="2")
+    eng = reference_engine(tiny, batch_size="2", proposers="dspine")  # suffix jumps would reorder the long rows
     reqs = chat_requests(eng, n=4)
     for r, m in zip(reqs, [40, 2, 40, 2]):
         r.params = SamplingParams(max_new_tokens=m, stop_token_ids=())
@@ -239,3 +239,50 @@ def test_embedded_model_end_to_end(tmp_path, monkeypatch):
     assert e.value.code == 0
     (row,) = read_output(tmp_path / "out")
     assert row["status"] == "ok" and row["output"] and row["completion_tokens"] <= 8
+
+
+def test_proposers_auto_is_the_default_and_reports_stats_by_source(tiny):
+    """Default proposers=auto: greedy tokens equal plain decoding's; every verify step is either the draft's or a
+    suffix match's, and the by-source columns add up to the totals; ``--draft none`` speculates with nothing."""
+    eng = reference_engine(tiny, batch_size="3")
+    assert eng.proposers == "auto" and eng.identity()["proposers"] == "auto"
+    reqs = chat_requests(eng, n=5)
+    for r in reqs:
+        r.params = SamplingParams(max_new_tokens=24, stop_token_ids=())
+    got = sorted(eng.run(iter(reqs), 8), key=lambda r: r.row_id)
+    plain = sorted(reference_engine(tiny, draft=False).run(iter(reqs), 8), key=lambda r: r.row_id)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    for r in got:
+        assert r.verify_steps == r.dspine_verify_steps + r.suffix_verify_steps
+        assert r.draft_tokens_proposed == r.dspine_tokens_proposed + r.suffix_tokens_proposed
+        assert r.draft_tokens_accepted == r.dspine_tokens_accepted + r.suffix_tokens_accepted
+    assert sum(r.suffix_tokens_accepted for r in got) > 0  # the tiny model repeats itself: suffix matches pay
+    assert all(r.verify_steps is None and r.suffix_verify_steps is None for r in plain)
+    assert reference_engine(tiny, draft=False).proposers is None
+
+
+@pytest.mark.parametrize("args,msg", [
+    ({"proposers": "ngram"}, "proposers=ngram: expected one of auto, dspine, suffix"),
+    ({"proposers": "suffix", "verify": "fixed"}, "proposers=suffix needs verify=cost"),
+    ({"suffix_max": "0"}, "suffix_max=0: expected 1..64"),
+    ({"suffix_cap": "0"}, "suffix_cap=0: expected a positive token count"),
+])
+def test_proposer_args_are_checked_before_loading(tiny, args, msg):
+    from dspine_batch.errors import UsageError
+
+    with pytest.raises(UsageError, match=msg):
+        reference_engine(tiny, **args)
+
+
+def test_suffix_only_and_dspine_only(tiny):
+    """proposers=suffix never runs the draft; proposers=dspine never proposes a suffix; both lossless."""
+    eng_s = reference_engine(tiny, proposers="suffix", suffix_max="8")
+    eng_d = reference_engine(tiny, proposers="dspine")
+    reqs = chat_requests(eng_s, n=3)
+    for r in reqs:
+        r.params = SamplingParams(max_new_tokens=20, stop_token_ids=())
+    s = sorted(eng_s.run(iter(reqs), 8), key=lambda r: r.row_id)
+    d = sorted(eng_d.run(iter(reqs), 8), key=lambda r: r.row_id)
+    assert [r.token_ids for r in s] == [r.token_ids for r in d]
+    assert all(r.dspine_verify_steps == 0 for r in s) and all(r.suffix_verify_steps == 0 for r in d)
+    assert "proposers" not in eng_d.identity()  # the old loop's fingerprint is unchanged

@@ -61,3 +61,40 @@ def test_status(outdir, capsys):
     capsys.readouterr()
     assert run_cli(["status", str(outdir)]) == 0
     assert "done 40  failed 2  remaining 0" in capsys.readouterr().out
+
+
+def test_report_shows_the_speculation_by_source(tiny, tmp_path, capsys):
+    """The reference engine (proposers=auto) on the tiny pair, through the whole CLI: the parts carry the stats
+    by source, they add up to the totals, and the report prints a line per source."""
+    from dspine_batch.cli import main
+    from dspine_batch.engines.reference import ReferenceEngine
+    from dspine_batch.engines.registry import engines_replaced
+
+    model, draft = tiny
+
+    def tiny_engine(_model, _draft, args):
+        return ReferenceEngine.load(str(model), str(draft), args)
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": "say it again: " + "la " * (i + 2)}
+                                             for i in range(4)])
+    out = tmp_path / "out"
+    with engines_replaced(tiny_engine):
+        try:
+            main(["generate", str(src), "-o", str(out), "--max-new-tokens", "24", "--progress", "none"])
+        except SystemExit as e:
+            assert not e.code
+    t = ds.dataset(str(out), format="parquet").to_table().to_pylist()
+    assert len(t) == 4
+    for r in t:
+        assert r["verify_steps"] == r["dspine_verify_steps"] + r["suffix_verify_steps"]
+        assert r["draft_tokens_accepted"] == r["dspine_tokens_accepted"] + r["suffix_tokens_accepted"]
+    s = summarize(str(out))
+    assert s["by_source"]["suffix"]["tokens_accepted"] == sum(r["suffix_tokens_accepted"] for r in t) > 0
+    capsys.readouterr()
+    assert main_report(str(out)) == 0
+    text = capsys.readouterr().out
+    assert "suffix " in text and "verify steps" in text
+
+
+def main_report(outdir: str) -> int:
+    return run_cli(["report", outdir])
