@@ -159,7 +159,12 @@ def cli() -> None:
                  "step; fixed: always the whole block), "
                  "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
                  "accept_prior (per-slot acceptance assumed before a row has evidence), "
-                 "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4).")
+                 "dtype (float32, bfloat16, auto = bf16 where the CPU has it natively), quant (none, int8, int4), "
+                 "proposers (auto: per row and round the draft's block or a suffix match over the prompt, the "
+                 "row's own output, its --num-samples siblings and finished rows; dspine: the draft only; "
+                 "suffix: suffix matches only; --draft none: no speculation at all), suffix_max (tokens a suffix "
+                 "proposal may hold, default 16), suffix_cap (finished-output tokens kept for suffix matches, "
+                 "oldest dropped first; default 262144, ~130 MB).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
 @env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @env_option("--on-error", type=click.Choice(["skip", "fail"]),

@@ -32,18 +32,25 @@ MAX_CALIBRATION_ROWS = 32  # beyond this the cost is extrapolated linearly in ro
 
 @dataclass(frozen=True)
 class Grid:
-    """Seconds measured at rows in {r0, r1} x tokens in {t0, t1}: ``s[i][j]`` at (rows_i, tokens_j)."""
+    """Seconds measured at rows in {r0, r1} x tokens in {t0, t1[, t2]}: ``s[i][j]`` at (rows_i, tokens_j).
+
+    Bilinear between the corners; in tokens piecewise linear over the measured points (a third point, when
+    measured, covers verifies longer than the draft's block: suffix proposals)."""
 
     rows: tuple[int, int]
-    tokens: tuple[int, int]
-    s: tuple[tuple[float, float], tuple[float, float]]
+    tokens: tuple[int, ...]
+    s: tuple[tuple[float, ...], tuple[float, ...]]
 
     def __call__(self, rows: int, tokens: int) -> float:
         def frac(x: float, lo: int, hi: int) -> float:
             return 0.0 if hi == lo else (x - lo) / (hi - lo)
 
-        fr, ft = frac(rows, *self.rows), frac(tokens, *self.tokens)
-        (a, b), (c, d) = self.s
+        j = 0
+        while j + 2 < len(self.tokens) and tokens > self.tokens[j + 1]:
+            j += 1  # the segment [tokens[j], tokens[j+1]] holding ``tokens`` (or extrapolated from the last one)
+        fr, ft = frac(rows, *self.rows), frac(tokens, self.tokens[j], self.tokens[j + 1])
+        a, b = self.s[0][j], self.s[0][j + 1]
+        c, d = self.s[1][j], self.s[1][j + 1]
         low = a + (b - a) * ft
         high = c + (d - c) * ft
         return max(1e-6, low + (high - low) * fr)
@@ -79,7 +86,7 @@ class CostModel:
             if g is None:
                 return None
             s = g["s"]
-            return Grid(tuple(g["rows"]), tuple(g["tokens"]), ((s[0][0], s[0][1]), (s[1][0], s[1][1])))
+            return Grid(tuple(g["rows"]), tuple(g["tokens"]), (tuple(s[0]), tuple(s[1])))
 
         return CostModel(grid(d["target"]), grid(d.get("draft")))
 
@@ -109,12 +116,15 @@ def _best_of(fn, reps: int, budget_s: float) -> float:
 
 
 @torch.no_grad()
-def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budget_s: float = 2.0) -> CostModel:
-    """Time the target forward (speculative, with taps and logits) and the draft proposal at the corners."""
+def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budget_s: float = 2.0,
+              long_tokens: int | None = None) -> CostModel:
+    """Time the target forward (speculative, with taps and logits) and the draft proposal at the corners;
+    ``long_tokens`` adds a third token count for the target (the longest suffix verify)."""
     dev = target.device
     R = max(1, min(int(max_rows), MAX_CALIBRATION_ROWS))
     T = max(2, int(block_size))
-    C = CALIBRATION_CONTEXT
+    widths = (1, T) if not long_tokens or long_tokens <= T else (1, T, int(long_tokens))
+    C = max(CALIBRATION_CONTEXT, widths[-1])
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, target.vocab_size, (R, C), generator=g).to(dev)
     taps = tuple(draft.target_layer_ids) if draft is not None else ()
@@ -126,7 +136,7 @@ def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budg
         out = target.forward(ctx[:n], cache, taps=taps)
         return cache, out
 
-    caches = {n: fresh(n, C + 8 * T * (reps + 2))[0] for n in set(rows)}
+    caches = {n: fresh(n, C + 8 * widths[-1] * (reps + 2))[0] for n in set(rows)}
 
     def target_step(n: int, t: int):
         cache = caches[n]
@@ -135,8 +145,8 @@ def calibrate(target, draft, max_rows: int, block_size: int, reps: int = 3, budg
         target.logits(out.hidden)
         target.commit(cache, torch.ones(n, dtype=torch.long, device=dev))
 
-    tgt = Grid(rows, (1, T), tuple(tuple(_best_of(lambda n=n, t=t: target_step(n, t), reps, per)  # type: ignore[misc]
-                                         for t in (1, T)) for n in rows))
+    tgt = Grid(rows, widths, tuple(tuple(_best_of(lambda n=n, t=t: target_step(n, t), reps, per)  # type: ignore[misc]
+                                         for t in widths) for n in rows))
     if draft is None:
         return CostModel(tgt, None)
     dcaches = {}
@@ -172,7 +182,7 @@ def _code_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
+def cache_key(identity: dict, target, max_rows: int, block_size: int, long_tokens: int | None = None) -> str:
     """Everything the measured times depend on: models, CPU, threads, dtype, kernels, our code, the shape."""
     key = {
         "identity": identity,
@@ -182,6 +192,7 @@ def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
         "device": str(target.device),
         "rows": max(1, min(int(max_rows), MAX_CALIBRATION_ROWS)),
         "block": int(block_size),
+        "long": int(long_tokens or 0),
         "torch": torch.__version__,
         "kernel": getattr(target, "kernel", "torch"),
         "code": _code_version(),
@@ -189,17 +200,18 @@ def cache_key(identity: dict, target, max_rows: int, block_size: int) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: dict | None = None) -> CostModel:
+def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: dict | None = None,
+                      long_tokens: int | None = None) -> CostModel:
     """The cached model for this key, else a fresh calibration (written to the cache when ``identity`` is given;
     without one there is no safe key, so nothing is written)."""
     path = None
     if identity is not None:
-        path = cache_dir() / f"{cache_key(identity, target, max_rows, block_size)}.json"
+        path = cache_dir() / f"{cache_key(identity, target, max_rows, block_size, long_tokens)}.json"
         try:
             return CostModel.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             pass
-    model = calibrate(target, draft, max_rows, block_size)
+    model = calibrate(target, draft, max_rows, block_size, long_tokens=long_tokens)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

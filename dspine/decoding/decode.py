@@ -48,12 +48,17 @@ from dspine.decoding.sampling import (
     sample_from,
     target_probs,
 )
-from dspine.decoding.schedule import History, plan
+from dspine.decoding.schedule import DRAFT, SUFFIX, History, plan, plan_sources
+from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL, SuffixSource
 from dspine.decoding.verify import accept, check_rows
 from dspine.models.cache import ModelCache
 from dspine.models.target import Target
 
 VERIFY_MODES = ("cost", "fixed")
+PROPOSERS = ("dspine", "suffix", "auto")  # auto: both, chosen per row and round
+SUFFIX_PRIOR = 0.5  # per-token acceptance assumed for a row's suffix proposals before it has evidence
+SUFFIX_PRIOR_WEIGHT = 4.0  # in pseudo-tokens
+AGREEMENT_WEIGHT = 2.0  # pseudo-occurrences behind a proposed token's corpus agreement (count, same)
 
 
 @dataclass
@@ -75,6 +80,13 @@ class SpecStats:
     round_tokens: int = 0  # tokens committed by verify rounds (≤ accepted + rounds; less after truncation)
     accept_histogram: list[int] = field(default_factory=list)  # index j = verify rounds that accepted j drafts
     plain_steps: int = 0  # rounds with ℓ = 0
+    # the same counts by source (``schedule.SOURCE_NAMES``): the DSpine draft's block, or a suffix proposal
+    dspine_steps: int = 0
+    dspine_proposed: int = 0
+    dspine_accepted: int = 0
+    suffix_steps: int = 0
+    suffix_proposed: int = 0
+    suffix_accepted: int = 0
 
     @property
     def accept_length(self) -> float:
@@ -108,6 +120,9 @@ class _Row:
         self.stop = set(sp.stop_token_ids)
         self.t0 = time.perf_counter()
         self.t1 = 0.0
+        self.fed = 0  # tokens the suffix source has been given
+        self.sfx_trials = 0.0  # suffix tokens verified (reached) and accepted: this row's own acceptance evidence
+        self.sfx_hits = 0.0
 
     def push(self, new: list[int]) -> int:
         """Append tokens, truncating at a stop token or max_new_tokens; returns how many were kept."""
@@ -155,42 +170,61 @@ class _Batch:
     cache: ModelCache
     dcache: ModelCache | None
     hist: History | None
-    # taps of tokens committed by plain steps, not yet in the draft's context: [B, 1, D] per step. The draft
-    # catches up in one batched call when it next runs (``catch_up``) instead of once per plain step.
-    pending: list[torch.Tensor] = field(default_factory=list)
+    # taps of tokens committed in rounds the draft did not run, not yet in its context: (taps [B, T, D], n [B])
+    # per round, row b's first n[b] valid. The draft catches up in one call when it next runs (``catch_up``),
+    # so rounds without the draft (plain steps, suffix rounds) pay no draft upkeep.
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def catch_up(self, draft) -> None:
         """Append the pending context rows to the draft cache (one forward over all of them)."""
-        if self.pending:
-            taps = torch.cat(self.pending, dim=1)
-            draft.extend_context(self.dcache, taps, torch.full((taps.shape[0],), taps.shape[1], dtype=torch.long))
-            self.pending = []
+        if not self.pending:
+            return
+        if len(self.pending) == 1:
+            taps, n = self.pending[0]
+        else:  # pack each row's valid taps contiguously: [B, Σ n, D]
+            ns = torch.stack([n for _, n in self.pending], dim=1)  # [B, chunks]
+            total = ns.sum(1)
+            B, D = ns.shape[0], self.pending[0][0].shape[-1]
+            taps = self.pending[0][0].new_zeros(B, int(total.max()), D)
+            offset = torch.zeros(B, dtype=torch.long)
+            for t, n in self.pending:
+                j = torch.arange(t.shape[1])[None, :].expand(B, -1)
+                valid = j < n[:, None]
+                b_idx = torch.arange(B)[:, None].expand_as(j)
+                taps[b_idx[valid], (offset[:, None] + j)[valid]] = t[valid]
+                offset += n
+            n = total
+        self.pending = []
+        if int(n.max()) > 0:
+            draft.extend_context(self.dcache, taps, n.to(taps.device))
 
     def select(self, keep: list[int]) -> _Batch:
         if len(keep) == len(self.rows):
             return self
-        assert not self.pending, "catch_up before changing the batch"
         return _Batch(
             [self.rows[b] for b in keep],
             self.cache.select(keep),
             None if self.dcache is None else self.dcache.select(keep),
             None if self.hist is None else self.hist.select(keep),
+            [(t[keep], n[keep]) for t, n in self.pending],
         )
 
     def append(self, other: _Batch) -> _Batch:
         if not self.rows:
             return other
-        assert not self.pending and not other.pending, "catch_up before changing the batch"
+        assert not other.pending, "a fresh batch has no pending context"
+        k = len(other.rows)
         return _Batch(
             self.rows + other.rows,
             ModelCache.concat([self.cache, other.cache]),
             None if self.dcache is None else ModelCache.concat([self.dcache, other.dcache]),
             None if self.hist is None else History.concat([self.hist, other.hist]),
+            [(torch.cat([t, t.new_zeros(k, *t.shape[1:])]), torch.cat([n, n.new_zeros(k)])) for t, n in self.pending],
         )
 
     def assign(self, slots: list[int], other: _Batch) -> bool:
         """Write ``other``'s rows into ``slots`` in place (copies only the newcomers); False if not possible."""
-        assert not self.pending and not other.pending, "catch_up before changing the batch"
+        assert not other.pending, "a fresh batch has no pending context"
         if not can_assign(self.cache, other.cache) or (
             self.dcache is not None and not can_assign(self.dcache, other.dcache)
         ):
@@ -200,6 +234,8 @@ class _Batch:
             assign_rows(self.dcache, slots, other.dcache)
         if self.hist is not None:
             self.hist.assign(slots, other.hist)
+        for _, n in self.pending:  # the finished rows' pending context is not the newcomers'
+            n[slots] = 0
         for s, r in zip(slots, other.rows):
             self.rows[s] = r
         return True
@@ -215,6 +251,8 @@ class _Config:
     nominal_rows: int
     taps: tuple[int, ...]
     accept_prior: float | None = None
+    suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
+    use_draft: bool = True  # the DSpine draft proposes (proposers "dspine" or "auto")
 
 
 def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +263,7 @@ def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
 def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
     """Right-padded prefill of ``rows``; samples and pushes each row's first token (position 0)."""
     dev = target.device
-    extra = cfg.block_size if cfg.draft is not None else 0
+    extra = _extra(cfg)
     lens = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long, device=dev)
     ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long, device=dev)
     for b, r in enumerate(rows):
@@ -245,6 +283,14 @@ def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
     for r, t in zip(rows, first):
         r.push([t])
     return _Batch(rows, cache, dcache, hist)
+
+
+def _extra(cfg: _Config) -> int:
+    """Cache slots a verify can need beyond the committed tokens."""
+    extra = cfg.block_size if cfg.draft is not None else 0
+    if cfg.suffix is not None:
+        extra = max(extra, cfg.suffix.max_len + 1)
+    return extra
 
 
 def _draft_generators(rows: list[_Row], sampled: list[bool]) -> list[torch.Generator | None]:
@@ -282,7 +328,7 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
         ell = plan(batch.hist.survival(), greedy, cfg.cost, cfg.nominal_rows)
     W = int(ell.max())
     if W == 0:  # no row drafts: exactly a plain step (same uniforms), the draft's context catches up later
-        batch.pending.append(_plain_round(target, batch, cfg.taps))
+        batch.pending.append((_plain_round(target, batch, cfg.taps), torch.ones(B, dtype=torch.long)))
         for r in rows:
             r.stats.plain_steps += 1
         batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
@@ -334,15 +380,137 @@ def _spec_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
 
 
+def _suffix_survival(rows: list[_Row], src: SuffixSource, width: int) -> tuple[torch.Tensor, list[list[int]]]:
+    """Each row's suffix proposal (tokens, capped by what the row may still generate) and its estimated survival
+    a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the same
+    token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal."""
+    a = torch.zeros(len(rows), width)
+    props: list[list[int]] = []
+    for b, r in enumerate(rows):
+        room = r.sp.max_new_tokens - len(r.tokens) - 1  # a verify of ℓ commits up to ℓ + 1 tokens
+        sug = src.suggest(r.index, min(width, room)) if room > 0 else None
+        if sug is None:
+            props.append([])
+            continue
+        rate = (r.sfx_hits + SUFFIX_PRIOR * SUFFIX_PRIOR_WEIGHT) / (r.sfx_trials + SUFFIX_PRIOR_WEIGHT)
+        surv, out = 1.0, []
+        for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
+            agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
+            surv *= min(agree, rate + (1.0 - rate) * agree)
+            a[b, j] = surv
+            out.append(sug.tokens[j])
+        props.append(out)
+    return a, props
+
+
+def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
+    """A round with suffix proposals on: per row a plain step, the draft's block or the row's suffix proposal
+    (``schedule.plan_sources``), verified together in one ragged forward."""
+    draft, rows, dev, src = cfg.draft, batch.rows, target.device, cfg.suffix
+    B = len(rows)
+    params = [r.sp for r in rows]
+    greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
+    seeds, pos = _seeds_positions(rows)
+    a_sfx, sfx = _suffix_survival(rows, src, src.max_len)
+    a_draft = batch.hist.survival() if cfg.use_draft and draft is not None else None
+    pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost, cfg.nominal_rows)
+    source, ell = pl.source, pl.ell
+    anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
+    q, dprops = None, None
+    if pl.draft_block:
+        batch.catch_up(draft)
+        use = source == DRAFT
+        sampled = [bool(u) and not sp.greedy for u, sp in zip(use.tolist(), params)]
+        temps = torch.tensor([sp.temperature if s else 0.0 for sp, s in zip(params, sampled)], device=dev)
+        prop = draft.propose(batch.dcache, anchor, target, temps, _draft_generators(rows, sampled),
+                             block_size=pl.draft_block, dynamic_threshold=cfg.dynamic_threshold)
+        d_ell = torch.minimum(ell, prop.n_draft.cpu().clamp(0, pl.draft_block - 1))
+        conf = getattr(prop, "confidence", None)
+        if conf is not None and bool(use.any()):  # the draft's confidences re-plan its own rows
+            idx = torch.nonzero(use).flatten()
+            a = conf[idx, : pl.draft_block - 1].float().cpu().cumprod(-1)
+            d_ell[idx] = plan(a, greedy[idx], cfg.cost, cfg.nominal_rows, cap=d_ell[idx],
+                              sunk_block=pl.draft_block, row_blocks=ell[idx] + 1)
+        ell = torch.where(use, d_ell, ell)
+        dprops, q = prop.tokens, prop.q
+    W = int(ell.max())
+    if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
+        taps = _plain_round(target, batch, cfg.taps)
+        if batch.dcache is not None:
+            batch.pending.append((taps, torch.ones(B, dtype=torch.long)))
+        for r in rows:
+            r.stats.plain_steps += 1
+        if batch.hist is not None:
+            batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
+        return
+    props = torch.zeros(B, W, dtype=torch.long)
+    for b in range(B):
+        e = int(ell[b])
+        if source[b] == SUFFIX and e:
+            props[b, :e] = torch.tensor(sfx[b][:e], dtype=torch.long)
+        elif source[b] == DRAFT and e:
+            props[b, :e] = dprops[b, :e].cpu()
+    props = props.to(dev)
+    if q is not None:
+        q = q[:, : min(W, q.shape[1])]
+    ids = torch.cat([anchor[:, None], props], dim=1)
+    out = target.forward(ids, batch.cache, speculative=True, taps=cfg.taps)
+    p = target_probs(target.logits(out.hidden), params)
+    u_acc = keyed_uniforms(seeds, pos, STREAM_ACCEPT, W).to(dev)
+    u_fin = keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)
+    point = source == SUFFIX
+    u_point = None
+    if bool(point.any()):  # slot j's uniform is the one plain decoding draws at position pos + j
+        j = torch.arange(W + 1)
+        u_point = keyed_uniforms(seeds.repeat_interleave(W + 1), (pos[:, None] + j).flatten(), STREAM_FINAL, 1)
+        u_point = u_point.view(B, W + 1).to(dev)
+    verdict = accept(p, props, q, ell.to(dev), u_acc, u_fin, point=point, u_point=u_point)
+    n_commit = verdict.n_accepted + 1
+    target.commit(batch.cache, n_commit)
+    if batch.dcache is not None:
+        if pl.draft_block:
+            draft.extend_context(batch.dcache, out.taps, n_commit)
+        else:  # the draft did not run: its upkeep waits until it does
+            batch.pending.append((out.taps, n_commit.cpu()))
+    host = torch.cat([verdict.n_accepted[:, None], verdict.invalid[:, None].long(), ell.to(dev)[:, None],
+                      verdict.committed], dim=1).tolist()  # the round's one host read
+    acc_l, ell_l = [], []
+    for r, s_, (k, _, e, *committed) in zip(rows, source.tolist(), check_rows(host)):
+        st = r.stats
+        kept = r.push(committed[: k + 1])
+        if e == 0:
+            st.plain_steps += 1
+        else:
+            st.verify_steps += 1
+            st.draft_tokens_proposed += e
+            st.draft_tokens_accepted += k
+            st.accept_histogram[k] += 1
+            st.round_tokens += kept
+            if s_ == SUFFIX:
+                st.suffix_steps += 1
+                st.suffix_proposed += e
+                st.suffix_accepted += k
+                r.sfx_trials += min(k + 1, e)
+                r.sfx_hits += k
+            else:
+                st.dspine_steps += 1
+                st.dspine_proposed += e
+                st.dspine_accepted += k
+        acc_l.append(k if s_ == DRAFT else 0)
+        ell_l.append(e if s_ == DRAFT else 0)
+    if batch.hist is not None:
+        batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
+
+
 _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _cost_model(target: Target, draft, rows: int, block_size: int) -> CostModel:
+def _cost_model(target: Target, draft, rows: int, block_size: int, long_tokens: int | None = None) -> CostModel:
     """Calibrated once per (target, draft, rows, block) in this process (no disk key for in-memory models)."""
     per_target = _COSTS.setdefault(target, {})
-    key = (id(draft), rows, block_size)
+    key = (id(draft), rows, block_size, long_tokens)
     if key not in per_target:
-        per_target[key] = load_or_calibrate(target, draft, rows, block_size)
+        per_target[key] = load_or_calibrate(target, draft, rows, block_size, long_tokens=long_tokens)
     return per_target[key]
 
 
@@ -358,31 +526,48 @@ def decode_stream(
     cost: CostModel | None = None,
     accept_prior: float | None = None,
     governor: Governor | None = None,
+    proposers: str = "dspine",
+    suffix_cap: int = DEFAULT_CAP_TOKENS,
+    suffix_max: int = MAX_PROPOSAL,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
 
-    Speculative when ``draft`` is given. ``verify``: "fixed" verifies every drafted token (up to the draft's
-    own ``dynamic_threshold`` stop); "cost" chooses ℓ per row and round (``schedule.py``) with ``cost`` (default:
-    calibrated on first use); ``accept_prior`` is the per-slot acceptance it assumes for a row before that row
-    has evidence (default ``schedule.PRIOR_ACCEPT``; a draft's ``decode.json`` may carry its measured one). A
-    request that cannot run is yielded at once with ``finish_reason="error"``. ``governor`` (default: a new
-    ``threads.Governor``) adjusts torch's thread count to the cores free as the rounds go.
+    Speculative when ``draft`` is given or ``proposers`` asks for suffix proposals. ``verify``: "fixed" verifies
+    every drafted token (up to the draft's own ``dynamic_threshold`` stop); "cost" chooses ℓ per row and round
+    (``schedule.py``) with ``cost`` (default: calibrated on first use); ``accept_prior`` is the per-slot acceptance
+    it assumes for a row before that row has evidence (default ``schedule.PRIOR_ACCEPT``; a draft's
+    ``decode.json`` may carry its measured one). ``proposers``: "dspine" (the draft only), "suffix" (suffix
+    matches only, ``suffix.py``; no draft needed), "auto" (both, chosen per row and round; needs
+    ``verify="cost"``); ``suffix_cap`` bounds the finished-output tokens the suffix index keeps, ``suffix_max``
+    the tokens a suffix proposal may hold. A request that cannot run is yielded at once with
+    ``finish_reason="error"``. ``governor`` (default: a new ``threads.Governor``) adjusts torch's thread count
+    to the cores free as the rounds go.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if proposers not in PROPOSERS:
+        raise ValueError(f"proposers must be one of {PROPOSERS}, got {proposers!r}")
+    use_suffix = proposers in ("suffix", "auto")
+    if use_suffix and verify != "cost":
+        raise ValueError("suffix proposals are chosen by the cost model: they need verify='cost'")
+    if use_suffix and not 1 <= int(suffix_max) <= 64:
+        raise ValueError(f"suffix_max must be in 1..64, got {suffix_max}")
     batch_size = max(1, int(batch_size))
+    use_draft = draft is not None and proposers in ("dspine", "auto")
     bs = 1 if draft is None else int(block_size or draft.block_size)
     if draft is not None and bs < 2:
         raise ValueError(f"block_size must be >= 2 for speculative decoding, got {bs}")
-    if draft is not None and verify == "cost" and cost is None:
-        cost = _cost_model(target, draft, batch_size, bs)
-    cfg = _Config(draft, bs, dynamic_threshold, verify, cost, batch_size,
-                  tuple(draft.target_layer_ids) if draft is not None else (), accept_prior)
-    extra = bs if draft is not None else 0
+    if (use_draft or use_suffix) and verify == "cost" and cost is None:
+        cost = _cost_model(target, draft if use_draft else None, batch_size, bs if use_draft else 2,
+                           int(suffix_max) + 1 if use_suffix else None)
+    cfg = _Config(draft if use_draft else None, bs, dynamic_threshold, verify, cost, batch_size,
+                  tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
+                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, use_draft)
+    extra = _extra(cfg)
     gov = Governor() if governor is None else governor
     try:
-        yield from _decode_loop(target, requests, batch_size, cfg, extra, draft, gov)
+        yield from _decode_loop(target, requests, batch_size, cfg, extra, cfg.draft, gov)
     finally:
         gov.restore()
 
@@ -402,7 +587,7 @@ def _decode_loop(target, requests, batch_size, cfg, extra, draft, gov) -> Iterat
             except StopIteration:
                 exhausted = True
                 break
-            row = _Row(i, [int(t) for t in prompt], sp, cfg.block_size if draft is not None else 0)
+            row = _Row(i, [int(t) for t in prompt], sp, _hist_len(cfg))
             why = check_request(target, row.prompt, sp, extra)
             if why is not None:
                 yield i, GenerationOutput([], "error", len(row.prompt), row.stats, error=f"prompt {i} {why}")
@@ -411,30 +596,54 @@ def _decode_loop(target, requests, batch_size, cfg, extra, draft, gov) -> Iterat
                 yield i, row.output()
             else:
                 newcomers.append(row)
-        if newcomers and batch is not None and draft is not None:
-            batch.catch_up(draft)
         if newcomers:
             fresh = _prefill(target, newcomers, cfg)
+            if cfg.suffix is not None:
+                for r in fresh.rows:
+                    cfg.suffix.start(r.index, r.prompt)
+                _feed(cfg.suffix, fresh.rows)
             for r in fresh.rows:
                 if r.finish is not None:
+                    if cfg.suffix is not None:
+                        cfg.suffix.finish(r.index)
                     yield r.index, r.output()
             fresh = fresh.select([b for b, r in enumerate(fresh.rows) if r.finish is None])
             batch, dead = _admit(batch, dead, fresh)
         if batch is not None and dead:
-            if draft is not None:
-                batch.catch_up(draft)
             batch, dead = batch.select([b for b in range(len(batch.rows)) if b not in set(dead)]), []
         if batch is None or not batch.rows:
             if exhausted:
                 return
             continue
-        if draft is None:
+        if cfg.suffix is not None:
+            _mixed_round(target, batch, cfg)
+            _feed(cfg.suffix, batch.rows)
+        elif draft is None:
             _plain_round(target, batch)
         else:
             _spec_round(target, batch, cfg)
         dead = [b for b, r in enumerate(batch.rows) if r.finish is not None]
         for b in dead:
+            if cfg.suffix is not None:
+                cfg.suffix.finish(batch.rows[b].index)
             yield batch.rows[b].index, batch.rows[b].output()
+
+
+def _hist_len(cfg: _Config) -> int:
+    """Longest verify a row can make (its accept histogram has one more entry): the draft's block, or a suffix
+    proposal's length + 1; 0 without speculation."""
+    n = cfg.block_size if cfg.draft is not None else 0
+    if cfg.suffix is not None:
+        n = max(n, cfg.suffix.max_len + 1)
+    return n
+
+
+def _feed(src: SuffixSource, rows: list[_Row]) -> None:
+    """Give the suffix source the tokens each row committed since it last saw the row."""
+    for r in rows:
+        if len(r.tokens) > r.fed:
+            src.extend(r.index, r.tokens[r.fed :])
+            r.fed = len(r.tokens)
 
 
 def _admit(batch: _Batch | None, dead: list[int], fresh: _Batch) -> tuple[_Batch | None, list[int]]:
@@ -469,6 +678,7 @@ def generate(
     verify: str = "fixed",
     cost: CostModel | None = None,
     batch_size: int | None = None,
+    proposers: str = "dspine",
 ) -> list[GenerationOutput]:
     """Generate for token-id prompts; speculative when ``draft`` is given, plain AR otherwise.
 
@@ -476,8 +686,8 @@ def generate(
     ``stop_token_ids`` is a list of ids or a list of such lists. A scalar ``seed`` seeds every request
     identically, so a request's output depends only on its prompt, parameters and seed.
     ``dynamic_threshold`` turns on confidence-based draft truncation (needs a trained confidence head);
-    ``verify``/``cost`` as in ``decode_stream``. ``batch_size`` (default: all prompts at once) bounds the rows
-    decoding together; more prompts join as rows finish. Raises ValueError naming the first bad prompt.
+    ``verify``/``cost``/``proposers`` as in ``decode_stream``. ``batch_size`` (default: all prompts at once) bounds
+    the rows decoding together; more prompts join as rows finish. Raises ValueError naming the first bad prompt.
     """
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
@@ -495,13 +705,15 @@ def generate(
     if draft is not None and bs < 2:
         raise ValueError(f"block_size must be >= 2 for speculative decoding, got {bs}")
     extra = bs if draft is not None else 0
+    if proposers in ("suffix", "auto"):
+        extra = max(extra, MAX_PROPOSAL + 1)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         why = check_request(target, p, sp, extra)
         if why is not None:
             raise ValueError(f"prompt {i} {why}")
     outs: list[GenerationOutput | None] = [None] * len(prompts)
     stream = decode_stream(target, draft, zip(prompts, params), batch_size or len(prompts), bs, dynamic_threshold,
-                           verify, cost)
+                           verify, cost, proposers=proposers)
     for i, o in stream:
         outs[i] = o
     return outs  # type: ignore[return-value]

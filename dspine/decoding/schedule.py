@@ -28,6 +28,7 @@ depend on the cost model, i.e. on the machine the calibration ran on).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -157,3 +158,87 @@ def plan(
         w = batch_width(a[greedy], floor, fixed, cost, rows, sunk_block)
         ell[greedy] = w if cap is None else torch.clamp(cap[greedy], max=w)
     return ell
+
+
+# -- two sources: the DSpine draft and suffix proposals --------------------------------------------------------
+
+PLAIN, DRAFT, SUFFIX = 0, 1, 2  # what a row verifies this round
+SOURCE_NAMES = ("plain", "dspine", "suffix")
+
+
+@lru_cache(maxsize=64)
+def _secs(cost: CostModel, rows: int, top: int, n_d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seconds of a verify of width w = 0..top at ``rows``, and of the draft block min(w, n_d) + 1 (0 at w = 0);
+    cached: a round plans with the same tables as the last."""
+    target = torch.tensor([cost.target_s(rows, w + 1) for w in range(top + 1)])
+    draft = torch.tensor([cost.draft_s(rows, min(w, n_d) + 1) if w and n_d else 0.0 for w in range(top + 1)])
+    return target, draft
+
+
+@dataclass
+class SourcePlan:
+    """One round's choice: per row the source and ℓ; whether the draft runs and with what block."""
+
+    source: torch.Tensor  # [rows] long: PLAIN / DRAFT / SUFFIX
+    ell: torch.Tensor  # [rows] long: tokens verified (0 for PLAIN)
+    draft_block: int  # block the draft proposes (0: the draft does not run this round)
+
+
+def plan_sources(
+    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, cost: CostModel, nominal_rows: int,
+) -> SourcePlan:
+    """Choose per row between a plain step, the draft's block and the row's suffix proposal, by expected committed
+    tokens per second; a_draft [rows, n_d] (the draft's pre-draft survival, None without a draft), a_suffix
+    [rows, n_s] (the suffix proposal's estimated survival, 0 past its length).
+
+    Sampled rows choose between a plain step and their suffix proposal, by a rule of their own at
+    ``nominal_rows``: either way their tokens are exactly plain decoding's for their seed (``verify.accept``), so
+    their output does not depend on the batch, the order of the job or a resume, although suffix proposals read
+    other rows' text. (The draft's sampled rounds commit tokens that depend on what it proposed; sampled rows use
+    the draft with ``proposers="dspine"``.) Greedy rows take the batch-wide choice of the verify width W and of
+    whether the draft runs that maximises the batch's tokens per second, given the sampled rows' choices; any
+    truncation of a greedy row's proposal is exact.
+    """
+    rows, n_s = a_suffix.shape
+    n_d = 0 if a_draft is None else a_draft.shape[1]
+    source = torch.zeros(rows, dtype=torch.long)
+    ell = torch.zeros(rows, dtype=torch.long)
+    tok_s = _tokens(a_suffix)  # [rows, n_s + 1]
+    sampled = ~greedy
+    if bool(sampled.any()):
+        secs = _secs(cost, nominal_rows, n_s, 0)[0]
+        ell_s = (tok_s[sampled] / secs[None, :]).argmax(-1)  # argmax: ties (and no proposal) keep ℓ = 0
+        source[sampled] = torch.where(ell_s > 0, SUFFIX, PLAIN)
+        ell[sampled] = ell_s
+    floor = int(ell.max()) if rows else 0
+    fixed = float(tok_s[sampled].gather(1, ell[sampled][:, None]).sum()) if bool(sampled.any()) else 0.0
+    g = torch.nonzero(greedy).flatten()
+    draft_block = 0
+    if len(g):
+        top = max(n_s, n_d)
+        widths = torch.arange(top + 1)
+        t_secs, d_secs = _secs(cost, rows, top, n_d)
+        ts = tok_s[g][:, widths.clamp(max=n_s)]  # [G, top + 1]: a greedy row's suffix tokens at width w
+        best_obj, w, block = -1.0, floor, 0
+        options = [(ts, torch.zeros(top + 1), 0)]
+        if a_draft is not None:  # the draft runs a block of min(w, n_d) + 1 and every row takes its better source
+            td = _tokens(a_draft[g])[:, widths.clamp(max=n_d)]
+            options.append((torch.maximum(ts, td), d_secs, 1))
+        for per_row, extra_secs, on in options:
+            obj = (per_row.sum(0) + fixed) / (t_secs + extra_secs)
+            obj[:floor] = -1.0  # at least as wide as the sampled rows' own choice
+            if on:
+                obj[0] = -1.0  # a draft block of 1 proposes nothing
+            o, x = float(obj.max()), int(obj.argmax())
+            if o > best_obj:
+                best_obj, w, block = o, x, (min(x, n_d) + 1 if on else 0)
+        ts_w = tok_s[g, min(w, n_s)]
+        td_w = _tokens(a_draft[g])[:, min(w, n_d)] if block else torch.zeros_like(ts_w)
+        pick_d = (td_w > ts_w) & (td_w > 1.0)
+        pick_s = ~pick_d & (ts_w > 1.0)
+        source[g] = torch.where(pick_d, DRAFT, torch.where(pick_s, SUFFIX, PLAIN))
+        # ℓ: as far as the row's own proposal goes within the width (the draft's block caps its rows)
+        own = torch.clamp((a_suffix[g] > 0).sum(-1), max=w)
+        ell[g] = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
+        draft_block = block if bool(pick_d.any()) else 0
+    return SourcePlan(source, ell, draft_block)

@@ -11,6 +11,13 @@ accepted draw the bonus from ``p_ℓ``. Each committed token is then distributed
 are the degenerate case ``p = one-hot(argmax)``: the same formula accepts exactly while the proposal equals
 the argmax, and the correction/bonus is the argmax.
 
+Point proposals (``point`` rows: suffix matches, which are not drawn from any q) are verified by sampling the
+target's own token at every slot with the uniform plain decoding would use there (``u_point``: keyed by the
+position) and accepting while the proposal equals it. A point mass q = one-hot(x) is accepted with probability
+``p(x)`` by either rule and the token after a rejection follows ``norm(p - q)`` either way, so this is the same
+speculative sampling; but here every committed token *is* the plain decoding token, so a suffix row's output
+equals plain decoding token for token, sampled or greedy, whatever was proposed.
+
 The uniforms come from the caller (``u_accept [B, L]`` for the tests, ``u_final [B]`` for the last token):
 the decoding loop keys them by request seed and position (``sampling.keyed_uniforms``), so they never depend
 on the batch. Nothing here synchronises with the host: the result (with a per-row flag for a draft that
@@ -53,9 +60,12 @@ def accept(
     n_draft: torch.Tensor,
     u_accept: torch.Tensor,
     u_final: torch.Tensor,
+    point: torch.Tensor | None = None,
+    u_point: torch.Tensor | None = None,
 ) -> Verdict:
     """p [B, L+1, V] processed target probs; proposals [B, L]; q [B, L, V] or None; n_draft [B] (≤ L);
-    u_accept [B, ≥L] and u_final [B] uniforms in [0, 1)."""
+    u_accept [B, ≥L] and u_final [B] uniforms in [0, 1); ``point`` [B] bool: rows whose proposals are point
+    masses, verified by matching the target's token sampled with ``u_point`` [B, L+1] (slot j's plain uniform)."""
     B, L1, V = p.shape
     L = L1 - 1
     dev = p.device
@@ -88,4 +98,16 @@ def accept(
     last = sample_from(resid, u_final.to(dev))
     committed = torch.cat([props, torch.zeros(B, 1, dtype=torch.long, device=dev)], dim=1)
     committed[rows, n_acc] = last
+    if point is not None and bool(point.any()):
+        pt = point.to(dev)
+        own = sample_from(p, u_point.to(dev))  # [B, L+1]: the plain token at every slot
+        if L:
+            inside = torch.arange(L, device=dev)[None, :] < ell[:, None]
+            match = (own[:, :L] == props) & inside
+            n_pt = match.long().cumprod(-1).sum(-1)
+        else:
+            n_pt = torch.zeros(B, dtype=torch.long, device=dev)
+        n_acc = torch.where(pt, n_pt, n_acc)
+        committed = torch.where(pt[:, None], own, committed)
+        invalid = invalid & ~pt
     return Verdict(n_acc, committed, invalid)

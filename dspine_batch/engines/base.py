@@ -56,6 +56,13 @@ class Result:
     draft_tokens_accepted: int | None = None
     accept_length: float | None = None
     accept_histogram: list[int] | None = None
+    # the same stats by source (None where the engine does not tell them apart)
+    dspine_verify_steps: int | None = None
+    dspine_tokens_proposed: int | None = None
+    dspine_tokens_accepted: int | None = None
+    suffix_verify_steps: int | None = None
+    suffix_tokens_proposed: int | None = None
+    suffix_tokens_accepted: int | None = None
     latency_s: float = 0.0
     error: str | None = None
 

@@ -7,6 +7,12 @@ free, so admission stops as soon as the request iterator does. A request the dec
 prompt) comes back as that row's error, never its neighbours'. Stop strings are applied after generation (the
 decoder takes token ids). Verification is cost-aware by default (``verify=cost``; ``verify=fixed`` verifies
 whole blocks): the cost model is calibrated once per model, machine and thread count and cached on disk.
+
+Proposals (``proposers``): ``auto`` (default) lets every row choose per round between a plain step, the DSpine
+draft's block and a suffix match over text already seen (its prompt and output, its ``--num-samples`` siblings,
+finished rows: ``dspine.decoding.suffix``); ``dspine`` the draft only; ``suffix`` suffix matches only. Without a
+draft (a model the embedded draft does not fit) ``auto`` uses suffix matches alone; ``--draft none`` is plain
+decoding with no speculation of any kind.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from dspine_batch.errors import FatalError, UsageError
 
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
         "accept_prior": float,
-        "dtype": str, "quant": str}
+        "dtype": str, "quant": str, "proposers": str, "suffix_cap": int, "suffix_max": int}
+PROPOSERS = ("auto", "dspine", "suffix")
 
 
 class ReferenceEngine:
@@ -32,8 +39,15 @@ class ReferenceEngine:
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
                  verify: str = "cost", precision: dict[str, str] | None = None,
-                 accept_prior: float | None = None):
+                 accept_prior: float | None = None, proposers: str | None = "dspine",
+                 suffix_cap: int | None = None, suffix_max: int | None = None):
+        from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL
+
         self.target, self.draft, self.tok = target, draft, tokenizer
+        # what proposes: None (plain decoding), "dspine", "suffix" or "auto" (see the module docstring)
+        self.proposers = proposers if draft is not None or proposers != "dspine" else None
+        self.suffix_cap = DEFAULT_CAP_TOKENS if suffix_cap is None else suffix_cap
+        self.suffix_max = MAX_PROPOSAL if suffix_max is None else suffix_max
         self.model_path, self.draft_path = model_path, draft_path
         self.batch_size = batch_size
         self.block_size = block_size or (int(draft.block_size) if draft is not None else None)
@@ -57,9 +71,11 @@ class ReferenceEngine:
         if self.accept_prior is not None:  # changes which rounds draft, so sampled tokens: part of the identity
             self._identity["accept_prior"] = self.accept_prior
         self.verify = verify
+        if self.proposers not in (None, "dspine"):  # sampled rows then never use the draft: other tokens
+            self._identity["proposers"] = self.proposers
         if draft is not None:
             self._identity["verify"] = verify
-        self._costs: dict[int, Any] = {}
+        self._costs: dict[tuple[int, str | None], Any] = {}
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -72,6 +88,23 @@ class ReferenceEngine:
             except ValueError as e:
                 kind = "an integer" if ARGS[k] is int else "a number"
                 raise UsageError(f"--engine-arg {k}={v}: expected {kind}") from e
+        proposers = opts.get("proposers", "auto")
+        if proposers not in PROPOSERS:
+            raise UsageError(f"--engine-arg proposers={proposers}: expected one of {', '.join(PROPOSERS)}")
+        verify = opts.get("verify", "cost")
+        if verify not in ("cost", "fixed"):
+            raise UsageError(f"--engine-arg verify={verify}: expected cost or fixed")
+        if verify == "fixed":  # a fixed block is the draft's: suffix proposals are chosen by the cost model
+            if proposers == "suffix":
+                raise UsageError("--engine-arg proposers=suffix needs verify=cost (suffix proposals are chosen by "
+                                 "the cost model)")
+            proposers = "dspine"
+        if not 1 <= opts.get("suffix_max", 16) <= 64:
+            raise UsageError(f"--engine-arg suffix_max={opts['suffix_max']}: expected 1..64")
+        if opts.get("suffix_cap", 1) < 1:
+            raise UsageError(f"--engine-arg suffix_cap={opts['suffix_cap']}: expected a positive token count")
+        if draft in ("none", ""):
+            proposers = None  # --draft none: plain decoding, no speculation of any kind
         from dspine import load_draft, load_target
         from dspine.cpu.precision import resolve
         from dspine.cpu.threads import configure_torch
@@ -92,23 +125,31 @@ class ReferenceEngine:
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = open_tokenizer(model_path)
+        if drafter is None and proposers == "auto":
+            proposers = "suffix"  # no draft for this model: suffix matches alone
         # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
-        verify = opts.get("verify", "cost")
-        if verify not in ("cost", "fixed"):
-            raise UsageError(f"--engine-arg verify={verify}: expected cost or fixed")
         block_size = opts.get("block_size", defaults.get("block_size"))
         if drafter is not None and block_size is not None and not 2 <= block_size <= drafter.block_size:
             raise UsageError(f"block_size {block_size}: the draft supports 2..{drafter.block_size}")
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
                    opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe(),
-                   opts.get("accept_prior", defaults.get("accept_prior")))
+                   opts.get("accept_prior", defaults.get("accept_prior")), proposers, opts.get("suffix_cap"),
+                   opts.get("suffix_max"))
 
     def identity(self) -> dict[str, Any]:
         return self._identity
 
     @property
+    def _verify_slots(self) -> int:
+        """Cache positions a verify can need beyond the committed tokens."""
+        slots = self.block_size or 1
+        if self.proposers in ("suffix", "auto"):
+            slots = max(slots, self.suffix_max + 1)
+        return slots
+
+    @property
     def max_context(self) -> int | None:
-        return int(self.target.max_position) - (self.block_size or 1) - 1
+        return int(self.target.max_position) - self._verify_slots - 1
 
     @property
     def tokenizer(self) -> Any:
@@ -122,7 +163,7 @@ class ReferenceEngine:
         from dspine.decoding.sampling import SamplingParams
 
         size = max(1, min(self.batch_size, max_in_flight))
-        room = int(self.target.max_position) - (self.block_size or 1)
+        room = int(self.target.max_position) - self._verify_slots
         pending: dict[int, Request] = {}
         refused: dict[int, str] = {}
 
@@ -139,9 +180,11 @@ class ReferenceEngine:
                     continue
                 yield r.prompt_ids, sp
 
-        stream = decode_stream(self.target, self.draft, feed(), size,
+        stream = decode_stream(self.target, self.draft if self.proposers else None, feed(), size,
                                self.block_size if self.draft is not None else None, self.dynamic_threshold,
-                               self.verify, self._cost(size), self.accept_prior)
+                               self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
+                               proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
+                               suffix_max=self.suffix_max)
         try:
             for i, out in stream:
                 req = pending.pop(i)
@@ -155,14 +198,18 @@ class ReferenceEngine:
 
     def _cost(self, rows: int) -> Any:
         """The calibrated cost model for ``rows`` (cost-aware verification only; cached on disk per identity)."""
-        if self.draft is None or self.verify != "cost":
+        if self.proposers is None or self.verify != "cost":
             return None
-        if rows not in self._costs:
+        key = (rows, self.proposers)
+        if key not in self._costs:
             from dspine.decoding.cost import load_or_calibrate
 
+            use_draft = self.draft is not None and self.proposers in ("dspine", "auto")
+            long = self.suffix_max + 1 if self.proposers in ("suffix", "auto") else None
             ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
-            self._costs[rows] = load_or_calibrate(self.target, self.draft, rows, self.block_size, ident)
-        return self._costs[rows]
+            self._costs[key] = load_or_calibrate(self.target, self.draft if use_draft else None, rows,
+                                                 self.block_size if use_draft else 2, ident, long_tokens=long)
+        return self._costs[key]
 
     def _result(self, req: Request, out: Any) -> Result:
         tokens = list(out.token_ids)
@@ -174,12 +221,21 @@ class ReferenceEngine:
         res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)))
         st = out.stats
-        if self.draft is not None:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
+        if self.proposers:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
             res.verify_steps = st.verify_steps
             res.draft_tokens_proposed = st.draft_tokens_proposed
             res.draft_tokens_accepted = st.draft_tokens_accepted
             res.accept_length = float(st.accept_length) if st.verify_steps else None
             res.accept_histogram = list(st.accept_histogram)
+            if self.proposers == "dspine":  # the old loop: every verify round is the draft's
+                res.dspine_verify_steps, res.dspine_tokens_proposed, res.dspine_tokens_accepted = (
+                    st.verify_steps, st.draft_tokens_proposed, st.draft_tokens_accepted)
+                res.suffix_verify_steps = res.suffix_tokens_proposed = res.suffix_tokens_accepted = 0
+            else:
+                res.dspine_verify_steps, res.dspine_tokens_proposed, res.dspine_tokens_accepted = (
+                    st.dspine_steps, st.dspine_proposed, st.dspine_accepted)
+                res.suffix_verify_steps, res.suffix_tokens_proposed, res.suffix_tokens_accepted = (
+                    st.suffix_steps, st.suffix_proposed, st.suffix_accepted)
         return res
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.pipeline.resume import list_parts, read_state
+from dspine_batch.pipeline.schema import SOURCE_STATS
 
 COLUMNS = ["row_id", "status", "error", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
            "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram", "latency_s"]
@@ -31,8 +32,10 @@ def summarize(outdir: str) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     examples: dict[str, str] = {}
     rows: set[str] = set()
+    by_source = {name: 0 for name in SOURCE_STATS}
     for part in list_parts(outdir):
-        t = pq.read_table(part.path, columns=COLUMNS).to_pydict()
+        have = set(pq.read_schema(part.path).names)  # parts written before schema 2 have no by-source columns
+        t = pq.read_table(part.path, columns=COLUMNS + [c for c in SOURCE_STATS if c in have]).to_pydict()
         n += len(t["row_id"])
         rows.update(t["row_id"])
         for i, st in enumerate(t["status"]):
@@ -51,6 +54,8 @@ def summarize(outdir: str) -> dict[str, Any]:
                 spec_toks += (t["accept_length"][i] or 0.0) * t["verify_steps"][i]
                 proposed += t["draft_tokens_proposed"][i] or 0
                 accepted += t["draft_tokens_accepted"][i] or 0
+                for name in by_source:
+                    by_source[name] += (t[name][i] or 0) if name in t else 0
                 h = t["accept_histogram"][i]
                 if h:
                     if len(h) > len(hist):
@@ -74,9 +79,18 @@ def summarize(outdir: str) -> dict[str, Any]:
         "tau_token_weighted": _r(spec_toks / steps) if steps else None,  # = sum(tau_i * steps_i) / sum(steps_i)
         "accept_rate": _r(accepted / proposed) if proposed else None,
         "verify_steps": steps, "accept_histogram": hist.tolist(), "accept_rate_by_position": [_r(x) for x in by_pos],
+        "by_source": {src: _source_summary(by_source, src) for src in ("dspine", "suffix")},
         "finish_reasons": dict(finish.most_common()),
         "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
     }
+
+
+def _source_summary(totals: dict[str, int], src: str) -> dict[str, Any]:
+    """Verify steps, drafted tokens and their accept rate for one source (``dspine`` or ``suffix``)."""
+    steps, prop, acc = (totals[f"{src}_{k}"] for k in ("verify_steps", "tokens_proposed", "tokens_accepted"))
+    return {"verify_steps": steps, "tokens_proposed": prop, "tokens_accepted": acc,
+            "accept_rate": _r(acc / prop) if prop else None,
+            "tau": _r((acc + steps) / steps) if steps else None}  # tokens a step commits, bonus included
 
 
 def _error_kind(msg: str) -> str:
@@ -120,6 +134,11 @@ def format_report(s: dict[str, Any]) -> str:
         f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
         "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
+    for src, v in s.get("by_source", {}).items():
+        if v["verify_steps"]:
+            lines.append(f"  {src:<11} {v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of "
+                         f"{v['tokens_proposed']:,} proposed tokens accepted ({f(v['accept_rate'])}); "
+                         f"tau {f(v['tau'])}")
     if s["latency_s"]:
         q = s["latency_s"]
         lines.append(f"  latency     p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from dspine_batch.errors import UsageError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: speculative stats by source (dspine / suffix)
 
 BASE_FIELDS = [
     pa.field("row_id", pa.string(), nullable=False),
@@ -26,10 +26,18 @@ BASE_FIELDS = [
     pa.field("draft_tokens_accepted", pa.int32()),
     pa.field("accept_length", pa.float32()),  # completion_tokens / verify_steps (bonus token included)
     pa.field("accept_histogram", pa.list_(pa.int32())),  # index j = verify steps that accepted j drafts
+    # the verify steps and drafted tokens above, by who proposed them: the DSpine draft or a suffix match
+    pa.field("dspine_verify_steps", pa.int32()),
+    pa.field("dspine_tokens_proposed", pa.int32()),
+    pa.field("dspine_tokens_accepted", pa.int32()),
+    pa.field("suffix_verify_steps", pa.int32()),
+    pa.field("suffix_tokens_proposed", pa.int32()),
+    pa.field("suffix_tokens_accepted", pa.int32()),
     pa.field("latency_s", pa.float32()),
     pa.field("attempt", pa.int32()),  # SLURM_RESTART_COUNT (0 outside Slurm): which requeue produced the row
 ]
 BASE_NAMES = [f.name for f in BASE_FIELDS]
+SOURCE_STATS = [n for n in BASE_NAMES if n.startswith(("dspine_", "suffix_"))]
 TOKEN_IDS_FIELD = pa.field("output_token_ids", pa.list_(pa.int32()))
 
 

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from dspine_batch.engines.base import Result
 from dspine_batch.errors import disk_full_named
 from dspine_batch.pipeline.mapping import WorkItem
-from dspine_batch.pipeline.schema import BASE_NAMES
+from dspine_batch.pipeline.schema import BASE_NAMES, SOURCE_STATS
 
 # Parts are named like Hub shards ("train-00000-of-00001-000012.parquet"): `datasets.load_dataset("parquet",
 # data_dir=OUTDIR)` then matches them by its split pattern and skips _manifest.json, _SUCCESS and _dspine/
@@ -333,6 +333,7 @@ class PartSink:
             "draft_tokens_accepted": [r.draft_tokens_accepted for r in rs],
             "accept_length": [r.accept_length for r in rs],
             "accept_histogram": [r.accept_histogram for r in rs],
+            **{name: [getattr(r, name) for r in rs] for name in SOURCE_STATS},
             "latency_s": [r.latency_s for r in rs],
             "attempt": [self.attempt] * len(rs),
         }

@@ -373,3 +373,92 @@ def test_dspine_draft_cost_aware_continuous_greedy_equals_ar(target, cost):
     spec = generate(target, _random_dspine(target, 4, seed=1), prompts, max_new_tokens=budgets, verify="cost",
                     cost=cost, batch_size=2)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+
+
+# -- suffix proposals (dspine.decoding.suffix) beside the draft ------------------------------------------------
+
+
+# A verify costs about the same at any width and batch: rows verify any suffix proposal with a fair chance.
+WIDE = CostModel(Grid((1, 2), (1, 17), ((1.0, 1.1), (1.0, 1.1))), CHEAP.draft)
+
+
+def _repetitive_prompts(target, n: int, seed: int) -> list[list[int]]:
+    """Prompts that quote what the target writes after them (``p + AR(p) + p``), so suffix matches exist and
+    some are right, whatever the target's own habits (the tiny hybrid's greedy text rarely repeats itself)."""
+    base = token_prompts(n, target.vocab_size, seed=seed)
+    first = generate(target, None, base, max_new_tokens=12)
+    return [p + o.token_ids + p for p, o in zip(base, first)]
+
+
+@pytest.mark.parametrize("proposers", ["suffix", "auto"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_suffix_greedy_equals_ar(target, proposers, batch):
+    prompts = _repetitive_prompts(target, 5, seed=7)
+    ar = generate(target, None, prompts, max_new_tokens=30)
+    d = _random_dspine(target, 4, seed=1) if proposers == "auto" else None
+    spec = generate(target, d, prompts, max_new_tokens=30, verify="cost", cost=CHEAP, proposers=proposers,
+                    batch_size=batch)
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    st = [s.stats for s in spec]
+    assert sum(s.suffix_accepted for s in st) > 0  # suffix proposals were really verified and accepted
+    assert all(s.verify_steps == s.suffix_steps + s.dspine_steps for s in st)
+    assert all(s.draft_tokens_accepted == s.suffix_accepted + s.dspine_accepted for s in st)
+    if proposers == "suffix":
+        assert all(s.dspine_steps == 0 for s in st)
+
+
+def test_auto_mixes_draft_and_suffix_rounds(llama_target):
+    """With a draft nearly free, rows without a suffix match take the draft's block in the same run (and batch)."""
+    prompts = _repetitive_prompts(llama_target, 3, seed=8) + token_prompts(3, 256, seed=9)
+    ar = generate(llama_target, None, prompts, max_new_tokens=16)
+    spec = generate(llama_target, _random_dspine(llama_target, 4, seed=2), prompts, max_new_tokens=16,
+                    verify="cost", cost=CHEAP, proposers="auto")
+    assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
+    assert sum(s.stats.dspine_steps for s in spec) > 0 and sum(s.stats.suffix_steps for s in spec) > 0
+
+
+@pytest.mark.parametrize("proposers", ["suffix", "auto"])
+def test_suffix_sampled_rows_are_plain_decoding_token_for_token(llama_target, proposers):
+    """A suffix row's committed tokens are the ones plain decoding samples with the same keyed uniforms: the
+    output for a seed does not depend on what was proposed, the batch, or the other rows of the job."""
+    prompts = _repetitive_prompts(llama_target, 6, seed=11)
+    kw = dict(max_new_tokens=24, temperature=[0.7, 0.0, 0.7, 1.0, 0.0, 0.5], seed=[1, 2, 3, 4, 5, 6], top_k=40)
+    plain = generate(llama_target, None, prompts, **kw)
+    d = _random_dspine(llama_target, 4, seed=3) if proposers == "auto" else None
+    for batch in (1, 4):
+        spec = generate(llama_target, d, prompts, verify="cost", cost=CHEAP, proposers=proposers, batch_size=batch,
+                        **kw)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    sampled = [s.stats for s, t in zip(spec, kw["temperature"]) if t > 0]
+    assert sum(s.suffix_steps for s in sampled) > 0
+    assert all(s.dspine_steps == 0 for s in sampled)  # sampled rows never take the draft under auto
+
+
+@pytest.mark.parametrize("proposers,bs,batch", [("suffix", 4, 97), ("auto", 8, 13)],
+                         ids=["suffix-continuous", "mixed-continuous"])
+def test_suffix_sampled_joint_of_three_tokens_matches_target(small_vocab_target, proposers, bs, batch):
+    """The joint law of 3 sampled tokens with suffix proposals (the row's prompt, its siblings, finished rows), in
+    rounds where greedy neighbours verify the draft's block or their own suffix: exact."""
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4]
+    exact = _exact_joint3(small_vocab_target, prompt)
+    n, k = 12000, 2000
+    d = _random_dspine(small_vocab_target, bs, seed=5) if proposers == "auto" else None
+    outs = generate(small_vocab_target, d, [prompt] * (n + k), max_new_tokens=3,
+                    temperature=[1.0] * n + [0.0] * k, seed=list(range(n + k)), verify="cost", cost=WIDE,
+                    proposers=proposers, batch_size=batch)
+    V = small_vocab_target.vocab_size
+    counts = torch.zeros(V**3, dtype=torch.long)
+    for o in outs[:n]:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert sum(o.stats.suffix_steps for o in outs[:n]) > n // 10  # suffix rounds really happened
+    if proposers == "auto":
+        assert sum(o.stats.dspine_steps for o in outs[n:]) > 0  # ... beside draft rounds of greedy rows
+
+
+def test_suffix_needs_cost_aware_verification(llama_target):
+    with pytest.raises(ValueError, match="verify='cost'"):
+        generate(llama_target, None, [[1, 2, 3]], max_new_tokens=4, proposers="suffix")
+    with pytest.raises(ValueError, match="proposers must be one of"):
+        generate(llama_target, None, [[1, 2, 3]], max_new_tokens=4, verify="cost", cost=CHEAP, proposers="ngram")
