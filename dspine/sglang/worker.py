@@ -19,7 +19,17 @@ Overrides:
   ``--enable-linear-replayssm-spec`` for DFLASH on GDN targets). With a GDN ReplaySSM ring we commit through
   ``spec_utils.commit_mamba_states_after_verify`` as EAGLE does, with the linear-chain accept index and the
   step indices computed from the *pre-verify* lengths (``draft_math``).
-* ``_propose_selector_block``: DFlash's eager proposal step, plus an optional proposal log for tests.
+* ``_propose_selector_block``: DFlash's eager proposal step, plus an optional proposal log for tests, plus the
+  suffix proposals (``dspine.sglang.suffix``, on with ``DSPINE_PROPOSERS=auto|suffix``; ``auto``: greedy rows
+  only): rows whose suffix match
+  wins get the match written over their block's draft slots; for the sampled accept their q rows become a point
+  mass on those tokens (accept with probability p(x), resample from the residual: still exact speculative
+  sampling). The draft's tokens stay in slots past a shorter match (drawn from their own q rows: still exact).
+  Eager path only: a captured draft CUDA graph samples in the graph and skips this step (suffix proposals are
+  then off; the CPU test path and batches outside the captured sizes run eagerly).
+* ``forward_batch_generation`` keeps the batch (its ``Req`` objects carry each row's text) for the proposal step;
+  ``_accept_block`` reports each round's accepted drafts per row to the suffix proposer (its estimates and the
+  per-source round log, ``DSPINE_SGLANG_ROUND_LOG``).
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ import torch
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.dspark_components.dspark_draft import resolve_greedy_mask
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
 from . import draft_math as dm
 from .models.dspine_draft import DSpineDraftModel
+from .suffix import PROPOSERS_ENV, ROUND_LOG_ENV, SuffixProposer
 
 logger = logging.getLogger(__name__)
 # Test/debug aid: append every eagerly proposed block ({"anchor": [...], "tokens": [[...]]}, one JSON line per
@@ -70,6 +82,9 @@ def cpu_hybrid_problem(device: str, req_to_token_pool) -> str | None:
 
 
 class DSpineWorkerV2(DFlashWorkerV2):
+    _batch = None  # the batch of the running forward (class defaults: DFlash's __init__ warms the proposal step)
+    suffix: SuffixProposer | None = None
+
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
         if not device.startswith(("cuda", "cpu")):
@@ -92,9 +107,12 @@ class DSpineWorkerV2(DFlashWorkerV2):
             raise RuntimeError("DSPINE needs the target's dense lm_head weight (quantized heads unsupported)")
         self.draft_model.lm_head = lm_head
         self.draft_model.target_embed = self._block_embedding()
-        logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d",
+        proposer = SuffixProposer(os.environ.get(PROPOSERS_ENV) or "dspine", int(self.block_size) - 1,
+                                  log_path=os.environ.get(ROUND_LOG_ENV))
+        self.suffix = proposer if proposer.active else None
+        logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d, proposers=%s",
                     int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
-                    self.draft_model.transfer_rank)
+                    self.draft_model.transfer_rank, proposer.mode)
 
     def _block_embedding(self):
         """ids -> the rows the worker feeds the draft block (the target's embedding, as DFlash embeds it)."""
@@ -114,7 +132,51 @@ class DSpineWorkerV2(DFlashWorkerV2):
                                                  anchor_token_ids=anchor_token_ids, sampling_info=sampling_info)
         if PROPOSAL_LOG_ENV in os.environ:
             record_proposals(os.environ[PROPOSAL_LOG_ENV], anchor_token_ids, tokens)
+        batch = self._batch
+        if self.suffix is not None and batch is not None and len(batch.reqs) == bs:
+            tokens = self._apply_suffix(batch.reqs, anchor_token_ids, tokens, sampling_info)
         return tokens
+
+    def _apply_suffix(self, reqs, anchor_token_ids: torch.Tensor, tokens: torch.Tensor,
+                      sampling_info) -> torch.Tensor:
+        """Write each chosen suffix proposal over its row's draft slots (and a point mass over its q rows)."""
+        bs = tokens.shape[0]
+        if sampling_info is None or sampling_info.is_all_greedy:
+            greedy = [True] * bs
+        else:
+            greedy = resolve_greedy_mask(bs=bs, sampling_info=sampling_info, device=tokens.device).tolist()
+        picks = self.suffix.choose(list(reqs), anchor_token_ids.view(-1).tolist(), greedy)
+        if not any(picks):
+            return tokens
+        tokens = tokens.clone()
+        sample = self._selector_sample
+        if sample is not None:
+            cand, q = sample[0].clone(), sample[1].clone()
+        for b, pick in enumerate(picks):
+            if not pick:
+                continue
+            ids = torch.tensor(pick, dtype=tokens.dtype, device=tokens.device)
+            n = len(pick)
+            tokens[b, :n] = ids
+            if sample is not None:  # every candidate slot names the token, with q 1: a point mass (no ties)
+                cand[b, :n] = ids.to(cand.dtype)[:, None]
+                q[b, :n] = 1.0
+        if sample is not None:
+            self._selector_sample = (cand, q)
+        return tokens
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        self._batch = batch
+        try:
+            return super().forward_batch_generation(batch, *args, **kwargs)
+        finally:
+            self._batch = None
+
+    def _accept_block(self, **kwargs):
+        out = super()._accept_block(**kwargs)
+        if self.suffix is not None:
+            self.suffix.record(out[0].view(-1).tolist())
+        return out
 
     def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, seq_lens_post_verify,
                                                 commit_lens) -> None:

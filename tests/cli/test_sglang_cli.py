@@ -135,4 +135,9 @@ def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, 
     got = read_output(out)
     keys = [(r["row_id"], r["sample_index"]) for r in got]
     assert len(keys) == len(set(keys)) == ROWS
-    assert got == read_output(ref)
+    # proposers=auto (the default): suffix proposals read the finished outputs this engine has seen, which a
+    # resumed engine starts without, so the speculative stats may differ; the rows themselves may not
+    stats = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram")
+    want = read_output(ref)
+    assert [{k: v for k, v in r.items() if k not in stats} for r in got] == \
+        [{k: v for k, v in r.items() if k not in stats} for r in want]

@@ -321,3 +321,31 @@ def test_sglang_available_reports_a_reason():
     assert isinstance(ok, bool) and why
     if os.environ.get("CI") and not ok:
         assert "sglang" in why or "GPU" in why
+
+
+def test_proposers_reach_the_dspine_worker_through_the_environment(tiny_pair, monkeypatch):
+    """``--engine-arg proposers=...``: not a server argument; DSPINE_PROPOSERS while the engine starts."""
+    model, draft = tiny_pair
+    monkeypatch.delenv(se.PROPOSERS_ENV, raising=False)
+    env = {}
+
+    def factory(**kw):
+        env["seen"] = os.environ.get(se.PROPOSERS_ENV)
+        assert "proposers" not in kw
+        return FakeEngine()
+
+    def load(args):
+        return se.SGLangEngine.load(model, draft, args, engine_factory=factory, tokenizer=FakeTokenizer(),
+                                    server_parser=_mini_parser())
+
+    eng = load({})
+    assert env["seen"] == "auto" and eng.identity()["proposers"] == "auto"
+    assert se.PROPOSERS_ENV not in os.environ  # restored after the start
+    eng.close()
+    eng = load({"proposers": "dspine"})
+    assert env["seen"] == "dspine" and "proposers" not in eng.identity()
+    eng.close()
+    with pytest.raises(UsageError, match="expected one of"):
+        load({"proposers": "ngram"})
+    _, opts = se.build_server_kwargs("/m", None, {"proposers": "suffix"}, parser=_mini_parser())
+    assert opts["proposers"] is None  # no DSPINE: nothing to set

@@ -24,7 +24,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "dspine.decoding": {"dspine.models", "dspine.cpu"},
     "dspine.training": {"dspine.draft", "dspine.decoding", "dspine.models", "dspine.cpu"},
     "dspine.embedded": {"dspine.models", "dspine.cpu"},
-    "dspine.sglang": {"dspine.draft", "dspine.models", "dspine.cpu", "dspine"},
+    "dspine.sglang": {"dspine.draft", "dspine.decoding", "dspine.models", "dspine.cpu", "dspine"},
     "dspine.cli": {"dspine", "dspine.training", "dspine.draft", "dspine.decoding", "dspine.embedded",
                    "dspine.models", "dspine.cpu"},
     "dspine": {"dspine.models", "dspine.draft", "dspine.decoding"},  # the lazy public API

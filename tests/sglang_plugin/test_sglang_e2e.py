@@ -263,3 +263,124 @@ def test_hybrid_partially_accepted_blocks_commit_through_replayssm(hybrid_accept
         assert meta["spec_num_correct_drafts"] == r.stats.draft_tokens_accepted > 0
     if not on_gpu():
         assert run["rounds"] == ref_rounds
+
+
+# -- suffix proposals beside the draft (DSPINE_PROPOSERS) -----------------------------------------------------------
+# Prompts that quote themselves (p + greedy(p) + p), then the first one again: its second run finds the first's
+# output in the finished-output index, so suffix proposals exist and are right; outputs must stay plain decoding's.
+
+SUFFIX_SAMPLED_N = 300
+
+
+def _quoting_prompts(target_dir: str) -> list[list[int]]:
+    prompts = PROMPTS[:2]
+    ref = [o.token_ids for o in _reference(target_dir, None, prompts=prompts)]
+    qs = [p + r + p for p, r in zip(prompts, ref, strict=True)]
+    return qs + [qs[0]]
+
+
+def _suffix_run(target, draft, mode, log, sampled=False, env=None, **kw):
+    from dspine.sglang.suffix import PROPOSERS_ENV, ROUND_LOG_ENV
+
+    qs = _quoting_prompts(target)
+
+    def workload(engine):
+        greedy = [engine.generate(input_ids=q, sampling_params=GREEDY) for q in qs]
+        rounds = [json.loads(line) for line in log.read_text().splitlines()]
+        out = {"prompts": qs, "greedy": greedy, "rounds": rounds}
+        if sampled:
+            out["sampled"] = engine.generate(
+                input_ids=[PROMPTS[0]] * SUFFIX_SAMPLED_N,
+                sampling_params=[{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": i}
+                                 for i in range(SUFFIX_SAMPLED_N)])
+            out["sampled_rounds"] = [json.loads(line) for line in log.read_text().splitlines()][len(rounds):]
+        return out
+
+    return run_engine(target, workload, draft=draft,
+                      env={**(env or {}), PROPOSERS_ENV: mode, ROUND_LOG_ENV: str(log)}, **kw)
+
+
+def _by_source(rounds) -> dict[str, dict[str, int]]:
+    out = {s: {"rounds": 0, "proposed": 0, "accepted": 0} for s in ("suffix", "dspine")}
+    for r in rounds:
+        for src, prop, acc in zip(r["source"], r["proposed"], r["accepted"], strict=True):
+            out[src]["rounds"] += 1
+            out[src]["proposed"] += prop
+            out[src]["accepted"] += acc
+    return out
+
+
+def _check_suffix_greedy(target, run):
+    ref = [o.token_ids for o in _reference(target, None, prompts=run["prompts"])]
+    assert all(len(r) == MAX_NEW for r in ref)
+    assert [o["output_ids"] for o in run["greedy"]] == ref
+    stats = _by_source(run["rounds"])
+    assert stats["suffix"]["rounds"] > 0 and stats["suffix"]["accepted"] > 0, stats
+    # the log's rounds are SGLang's: per request the same verify rounds and accepted drafts as its meta_info
+    for o in run["greedy"]:
+        meta, rid = o["meta_info"], o["meta_info"].get("id")
+        if rid is None:
+            continue
+        mine = [(a, p) for r in run["rounds"] for x, a, p in zip(r["rid"], r["accepted"], r["proposed"]) if x == rid]
+        assert len(mine) == meta["spec_verify_ct"]
+        assert sum(a for a, _ in mine) == meta["spec_num_correct_drafts"]
+    # the repeated prompt's suffix rounds (its first run's output) are accepted whole
+    rid = run["greedy"][-1]["meta_info"].get("id")
+    if rid is not None:
+        last = [(a, p) for r in run["rounds"] for x, a, p, s in zip(r["rid"], r["accepted"], r["proposed"],
+                                                                     r["source"]) if x == rid and s == "suffix"]
+        assert last and sum(a for a, _ in last) >= MAX_NEW // 2, last
+    return stats
+
+
+@pytest.fixture(scope="module")
+def suffix_run(random_models, tmp_path_factory):
+    if on_gpu():
+        pytest.skip("suffix proposals run on the eager proposal path (the CPU test path)")
+    target, draft = random_models
+    log = tmp_path_factory.mktemp("suffix_rounds") / "rounds.jsonl"
+    return _suffix_run(target, draft, "suffix", log, sampled=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid_suffix_run(hybrid_models, tmp_path_factory):
+    if on_gpu():
+        pytest.skip("suffix proposals run on the eager proposal path (the CPU test path)")
+    target, draft = hybrid_models
+    log = tmp_path_factory.mktemp("hybrid_suffix_rounds") / "rounds.jsonl"
+    return _suffix_run(target, draft, "auto", log, env=HYBRID_ENV, **HYBRID)
+
+
+def test_suffix_proposals_keep_greedy_outputs_plain_decodings(random_models, suffix_run):
+    target, _ = random_models
+    _check_suffix_greedy(target, suffix_run)
+
+
+def test_sampled_suffix_proposals_keep_the_target_distribution(random_models, suffix_run):
+    """The second token of sampled siblings: rows whose first token an earlier sibling wrote verify that
+    sibling's second token as a point-mass proposal (the other slots keep the draft's walk and its q)."""
+    from scipy.stats import chi2
+
+    target, _ = random_models
+    stats = _by_source(suffix_run["sampled_rounds"])
+    assert stats["suffix"]["rounds"] >= 20, stats
+    expected = _second_token_distribution(target, PROMPTS[0]) * SUFFIX_SAMPLED_N
+    counts = torch.zeros_like(expected)
+    for o in suffix_run["sampled"]:
+        counts[o["output_ids"][1]] += 1
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert dof >= 3
+    p = float(chi2.sf(stat, dof))
+    assert p > 1e-3, f"chi2 {stat:.1f} on {dof} dof, p={p:.2e}"
+
+
+def test_hybrid_suffix_proposals_commit_through_replayssm(hybrid_models, hybrid_suffix_run):
+    """proposers=auto on the GDN hybrid: accepted prefixes of suffix proposals commit through ReplaySSM exactly
+    as the draft's do (outputs are plain decoding's)."""
+    target, _ = hybrid_models
+    _check_suffix_greedy(target, hybrid_suffix_run)

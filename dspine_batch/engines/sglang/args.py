@@ -5,6 +5,10 @@ SGLang ``sampling_params``.
 Precedence: our defaults (``model_path``, ``DSPINE`` with the draft, ``skip_tokenizer_init``: we tokenize and
 render chat templates ourselves, as the reference engine does; on a machine without a GPU the CPU test path's
 settings, see ``dspine.sglang.cpu``), then ``--engine-arg server_flags="..."``, then single ``KEY=VALUE`` args.
+
+``proposers`` (``auto`` default, ``dspine``, ``suffix``; DSPINE only) is not a server argument: SGLang's
+``ServerArgs`` has no field for it, so the engine passes it to the DSPINE worker through the
+``DSPINE_PROPOSERS`` environment variable, set while the engine starts its processes (``dspine.sglang.suffix``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from dspine_batch.engines.base import SamplingParams
 from dspine_batch.engines.sglang.processes import on_sigquit
 from dspine_batch.errors import UsageError
 
-ADAPTER_KEYS = ("server_flags", "block_size", "poll_seconds", "meta_log")
+ADAPTER_KEYS = ("server_flags", "block_size", "poll_seconds", "meta_log", "proposers")
+PROPOSERS = ("auto", "dspine", "suffix")  # dspine.sglang.suffix.PROPOSERS
+PROPOSERS_ENV = "DSPINE_PROPOSERS"  # dspine.sglang.suffix.PROPOSERS_ENV
 # ServerArgs that change how fast, not what: left out of the run fingerprint so they can change on resume.
 OPERATIONAL_KEYS = frozenset({
     "mem_fraction_static", "max_running_requests", "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
@@ -105,7 +111,7 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
     """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args."""
     parser = parser or _sglang_parser()
     args = {k.replace("-", "_"): v for k, v in engine_args.items()}
-    opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None}
+    opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None, "proposers": None}
     kwargs: dict[str, Any] = {"model_path": str(model_path), "skip_tokenizer_init": True, "log_level": "error"}
     if on_cpu:
         kwargs.update(cpu_defaults(draft_path is not None))
@@ -122,6 +128,9 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
         args["speculative_num_draft_tokens"] = args.pop("block_size")
     if "meta_log" in args:  # append each request's raw meta_info (JSON lines) to this file: audits, tests
         opts["meta_log"] = str(args.pop("meta_log"))
+    proposers = str(args.pop("proposers", "auto")).strip().lower()
+    if proposers not in PROPOSERS:
+        raise UsageError(f"--engine-arg proposers={proposers}: expected one of {', '.join(PROPOSERS)}")
     if "poll_seconds" in args:
         try:
             opts["poll_seconds"] = float(args.pop("poll_seconds"))
@@ -136,6 +145,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
                          "no Mamba state snapshots on the CPU (no GPU here); use no_buffer or leave it unset")
     if draft_path is None and kwargs.get("speculative_algorithm"):
         raise UsageError(f"--engine-arg speculative_algorithm={kwargs['speculative_algorithm']} needs --draft PATH")
+    if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
+        opts["proposers"] = proposers  # the DSPINE worker's DSPINE_PROPOSERS (None: no DSPINE, nothing to set)
     kwargs["custom_sigquit_handler"] = on_sigquit
     return kwargs, opts
 

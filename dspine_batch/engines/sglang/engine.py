@@ -2,7 +2,8 @@
 
 * **Server args**: ``args`` (defaults < ``server_flags`` < single ``KEY=VALUE`` engine args). On a machine
   without a GPU the engine runs SGLang's CPU test path (``dspine.sglang.cpu``; slow, for tests and
-  development); ``--engine auto`` picks SGLang only with a GPU.
+  development); ``--engine auto`` picks SGLang only with a GPU. ``proposers`` (suffix proposals beside the
+  draft) reaches the DSPINE worker as ``DSPINE_PROPOSERS``, set in this process while the engine starts.
 * **Requests** go through ``async_generate`` (one ``input_ids`` request each) on the engine's own event loop,
   driven from ``run``'s thread (SGLang installs its signal handlers there); at most ``max_in_flight`` are open
   and the request iterator is pulled lazily, so stopping admission loses no finished work.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -31,6 +33,7 @@ from dspine_batch.engines.sglang import stats as sglang_stats
 from dspine_batch.engines.sglang.args import (  # noqa: F401  (re-exported: the adapter's public names)
     ADAPTER_KEYS,
     OPERATIONAL_KEYS,
+    PROPOSERS_ENV,
     TOP_K_ALL,
     build_server_kwargs,
     parse_server_flags,
@@ -133,18 +136,24 @@ class SGLangEngine:
         if tokenizer is None:
             tokenizer = open_tokenizer(model_path)
         block = _block_size(kwargs, draft_path)
+        proposers = opts.get("proposers")
         identity = {"engine": "sglang", "sglang_version": _sglang_version(),
                     "model": model_identity(model_path),
                     "draft": model_identity(draft_path) if draft_path else None, "block_size": block,
                     "server_args": {k: _jsonable(v) for k, v in sorted(kwargs.items())
                                     if k not in OPERATIONAL_KEYS and k not in ("model_path",
                                                                                 "speculative_draft_model_path")}}
+        if proposers not in (None, "dspine"):  # sampled rows then verify other proposals: other tokens
+            identity["proposers"] = proposers
         max_ctx = kwargs.get("context_length") or _config_max_position(model_path)
         _SIGQUIT.clear()
         main = threading.current_thread() is threading.main_thread()
         old = signal.getsignal(signal.SIGQUIT) if main else None
         ours = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGQUIT: on_sigquit} if main else {}
         before = _child_pids()
+        saved_env = os.environ.get(PROPOSERS_ENV)
+        if proposers is not None:  # read by the DSPINE worker in the scheduler processes started here
+            os.environ[PROPOSERS_ENV] = proposers
         try:
             engine = engine_factory(**kwargs)
         except (TypeError, ValueError) as e:  # bad ServerArgs / resolution errors (incl. DSPINE's checks)
@@ -155,6 +164,12 @@ class SGLangEngine:
 
             kill_owned(_child_pids() - before)
             raise FatalError(f"--engine sglang: the engine failed to start: {type(e).__name__}: {e}") from e
+        finally:
+            if proposers is not None:
+                if saved_env is None:
+                    os.environ.pop(PROPOSERS_ENV, None)
+                else:
+                    os.environ[PROPOSERS_ENV] = saved_env
         self = cls(engine, tokenizer, identity, block, None if max_ctx is None else int(max_ctx) - (block or 1) - 1,
                    _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer

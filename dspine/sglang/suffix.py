@@ -1,0 +1,179 @@
+"""Suffix proposals in the SGLang worker: which rows verify a suffix match instead of the DSpine draft's block.
+
+The reference engine's ``SuffixSource`` (``dspine.decoding.suffix``) runs on the scheduler's host side, keyed by
+SGLang's request id: a row's text is its ``origin_input_ids`` plus its ``output_ids`` (read from the batch's
+``Req`` objects every decode round), rows sharing a prompt read each other's text, and a finished request's
+output joins the stream's index. Each round ``choose`` picks per row the suffix proposal or the draft's block;
+the worker writes the chosen suffix tokens over the block's draft slots (and, for the sampled accept, a point
+mass q on them), so verification, the commit (ReplaySSM included) and SGLang's own stats are unchanged.
+
+Pure Python (no SGLang import): the worker (``dspine.sglang.worker``) feeds it ``Req``-like objects.
+
+Modes (``DSPINE_PROPOSERS``, set by ``dspine-batch --engine sglang --engine-arg proposers=...``):
+
+* ``dspine``: the draft's block every round (no suffix index is kept).
+* ``suffix``: a row's suffix proposal whenever it has one, the draft's block otherwise (SGLang verifies a block
+  every round and the draft forward runs anyway, so there is no plain step to fall back to). Sampled rows too
+  (point-mass q): exact in distribution, but their tokens then depend on other rows' text (the batch, the
+  order of the job, what a resumed engine has seen).
+* ``auto`` (the batch tool's default): greedy rows only, the suffix proposal where its estimated accepted tokens
+  beat the row's draft record (the reference engine's survival estimate, ``dspine.decoding.decode``
+  ``_suffix_survival``, against a shrunk per-row mean of the draft's accepted tokens per round). Sampled rows
+  keep the draft's block, so their tokens never depend on other rows (as in the reference engine, whose sampled
+  rows under ``auto`` never mix the two sources either). Greedy outputs are plain decoding's whatever is proposed;
+  only the speculative stats depend on the history (a resumed engine starts with an empty finished index).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dspine.decoding.decode import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
+from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, SuffixSource, Suggestion
+
+PROPOSERS_ENV = "DSPINE_PROPOSERS"  # auto | dspine | suffix (unset: dspine, SGLang launched by hand)
+# Test/audit aid: one JSON line per verify round: {"rid": [...], "source": ["suffix"|"dspine", ...],
+# "proposed": [...], "accepted": [...]} (suffix tokens proposed, accepted drafts excluding the bonus).
+ROUND_LOG_ENV = "DSPINE_SGLANG_ROUND_LOG"
+PROPOSERS = ("auto", "dspine", "suffix")
+DRAFT_PRIOR = 1.0  # accepted draft tokens per round assumed for a row before it has evidence
+DRAFT_PRIOR_WEIGHT = 4.0  # in pseudo-rounds
+PRUNE_ROUNDS = 4096  # a row absent from this many decode rounds and not finished is dropped (aborted elsewhere)
+SUFFIX, DSPINE = "suffix", "dspine"
+
+
+def parse_mode(value: str | None) -> str:
+    mode = (value or DSPINE).strip().lower()
+    if mode not in PROPOSERS:
+        raise ValueError(f"{PROPOSERS_ENV}={value!r}: expected one of {', '.join(PROPOSERS)}")
+    return mode
+
+
+@dataclass
+class _Row:
+    req: Any
+    seen: int = 0  # output tokens already in the index
+    last_round: int = 0
+    draft_rounds: int = 0
+    draft_accepted: int = 0
+    sfx_hits: int = 0  # accepted suffix tokens
+    sfx_trials: int = 0  # accepted + rejected suffix tokens (a rejection ends the trial)
+
+
+class SuffixProposer:
+    """Per-request suffix corpora and the per-round source choice (see the module docstring)."""
+
+    def __init__(self, mode: str, width: int, cap_tokens: int = DEFAULT_CAP_TOKENS, log_path: str | None = None):
+        self.mode = parse_mode(mode)
+        self.width = int(width)  # draft slots of a block (B - 1)
+        self.src = SuffixSource(cap_tokens=cap_tokens, max_len=max(1, self.width))
+        self.rows: dict[str, _Row] = {}
+        self.round = 0
+        self.log_path = log_path
+        self._pending: tuple[list[str], list[int]] | None = None  # (rids, suffix lengths) of this round
+
+    @property
+    def active(self) -> bool:
+        return self.mode != DSPINE
+
+    # -- the rows' text --------------------------------------------------------------------------------------
+
+    def _start(self, rid: str, req: Any) -> _Row:
+        if rid in self.src.rows:
+            self.src.finish(rid)
+        self.src.start(rid, [int(t) for t in req.origin_input_ids])
+        row = self.rows[rid] = _Row(req)
+        return row
+
+    def _catch_up(self, rid: str, row: _Row) -> None:
+        out = row.req.output_ids
+        if len(out) < row.seen:  # the request was reset (retracted): start its text again
+            stats = row
+            row = self._start(rid, row.req)
+            row.draft_rounds, row.draft_accepted = stats.draft_rounds, stats.draft_accepted
+            row.sfx_hits, row.sfx_trials = stats.sfx_hits, stats.sfx_trials
+        if len(out) > row.seen:
+            self.src.extend(rid, [int(t) for t in out[row.seen:]])
+            row.seen = len(out)
+
+    def sync(self, reqs: list[Any]) -> None:
+        """Register new requests, append the tokens committed since last round, retire finished requests."""
+        self.round += 1
+        live = set()
+        for req in reqs:
+            rid = str(req.rid)
+            live.add(rid)
+            row = self.rows.get(rid)
+            if row is None or row.req is not req:
+                row = self._start(rid, req)
+            self._catch_up(rid, row)
+            self.rows[rid].last_round = self.round
+        for rid in [r for r in self.rows if r not in live]:
+            row = self.rows[rid]
+            finished = bool(row.req.finished())
+            if finished or self.round - row.last_round > PRUNE_ROUNDS:
+                if finished:
+                    self._catch_up(rid, row)
+                self.src.finish(rid)
+                del self.rows[rid]
+
+    # -- the choice ------------------------------------------------------------------------------------------
+
+    def _expected(self, row: _Row, sug: Suggestion) -> float:
+        rate = (row.sfx_hits + SUFFIX_PRIOR * SUFFIX_PRIOR_WEIGHT) / (row.sfx_trials + SUFFIX_PRIOR_WEIGHT)
+        surv, total = 1.0, 0.0
+        for count, same in zip(sug.counts, sug.sames):
+            agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
+            surv *= min(agree, rate + (1.0 - rate) * agree)
+            total += surv
+        return total
+
+    def _draft_expected(self, row: _Row) -> float:
+        return (row.draft_accepted + DRAFT_PRIOR * DRAFT_PRIOR_WEIGHT) / (row.draft_rounds + DRAFT_PRIOR_WEIGHT)
+
+    def choose(self, reqs: list[Any], anchors: list[int], greedy: list[bool] | None = None) -> list[list[int] | None]:
+        """Per row the suffix tokens to verify (at most ``width``) or None (the draft's block). A row whose
+        committed text does not end with this round's anchor (the scheduler has not appended the last round's
+        tokens yet) takes the draft's block, as do sampled rows (``greedy`` False) under ``auto``."""
+        self.sync(reqs)
+        greedy = [True] * len(reqs) if greedy is None else greedy
+        out: list[list[int] | None] = []
+        for req, anchor, g in zip(reqs, anchors, greedy, strict=True):
+            rid = str(req.rid)
+            row = self.rows[rid]
+            pick = None
+            if (g or self.mode == SUFFIX) and len(req.output_ids) and int(req.output_ids[-1]) == int(anchor):
+                sug = self.src.suggest(rid, self.width)
+                if sug is not None and sug.tokens and (
+                        self.mode == SUFFIX or self._expected(row, sug) > self._draft_expected(row)):
+                    pick = [int(t) for t in sug.tokens[: self.width]]
+            out.append(pick)
+        self._pending = ([str(r.rid) for r in reqs], [len(p) if p else 0 for p in out])
+        return out
+
+    def record(self, accepted: list[int]) -> None:
+        """This round's accepted drafts per row (bonus excluded), in the order ``choose`` saw the rows."""
+        if self._pending is None:
+            return
+        rids, lens = self._pending
+        self._pending = None
+        if len(accepted) != len(rids):
+            return
+        for rid, n, acc in zip(rids, lens, accepted):
+            row = self.rows.get(rid)
+            if row is None:
+                continue
+            if n:
+                hits = min(int(acc), n)
+                row.sfx_hits += hits
+                row.sfx_trials += hits + (hits < n)
+            else:
+                row.draft_rounds += 1
+                row.draft_accepted += int(acc)
+        if self.log_path:
+            rec = {"rid": rids, "source": [SUFFIX if n else DSPINE for n in lens],
+                   "proposed": [n or self.width for n in lens], "accepted": [int(a) for a in accepted]}
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
