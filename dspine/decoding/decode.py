@@ -50,7 +50,7 @@ from dspine.decoding.sampling import (
 )
 from dspine.decoding.schedule import DRAFT, SUFFIX, History, plan, plan_sources
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL, SuffixSource
-from dspine.decoding.verify import accept, check_rows
+from dspine.decoding.verify import Verdict, accept, accept_greedy, check_rows
 from dspine.models.cache import ModelCache
 from dspine.models.target import Target
 
@@ -405,7 +405,7 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost, cfg.nominal_rows)
     source, ell = pl.source, pl.ell
     anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
-    q, dprops = None, None
+    q, dprops = None, None  # q: the draft's proposal distributions, for sampled draft rows (none under auto)
     if pl.draft_block:
         batch.catch_up(draft)
         use = source == DRAFT
@@ -421,7 +421,7 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
             d_ell[idx] = plan(a, greedy[idx], cfg.cost, cfg.nominal_rows, cap=d_ell[idx],
                               sunk_block=pl.draft_block, row_blocks=ell[idx] + 1)
         ell = torch.where(use, d_ell, ell)
-        dprops, q = prop.tokens, prop.q
+        dprops = prop.tokens  # only greedy rows take the draft here (``plan_sources``): no q is needed
     W = int(ell.max())
     if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
         taps = _plain_round(target, batch, cfg.taps)
@@ -440,20 +440,10 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
         elif source[b] == DRAFT and e:
             props[b, :e] = dprops[b, :e].cpu()
     props = props.to(dev)
-    if q is not None:
-        q = q[:, : min(W, q.shape[1])]
     ids = torch.cat([anchor[:, None], props], dim=1)
     out = target.forward(ids, batch.cache, speculative=True, taps=cfg.taps)
-    p = target_probs(target.logits(out.hidden), params)
-    u_acc = keyed_uniforms(seeds, pos, STREAM_ACCEPT, W).to(dev)
-    u_fin = keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)
-    point = source == SUFFIX
-    u_point = None
-    if bool(point.any()):  # slot j's uniform is the one plain decoding draws at position pos + j
-        j = torch.arange(W + 1)
-        u_point = keyed_uniforms(seeds.repeat_interleave(W + 1), (pos[:, None] + j).flatten(), STREAM_FINAL, 1)
-        u_point = u_point.view(B, W + 1).to(dev)
-    verdict = accept(p, props, q, ell.to(dev), u_acc, u_fin, point=point, u_point=u_point)
+    logits = target.logits(out.hidden)  # [B, W+1, V]
+    verdict = _verify(logits, rows, props, q, ell, source == SUFFIX, seeds, pos)
     n_commit = verdict.n_accepted + 1
     target.commit(batch.cache, n_commit)
     if batch.dcache is not None:
@@ -464,6 +454,36 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     ell_l, acc_l = _record(rows, verdict, ell, source.tolist())
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
+
+
+def _verify(logits: torch.Tensor, rows: list[_Row], props: torch.Tensor, q: torch.Tensor | None, ell: torch.Tensor,
+            point: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor) -> Verdict:
+    """The round's verdict: greedy rows by argmax alone (``verify.accept_greedy``), sampled rows by speculative
+    sampling over their processed distributions (``verify.accept``; suffix rows as point masses)."""
+    dev = logits.device
+    B, W1 = logits.shape[:2]
+    W = W1 - 1
+    greedy = torch.tensor([r.sp.greedy for r in rows], dtype=torch.bool)
+    verdict = accept_greedy(logits.argmax(-1), props, ell)
+    if bool(greedy.all()):
+        return verdict
+    s = torch.nonzero(~greedy).flatten()
+    p = target_probs(logits[s.to(dev)], [rows[int(b)].sp for b in s])
+    u_acc = keyed_uniforms(seeds[s], pos[s], STREAM_ACCEPT, W).to(dev)
+    u_fin = keyed_uniforms(seeds[s], pos[s], STREAM_FINAL, 1)[:, 0].to(dev)
+    pt = point[s]
+    u_point = None
+    if bool(pt.any()):  # slot j's uniform is the one plain decoding draws at position pos + j
+        j = torch.arange(W + 1)
+        u_point = keyed_uniforms(seeds[s].repeat_interleave(W + 1), (pos[s][:, None] + j).flatten(), STREAM_FINAL, 1)
+        u_point = u_point.view(len(s), W + 1).to(dev)
+    v = accept(p, props[s.to(dev)], None if q is None else q[s.to(dev)], ell[s].to(dev), u_acc, u_fin, point=pt,
+               u_point=u_point)
+    sd = s.to(dev)
+    verdict.n_accepted[sd] = v.n_accepted
+    verdict.committed[sd] = v.committed
+    verdict.invalid[sd] = v.invalid
+    return verdict
 
 
 def _record(rows: list[_Row], verdict, ell: torch.Tensor, sources: list[int]) -> tuple[list[int], list[int]]:

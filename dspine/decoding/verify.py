@@ -53,6 +53,21 @@ def check_rows(host: list[list[int]]) -> list[list[int]]:
     return host
 
 
+def accept_greedy(target_tokens: torch.Tensor, proposals: torch.Tensor, n_draft: torch.Tensor) -> Verdict:
+    """Greedy rows without their distributions: target_tokens [B, L+1] (the argmax at every slot), proposals
+    [B, L], n_draft [B]. Exactly ``accept`` with one-hot p (accept while a proposal equals the argmax, then the
+    argmax), without building [B, L+1, V] probabilities: on a CPU that tensor costs more than a wide verify."""
+    B, L1 = target_tokens.shape
+    L = L1 - 1
+    dev = target_tokens.device
+    if L:
+        inside = torch.arange(L, device=dev)[None, :] < n_draft.to(dev).clamp(0, L)[:, None]
+        n_acc = ((target_tokens[:, :L] == proposals[:, :L].to(dev)) & inside).long().cumprod(-1).sum(-1)
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+    return Verdict(n_acc, target_tokens, torch.zeros(B, dtype=torch.bool, device=dev))
+
+
 def accept(
     p: torch.Tensor,
     proposals: torch.Tensor,

@@ -57,3 +57,22 @@ def test_proposal_outside_its_own_q_is_an_error():
         _ = v.tokens
     ok = accept(p, torch.tensor([[1]]), q, torch.tensor([1]), torch.rand(1, 1), torch.rand(1))
     assert len(ok.tokens[0]) in (1, 2)
+
+
+def test_accept_greedy_equals_accept_with_one_hot_p():
+    """The argmax-only path is the one-hot case of ``accept``, without the [B, L+1, V] tensor."""
+    from dspine.decoding.verify import accept_greedy
+
+    g = torch.Generator().manual_seed(0)
+    B, L, V = 6, 5, 7
+    logits = torch.randn(B, L + 1, V, generator=g)
+    top = logits.argmax(-1)
+    props = torch.where(torch.rand(B, L, generator=g) < 0.7, top[:, :L], torch.randint(0, V, (B, L), generator=g))
+    ell = torch.tensor([0, 1, 5, 3, 5, 2])
+    p = torch.nn.functional.one_hot(top, V).float()
+    want = accept(p, props, None, ell, torch.rand(B, L, generator=g), torch.rand(B, generator=g))
+    got = accept_greedy(top, props, ell)
+    assert torch.equal(got.n_accepted, want.n_accepted)
+    for b in range(B):
+        k = int(want.n_accepted[b])
+        assert got.committed[b, : k + 1].tolist() == want.committed[b, : k + 1].tolist()
