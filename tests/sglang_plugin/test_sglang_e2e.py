@@ -155,7 +155,6 @@ def _second_token_distribution(target_dir: str, prompt: list[int]) -> torch.Tens
 
 
 def test_sampled_decoding_through_sglang_matches_the_target_distribution(random_models, dspine_run):
-    from scipy.stats import chi2
 
     target, _ = random_models
     expected = _second_token_distribution(target, PROMPTS[0]) * SAMPLED_N
@@ -165,6 +164,15 @@ def test_sampled_decoding_through_sglang_matches_the_target_distribution(random_
         counts[o["output_ids"][1]] += 1
         verified += o["meta_info"].get("spec_verify_ct", 0)
     assert verified >= SAMPLED_N  # the second token came out of a verify round
+    stat = _assert_chi2_fits(counts, expected)
+    assert not math.isnan(stat)
+
+
+def _assert_chi2_fits(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's chi2 of observed ``counts`` against ``expected`` counts (cells under 5 pooled); asserts at least
+    3 degrees of freedom and p > 1e-3; returns the statistic."""
+    from scipy.stats import chi2
+
     big = expected >= 5
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
@@ -174,7 +182,7 @@ def test_sampled_decoding_through_sglang_matches_the_target_distribution(random_
     assert dof >= 3
     p = float(chi2.sf(stat, dof))
     assert p > 1e-3, f"chi2 {stat:.1f} on {dof} dof, p={p:.2e}"
-    assert not math.isnan(stat)
+    return stat
 
 
 # -- the Qwen3.5 hybrid (GDN + full attention) with ReplaySSM -----------------------------------------------------
@@ -359,7 +367,6 @@ def test_suffix_proposals_keep_greedy_outputs_plain_decodings(random_models, suf
 def test_sampled_suffix_proposals_keep_the_target_distribution(random_models, suffix_run):
     """The second token of sampled siblings: rows whose first token an earlier sibling wrote verify that
     sibling's second token as a point-mass proposal (the other slots keep the draft's walk and its q)."""
-    from scipy.stats import chi2
 
     target, _ = random_models
     stats = _by_source(suffix_run["sampled_rounds"])
@@ -368,15 +375,7 @@ def test_sampled_suffix_proposals_keep_the_target_distribution(random_models, su
     counts = torch.zeros_like(expected)
     for o in suffix_run["sampled"]:
         counts[o["output_ids"][1]] += 1
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    assert dof >= 3
-    p = float(chi2.sf(stat, dof))
-    assert p > 1e-3, f"chi2 {stat:.1f} on {dof} dof, p={p:.2e}"
+    _assert_chi2_fits(counts, expected)
 
 
 def test_hybrid_suffix_proposals_commit_through_replayssm(hybrid_models, hybrid_suffix_run):
