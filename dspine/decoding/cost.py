@@ -224,6 +224,16 @@ def cache_key(identity: dict, target, max_rows: int, block_size: int, long_token
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _busy() -> bool:
+    """Is the machine busier than this process alone can make it (1-minute load above the cores + 0.5)? Timings
+    taken then are disturbed (measured: a stale busy calibration made a c = 8 job 0.81x plain where a quiet one
+    gave 1.16x), so they are not written to the cache."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except OSError:
+        return False
+
+
 def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: dict | None = None,
                       long_tokens: int | None = None) -> CostModel:
     """The cached model for this key, else a fresh calibration (written to the cache when ``identity`` is given;
@@ -235,8 +245,10 @@ def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: d
             return CostModel.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             pass
+    busy = _busy()
     model = calibrate(target, draft, max_rows, block_size, long_tokens=long_tokens)
-    if path is not None:
+    busy = busy or _busy()
+    if path is not None and not busy:  # a calibration taken while others held the cores is used, not kept
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -37,6 +37,7 @@ def test_calibration_measures_every_corner(pair):
 def test_calibration_is_cached_per_identity(pair, tmp_path, monkeypatch):
     target, draft = pair
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost_mod, "_busy", lambda: False)  # kept whatever else runs on the machine
     ident = {"model": "tiny", "draft": "d"}
     first = cost_mod.load_or_calibrate(target, draft, 2, 4, ident)
     assert len(list((tmp_path / "cost").glob("*.json"))) == 1
@@ -66,3 +67,16 @@ def test_three_width_grid_is_piecewise_linear_in_tokens():
     assert g(1, 2) == pytest.approx(1.1) and g(1, 10) == pytest.approx(1.9) and g(1, 21) == pytest.approx(3.0)
     back = CostModel.from_json(CostModel(g, None).to_json())
     assert back.target == g
+
+
+def test_busy_calibration_is_used_but_not_cached(tmp_path, monkeypatch, llama_target):
+    from dspine.decoding import cost as cost_mod
+
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost_mod, "calibrate", lambda *a, **k: cost_mod.CostModel.flat())
+    monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    assert cost_mod.load_or_calibrate(llama_target, None, 2, 2, {"m": 1}) == cost_mod.CostModel.flat()
+    assert not list(tmp_path.rglob("*.json"))
+    monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    cost_mod.load_or_calibrate(llama_target, None, 2, 2, {"m": 1})
+    assert len(list(tmp_path.rglob("*.json"))) == 1

@@ -51,8 +51,12 @@ def test_template_errors_are_row_errors(tmp_path):
 
 @pytest.fixture(autouse=True)
 def _cost_cache(tmp_path, monkeypatch):
-    """Calibrated cost models go to a per-test cache directory, never the user's."""
+    """Calibrated cost models go to a per-test cache directory, never the user's, and are kept whatever else runs
+    on the machine (``cost._busy`` would otherwise skip the write on a loaded CI box)."""
+    from dspine.decoding import cost as cost_mod
+
     monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "dspine-cache"))
+    monkeypatch.setattr(cost_mod, "_busy", lambda: False)
 
 
 def test_engine_matches_dspine_generate_and_reports_stats(tiny):
