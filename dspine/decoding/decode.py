@@ -253,7 +253,6 @@ class _Config:
     taps: tuple[int, ...]
     accept_prior: float | None = None
     suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
-    use_draft: bool = True  # the DSpine draft proposes (proposers "dspine" or "auto")
 
 
 def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,7 +400,7 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
     seeds, pos = _seeds_positions(rows)
     a_sfx, sfx = _suffix_survival(rows, src, src.max_len)
-    a_draft = batch.hist.survival() if cfg.use_draft and draft is not None else None
+    a_draft = batch.hist.survival() if draft is not None else None
     pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost, cfg.nominal_rows)
     source, ell = pl.source, pl.ell
     anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
@@ -581,7 +580,7 @@ def decode_stream(
                            int(suffix_max) + 1 if use_suffix else None)
     cfg = _Config(draft if use_draft else None, bs, dynamic_threshold, verify, cost, batch_size,
                   tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
-                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, use_draft)
+                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None)
     gov = Governor() if governor is None else governor
     try:
         yield from _decode_loop(target, requests, batch_size, cfg, cfg.draft, gov)
