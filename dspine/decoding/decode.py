@@ -105,6 +105,7 @@ class GenerationOutput:
     stats: SpecStats
     latency_s: float = 0.0
     error: str | None = None  # why the request was rejected (finish_reason "error"); no tokens then
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (not computed for this request)
 
 
 class _Row:

@@ -51,6 +51,7 @@ class Result:
     finish_reason: str = "error"  # stop / length / abort / error
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int | None = None  # prompt tokens served from a prefix cache; None: engine did not say
     verify_steps: int | None = None  # None when no draft ran
     draft_tokens_proposed: int | None = None
     draft_tokens_accepted: int | None = None

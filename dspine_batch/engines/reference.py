@@ -213,7 +213,8 @@ class ReferenceEngine:
         if cut is not None:
             (text, tokens), finish = cut, "stop"
         res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
-                     latency_s=float(getattr(out, "latency_s", 0.0)))
+                     latency_s=float(getattr(out, "latency_s", 0.0)),
+                     cached_prompt_tokens=int(getattr(out, "cached_prompt_tokens", 0)))
         st = out.stats
         if self.proposers:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
             res.verify_steps = st.verify_steps
