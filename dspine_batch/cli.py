@@ -164,7 +164,10 @@ def cli() -> None:
                  "row's own output, its --num-samples siblings and finished rows; dspine: the draft only; "
                  "suffix: suffix matches only; --draft none: no speculation at all), suffix_max (tokens a suffix "
                  "proposal may hold, default 16), suffix_cap (finished-output tokens kept for suffix matches, "
-                 "oldest dropped first; default 262144, ~130 MB). SGLang engine: server_flags, any SGLang server "
+                 "oldest dropped first; default 262144, ~130 MB), prefix_cache_mb (prompt prefixes kept so rows "
+                 "sharing a system prompt or template, and --num-samples siblings, prefill only what is new; "
+                 "least recently used dropped first; default 512, 0 = off; on with the CPU kernels, where a hit "
+                 "never changes an output). SGLang engine: server_flags, any SGLang server "
                  "argument as KEY=VALUE, block_size, poll_seconds, meta_log, proposers (auto: suffix matches on "
                  "greedy rows where they beat the draft; suffix: wherever one exists, sampled rows too; dspine).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")

@@ -36,6 +36,7 @@ import torch
 from dspine.cpu.threads import Governor
 from dspine.decoding.batching import assign_rows, can_assign
 from dspine.decoding.cost import CostModel, load_or_calibrate
+from dspine.decoding.prefix import Hit, PrefixCache, shared_prefixes
 from dspine.decoding.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -124,6 +125,7 @@ class _Row:
         self.fed = 0  # tokens the suffix source has been given
         self.sfx_trials = 0.0  # suffix tokens verified (reached) and accepted: this row's own acceptance evidence
         self.sfx_hits = 0.0
+        self.cached = 0  # prompt tokens served by the prefix cache
 
     def push(self, new: list[int]) -> int:
         """Append tokens, truncating at a stop token or max_new_tokens; returns how many were kept."""
@@ -142,7 +144,8 @@ class _Row:
         return kept
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput(self.tokens, self.finish or "length", len(self.prompt), self.stats, self.t1 - self.t0)
+        return GenerationOutput(self.tokens, self.finish or "length", len(self.prompt), self.stats, self.t1 - self.t0,
+                                cached_prompt_tokens=self.cached)
 
 
 def check_request(target: Target, prompt: Sequence[int], sp: SamplingParams) -> str | None:
@@ -254,6 +257,7 @@ class _Config:
     taps: tuple[int, ...]
     accept_prior: float | None = None
     suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
+    prefix: PrefixCache | None = None  # prompt prefixes kept across requests (``prefix.py``)
 
 
 def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,28 +266,88 @@ def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
-    """Right-padded prefill of ``rows``; samples and pushes each row's first token (position 0)."""
+    """Right-padded prefill of ``rows``; samples and pushes each row's first token (position 0).
+
+    With a prefix cache (``prefix.py``) the prefixes these newcomers share and the tree lacks are prefilled
+    first, once each (``--num-samples`` siblings: their whole prompt), then every row copies what the tree holds
+    for its prompt and computes only the rest. A row's state, first token and draft context are bit-identical
+    either way (see ``prefix.py`` for why); ``cached`` counts what a row did not compute, the prefill of a shared
+    prefix being credited to the first row that needed it."""
     dev = target.device
-    extra = _extra(cfg)
-    lens = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long, device=dev)
-    ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long, device=dev)
-    for b, r in enumerate(rows):
-        ids[b, : len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-    cap = _capacity(rows, extra)
-    cache = target.new_cache(len(rows), cap)
-    out = target.forward(ids, cache, n_valid=lens, taps=cfg.taps)
-    last = out.hidden[torch.arange(len(rows), device=dev), lens - 1]  # [B, H]
+    prompts = [r.prompt for r in rows]
+    credit = [0] * len(rows)
+    if cfg.prefix is not None:
+        for wave in shared_prefixes(prompts, cfg.prefix):
+            *_, served = _fill(target, [list(p) for p in wave], cfg, max(len(p) for p in wave))
+            for p, got in zip(wave, served):
+                leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
+                credit[leader] += len(p) - got
+    cache, last, taps, served = _fill(target, prompts, cfg, _capacity(rows, _extra(cfg)))
     p = target_probs(target.logits(last[:, None]), [r.sp for r in rows])[:, 0]
     seeds, pos = _seeds_positions(rows)
     first = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
     dcache = hist = None
     if cfg.draft is not None:
-        dcache = cfg.draft.new_cache(len(rows), cap)
-        cfg.draft.extend_context(dcache, out.taps, lens)
+        lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
+        dcache = cfg.draft.new_cache(len(rows), _capacity(rows, _extra(cfg)))
+        cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
-    for r, t in zip(rows, first):
+    for r, t, got, c in zip(rows, first, served, credit):
+        r.cached = max(0, got - c)
         r.push([t])
     return _Batch(rows, cache, dcache, hist)
+
+
+def _fill(target: Target, prompts: list[list[int]], cfg: _Config, capacity: int
+          ) -> tuple[ModelCache, torch.Tensor, torch.Tensor | None, list[int]]:
+    """Prefill ``prompts`` into a new cache, copying what the prefix tree holds and computing the rest (one
+    right-padded forward over the rows that have anything left), then keep each prompt in the tree. Returns the
+    cache, the final hidden state of each prompt's last token [B, H], the taps of every prompt position
+    [B, max len, D] (None without a draft) and the tokens each row was served from the tree."""
+    dev = target.device
+    tree = cfg.prefix
+    n = len(prompts)
+    cache = target.new_cache(n, capacity)
+    hits = [tree.lookup(q) for q in prompts] if tree is not None else [Hit(0, [])] * n
+    cached_taps = [tree.load(h, cache, b) if h.length else None for b, h in enumerate(hits)]
+    need = [b for b in range(n) if hits[b].length < len(prompts[b])]
+    longest = max(len(q) for q in prompts)
+    last: torch.Tensor | None = None
+    taps = None
+    if need:
+        sub = cache if len(need) == n else cache.select(need)
+        lens = torch.tensor([len(prompts[b]) - hits[b].length for b in need], dtype=torch.long, device=dev)
+        ids = torch.zeros(len(need), int(lens.max()), dtype=torch.long, device=dev)
+        for j, b in enumerate(need):
+            ids[j, : int(lens[j])] = torch.tensor(prompts[b][hits[b].length :], dtype=torch.long)
+        out = target.forward(ids, sub, n_valid=lens, taps=cfg.taps)
+        if sub is not cache:
+            assign_rows(cache, need, sub)
+        got = out.hidden[torch.arange(len(need), device=dev), lens - 1]  # [B_need, H]
+        last = got.new_empty(n, got.shape[-1])
+        last[need] = got
+        if out.taps is not None:
+            if len(need) == n and not any(h.length for h in hits):
+                taps = out.taps  # today's path, untouched: no copy
+            else:
+                taps = out.taps.new_zeros(n, longest, out.taps.shape[-1])
+                for j, b in enumerate(need):
+                    h = hits[b].length
+                    taps[b, h : len(prompts[b])] = out.taps[j, : len(prompts[b]) - h]
+    for b, h in enumerate(hits):
+        if h.length == len(prompts[b]):  # the whole prompt was in the tree
+            if last is None:
+                last = h.hidden.new_empty(n, h.hidden.shape[-1])
+            last[b] = h.hidden
+        if cached_taps[b] is not None:
+            if taps is None:
+                taps = cached_taps[b].new_zeros(n, longest, cached_taps[b].shape[-1])
+            taps[b, : h.length] = cached_taps[b]
+    if tree is not None:
+        for b, q in enumerate(prompts):
+            tree.insert(q, cache, b, None if taps is None else taps[b], last[b])
+            tree.computed += len(q) - hits[b].length
+    return cache, last, taps, [h.length for h in hits]
 
 
 def _extra(cfg: _Config) -> int:
@@ -547,6 +611,7 @@ def decode_stream(
     proposers: str = "dspine",
     suffix_cap: int = DEFAULT_CAP_TOKENS,
     suffix_max: int = MAX_PROPOSAL,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -560,7 +625,8 @@ def decode_stream(
     ``verify="cost"``); ``suffix_cap`` bounds the finished-output tokens the suffix index keeps, ``suffix_max``
     the tokens a suffix proposal may hold. A request that cannot run is yielded at once with
     ``finish_reason="error"``. ``governor`` (default: a new ``threads.Governor``) adjusts torch's thread count
-    to the cores free as the rounds go.
+    to the cores free as the rounds go. ``prefix_cache`` (``prefix.py``; kept by the caller across calls) serves
+    prompt prefixes already prefilled and shares those of requests admitted together; outputs never depend on it.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -581,7 +647,9 @@ def decode_stream(
                            int(suffix_max) + 1 if use_suffix else None)
     cfg = _Config(draft if use_draft else None, bs, dynamic_threshold, verify, cost, batch_size,
                   tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
-                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None)
+                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, prefix_cache)
+    if prefix_cache is not None:
+        prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor
     try:
         yield from _decode_loop(target, requests, batch_size, cfg, cfg.draft, gov)
@@ -696,6 +764,7 @@ def generate(
     cost: CostModel | None = None,
     batch_size: int | None = None,
     proposers: str = "dspine",
+    prefix_cache: PrefixCache | None = None,
 ) -> list[GenerationOutput]:
     """Generate for token-id prompts; speculative when ``draft`` is given, plain AR otherwise.
 
@@ -703,8 +772,9 @@ def generate(
     ``stop_token_ids`` is a list of ids or a list of such lists. A scalar ``seed`` seeds every request
     identically, so a request's output depends only on its prompt, parameters and seed.
     ``dynamic_threshold`` turns on confidence-based draft truncation (needs a trained confidence head);
-    ``verify``/``cost``/``proposers`` as in ``decode_stream``. ``batch_size`` (default: all prompts at once) bounds
-    the rows decoding together; more prompts join as rows finish. Raises ValueError naming the first bad prompt.
+    ``verify``/``cost``/``proposers``/``prefix_cache`` as in ``decode_stream``. ``batch_size`` (default: all
+    prompts at once) bounds the rows decoding together; more prompts join as rows finish. Raises ValueError naming
+    the first bad prompt.
     """
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
@@ -727,7 +797,7 @@ def generate(
             raise ValueError(f"prompt {i} {why}")
     outs: list[GenerationOutput | None] = [None] * len(prompts)
     stream = decode_stream(target, draft, zip(prompts, params), batch_size or len(prompts), bs, dynamic_threshold,
-                           verify, cost, proposers=proposers)
+                           verify, cost, proposers=proposers, prefix_cache=prefix_cache)
     for i, o in stream:
         outs[i] = o
     return outs  # type: ignore[return-value]

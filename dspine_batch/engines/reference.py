@@ -13,6 +13,10 @@ draft's block and a suffix match over text already seen (its prompt and output, 
 finished rows: ``dspine.decoding.suffix``); ``dspine`` the draft only; ``suffix`` suffix matches only. Without a
 draft (a model the embedded draft does not fit) ``auto`` uses suffix matches alone; ``--draft none`` is plain
 decoding with no speculation of any kind.
+
+Prompt prefixes (``prefix_cache_mb``, default 512): a radix tree over prompt tokens keeps what prefill computed,
+so rows behind one system prompt or template and the ``--num-samples`` siblings of a row prefill only what is new
+(``dspine.decoding.prefix``); each row reports ``cached_prompt_tokens``. Outputs are identical with it off.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from dspine_batch.errors import FatalError, UsageError
 
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
         "accept_prior": float,
-        "dtype": str, "quant": str, "proposers": str, "suffix_cap": int, "suffix_max": int}
+        "dtype": str, "quant": str, "proposers": str, "suffix_cap": int, "suffix_max": int,
+        "prefix_cache_mb": int}
 PROPOSERS = ("auto", "dspine", "suffix")
 
 
@@ -40,7 +45,8 @@ class ReferenceEngine:
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
                  verify: str = "cost", precision: dict[str, str] | None = None,
                  accept_prior: float | None = None, proposers: str | None = "dspine",
-                 suffix_cap: int | None = None, suffix_max: int | None = None):
+                 suffix_cap: int | None = None, suffix_max: int | None = None, prefix_cache_mb: int | None = None):
+        from dspine.decoding.prefix import DEFAULT_CAP_MB, PrefixCache
         from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL
 
         self.target, self.draft, self.tok = target, draft, tokenizer
@@ -76,6 +82,11 @@ class ReferenceEngine:
         if draft is not None:
             self._identity["verify"] = verify
         self._costs: dict[tuple[int, str | None], Any] = {}
+        # Prompt prefixes kept across rows (and runs of this engine). Only where a row's prefill is batch and
+        # split invariant (our CPU kernels): there a hit never changes an output, so it is not part of the
+        # identity; torch's GEMMs (bf16, quantized, no compiler) round differently for different token counts.
+        mb = DEFAULT_CAP_MB if prefix_cache_mb is None else prefix_cache_mb
+        self.prefix = PrefixCache(mb << 20) if mb > 0 and str(kernel).startswith("dspine-") else None
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -103,6 +114,8 @@ class ReferenceEngine:
             raise UsageError(f"--engine-arg suffix_max={opts['suffix_max']}: expected 1..64")
         if opts.get("suffix_cap", 1) < 1:
             raise UsageError(f"--engine-arg suffix_cap={opts['suffix_cap']}: expected a positive token count")
+        if opts.get("prefix_cache_mb", 0) < 0:
+            raise UsageError(f"--engine-arg prefix_cache_mb={opts['prefix_cache_mb']}: expected MB >= 0 (0 = off)")
         if draft in ("none", ""):
             proposers = None  # --draft none: plain decoding, no speculation of any kind
         from dspine import load_draft, load_target
@@ -134,7 +147,7 @@ class ReferenceEngine:
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
                    opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe(),
                    opts.get("accept_prior", defaults.get("accept_prior")), proposers, opts.get("suffix_cap"),
-                   opts.get("suffix_max"))
+                   opts.get("suffix_max"), opts.get("prefix_cache_mb"))
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -178,7 +191,7 @@ class ReferenceEngine:
                                self.block_size if self.draft is not None else None, self.dynamic_threshold,
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
-                               suffix_max=self.suffix_max)
+                               suffix_max=self.suffix_max, prefix_cache=self.prefix)
         try:
             for i, out in stream:
                 req = pending.pop(i)

@@ -290,3 +290,37 @@ def test_suffix_only_and_dspine_only(tiny):
     assert [r.token_ids for r in s] == [r.token_ids for r in d]
     assert all(r.dspine_verify_steps == 0 for r in s) and all(r.suffix_verify_steps == 0 for r in d)
     assert "proposers" not in eng_d.identity()  # the old loop's fingerprint is unchanged
+
+
+def test_prefix_cache_serves_shared_system_prompts_and_siblings_without_changing_outputs(tiny):
+    """Rows behind one long system prompt and the --num-samples siblings of a row: the engine reports what its
+    prefix cache served per row; tokens equal a run with the cache off (prefix_cache_mb=0), sampled rows too."""
+    from dspine_batch.engines.base import Request
+
+    on, off = reference_engine(tiny, batch_size="3"), reference_engine(tiny, batch_size="3", prefix_cache_mb="0")
+    assert on.prefix is not None and off.prefix is None
+    assert "prefix" not in json.dumps(on.identity())  # a hit never changes an output: not part of the identity
+    system = "You are careful. Answer in one sentence."
+    reqs = []
+    for i, q in enumerate(["hello world", "what is two plus two?", "the answer", "café"]):
+        ids = on.tokenizer.render_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for s in range(2 if i == 0 else 1):  # row 0 asks two samples
+            reqs.append(Request(f"r{i}", s, ids, SamplingParams(max_new_tokens=8, temperature=0.8 if s else 0.0,
+                                                                seed=7, stop_token_ids=())))
+    got = sorted(on.run(iter(reqs), 8), key=lambda r: (r.row_id, r.sample_index))
+    ref = sorted(off.run(iter(reqs), 8), key=lambda r: (r.row_id, r.sample_index))
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert all(r.error is None and r.token_ids for r in got)
+    assert [r.cached_prompt_tokens for r in ref] == [0] * len(ref)
+    total = sum(r.prompt_tokens for r in got)
+    computed = total - sum(r.cached_prompt_tokens for r in got)
+    assert computed == on.prefix.computed
+    assert computed < total / 2  # the system prompt (most of every prompt) computed once
+    assert got[1].cached_prompt_tokens == got[1].prompt_tokens  # the second sample: its whole prompt from cache
+
+
+def test_prefix_cache_arg_is_checked(tiny):
+    from dspine_batch.errors import UsageError
+
+    with pytest.raises(UsageError, match="prefix_cache_mb=-1: expected MB >= 0"):
+        reference_engine(tiny, prefix_cache_mb="-1")
