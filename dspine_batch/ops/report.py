@@ -143,17 +143,11 @@ def format_report(s: dict[str, Any]) -> str:
         f"{s['errors']:,} errors)",
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
         f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s",
+        _prefix_cache_line(s),
         f"  tau         mean {f(s['tau_mean'])}, median {f(s['tau_median'])}, token-weighted "
         f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
         "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
-    pc = s.get("prefix_cache")  # absent in a _report.json written before schema 3
-    if pc and pc["rows"]:
-        lines.insert(3, f"  prefix cache {pc['cached_prompt_tokens']:,} of {pc['prompt_tokens']:,} prompt tokens "
-                        f"served from cache (hit rate {f(pc['hit_rate'])})"
-                        + (f" in the {pc['rows']:,} outputs that report it" if pc["rows"] < s["ok"] else ""))
-    else:
-        lines.insert(3, "  prefix cache n/a (no output reports cached prompt tokens)")
     for src, v in s.get("by_source", {}).items():
         if v["verify_steps"]:
             lines.append(f"  {src:<11} {v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of "
@@ -167,6 +161,17 @@ def format_report(s: dict[str, Any]) -> str:
     for e in s["error_kinds"]:
         lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
     return "\n".join(lines)
+
+
+def _prefix_cache_line(s: dict[str, Any]) -> str:
+    """The hit rate, and over how many outputs when not all of them report it; n/a (not 0%) when none does."""
+    pc = s.get("prefix_cache")  # a summary from before schema 3 has none
+    if not pc or not pc["rows"]:
+        return "  prefix cache n/a (no output reports cached prompt tokens)"
+    rate = "-" if pc["hit_rate"] is None else f"{pc['hit_rate']:.3f}"
+    some = f" in the {pc['rows']:,} outputs that report it" if pc["rows"] < s["ok"] else ""
+    return (f"  prefix cache {pc['cached_prompt_tokens']:,} of {pc['prompt_tokens']:,} prompt tokens served from "
+            f"cache (hit rate {rate}){some}")
 
 
 def plot_report(s: dict[str, Any], path: str) -> None:
