@@ -3,6 +3,10 @@
 tau (accept length) is reported request-weighted (mean/median over rows) and token-weighted (total
 completion tokens / total verify steps); the two differ when long outputs accept better (see the design
 notes). "tau by position" is the fraction of verify steps whose draft was accepted at least up to position j.
+
+The prefix-cache hit rate is cached prompt tokens / prompt tokens over the ok rows whose engine reported a cache
+count (``cached_prompt_tokens`` not null): rows that do not say (an engine without the count, parts written
+before schema 3) are left out of both sums rather than counted as misses, and with none the rate is n/a.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dspine_batch.pipeline.schema import SOURCE_STATS
 
 COLUMNS = ["row_id", "status", "error", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
            "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram", "latency_s"]
+OPTIONAL = SOURCE_STATS + ["cached_prompt_tokens"]  # read where a part has them (added in schema 2 and 3)
 
 
 def summarize(outdir: str) -> dict[str, Any]:
@@ -33,9 +38,11 @@ def summarize(outdir: str) -> dict[str, Any]:
     examples: dict[str, str] = {}
     rows: set[str] = set()
     by_source = {name: 0 for name in SOURCE_STATS}
+    cached = cache_prompt = cache_rows = 0  # prefix cache: rows that report it, their cached and prompt tokens
     for part in list_parts(outdir):
-        have = set(pq.read_schema(part.path).names)  # parts written before schema 2 have no by-source columns
-        t = pq.read_table(part.path, columns=COLUMNS + [c for c in SOURCE_STATS if c in have]).to_pydict()
+        # parts written before schema 2 have no by-source columns, before schema 3 no cached_prompt_tokens
+        have = set(pq.read_schema(part.path).names)
+        t = pq.read_table(part.path, columns=COLUMNS + [c for c in OPTIONAL if c in have]).to_pydict()
         n += len(t["row_id"])
         rows.update(t["row_id"])
         for i, st in enumerate(t["status"]):
@@ -48,6 +55,10 @@ def summarize(outdir: str) -> dict[str, Any]:
             ok += 1
             prompt_toks += t["prompt_tokens"][i] or 0
             comp_toks += t["completion_tokens"][i] or 0
+            if "cached_prompt_tokens" in t and t["cached_prompt_tokens"][i] is not None:
+                cache_rows += 1
+                cached += t["cached_prompt_tokens"][i]
+                cache_prompt += t["prompt_tokens"][i] or 0
             if t["verify_steps"][i]:
                 steps += t["verify_steps"][i]
                 # tokens committed by verify rounds, in the engine's own accept_length convention
@@ -73,6 +84,8 @@ def summarize(outdir: str) -> dict[str, Any]:
     return {
         "outdir": os.path.abspath(outdir), "input_rows": len(rows), "output_rows": n, "ok": ok, "errors": n - ok,
         "prompt_tokens": prompt_toks, "completion_tokens": comp_toks, "elapsed_s": round(elapsed, 3),
+        "prefix_cache": {"rows": cache_rows, "prompt_tokens": cache_prompt, "cached_prompt_tokens": cached,
+                         "hit_rate": _r(cached / cache_prompt) if cache_prompt else None},
         "tokens_per_s": round(comp_toks / elapsed, 2) if elapsed else None,
         "latency_s": _quantiles(lats),
         "tau_mean": _r(tau.mean()) if len(tau) else None, "tau_median": _r(np.median(tau)) if len(tau) else None,
@@ -130,6 +143,7 @@ def format_report(s: dict[str, Any]) -> str:
         f"{s['errors']:,} errors)",
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
         f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s",
+        _prefix_cache_line(s),
         f"  tau         mean {f(s['tau_mean'])}, median {f(s['tau_median'])}, token-weighted "
         f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
         "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
@@ -147,6 +161,17 @@ def format_report(s: dict[str, Any]) -> str:
     for e in s["error_kinds"]:
         lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
     return "\n".join(lines)
+
+
+def _prefix_cache_line(s: dict[str, Any]) -> str:
+    """The hit rate, and over how many outputs when not all of them report it; n/a (not 0%) when none does."""
+    pc = s.get("prefix_cache")  # a summary from before schema 3 has none
+    if not pc or not pc["rows"]:
+        return "  prefix cache n/a (no output reports cached prompt tokens)"
+    rate = "-" if pc["hit_rate"] is None else f"{pc['hit_rate']:.3f}"
+    some = f" in the {pc['rows']:,} outputs that report it" if pc["rows"] < s["ok"] else ""
+    return (f"  prefix cache {pc['cached_prompt_tokens']:,} of {pc['prompt_tokens']:,} prompt tokens served from "
+            f"cache (hit rate {rate}){some}")
 
 
 def plot_report(s: dict[str, Any], path: str) -> None:

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from dspine_batch.errors import UsageError
 
-SCHEMA_VERSION = 2  # 2: speculative stats by source (dspine / suffix)
+SCHEMA_VERSION = 3  # 2: speculative stats by source (dspine / suffix); 3: cached_prompt_tokens (prefix cache hits)
 
 BASE_FIELDS = [
     pa.field("row_id", pa.string(), nullable=False),
@@ -20,6 +20,8 @@ BASE_FIELDS = [
     pa.field("status", pa.string(), nullable=False),  # ok / error
     pa.field("error", pa.string()),
     pa.field("prompt_tokens", pa.int32()),
+    # of prompt_tokens, those served from a prefix cache instead of computed; null where the engine does not say
+    pa.field("cached_prompt_tokens", pa.int32()),
     pa.field("completion_tokens", pa.int32()),
     pa.field("verify_steps", pa.int32()),  # null without a draft
     pa.field("draft_tokens_proposed", pa.int32()),

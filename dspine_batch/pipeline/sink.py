@@ -327,6 +327,9 @@ class PartSink:
             "error": [r.error for r in rs],
             "prompt_tokens": [r.prompt_tokens if ok or r.prompt_tokens else None
                               for r, ok in zip(rs, oks, strict=True)],
+            # null wherever prompt_tokens is: a cache count never stands without the count it is a share of
+            "cached_prompt_tokens": [r.cached_prompt_tokens if ok or r.prompt_tokens else None
+                                     for r, ok in zip(rs, oks, strict=True)],
             "completion_tokens": [r.completion_tokens if ok else None for r, ok in zip(rs, oks, strict=True)],
             "verify_steps": [r.verify_steps for r in rs],
             "draft_tokens_proposed": [r.draft_tokens_proposed for r in rs],

@@ -1,6 +1,7 @@
 """``dspine-batch generate --engine sglang`` on a CPU (SGLang's CPU test path): the Parquet rows agree with the
-engine's ``meta_info``, and a kill -9 in the middle of a run, then a resume, gives exactly-once output identical
-to an uninterrupted run. Three engine starts (1-2 minutes each on a small CPU).
+engine's ``meta_info``, rows behind a shared prompt prefix are served from SGLang's radix cache and say so
+(``cached_prompt_tokens``), and a kill -9 in the middle of a run, then a resume, gives exactly-once output
+identical to an uninterrupted run. Three engine starts (1-2 minutes each on a small CPU).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ from helpers import (  # noqa: E402
 from dspine_batch.pipeline.resume import list_parts  # noqa: E402
 
 ROWS = 8
+# every row starts with this (~220 tokens with the tiny tokenizer), as a system prompt or template would
+SHARED = " ".join(f"Rule {i}: answer briefly and plainly." for i in range(8)) + "\n"
+
+
+def _prompts() -> list[dict]:
+    return [{**r, "prompt": SHARED + r["prompt"]} for r in prompts(ROWS)]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,7 @@ def _kill9_tree(p: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(models, tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_cli_ref")
-    src = write_jsonl(d / "in.jsonl", prompts(ROWS))
+    src = write_jsonl(d / "in.jsonl", _prompts())
     p = _spawn(_args(models, src, d / "out", d / "meta.jsonl"))
     _, err = p.communicate(timeout=900)
     assert p.returncode == 0, err.decode()[-3000:]
@@ -109,11 +116,40 @@ def test_parquet_rows_agree_with_meta_info(uninterrupted):
         meta = by_key[r["row_id"]]
         assert r["completion_tokens"] == meta["completion_tokens"] == len(r["output_token_ids"])
         assert r["prompt_tokens"] == meta["prompt_tokens"]
+        assert r["cached_prompt_tokens"] == meta["cached_tokens"]
         assert r["verify_steps"] == meta["spec_verify_ct"] > 0
         assert r["draft_tokens_accepted"] == meta["spec_num_correct_drafts"]
         assert r["draft_tokens_proposed"] == meta["spec_num_proposed_drafts"]
         assert _trim(r["accept_histogram"]) == _trim(meta["spec_correct_drafts_histogram"])
         assert sum(r["accept_histogram"]) == r["verify_steps"]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_shared_prompt_prefix_is_served_from_the_radix_cache(models, uninterrupted):
+    """SGLang's radix cache is on in the CPU setup (DSPINE included) and the column says what it served: one
+    request at a time, row k's cached prompt tokens are exactly its longest token prefix in common with an
+    earlier row's prompt (the first row: none), and the report's hit rate is the columns' ratio."""
+    from dspine_batch.engines.models import open_tokenizer
+    from dspine_batch.ops.report import summarize
+
+    src, out, _ = uninterrupted
+    tok = open_tokenizer(models[0])
+    ids = [tok.encode(json.loads(line)["prompt"]) for line in src.read_text().splitlines()]  # --raw: as is
+    assert _common_prefix(ids[0], ids[1]) >= 200  # the shared prefix is long
+    rows = read_output(out)  # ids sort in input order, which --max-in-flight 1 runs them in
+    assert [r["prompt_tokens"] for r in rows] == [len(x) for x in ids]
+    want = [max((_common_prefix(ids[k], ids[j]) for j in range(k)), default=0) for k in range(ROWS)]
+    assert [r["cached_prompt_tokens"] for r in rows] == want
+    assert want[0] == 0 and min(want[1:]) >= 200
+    pc = summarize(str(out))["prefix_cache"]
+    assert pc["rows"] == ROWS and pc["cached_prompt_tokens"] == sum(want)
+    assert pc["hit_rate"] == pytest.approx(sum(want) / sum(len(x) for x in ids), abs=1e-4) and pc["hit_rate"] > 0.5
 
 
 def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, tmp_path):
@@ -137,7 +173,9 @@ def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, 
     assert len(keys) == len(set(keys)) == ROWS
     # proposers=auto (the default): suffix proposals read the finished outputs this engine has seen, which a
     # resumed engine starts without, so the speculative stats may differ; the rows themselves may not
-    stats = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram")
+    # likewise the radix cache: the resumed engine starts empty, so its first row's prefix is computed again
+    stats = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram",
+             "cached_prompt_tokens")
     want = read_output(ref)
     assert [{k: v for k, v in r.items() if k not in stats} for r in got] == \
         [{k: v for k, v in r.items() if k not in stats} for r in want]

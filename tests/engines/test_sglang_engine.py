@@ -90,6 +90,26 @@ def test_apply_fills_a_result():
     assert res.accept_length == pytest.approx(15 / 3) and res.latency_s == 0.25
 
 
+def test_cached_tokens_become_cached_prompt_tokens():
+    """SGLang's per-request radix-cache hit count is copied as is; 0 is a real "no hit", not a missing value."""
+    meta = RECORDED["stop_mid_round_b16"]["meta_info"]
+    assert meta["cached_tokens"] == 0  # 0.5.23 sends it on every finished request
+    assert sglang_stats.apply(meta, Result("k", 0)).cached_prompt_tokens == 0
+    res = sglang_stats.apply({**meta, "cached_tokens": 11}, Result("k", 0), block_size=16)
+    assert (res.cached_prompt_tokens, res.prompt_tokens) == (11, 12)
+    assert sglang_stats.apply({**meta, "cached_tokens": 12.0}, Result("k", 0)).cached_prompt_tokens == 12
+    without = {k: v for k, v in meta.items() if k != "cached_tokens"}
+    assert sglang_stats.apply(without, Result("k", 0)).cached_prompt_tokens is None  # an SGLang that does not say
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "many", True, 13])
+def test_malformed_cached_tokens_are_an_error_not_a_guess(bad):
+    """A count we cannot read, or more cached tokens than the prompt has, means a meta_info we do not understand."""
+    meta = {**RECORDED["stop_mid_round_b16"]["meta_info"], "cached_tokens": bad}
+    with pytest.raises(ValueError, match="cached_tokens"):
+        sglang_stats.apply(meta, Result("k", 0))
+
+
 # -- server args --------------------------------------------------------------------------------------------------
 
 

@@ -98,3 +98,55 @@ def test_report_shows_the_speculation_by_source(tiny, tmp_path, capsys):
 
 def main_report(outdir: str) -> int:
     return run_cli(["report", outdir])
+
+
+def test_report_says_na_when_no_output_reports_a_prefix_cache(outdir, capsys):
+    """The scripted engine does not report cached prompt tokens: the rate is n/a, not 0% (which would claim
+    every prompt token was computed)."""
+    s = summarize(str(outdir))
+    assert s["prefix_cache"] == {"rows": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "hit_rate": None}
+    capsys.readouterr()
+    assert run_cli(["report", str(outdir)]) == 0
+    assert "prefix cache n/a" in capsys.readouterr().out
+
+
+def test_prefix_cache_hit_rate_counts_only_outputs_that_report_it(tmp_path, capsys):
+    """Three parts: one whose rows report cached prompt tokens, one whose rows leave it null, and one written
+    before schema 3 (no such column). The rate is cached / prompt tokens over the reporting ok rows only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dspine_batch.pipeline.resume import list_parts
+
+    rows = [{"id": "e1", "prompt": ""}] + prompts(6)  # the error row lands in the first part
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(src), "-o", str(out), "--commit-rows", "3", "--max-error-rate", "0.5"]) == 0
+    parts = list_parts(str(out))
+    assert len(parts) == 3
+    want_cached = want_prompt = 0
+    for k, part in enumerate(parts):
+        t = pq.read_table(part.path)
+        if k == 0:  # an engine that reports the cache: a made-up count per row (an error row's is not counted)
+            ok = [s == "ok" for s in t.column("status").to_pylist()]
+            prompt = t.column("prompt_tokens").to_pylist()
+            assert ok.count(False) == 1
+            cached = [min(3 * (i + 1), p) if o else 5 for i, (o, p) in enumerate(zip(ok, prompt))]
+            want_cached += sum(c for c, o in zip(cached, ok) if o)
+            want_prompt += sum(p for p, o in zip(prompt, ok) if o)
+            col = t.schema.get_field_index("cached_prompt_tokens")
+            t = t.set_column(col, t.schema.field(col), pa.array(cached, pa.int32()))
+        elif k == 2:  # written by schema 2
+            t = t.drop_columns(["cached_prompt_tokens"])
+        pq.write_table(t, part.path)
+    assert want_cached > 0
+    s = summarize(str(out))
+    pc = s["prefix_cache"]
+    assert pc["rows"] == 2 and pc["rows"] < s["ok"]
+    assert (pc["cached_prompt_tokens"], pc["prompt_tokens"]) == (want_cached, want_prompt)
+    assert pc["hit_rate"] == pytest.approx(want_cached / want_prompt, abs=1e-4) and want_prompt < s["prompt_tokens"]
+    capsys.readouterr()
+    assert run_cli(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"prefix cache {want_cached:,} of {want_prompt:,} prompt tokens served from cache" in text
+    assert "in the 2 outputs that report it" in text

@@ -95,6 +95,32 @@ def test_fingerprint_change_is_refused_with_what_changed(tmp_path, capsys):
     assert run_cli(["generate", str(src), "-o", str(out), "--no-resume"]) == 2
 
 
+def test_a_job_written_with_an_older_schema_is_not_resumed_into(tmp_path, capsys):
+    """Parts of one OUTDIR must share one schema (readers concatenate them, compaction merges them), so the
+    schema version is part of the run's fingerprint: a job started before a column was added is refused, with
+    the version change named, rather than finished with parts that lack the column."""
+    import json
+
+    from dspine_batch.pipeline.manifest import MANIFEST, fingerprint
+    from dspine_batch.pipeline.schema import SCHEMA_VERSION
+
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(src), "-o", str(out)]) == 0
+    path = out / MANIFEST
+    m = json.loads(path.read_text())
+    assert m["fingerprint_fields"]["schema_version"] == SCHEMA_VERSION
+    m["fingerprint_fields"]["schema_version"] = SCHEMA_VERSION - 1  # as the release before wrote it
+    m["fingerprint"] = fingerprint(m["fingerprint_fields"])
+    m["output_columns"].remove("cached_prompt_tokens")
+    path.write_text(json.dumps(m))
+    capsys.readouterr()
+    assert run_cli(["generate", str(src), "-o", str(out)]) == 2
+    assert f"schema_version: {SCHEMA_VERSION - 1} -> {SCHEMA_VERSION}" in capsys.readouterr().err
+    assert run_cli(["generate", str(src), "-o", str(out), "--overwrite"]) == 0
+    assert len(read_output(out)) == 3
+
+
 def test_model_change_is_refused(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     out = tmp_path / "out"

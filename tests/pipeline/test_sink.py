@@ -43,6 +43,21 @@ def test_rows_commit_whole_with_typed_nulls(tmp_path):
     assert commits[-1].rows == 2 and commits[-1].error_rows == 1 and commits[-1].outputs == 4
 
 
+def test_cached_prompt_tokens_are_written_as_the_engine_reported_them(tmp_path):
+    """A reported count is written as is, an unreported one (None) stays null rather than becoming 0 (0 would
+    read as "no cache hit"), and an error row without prompt tokens has no cache count either."""
+    sink = _sink(tmp_path, [], commit_rows=100)
+    sink.add(WorkItem("a", [], ("x",)), [Result("a", 0, [5], "y", "stop", 300, 1, cached_prompt_tokens=256),
+                                         Result("a", 1, [5], "y", "stop", 300, 1, cached_prompt_tokens=0)])
+    sink.add(WorkItem("b", [], ("x",)), [Result("b", s, [5], "y", "stop", 4, 1) for s in range(2)])
+    sink.add(WorkItem("c", [], (None,), error="in.jsonl: row 2, field 'prompt': missing"), None)
+    assert sink.commit()
+    t = pq.read_table(tmp_path / part_name("00000-of-00001", 0))
+    assert t.schema.field("cached_prompt_tokens").type == pa.int32()
+    assert t.schema.names.index("cached_prompt_tokens") == t.schema.names.index("prompt_tokens") + 1
+    assert t.column("cached_prompt_tokens").to_pylist() == [256, 0, None, None, None, None]
+
+
 def test_time_based_commit(tmp_path):
     sink = _sink(tmp_path, [], commit_rows=1000, commit_seconds=0.0001)
     sink.add(WorkItem("a", [], (None,), error="x"), None)

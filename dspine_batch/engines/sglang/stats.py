@@ -12,6 +12,10 @@ was on and at least one verify round ran (``TokenizerManager._calculate_spec_dec
 ``spec_correct_drafts_histogram``     index j = rounds that accepted j drafts
 ====================================  =============================================================
 
+``cached_tokens`` (present for every finished request) is the part of ``prompt_tokens`` the radix cache served
+(``Req.cached_tokens``: the matched prefix length at the request's first prefill, ``ScheduleBatch.prepare_for_extend``
+in 0.5.23); it becomes ``cached_prompt_tokens``. ``cached_tokens_details`` (HiCache tiers) is not read.
+
 Older releases spelled them ``spec_accept_token_num``/``spec_draft_token_num`` and later
 ``spec_accepted_drafts``/``spec_proposed_drafts``; ``ALIASES`` reads every vintage, current name first.
 
@@ -158,6 +162,11 @@ def apply(meta: Mapping[str, Any], result: Any, *, block_size: int | None = None
         result.prompt_tokens = _int(meta["prompt_tokens"], "prompt_tokens")
     if meta.get("completion_tokens") is not None:
         result.completion_tokens = _int(meta["completion_tokens"], "completion_tokens")
+    if meta.get("cached_tokens") is not None:  # absent: this SGLang does not say, the column stays null
+        cached = _int(meta["cached_tokens"], "cached_tokens")
+        if meta.get("prompt_tokens") is not None and cached > result.prompt_tokens:
+            raise ValueError(f"meta_info cached_tokens {cached} > prompt_tokens {result.prompt_tokens}")
+        result.cached_prompt_tokens = cached
     if meta.get("e2e_latency") is not None:
         result.latency_s = float(meta["e2e_latency"])
     st = spec_stats(meta, block_size=block_size)
