@@ -52,7 +52,8 @@ from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hash
 
 # -- dspine_batch -------------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
-VOLATILE = ("latency_s", "attempt")  # differ between runs by design
+VOLATILE = ("latency_s", "attempt", "cached_prompt_tokens")  # differ between runs by design (a resumed engine
+# starts with an empty prefix cache)
 
 
 def write_jsonl(path: Path, rows: list, raw_lines: list[bytes] | None = None) -> Path:
