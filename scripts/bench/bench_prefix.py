@@ -7,8 +7,9 @@ Workloads (the embedded SmolLM2 pair, chat template, default engine settings but
 Each (workload, variant) is one whole CLI job in a fresh process (model load included), variants interleaved over
 ``--repeats``; a warm-up job first calibrates the cost model both variants share. Reported per job: wall seconds,
 prompt tokens in total, prompt tokens computed (Σ prompt − cached_prompt_tokens, from the output Parquet) against
-the unique prompt tokens (distinct prefixes of the rendered prompts), generated tok/s, peak RSS of the process, the
-ratio of wall time off/on, and whether the outputs are identical. The CPU model and load average are printed first.
+the unique prompt tokens (distinct prefixes of the rendered prompts), generated tok/s, peak RSS of the process and
+the prefix tree's own peak, the ratio of wall time off/on, and whether the outputs are identical. The CPU model
+and load average are printed first.
 
     python scripts/bench/bench_prefix.py                          # everything (~15 min on 2 cores)
     python scripts/bench/bench_prefix.py --workloads samples --repeats 2
@@ -103,8 +104,17 @@ def child(spec: dict) -> dict:
     """One CLI job in this process: wall, peak RSS and the output's token counts."""
     import pyarrow.parquet as pq
 
+    from dspine.decoding import prefix
     from dspine_batch.cli import main
 
+    trees = []
+    init = prefix.PrefixCache.__init__
+
+    def keep(tree, *a, **kw):  # the engine's tree, for its peak size
+        init(tree, *a, **kw)
+        trees.append(tree)
+
+    prefix.PrefixCache.__init__ = keep
     t0 = time.perf_counter()
     try:
         main(["generate", spec["input"], "-o", spec["output"], "--progress", "none", *spec["args"]])
@@ -117,6 +127,7 @@ def child(spec: dict) -> dict:
     cached = t.get("cached_prompt_tokens") or [0] * len(t["prompt_tokens"])
     outputs = sorted(zip(t["row_id"], t["sample_index"], t["output"]))
     return {"wall_s": wall, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tree_peak_mb": max((t.peak_bytes for t in trees), default=0) / 2**20,
             "prompt_tokens": sum(t["prompt_tokens"]), "cached": sum(c or 0 for c in cached),
             "completion_tokens": sum(t["completion_tokens"]), "rows": len(t["prompt_tokens"]),
             "errors": sum(s != "ok" for s in t["status"]), "outputs": outputs}
@@ -161,7 +172,8 @@ def main() -> None:
                     computed = r["prompt_tokens"] - r["cached"]
                     print(f"  {variant:3s} wall {r['wall_s']:7.1f} s  computed {computed:6d} / {r['prompt_tokens']:6d}"
                           f"  gen {r['completion_tokens'] / r['wall_s']:6.1f} tok/s  peak RSS {r['rss_mb']:6.0f} MB"
-                          f"  errors {r['errors']}  load {os.getloadavg()[0]:.2f}", flush=True)
+                          f" (tree {r['tree_peak_mb']:.0f} MB)  errors {r['errors']}  load {os.getloadavg()[0]:.2f}",
+                          flush=True)
                     results.append({"workload": name, "variant": variant, "repeat": rep, "unique": w["unique"],
                                     **{k: v for k, v in r.items() if k != "outputs"}})
                 same = got["on"]["outputs"] == got["off"]["outputs"]
