@@ -275,6 +275,7 @@ def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
     prefix being credited to the first row that needed it."""
     dev = target.device
     prompts = [r.prompt for r in rows]
+    cap = _capacity(rows, _extra(cfg))
     credit = [0] * len(rows)
     if cfg.prefix is not None:
         for wave in shared_prefixes(prompts, cfg.prefix):
@@ -282,14 +283,14 @@ def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
             for p, got in zip(wave, served):
                 leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
                 credit[leader] += len(p) - got
-    cache, last, taps, served = _fill(target, prompts, cfg, _capacity(rows, _extra(cfg)))
+    cache, last, taps, served = _fill(target, prompts, cfg, cap)
     p = target_probs(target.logits(last[:, None]), [r.sp for r in rows])[:, 0]
     seeds, pos = _seeds_positions(rows)
     first = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
     dcache = hist = None
     if cfg.draft is not None:
         lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
-        dcache = cfg.draft.new_cache(len(rows), _capacity(rows, _extra(cfg)))
+        dcache = cfg.draft.new_cache(len(rows), cap)
         cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
     for r, t, got, c in zip(rows, first, served, credit):

@@ -125,24 +125,9 @@ class PrefixCache:
         return self._layout is not None and any(kind == "SSMState" for kind, _, _ in self._layout[0])
 
     # -- lookup -------------------------------------------------------------------------------------------------
-    def match(self, prompt: Sequence[int]) -> int:
-        """Leading tokens of ``prompt`` present in the tree (ignoring where state is kept); touches nothing."""
-        node, pos = self.root, 0
-        while pos < len(prompt):
-            child = node.children.get(prompt[pos])
-            if child is None:
-                break
-            m = _lcp(child.tokens, prompt[pos : pos + len(child.tokens)])
-            pos += m
-            if m < len(child.tokens):
-                break
-            node = child
-        return pos
-
-    def lookup(self, prompt: Sequence[int], touch: bool = True) -> Hit:
-        """The longest servable prefix of ``prompt`` (see the module docstring); marks its nodes used."""
-        if self.cap_bytes == 0:
-            return Hit(0, [])
+    def _walk(self, prompt: Sequence[int]) -> list[tuple[_Node, int]]:
+        """The nodes ``prompt`` runs through from the root, each with how many of its tokens match (all but
+        possibly the last: the walk stops inside the node where the prompt diverges or ends)."""
         path: list[tuple[_Node, int]] = []
         node, pos = self.root, 0
         while pos < len(prompt):
@@ -155,6 +140,18 @@ class PrefixCache:
             if m < len(child.tokens):
                 break
             node = child
+        return path
+
+    def match(self, prompt: Sequence[int]) -> int:
+        """Leading tokens of ``prompt`` present in the tree (ignoring where state is kept); touches nothing."""
+        return sum(m for _, m in self._walk(prompt))
+
+    def lookup(self, prompt: Sequence[int], touch: bool = True) -> Hit:
+        """The longest servable prefix of ``prompt`` (see the module docstring); marks its nodes used."""
+        if self.cap_bytes == 0:
+            return Hit(0, [])
+        path = self._walk(prompt)
+        pos = sum(m for _, m in path)
         # cut back to a point the row can continue from
         if not self.hybrid:  # any position; the whole prompt only with its last token's hidden state
             if path and pos == len(prompt):
