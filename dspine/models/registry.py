@@ -47,7 +47,9 @@ def load_target(
             f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
             "supported: llama, qwen3, qwen3_5/qwen3_5_text"
         )
-    bf16_tiles = kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
+    # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
+    # attention are torch modules, which keep their bf16 path
+    bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
     model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles else dtype, device=device)
     if fuse:
         model.fuse_projections()
