@@ -66,9 +66,9 @@ CHECK_ISA = """
 import json, torch
 from dspine.cpu import kernels
 import sys; sys.path[:0] = ["tests/cpu", "tests"]
-from test_gemm import MAKERS, ROWS, _mismatches
+from test_gemm import MAKERS, ROWS, _attention_mismatches, _mismatches
 isa = kernels.load()
-bad = {}
+bad = {"attention": got} if (got := _attention_mismatches()) else {}
 for fmt, make in MAKERS.items():
     for k, n in ((576, 1536), (1536, 576)):
         lin = kernels.PackedLinear(make(n, k, 11))
@@ -82,7 +82,7 @@ print(json.dumps({"isa": isa, "bad": bad}))
 
 
 @pytest.mark.parametrize("isa", ["avx2", pytest.param("generic", marks=pytest.mark.slow)])
-def test_fp32_family_invariance_on_lower_isa_builds(isa):
+def test_fp32_family_and_attention_invariance_on_lower_isa_builds(isa):
     if kernels.cpu_isa() == "generic" and isa == "avx2":
         pytest.skip("this CPU has no AVX2")
     assert _in_subprocess(CHECK_ISA, DSPINE_KERNELS=isa) == {"isa": isa, "bad": {}}
@@ -138,3 +138,29 @@ def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
     prompts = [ids[0, :5].tolist(), ids[1, :23].tolist(), ids[2].tolist()]
     assert [o.token_ids for o in generate(bf16, None, prompts, max_new_tokens=8)] == \
         [generate(bf16, None, [p], max_new_tokens=8)[0].token_ids for p in prompts]
+
+
+def _attention_mismatches(seed: int = 0) -> list[str]:
+    """attend_cache (rep query heads per KV head at once, outputs in registers) against the per-query loop it
+    replaced, bit for bit, and each query computed alone against the same query inside a many-query call."""
+    bad = []
+    for B, T, Hq, Hkv, D, window in [(2, 37, 9, 3, 64, 0), (1, 5, 4, 4, 32, 0), (2, 9, 8, 2, 128, 6),
+                                     (1, 4, 6, 2, 48, 0), (3, 1, 9, 3, 64, 0)]:
+        g = torch.Generator().manual_seed(seed + D + T)
+        cap = 64
+        kc, vc = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)
+        q = torch.randn(B, T, Hq, D, generator=g)
+        pos = torch.tensor([3, 20, 0])[:B, None] + torch.arange(T)
+        args = (kc, vc, pos, window, D**-0.5)
+        got = kernels.attend_cache(q, *args)
+        if not torch.equal(got, torch.ops.dspine_cpu.attend_cache_ref(q, *args)):
+            bad.append(f"ref {B, T, Hq, Hkv, D}")
+        for t in {0, T // 2, T - 1}:
+            alone = kernels.attend_cache(q[:, t : t + 1], kc, vc, pos[:, t : t + 1], window, D**-0.5)
+            if not torch.equal(alone[:, 0], got[:, t]):
+                bad.append(f"alone {B, T, Hq, Hkv, D} t={t}")
+    return bad
+
+
+def test_attention_is_the_per_query_loops_bits_and_query_invariant():
+    assert _attention_mismatches() == []
