@@ -107,7 +107,20 @@ inline void tile(const float* __restrict x, int64_t Kp, const uint8_t* __restric
     }
   }
   const int jn = N - n < NB ? static_cast<int>(N - n) : NB;
-  for (int i = 0; i < MB; ++i)
+  int i = 0;
+#ifdef DSPINE_HAS_VSUM16
+  // 4 rows x 4 columns reduced together (vsum16 makes vsum's additions, so the bits do not depend on whether a
+  // row took this or the single reductions below): element 4i + j of the result is acc[i][j]
+  static_assert(NB == 4, "vsum16 reduces 4 x 4 accumulators");
+  for (; jn == NB && i + 4 <= MB; i += 4) {
+    const vec s = vsum16(&acc[i][0]);
+    _mm_storeu_ps(out + (m0 + i) * N + n, _mm512_extractf32x4_ps(s, 0));
+    _mm_storeu_ps(out + (m0 + i + 1) * N + n, _mm512_extractf32x4_ps(s, 1));
+    _mm_storeu_ps(out + (m0 + i + 2) * N + n, _mm512_extractf32x4_ps(s, 2));
+    _mm_storeu_ps(out + (m0 + i + 3) * N + n, _mm512_extractf32x4_ps(s, 3));
+  }
+#endif
+  for (; i < MB; ++i)
     for (int j = 0; j < jn; ++j) out[(m0 + i) * N + n + j] = vsum(acc[i][j]);
 }
 
