@@ -86,7 +86,7 @@ def hf(dtype):
 
     from dspine_batch.engines.models import resolve_model
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model("embedded"), torch_dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("embedded"), dtype=dtype).eval()
 
     def run(ids: list[int]):
         return model(torch.tensor([ids]), logits_to_keep=1, use_cache=True).logits

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "sched.h"
 #include "vec.h"
 
 namespace {
@@ -125,11 +126,12 @@ at::Tensor linear_bf16dp(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t panels = Np / NR, panel_elems = Kp * NR;
-  // Work items are (row chunk, panel) with the panel index fastest, so for a few rows (decode) the threads
-  // split the panels, and for a prompt each thread keeps a row chunk's inputs in its L2 across panels.
-  const int64_t chunks = (M + MC - 1) / MC;
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t item = i0; item < i1; ++item) {
+  // Work items are (row chunk, panel) with the panel index fastest, pulled one at a time by the threads
+  // (sched.h): for a few rows (decode) the threads share the panels, for a prompt a thread's consecutive items
+  // reuse a row chunk's inputs from its L2. Which thread runs an item never changes its bits.
+  const int64_t chunks = (M + MC - 1) / MC, items = chunks * panels;
+  dspine::parallel_pull(items, [&](auto& pull) {
+    for (int64_t item; (item = pull()) < items;) {
       const int64_t c = item / panels, t = item % panels;
       const int64_t m1 = std::min(M, (c + 1) * MC);
       const uint16_t* panel = pp + t * panel_elems;
