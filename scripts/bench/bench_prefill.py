@@ -16,6 +16,7 @@ one run mean much.
 
     python scripts/bench/bench_prefill.py
     python scripts/bench/bench_prefill.py --prompts 4 --threads 1 --json out/prefill.json
+    python scripts/bench/bench_prefill.py --columns ours-fp32 --src ../main   # before a change (alternate)
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# --src DIR: import dspine from another checkout (the "before" of a change: run this script from the new tree with
+# --src pointing at the old one, alternating with a run without it)
+SRC = Path(sys.argv[sys.argv.index("--src") + 1]).resolve() if "--src" in sys.argv[:-1] else REPO
+sys.path.insert(0, str(SRC))
 
 TOPICS = ["rivers", "bridges", "libraries", "volcanoes", "orchards", "lighthouses", "railways", "glaciers"]
 
@@ -113,7 +117,7 @@ def gemm_roof(reps: int) -> list[dict]:
     if kernels.load():
         lin = kernels.PackedLinear(w)
         cols[f"ours fp32 ({lin.format})"] = lambda: lin(x)
-        if kernels.bf16dp_ok():
+        if getattr(kernels, "bf16dp_ok", lambda: False)():
             lbf = kernels.PackedLinear(w, formats=(kernels.BF16DP,))
             cols["ours bf16 (bf16dp)"] = lambda: lbf(x)
     best = {k: float("inf") for k in cols}
@@ -138,6 +142,7 @@ def main() -> None:
                     choices=["ours-fp32", "ours-bf16", "hf-fp32", "hf-bf16"])
     ap.add_argument("--gemm-reps", type=int, default=10)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--src", type=Path, default=REPO, help="the checkout whose dspine is measured (default: this one)")
     args = ap.parse_args()
 
     import torch
@@ -146,7 +151,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# {cpu_line()}, torch threads {torch.get_num_threads()}, {load_line()}", flush=True)
+    print(f"# {cpu_line()}, torch threads {torch.get_num_threads()}, {load_line()}, dspine from {SRC}", flush=True)
     ids = prompts(open_tokenizer(resolve_model("embedded")), args.prompts, args.tokens)
     n_tokens = sum(len(p) for p in ids)
     print(f"# {len(ids)} prompts, {n_tokens} tokens ({min(map(len, ids))}-{max(map(len, ids))} each)", flush=True)
