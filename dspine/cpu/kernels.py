@@ -35,10 +35,13 @@ from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "ops.cpp")]
-HEADERS = [CSRC / "vec.h"]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "ops.cpp")]
+HEADERS = [CSRC / name for name in ("vec.h", "sched.h")]
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
+# The bf16 precision policy's format (never tried by default: it rounds): weights rounded to bfloat16, inputs
+# rounded on entry, fp32 sums, through AVX512-BF16 tiles (``csrc/gemm_bf16.cpp``); only where ``bf16dp_ok()``.
+BF16DP = "bf16dp"
 ISA_CFLAGS = {
     "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "avx2": ["-mavx2", "-mfma"],
@@ -143,6 +146,11 @@ def _build(isa: str) -> str | None:
         _state["why"] = why
         print(f"dspine: warning: CPU kernels unavailable, using torch's ({why})", file=sys.stderr, flush=True)
         return None
+
+
+def bf16dp_ok() -> bool:
+    """True where the bf16 family of linears runs: the avx512 build on a CPU with AVX512-BF16."""
+    return load() == "avx512" and "avx512_bf16" in cpu_flags() and bool(torch.ops.dspine_cpu.has_bf16dp())
 
 
 def unavailable_reason() -> str | None:
@@ -254,6 +262,10 @@ class PackedLinear(nn.Module):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8_0(*blocks)
             elif fmt == "bf16" and torch.equal((half := w.bfloat16()).float(), w):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16(half)
+            elif fmt == BF16DP:
+                if not bf16dp_ok():
+                    raise RuntimeError("the bf16dp format needs a CPU with AVX512-BF16 and the avx512 kernel build")
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp(w.bfloat16())
             if packed is not None:
                 break
         if packed is None:
@@ -279,7 +291,8 @@ class PackedLinear(nn.Module):
     @staticmethod
     def _ops() -> dict:
         return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
-                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16}
+                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
+                BF16DP: torch.ops.dspine_cpu.linear_bf16dp}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"

@@ -47,13 +47,32 @@ def load_target(
             f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
             "supported: llama, qwen3, qwen3_5/qwen3_5_text"
         )
-    model = cls.from_pretrained(path, cfg, dtype=dtype, device=device)
+    # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
+    # attention are torch modules, which keep their bf16 path
+    bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
+    model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles else dtype, device=device)
     if fuse:
         model.fuse_projections()
     model.quantize(quant)
-    if kernels and quant == "none":
+    if bf16_tiles:
+        from dspine.cpu.kernels import BF16DP
+
+        model.use_kernels(formats=(BF16DP,), cache_key=checkpoint_key(path))
+    elif kernels and quant == "none":
         model.use_kernels(cache_key=checkpoint_key(path))
     return model
+
+
+def _bf16_tiles(device) -> bool:
+    """bfloat16 on a CPU with AVX512-BF16 runs as our bf16 family of linears (``csrc/gemm_bf16.cpp``: bf16 weights
+    and linear inputs, fp32 sums; norms, attention, residual stream and KV cache fp32) instead of torch's bf16
+    modules: ~2x the fp32 GEMM rate on prompts, and batch invariant, so the prefix cache stays exact. Elsewhere
+    bf16 stays torch's (emulated bf16 is slower than our fp32 kernels; it is not a policy worth choosing there)."""
+    if torch.device(device).type != "cpu":
+        return False
+    from dspine.cpu import kernels
+
+    return not kernels.disabled() and kernels.load() is not None and kernels.bf16dp_ok()
 
 
 PACK_CACHE_MIN_BYTES = 16 << 20  # smaller checkpoints pack in a blink: not worth a cache file each

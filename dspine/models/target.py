@@ -143,7 +143,10 @@ class Target(nn.Module):
                 m.fast = True
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
-        self._kernel = f"dspine-{isa}"
+        from dspine.cpu.kernels import BF16DP
+
+        # the bf16 family rounds (weights and linear inputs to bf16): it is a precision policy, so it is named
+        self._kernel = f"dspine-{isa}-bf16" if formats == (BF16DP,) else f"dspine-{isa}"
         return self
 
     def fuse_projections(self) -> Target:

@@ -26,6 +26,24 @@ inline float vsum(vec v) {
   return _mm_cvtss_f32(q);
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+// out[i] = vsum(a[i]) for 16 vectors at once, bit for bit: the same pairwise additions as vsum (lane i + i+8,
+// then i + i+4, then (0 + 2) + (1 + 3)), done for several vectors per instruction by shuffling their halves
+// side by side, ~3x fewer instructions than 16 vsum. Lane bookkeeping: after the four levels, element 4l + c holds
+// the sum of the vector passed at position 4c + l, so the vectors are passed in that (self-inverse) order.
+inline vec vsum16(const vec* a) {
+  __m512 p[8], q[4];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 x = a[(2 * k) % 4 * 4 + (2 * k) / 4], y = a[(2 * k + 1) % 4 * 4 + (2 * k + 1) / 4];
+    p[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int m = 0; m < 4; ++m)
+    q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0xDD));
+  const __m512 r0 = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x44), _mm512_shuffle_ps(q[0], q[1], 0xEE));
+  const __m512 r1 = _mm512_add_ps(_mm512_shuffle_ps(q[2], q[3], 0x44), _mm512_shuffle_ps(q[2], q[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(r0, r1, 0x88), _mm512_shuffle_ps(r0, r1, 0xDD));
+}
+#define DSPINE_HAS_VSUM16 1
 // 16 bytes -> their low nibbles (hi = false) or high nibbles (hi = true) as floats
 inline vec nibbles(const uint8_t* q, bool hi) {
   __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
