@@ -467,7 +467,11 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
     seeds, pos = _seeds_positions(rows)
     a_sfx, sfx = _suffix_survival(rows, src, src.max_len)
     a_draft = batch.hist.survival() if draft is not None else None
-    pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost, cfg.nominal_rows)
+    pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost)
+    # the draft proposes for greedy rows only here: a batch of sampled rows (``--num-samples``) keeps no draft
+    # context, so its rounds pay no taps and no upkeep (a greedy row admitted later brings its own from prefill)
+    upkeep = batch.dcache is not None and bool(greedy.any())
+    taps = cfg.taps if upkeep else ()
     source, ell = pl.source, pl.ell
     anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
     q, dprops = None, None  # q: the draft's proposal distributions, for sampled draft rows (none under auto)
@@ -489,9 +493,9 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
         dprops = prop.tokens  # only greedy rows take the draft here (``plan_sources``): no q is needed
     W = int(ell.max())
     if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
-        taps = _plain_round(target, batch, cfg.taps)
-        if batch.dcache is not None:
-            batch.pending.append((taps, torch.ones(B, dtype=torch.long)))
+        got = _plain_round(target, batch, taps)
+        if upkeep:
+            batch.pending.append((got, torch.ones(B, dtype=torch.long)))
         for r in rows:
             r.stats.plain_steps += 1
         if batch.hist is not None:
@@ -506,12 +510,12 @@ def _mixed_round(target: Target, batch: _Batch, cfg: _Config) -> None:
             props[b, :e] = dprops[b, :e].cpu()
     props = props.to(dev)
     ids = torch.cat([anchor[:, None], props], dim=1)
-    out = target.forward(ids, batch.cache, speculative=True, taps=cfg.taps)
+    out = target.forward(ids, batch.cache, speculative=True, taps=taps)
     logits = target.logits(out.hidden)  # [B, W+1, V]
     verdict = _verify(logits, rows, props, q, ell, source == SUFFIX, seeds, pos)
     n_commit = verdict.n_accepted + 1
     target.commit(batch.cache, n_commit)
-    if batch.dcache is not None:
+    if upkeep:
         if pl.draft_block:
             draft.extend_context(batch.dcache, out.taps, n_commit)
         else:  # the draft did not run: its upkeep waits until it does

@@ -185,60 +185,53 @@ class SourcePlan:
 
 
 def plan_sources(
-    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, cost: CostModel, nominal_rows: int,
+    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, cost: CostModel
 ) -> SourcePlan:
     """Choose per row between a plain step, the draft's block and the row's suffix proposal, by expected committed
     tokens per second; a_draft [rows, n_d] (the draft's pre-draft survival, None without a draft), a_suffix
     [rows, n_s] (the suffix proposal's estimated survival, 0 past its length).
 
-    Sampled rows choose between a plain step and their suffix proposal, by a rule of their own at
-    ``nominal_rows``: either way their tokens are exactly plain decoding's for their seed (``verify.accept``), so
-    their output does not depend on the batch, the order of the job or a resume, although suffix proposals read
-    other rows' text. (The draft's sampled rounds commit tokens that depend on what it proposed; sampled rows use
-    the draft with ``proposers="dspine"``.) Greedy rows take the batch-wide choice of the verify width W and of
-    whether the draft runs that maximises the batch's tokens per second, given the sampled rows' choices; any
-    truncation of a greedy row's proposal is exact.
+    Every row's tokens are exact whatever ℓ it verifies: a greedy row's under any truncation, a sampled row's
+    suffix proposal is a point mass verified with the uniforms plain decoding draws (``verify.accept``), so it
+    commits exactly plain decoding's tokens for its seed. The choice can therefore be batch-wide: the verify
+    width W and whether the draft runs are those that maximise the batch's expected tokens per second, and each
+    row verifies as much of its better proposal as fits in W. (Sampled rows never take the draft here: its
+    sampled rounds commit tokens that depend on what it proposed; they use it with ``proposers="dspine"``.) An
+    earlier rule let each sampled row choose alone at ``nominal_rows``, which ignored that one row's width is
+    paid by every row of the forward: at 8-32 rows of ``--num-samples`` siblings it ran wide verifies that one
+    row gained from (0.82-0.88x plain).
     """
     rows, n_s = a_suffix.shape
     n_d = 0 if a_draft is None else a_draft.shape[1]
     source = torch.zeros(rows, dtype=torch.long)
     ell = torch.zeros(rows, dtype=torch.long)
+    if rows == 0 or (not bool(a_suffix.any()) and (a_draft is None or not bool(greedy.any()))):
+        return SourcePlan(source, ell, 0)  # nothing to propose: a plain step (the common round, planned cheaply)
     tok_s = _tokens(a_suffix)  # [rows, n_s + 1]
-    sampled = ~greedy
-    if bool(sampled.any()):
-        secs = _secs(cost, nominal_rows, n_s, 0)[0]
-        ell_s = (tok_s[sampled] / secs[None, :]).argmax(-1)  # argmax: ties (and no proposal) keep ℓ = 0
-        source[sampled] = torch.where(ell_s > 0, SUFFIX, PLAIN)
-        ell[sampled] = ell_s
-    floor = int(ell.max()) if rows else 0
-    fixed = float(tok_s[sampled].gather(1, ell[sampled][:, None]).sum()) if bool(sampled.any()) else 0.0
-    g = torch.nonzero(greedy).flatten()
-    draft_block = 0
-    if len(g):
-        top = max(n_s, n_d)
-        widths = torch.arange(top + 1)
-        t_secs, d_secs = _secs(cost, rows, top, n_d)
-        ts = tok_s[g][:, widths.clamp(max=n_s)]  # [G, top + 1]: a greedy row's suffix tokens at width w
-        best_obj, w, block = -1.0, floor, 0
-        options = [(ts, torch.zeros(top + 1), 0)]
-        if a_draft is not None:  # the draft runs a block of min(w, n_d) + 1 and every row takes its better source
-            td = _tokens(a_draft[g])[:, widths.clamp(max=n_d)]
-            options.append((torch.maximum(ts, td), d_secs, 1))
-        for per_row, extra_secs, on in options:
-            obj = (per_row.sum(0) + fixed) / (t_secs + extra_secs)
-            obj[:floor] = -1.0  # at least as wide as the sampled rows' own choice
-            if on:
-                obj[0] = -1.0  # a draft block of 1 proposes nothing
-            o, x = float(obj.max()), int(obj.argmax())
-            if o > best_obj:
-                best_obj, w, block = o, x, (min(x, n_d) + 1 if on else 0)
-        ts_w = tok_s[g, min(w, n_s)]
-        td_w = _tokens(a_draft[g])[:, min(w, n_d)] if block else torch.zeros_like(ts_w)
-        pick_d = (td_w > ts_w) & (td_w > 1.0)
-        pick_s = ~pick_d & (ts_w > 1.0)
-        source[g] = torch.where(pick_d, DRAFT, torch.where(pick_s, SUFFIX, PLAIN))
-        # ℓ: as far as the row's own proposal goes within the width (the draft's block caps its rows)
-        own = torch.clamp((a_suffix[g] > 0).sum(-1), max=w)
-        ell[g] = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
-        draft_block = block if bool(pick_d.any()) else 0
+    top = max(n_s, n_d)
+    widths = torch.arange(top + 1)
+    t_secs, d_secs = _secs(cost, rows, top, n_d)
+    ts = tok_s[:, widths.clamp(max=n_s)]  # [rows, top + 1]: a row's expected suffix tokens at width w
+    best_obj, w, block = -1.0, 0, 0
+    options = [(ts, torch.zeros(top + 1), 0)]
+    g = greedy[:, None]
+    if a_draft is not None and bool(greedy.any()):  # the draft runs a block of min(w, n_d) + 1; greedy rows
+        td = _tokens(a_draft)[:, widths.clamp(max=n_d)]  # take their better source, sampled rows their suffix
+        options.append((torch.where(g, torch.maximum(ts, td), ts), d_secs, 1))
+    for per_row, extra_secs, on in options:
+        obj = per_row.sum(0) / (t_secs + extra_secs)
+        if on:
+            obj[0] = -1.0  # a draft block of 1 proposes nothing
+        o, x = float(obj.max()), int(obj.argmax())  # argmax: ties keep the narrower width (first maximum)
+        if o > best_obj:
+            best_obj, w, block = o, x, (min(x, n_d) + 1 if on else 0)
+    ts_w = tok_s[:, min(w, n_s)]
+    td_w = _tokens(a_draft)[:, min(w, n_d)] if block else torch.zeros_like(ts_w)
+    pick_d = greedy & (td_w > ts_w) & (td_w > 1.0)
+    pick_s = ~pick_d & (ts_w > 1.0)
+    source = torch.where(pick_d, DRAFT, torch.where(pick_s, SUFFIX, PLAIN))
+    # ℓ: as far as the row's own proposal goes within the width (the draft's block caps its rows)
+    own = torch.clamp((a_suffix > 0).sum(-1), max=w)
+    ell = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
+    draft_block = block if bool(pick_d.any()) else 0
     return SourcePlan(source, ell, draft_block)
