@@ -2,7 +2,8 @@
 
 Why a module: the setting changes outputs, so the engine must parse it, validate it with a clear message and
 record it in the run's manifest; ``auto`` picks bfloat16 only where the CPU computes it natively (AVX512-BF16
-or AMX), since elsewhere bf16 is emulated and slower than fp32.
+or AMX), since elsewhere bf16 is emulated and slower than fp32. The reference engine resolves ``auto`` per
+model first (``dspine.models.registry.auto_dtype``: bf16 only where our bf16 kernels run that target).
 """
 
 from __future__ import annotations

@@ -35,18 +35,7 @@ def load_target(
     """
     path = Path(path)
     cfg = read_config(path)
-    arch = (cfg.get("architectures") or [None])[0]
-    model_type = cfg.get("model_type")
-    if model_type in ("qwen3_5", "qwen3_5_text") or arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
-        cls = Qwen35Target
-    elif model_type in ("llama", "qwen3") or arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        cls = DenseTarget
-    else:
-        raise ModelLoadError(
-            f"{path / 'config.json'}: unsupported architecture "
-            f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
-            "supported: llama, qwen3, qwen3_5/qwen3_5_text"
-        )
+    cls = _target_class(cfg, path)
     # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
     # attention are torch modules, which keep their bf16 path
     bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
@@ -61,6 +50,32 @@ def load_target(
     elif kernels and quant == "none":
         model.use_kernels(cache_key=checkpoint_key(path))
     return model
+
+
+def auto_dtype(path: str | Path, quant: str = "none", device: str | torch.device = "cpu") -> str:
+    """``dtype=auto``: "bfloat16" where this target would run our bf16 family of linears (a dense target on a CPU
+    with AVX512-BF16, kernels on), else "float32". Why not bf16 wherever the CPU has it: elsewhere bf16 means
+    torch's bf16 modules, which are neither faster than our fp32 kernels on small batches nor batch invariant
+    (the prefix cache and chunked prefill then turn off). Weight-only quantization computes in bf16."""
+    if quant != "none":
+        return "bfloat16"
+    path = Path(path)
+    dense = _target_class(read_config(path), path) is DenseTarget
+    return "bfloat16" if dense and _bf16_tiles(device) else "float32"
+
+
+def _target_class(cfg: dict, path: Path) -> type[Target]:
+    arch = (cfg.get("architectures") or [None])[0]
+    model_type = cfg.get("model_type")
+    if model_type in ("qwen3_5", "qwen3_5_text") or arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        return Qwen35Target
+    if model_type in ("llama", "qwen3") or arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        return DenseTarget
+    raise ModelLoadError(
+        f"{path / 'config.json'}: unsupported architecture "
+        f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
+        "supported: llama, qwen3, qwen3_5/qwen3_5_text"
+    )
 
 
 def _bf16_tiles(device) -> bool:

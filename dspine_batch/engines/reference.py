@@ -125,12 +125,21 @@ class ReferenceEngine:
 
         configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
         quant = opts.get("quant", "none")
+        dtype = opts.get("dtype", "auto")
         try:
-            precision = resolve(opts.get("dtype", "float32" if quant == "none" else "bfloat16"), quant)
+            resolve(dtype, quant)  # names checked before anything loads
         except ValueError as e:
             raise UsageError(f"--engine-arg {e}") from e
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
+        if dtype == "auto":  # bf16 where our bf16 family runs this target (registry.auto_dtype), else fp32
+            from dspine.models.registry import auto_dtype
+
+            try:
+                dtype = auto_dtype(model_path, quant)
+            except (ValueError, OSError) as e:
+                raise UsageError(f"cannot load the model: {e}") from e
+        precision = resolve(dtype, quant)
         try:
             target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
             drafter = load_draft(draft_path).use_kernels() if draft_path else None

@@ -119,14 +119,18 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="rows per workload (default: all)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (default: the engine's, auto)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from dspine_batch.engines.reference import ReferenceEngine
 
     print(f"cpu: {cpu_line()}", flush=True)
-    engine = ReferenceEngine.load("embedded", "embedded",
-                                  {} if args.threads is None else {"threads": str(args.threads)})
+    opts = {} if args.threads is None else {"threads": str(args.threads)}
+    if args.dtype:
+        opts["dtype"] = args.dtype
+    engine = ReferenceEngine.load("embedded", "embedded", opts)
+    print(f"engine: dtype {engine.identity()['dtype']}, kernel {engine.target.kernel}", flush=True)
     timer = SuffixTimer()
     tok = engine.tokenizer
     work = {
