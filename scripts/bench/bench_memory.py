@@ -11,7 +11,9 @@ no draft, no prefix cache: the KV cache alone). One child process per configurat
 - ``bf16``: ``dtype=bfloat16`` as loaded now, a bf16 KV cache.
 
 Reported per configuration: KV bytes per token (all layers, K and V), the peak of the live KV caches' bytes (every
-``KVCache`` alive, sampled at each target forward), the RSS after loading and the peak RSS, and the wall time.
+``KVCache`` alive, sampled at each target forward), the RSS after loading, the peak RSS while loading, the peak RSS
+while decoding (VmHWM reset after the load: packing the weights briefly holds two copies, a peak that would hide
+the KV cache's), the process's peak RSS (getrusage), and the wall time.
 
     python scripts/bench/bench_memory.py --json out/memory.json
     python scripts/bench/bench_memory.py --rows 8 --tokens 600   # a quicker look
@@ -39,7 +41,29 @@ CONFIGS = ("fp32", "bf16-kv32", "bf16")
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """The process's peak RSS so far (getrusage; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_mb(field: str) -> float | None:
+    """VmRSS (now) or VmHWM (peak since the last reset) from /proc/self/status, in MB; None off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so the peak measured next is the decoding's own, not loading's
+    (packing the weights briefly holds two copies, which would otherwise hide the KV cache's difference)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def child(config: str, rows: int, tokens: int, new_tokens: int, batch: int) -> dict:
@@ -56,12 +80,12 @@ def child(config: str, rows: int, tokens: int, new_tokens: int, batch: int) -> d
     if config == "bf16-kv32":
         kw["kv_dtype"] = torch.float32
     target = load_target(path, **kw)
-    live: weakref.WeakSet = weakref.WeakSet()
+    live: list[weakref.ref] = []  # KVCache is an unhashable dataclass: weak references in a list, pruned as we go
     init = cache_mod.KVCache.__init__
 
     def tracked_init(self, *a, **k):
         init(self, *a, **k)
-        live.add(self)
+        live.append(weakref.ref(self))
 
     cache_mod.KVCache.__init__ = tracked_init
     peak_kv = [0]
@@ -69,20 +93,23 @@ def child(config: str, rows: int, tokens: int, new_tokens: int, batch: int) -> d
 
     def counting_forward(*a, **k):
         out = forward(*a, **k)
-        peak_kv[0] = max(peak_kv[0], sum(c.k.nbytes + c.v.nbytes for c in list(live)))
+        live[:] = [r for r in live if r() is not None]
+        peak_kv[0] = max(peak_kv[0], sum(c.k.nbytes + c.v.nbytes for r in live if (c := r()) is not None))
         return out
 
     target.forward = counting_forward
     one = target.new_cache(1, 1)
     per_token = sum((c.k.nbytes + c.v.nbytes) for c in one.layers)
     del one
-    after_load = _rss_mb()
+    after_load, load_peak = _status_mb("VmRSS"), _rss_mb()
+    reset = _reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
         outs = generate(target, None, ids, max_new_tokens=new_tokens, batch_size=batch)
     wall = time.perf_counter() - t0
     return {"config": config, "kernel": target.kernel, "kv_dtype": str(target.kv_dtype).replace("torch.", ""),
             "kv_bytes_per_token": per_token, "peak_live_kv_mb": peak_kv[0] / 2**20, "rss_after_load_mb": after_load,
+            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": _status_mb("VmHWM") if reset else None,
             "peak_rss_mb": _rss_mb(), "seconds": wall, "prompt_tokens": sum(map(len, ids)),
             "new_tokens": sum(len(o.token_ids) for o in outs), "longest_prompt": max(map(len, ids))}
 
@@ -111,12 +138,17 @@ def main() -> None:
             raise SystemExit(f"{config}: child failed\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"# {config} done ({load_line()})", flush=True)
-    print("\n| config | kernel | KV | KV bytes/token | peak live KV (MB) | RSS after load (MB) | peak RSS (MB) | "
-          "seconds |\n|---|---|---|---:|---:|---:|---:|---:|")
+    print("\n| config | kernel | KV | KV bytes/token | peak live KV (MB) | RSS after load (MB) | peak RSS loading (MB) "
+          "| peak RSS decoding (MB) | peak RSS, process (MB) | seconds |")
+    print("|---|---|---|" + "---:|" * 7)
+
+    def mb(x):
+        return "-" if x is None else f"{x:.0f}"
+
     for r in results:
         print(f"| {r['config']} | {r['kernel']} | {r['kv_dtype']} | {r['kv_bytes_per_token']:,} | "
-              f"{r['peak_live_kv_mb']:.0f} | {r['rss_after_load_mb']:.0f} | {r['peak_rss_mb']:.0f} | "
-              f"{r['seconds']:.0f} |")
+              f"{r['peak_live_kv_mb']:.0f} | {mb(r['rss_after_load_mb'])} | {mb(r['load_peak_rss_mb'])} | "
+              f"{mb(r['decode_peak_rss_mb'])} | {r['peak_rss_mb']:.0f} | {r['seconds']:.0f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"cpu": cpu_line(), "args": vars(args), "results": results}, indent=1,
