@@ -44,8 +44,8 @@ FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that
 BF16DP = "bf16dp"
 # The same policy over GGUF blocks (``csrc/gemm_bf16.cpp``): a weight that is exactly Q4_1/Q8_0 blocks stays blocks
 # (0.75 / 1.125 bytes a weight instead of bf16's 2) and is expanded and rounded to bf16 per panel as it is used, with
-# the bits of ``BF16DP`` for any row count. Why: decode streams every weight once per step, and bf16 panels made
-# the bf16 policy's decode slower than fp32 over the blocks (BENCHMARKS.md, "bf16 KV cache and decode").
+# the bits of ``BF16DP`` for any row count. Why: decode streams every weight once per step, and the weights' memory
+# (BENCHMARKS.md, "bf16 KV cache and bf16 decode": measured, it is not what makes 1-row bf16 steps slower than fp32).
 BF16DP_Q4_1, BF16DP_Q8_0 = "bf16dp_q4_1", "bf16dp_q8_0"
 BF16_FORMATS = (BF16DP_Q4_1, BF16DP_Q8_0, BF16DP)  # what the bf16 policy tries, in this order
 ISA_CFLAGS = {

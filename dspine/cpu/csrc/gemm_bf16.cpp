@@ -18,9 +18,8 @@
 // run the same step sequence), the thread count or how rows are chunked. So a row gives the same bits alone, in a
 // batch, as a 1-token decode step or inside a prompt, and the decode path and the prompt path are one kernel.
 //
-// GGUF blocks under the same policy (`bf16dp_q4_1`, `bf16dp_q8_0`): a decode step reads every weight once, so
-// bf16 panels (2 bytes a weight) made the bf16 policy's decode slower than the fp32 kernels over Q4_1 blocks
-// (0.75 bytes a weight). These formats keep the blocks (the same bytes a weight as linear.cpp's) in a
+// GGUF blocks under the same policy (`bf16dp_q4_1`, `bf16dp_q8_0`): a decode step reads every weight once, and bf16
+// panels take 2 bytes a weight against the Q4_1 blocks' 0.75 (streamed and resident). These formats keep the blocks (the same bytes a weight as linear.cpp's) in a
 // panel-friendly order; each work item expands its panel into the bf16 panel layout above in a thread-local
 // scratch -- block to fp32 with linear.cpp's fused multiply-add (exactly the weight), then rounded to bf16
 // (nearest even, as torch's .bfloat16() at pack time) -- and runs the same tile<> over it. Same bf16 values,
