@@ -42,6 +42,12 @@ FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that
 # The bf16 precision policy's format (never tried by default: it rounds): weights rounded to bfloat16, inputs
 # rounded on entry, fp32 sums, through AVX512-BF16 tiles (``csrc/gemm_bf16.cpp``); only where ``bf16dp_ok()``.
 BF16DP = "bf16dp"
+# The same policy over GGUF blocks (``csrc/gemm_bf16.cpp``): a weight that is exactly Q4_1/Q8_0 blocks stays blocks
+# (0.75 / 1.125 bytes a weight instead of bf16's 2) and is expanded and rounded to bf16 per panel as it is used, with
+# the bits of ``BF16DP`` for any row count. Why: decode streams every weight once per step, and the weights' memory
+# (BENCHMARKS.md, "bf16 KV cache and bf16 decode": measured, it is not what makes 1-row bf16 steps slower than fp32).
+BF16DP_Q4_1, BF16DP_Q8_0 = "bf16dp_q4_1", "bf16dp_q8_0"
+BF16_FORMATS = (BF16DP_Q4_1, BF16DP_Q8_0, BF16DP)  # what the bf16 policy tries, in this order
 ISA_CFLAGS = {
     "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
     "avx2": ["-mavx2", "-mfma"],
@@ -262,9 +268,13 @@ class PackedLinear(nn.Module):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8_0(*blocks)
             elif fmt == "bf16" and torch.equal((half := w.bfloat16()).float(), w):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16(half)
+            elif fmt.startswith(BF16DP) and not bf16dp_ok():
+                raise RuntimeError(f"the {fmt} format needs a CPU with AVX512-BF16 and the avx512 kernel build")
+            elif fmt == BF16DP_Q4_1 and (blocks := exact_q4_1(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp_q4_1(*blocks)
+            elif fmt == BF16DP_Q8_0 and (blocks := exact_q8_0(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp_q8_0(*blocks)
             elif fmt == BF16DP:
-                if not bf16dp_ok():
-                    raise RuntimeError("the bf16dp format needs a CPU with AVX512-BF16 and the avx512 kernel build")
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp(w.bfloat16())
             if packed is not None:
                 break
@@ -292,7 +302,8 @@ class PackedLinear(nn.Module):
     def _ops() -> dict:
         return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
                 "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
-                BF16DP: torch.ops.dspine_cpu.linear_bf16dp}
+                BF16DP: torch.ops.dspine_cpu.linear_bf16dp, BF16DP_Q4_1: torch.ops.dspine_cpu.linear_bf16dp_q4_1,
+                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -354,13 +365,15 @@ def _rms_norm_torch(x, weight, eps, offset):
 
 def rope_store(q, k, v, cos, sin, kc, vc, pos):
     """RoPE on q [B, T, Hq, D] (in place) and k; k and v stored into the caches [B, Hkv, cap, D] at pos [B, T];
-    cos/sin [B, T, rotary_dim]. Returns q."""
+    cos/sin [B, T, rotary_dim]. Returns q. The caches are float32 or bfloat16: k is rotated in fp32 and, for a bf16
+    cache, rounded (nearest even, torch's ``.bfloat16()``) as it is stored."""
     return torch.ops.dspine_cpu.rope_store(q, k, v, cos, sin, kc, vc, pos)
 
 
 def attend_cache(q, kc, vc, pos, window: int | None, scale: float) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] at positions pos [B, T] over the caches (slots <= pos, within ``window``)
-    -> [B, T, Hq * D]."""
+    -> [B, T, Hq * D]. float32 or bfloat16 caches; a bf16 cache gives the bits of the same cache in fp32 (its
+    values are loaded into fp32 registers, the arithmetic is the fp32 path's)."""
     return torch.ops.dspine_cpu.attend_cache(q, kc, vc, pos, int(window or 0), float(scale))
 
 

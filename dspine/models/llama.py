@@ -119,11 +119,14 @@ class DenseTarget(Target):
         load_state(model, path, rename=rename, dtype=dtype)
         return model.eval()
 
+    def fused_attention(self) -> bool:
+        return all(layer.self_attn.fast for layer in self.layers)
+
     def new_cache(self, batch: int, capacity: int) -> ModelCache:
         a = self.layers[0].self_attn
         return ModelCache(
             torch.zeros(batch, dtype=torch.long, device=self.device),
-            [KVCache.empty(batch, a.n_kv, capacity, a.head_dim, self.dtype, self.device) for _ in self.layers],
+            [KVCache.empty(batch, a.n_kv, capacity, a.head_dim, self.kv_dtype, self.device) for _ in self.layers],
         )
 
     def forward(self, ids, cache, n_valid=None, speculative=False, taps=()):

@@ -24,6 +24,7 @@ def load_target(
     quant: str = "none",
     fuse: bool = False,
     kernels: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> Target:
     """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target.
 
@@ -32,6 +33,8 @@ def load_target(
     (``scripts/bench/bench_step.py``, a loaded machine); ``quant`` ("none", "int8", "int4") makes the linears
     weight-only quantized (``dspine.cpu.quant``; CPU kernels). ``kernels`` (fp32 on CPU, no quant) runs the linears
     through ``dspine.cpu.kernels`` where they build (``Target.use_kernels``); the model is then inference-only.
+    ``kv_dtype``: the KV cache's element type; None is the policy's (bf16 under the bf16 family of linears, else the
+    model's dtype); another is honoured where attention is ours (``Target.set_kv_dtype``), else a ValueError.
     """
     path = Path(path)
     cfg = read_config(path)
@@ -44,11 +47,16 @@ def load_target(
         model.fuse_projections()
     model.quantize(quant)
     if bf16_tiles:
-        from dspine.cpu.kernels import BF16DP
+        from dspine.cpu.kernels import BF16_FORMATS
 
-        model.use_kernels(formats=(BF16DP,), cache_key=checkpoint_key(path))
-    elif kernels and quant == "none":
-        model.use_kernels(cache_key=checkpoint_key(path))
+        model.use_kernels(formats=BF16_FORMATS, cache_key=checkpoint_key(path))
+        # the bf16 policy's KV cache is bf16 too (half the memory; attention still computes in fp32)
+        model.set_kv_dtype(torch.bfloat16 if kv_dtype is None else kv_dtype)
+    else:
+        if kernels and quant == "none":
+            model.use_kernels(cache_key=checkpoint_key(path))
+        if kv_dtype is not None:
+            model.set_kv_dtype(kv_dtype)
     return model
 
 
@@ -80,7 +88,8 @@ def _target_class(cfg: dict, path: Path) -> type[Target]:
 
 def _bf16_tiles(device) -> bool:
     """bfloat16 on a CPU with AVX512-BF16 runs as our bf16 family of linears (``csrc/gemm_bf16.cpp``: bf16 weights
-    and linear inputs, fp32 sums; norms, attention, residual stream and KV cache fp32) instead of torch's bf16
+    and linear inputs, fp32 sums; GGUF blocks kept as blocks; a bf16 KV cache; norms, attention arithmetic and the
+    residual stream fp32) instead of torch's bf16
     modules: ~2x the fp32 GEMM rate on prompts, and batch invariant, so the prefix cache stays exact. Elsewhere
     bf16 stays torch's (emulated bf16 is slower than our fp32 kernels; it is not a policy worth choosing there)."""
     if torch.device(device).type != "cpu":

@@ -106,8 +106,39 @@ class Target(nn.Module):
         return self
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model's dtype unless ``set_kv_dtype`` chose another (the bf16 policy
+        stores bf16 keys and values over fp32 weights)."""
+        return getattr(self, "_kv_dtype", None) or self.dtype
+
+    def fused_attention(self) -> bool:
+        """Whether attention runs through our fused ops (``kernels.rope_store`` / ``attend_cache``), which read
+        and write float32 or bfloat16 caches; torch's attention reads the cache in the model's dtype only."""
+        return False
+
+    def set_kv_dtype(self, dtype: torch.dtype) -> Target:
+        """Store keys and values in ``dtype`` (float32 or bfloat16) where attention is ours (``fused_attention``).
+
+        Why: under the bf16 policy the KV cache is most of a long batch's memory; bf16 halves it (and the bytes
+        attention streams), while rotation, scores, softmax and the weighted sum stay fp32 in registers. It
+        changes outputs, so the kernel name says so (``-kvbf16``), and caches built before the change are not
+        this target's any more (the prefix cache keys its layout on the dtype)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"KV cache dtype {dtype}: choose torch.float32 or torch.bfloat16")
+        if dtype == self.kv_dtype:
+            return self
+        if not self.fused_attention():
+            raise ValueError(f"a {dtype} KV cache needs our fused attention (a dense target with CPU kernels); "
+                             f"this target's attention is torch's ({self.kernel})")
+        self._kv_dtype = None if dtype == self.dtype else dtype
+        base = self.kernel.removesuffix("-kvbf16")
+        self._kernel = base + ("-kvbf16" if dtype == torch.bfloat16 and self.dtype != torch.bfloat16 else "")
+        return self
+
+    @property
     def kernel(self) -> str:
-        """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``torch``, or a quant mode."""
+        """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``dspine-<isa>-bf16`` (the bf16
+        family), ``torch``, or a quant mode; ``-kvbf16`` when keys and values are stored in bf16 over fp32 weights."""
         return getattr(self, "_kernel", "torch")
 
     def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
@@ -145,8 +176,10 @@ class Target(nn.Module):
             self.lm_head.requires_grad_(False)
         from dspine.cpu.kernels import BF16DP
 
-        # the bf16 family rounds (weights and linear inputs to bf16): it is a precision policy, so it is named
-        self._kernel = f"dspine-{isa}-bf16" if formats == (BF16DP,) else f"dspine-{isa}"
+        # the bf16 family rounds (weights and linear inputs to bf16): it is a precision policy, so it is named (its
+        # block formats compute the same bits as its bf16 panels, so they share the name)
+        bf16 = bool(formats) and all(f.startswith(BF16DP) for f in formats)
+        self._kernel = f"dspine-{isa}-bf16" if bf16 else f"dspine-{isa}"
         return self
 
     def fuse_projections(self) -> Target:

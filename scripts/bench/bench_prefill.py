@@ -6,7 +6,9 @@ Columns, interleaved prompt by prompt in one process so they share the machine's
 
 - ``ours fp32``: the default engine's target (the embedded SmolLM2 GGUF, Q4_1/Q8_0 blocks, ``csrc/linear.cpp``);
 - ``ours bf16``: ``dtype=bfloat16``, on an AVX512-BF16 CPU our bf16 family (``csrc/gemm_bf16.cpp``: bf16 weights
-  and linear inputs, fp32 sums; norms, attention and KV fp32), elsewhere torch's bf16 modules;
+  and linear inputs, fp32 sums, over the GGUF blocks; a bf16 KV cache; norms and attention arithmetic fp32),
+  elsewhere torch's bf16 modules; ``ours-bf16-kv32`` with an fp32 KV cache, ``ours-bf16-panels-kv32`` over bf16
+  panels with an fp32 KV cache (the policy before the bf16 KV cache);
 - ``HF fp32`` / ``HF bf16``: ``AutoModelForCausalLM`` from the same converted HF directory (``logits_to_keep=1``).
 
 Then the GEMM roof on the model's widest shape, [1390 x 576] . [576 x 1536]: torch's fp32 and bf16 ``F.linear``
@@ -68,13 +70,22 @@ def prompts(tok, n: int, target_tokens: int) -> list[list[int]]:
     return out
 
 
-def ours(dtype):
+def ours(dtype, variant: str = ""):
+    """``variant``: "" (as loaded), "kv32" (an fp32 KV cache), "panels-kv32" (bf16 panels instead of the GGUF blocks,
+    fp32 KV: the bf16 policy before issue 26's bf16 KV cache and block formats)."""
     import torch
 
     from dspine import load_target
     from dspine_batch.engines.models import resolve_model
 
-    target = load_target(resolve_model("embedded"), dtype=dtype)
+    if variant == "panels-kv32":
+        from dspine.cpu.kernels import BF16DP
+
+        target = load_target(resolve_model("embedded"), kernels=False).use_kernels(formats=(BF16DP,))
+    elif variant == "kv32":
+        target = load_target(resolve_model("embedded"), dtype=dtype, kv_dtype=torch.float32)
+    else:
+        target = load_target(resolve_model("embedded"), dtype=dtype)
 
     def run(ids: list[int]):
         x = torch.tensor([ids])
@@ -139,7 +150,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1390, help="about this many tokens per prompt")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--columns", nargs="+", default=["ours-fp32", "ours-bf16", "hf-fp32", "hf-bf16"],
-                    choices=["ours-fp32", "ours-bf16", "hf-fp32", "hf-bf16"])
+                    choices=["ours-fp32", "ours-bf16", "ours-bf16-kv32", "ours-bf16-panels-kv32", "hf-fp32", "hf-bf16"])
     ap.add_argument("--gemm-reps", type=int, default=10)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--src", type=Path, default=REPO, help="the checkout whose dspine is measured (default: this one)")
@@ -156,6 +167,8 @@ def main() -> None:
     n_tokens = sum(len(p) for p in ids)
     print(f"# {len(ids)} prompts, {n_tokens} tokens ({min(map(len, ids))}-{max(map(len, ids))} each)", flush=True)
     makers = {"ours-fp32": lambda: ours(torch.float32), "ours-bf16": lambda: ours(torch.bfloat16),
+              "ours-bf16-kv32": lambda: ours(torch.bfloat16, "kv32"),
+              "ours-bf16-panels-kv32": lambda: ours(torch.bfloat16, "panels-kv32"),
               "hf-fp32": lambda: hf(torch.float32), "hf-bf16": lambda: hf(torch.bfloat16)}
     runs = {}
     for c in args.columns:

@@ -119,7 +119,7 @@ def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
     """dtype=bfloat16 on an AVX512-BF16 CPU: every linear in the bf16 family, the rest fp32; a row's prompt
     forward and greedy tokens do not depend on its neighbours or on the prompt being read in one piece."""
     bf16, fp32 = load_target(llama_dir, dtype=torch.bfloat16), load_target(llama_dir)
-    assert bf16.kernel.endswith("-bf16") and bf16.dtype == torch.float32
+    assert bf16.kernel.endswith("-bf16-kvbf16") and bf16.dtype == torch.float32
     assert set(kernels.weight_formats(bf16)) == {kernels.BF16DP}
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, bf16.vocab_size, (3, 40), generator=g)
@@ -138,6 +138,45 @@ def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
     prompts = [ids[0, :5].tolist(), ids[1, :23].tolist(), ids[2].tolist()]
     assert [o.token_ids for o in generate(bf16, None, prompts, max_new_tokens=8)] == \
         [generate(bf16, None, [p], max_new_tokens=8)[0].token_ids for p in prompts]
+
+
+BLOCK_MAKERS = {kernels.BF16DP_Q4_1: (_q4_1_grid, 0.4), kernels.BF16DP_Q8_0: (_q8_0_grid, 0.6)}
+EVERY_M = (*range(1, 41), 47, 48, 96, 97, 191, 192, 193, 200, 1390)  # every decode / verify height, chunk edges
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", list(BLOCK_MAKERS))
+@pytest.mark.parametrize("k,n", [*MODEL_SHAPES, (64, 49), (96, 200)])
+def test_bf16_block_formats_are_the_bf16_panels_bits_for_every_row_count(fmt, k, n):
+    """The bf16 family over GGUF blocks (expanded per panel, rounded to bf16, the same tiles) against the bf16 panels
+    of the same weight: bit for bit at every row count, in fewer bytes; and batch invariant like them."""
+    make, ratio = BLOCK_MAKERS[fmt]
+    w = make(n, k, 11)
+    blocks, panels = kernels.PackedLinear(w, formats=(fmt,)), kernels.PackedLinear(w, formats=(kernels.BF16DP,))
+    assert blocks.format == fmt and panels.format == kernels.BF16DP
+    assert blocks.packed.nbytes < panels.packed.nbytes * ratio
+    x = torch.randn(max(EVERY_M), k, generator=torch.Generator().manual_seed(k + n))
+    x[3] *= 1e-3  # small and large inputs: rounding ties and exponents of all sizes in the products
+    x[5] *= 1e3
+    for m in EVERY_M:
+        assert torch.equal(blocks(x[:m]), panels(x[:m])), m
+    assert _mismatches(blocks, x) == []
+
+
+@needs_bf16
+def test_bf16_block_formats_head_and_fallback():
+    k, n = HEAD
+    w = _q8_0_grid(n, k, 12)
+    blocks = kernels.PackedLinear(w, formats=kernels.BF16_FORMATS)
+    assert blocks.format == kernels.BF16DP_Q8_0  # Q4_1 tried first, not a Q4_1 grid
+    panels = kernels.PackedLinear(w, formats=(kernels.BF16DP,))
+    x = torch.randn(97, k, generator=torch.Generator().manual_seed(4))
+    for m in (1, 2, 8, 9, 32, 97):
+        assert torch.equal(blocks(x[:m]), panels(x[:m])), m
+    # a weight on no grid takes the bf16 panels; K not a whole number of blocks too
+    assert kernels.PackedLinear(torch.randn(50, 64), formats=kernels.BF16_FORMATS).format == kernels.BF16DP
+    assert kernels.PackedLinear(_q4_1_grid(50, 64, 1)[:, :48].contiguous(),
+                                formats=kernels.BF16_FORMATS).format == kernels.BF16DP
 
 
 def _attention_mismatches(seed: int = 0) -> list[str]:

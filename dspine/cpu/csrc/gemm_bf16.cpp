@@ -17,6 +17,13 @@
 // The sequence depends on K only: not on M, the row's place, the tile height that computed it (remainder tiles
 // run the same step sequence), the thread count or how rows are chunked. So a row gives the same bits alone, in a
 // batch, as a 1-token decode step or inside a prompt, and the decode path and the prompt path are one kernel.
+//
+// GGUF blocks under the same policy (`bf16dp_q4_1`, `bf16dp_q8_0`): a decode step reads every weight once, and bf16
+// panels take 2 bytes a weight against the Q4_1 blocks' 0.75 (streamed and resident). These formats keep the blocks (the same bytes a weight as linear.cpp's) in a
+// panel-friendly order; each work item expands its panel into the bf16 panel layout above in a thread-local
+// scratch -- block to fp32 with linear.cpp's fused multiply-add (exactly the weight), then rounded to bf16
+// (nearest even, as torch's .bfloat16() at pack time) -- and runs the same tile<> over it. Same bf16 values,
+// same tile, same per-element step sequence: the bits are the bf16 panels' for every M (tests/cpu/test_gemm.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +31,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "sched.h"
 #include "vec.h"
@@ -48,6 +56,89 @@ at::Tensor pack_bf16dp(const at::Tensor& w) {
       uint16_t* base = dst + panel * Kp * NR;
       for (int64_t k = 0; k < K; ++k) base[(k / 2) * NR * 2 + c * 2 + (k % 2)] = src[n * K + k];
     }
+  });
+  return out;
+}
+
+constexpr int64_t QK = 32;                       // GGUF block length
+constexpr int64_t GROUPS = NR / 16;              // 16-column groups per panel
+constexpr int64_t Q4_GROUP = 128 + 16 * 16;      // per (block, group): d[16], m[16] (fp32), 16 steps x 16 bytes
+constexpr int64_t Q8_GROUP = 64 + 16 * 32;       // per (block, group): d[16] (fp32), 16 steps x 32 bytes
+
+// The lane order of a step's expansion: the 32 weights of step s (k = 2s, 2s + 1 of a block) for the 16 columns of a
+// group are two fp32 vectors, lo (lane l: column l / 2, k = 2s + l % 2) and hi (columns 8 + l / 2), which
+// _mm512_cvtne2ps_pbh(hi, lo) turns into exactly the panel's bf16 pairs [column][2].
+inline int64_t lane_col(int64_t l, bool hi) { return (hi ? 8 : 0) + l / 2; }
+
+// GGUF Q4_1 blocks (q [N, K/32, 16] bytes, byte l = q_l | q_{l+16} << 4; d, m [N, K/32]) -> panels of 48 columns:
+// [Np / NR][K / 32][GROUPS] x (d[16], m[16], [16 steps][16 bytes: lo lane's q | hi lane's q << 4]).
+at::Tensor pack_bf16dp_q4_1(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 16 && q.element_size() == 1, "pack_bf16dp_q4_1: bad block tensor");
+  auto qc = q.contiguous();
+  auto dc = d.to(at::kFloat).contiguous();
+  auto mc = m.to(at::kFloat).contiguous();
+  const int64_t N = qc.size(0), KB = qc.size(1), Np = round_up(N, NR);
+  auto out = at::zeros({Np / NR * KB * GROUPS * Q4_GROUP}, qc.options().dtype(at::kByte));
+  const uint8_t* qp = static_cast<const uint8_t*>(qc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = mc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  auto value = [&](int64_t n, int64_t b, int64_t j) -> uint8_t {  // q of column n, k = 32 b + j
+    const uint8_t byte = qp[(n * KB + b) * 16 + (j % 16)];
+    return j < 16 ? byte & 15 : byte >> 4;
+  };
+  at::parallel_for(0, Np / NR, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < KB; ++b)
+        for (int64_t g = 0; g < GROUPS; ++g) {
+          uint8_t* grp = op + ((t * KB + b) * GROUPS + g) * Q4_GROUP;
+          float* dm = reinterpret_cast<float*>(grp);
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t n = t * NR + g * 16 + c;
+            dm[c] = n < N ? dp[n * KB + b] : 0.f;
+            dm[16 + c] = n < N ? mp[n * KB + b] : 0.f;
+          }
+          for (int64_t s = 0; s < 16; ++s)
+            for (int64_t l = 0; l < 16; ++l) {
+              const int64_t nlo = t * NR + g * 16 + lane_col(l, false), nhi = t * NR + g * 16 + lane_col(l, true);
+              const int64_t j = 2 * s + l % 2;
+              const uint8_t lo = nlo < N ? value(nlo, b, j) : 0, hi = nhi < N ? value(nhi, b, j) : 0;
+              grp[128 + s * 16 + l] = static_cast<uint8_t>(lo | (hi << 4));
+            }
+        }
+  });
+  return out;
+}
+
+// GGUF Q8_0 blocks (q [N, K/32, 32] int8, d [N, K/32]) -> panels: [Np / NR][K / 32][GROUPS] x (d[16],
+// [16 steps][16 lo lanes' q, 16 hi lanes' q]).
+at::Tensor pack_bf16dp_q8_0(const at::Tensor& q, const at::Tensor& d) {
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 32 && q.element_size() == 1, "pack_bf16dp_q8_0: bad block tensor");
+  auto qc = q.contiguous();
+  auto dc = d.to(at::kFloat).contiguous();
+  const int64_t N = qc.size(0), KB = qc.size(1), Np = round_up(N, NR);
+  auto out = at::zeros({Np / NR * KB * GROUPS * Q8_GROUP}, qc.options().dtype(at::kByte));
+  const int8_t* qp = static_cast<const int8_t*>(qc.data_ptr());
+  const float* dp = dc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, Np / NR, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t b = 0; b < KB; ++b)
+        for (int64_t g = 0; g < GROUPS; ++g) {
+          uint8_t* grp = op + ((t * KB + b) * GROUPS + g) * Q8_GROUP;
+          float* dd = reinterpret_cast<float*>(grp);
+          int8_t* qq = reinterpret_cast<int8_t*>(grp + 64);
+          for (int64_t c = 0; c < 16; ++c) {
+            const int64_t n = t * NR + g * 16 + c;
+            dd[c] = n < N ? dp[n * KB + b] : 0.f;
+          }
+          for (int64_t s = 0; s < 16; ++s)
+            for (int64_t half = 0; half < 2; ++half)
+              for (int64_t l = 0; l < 16; ++l) {
+                const int64_t n = t * NR + g * 16 + lane_col(l, half == 1);
+                qq[s * 32 + half * 16 + l] = n < N ? qp[(n * KB + b) * 32 + 2 * s + l % 2] : 0;
+              }
+        }
   });
   return out;
 }
@@ -113,28 +204,101 @@ void to_bf16(const float* x, int64_t M, int64_t K, int64_t Kp, uint16_t* xb) {
   });
 }
 
-at::Tensor linear_bf16dp(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+// Where a work item's panel comes from: the packed bf16 panels themselves, or GGUF blocks expanded into a
+// thread-local scratch in the same layout (see the header).
+struct Panels {
+  const uint16_t* pp;
+  int64_t K;
+  static int64_t bytes(int64_t Np, int64_t Kp) { return Np * Kp * 2; }
+  const uint16_t* operator()(int64_t t, uint16_t*) const { return pp + t * round_up(K, 2) * NR; }
+};
+
+inline __m512i pair_index(bool hi) {  // lane l -> l / 2 (+ 8): each column's scale for its two k of a step
+  return hi ? _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8)
+            : _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+}
+
+struct Q4Panels {
+  const uint8_t* pp;
+  int64_t K;
+  static int64_t bytes(int64_t Np, int64_t Kp) { return Np / NR * Kp / QK * GROUPS * Q4_GROUP; }
+  const uint16_t* operator()(int64_t t, uint16_t* dst) const {
+    const uint8_t* src = pp + t * (K / QK) * GROUPS * Q4_GROUP;
+    const __m512i ilo = pair_index(false), ihi = pair_index(true), low4 = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < K / QK; ++b)
+      for (int64_t g = 0; g < GROUPS; ++g) {
+        const uint8_t* grp = src + (b * GROUPS + g) * Q4_GROUP;
+        const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(grp));
+        const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(grp) + 16);
+        const __m512 dlo = _mm512_permutexvar_ps(ilo, d), dhi = _mm512_permutexvar_ps(ihi, d);
+        const __m512 mlo = _mm512_permutexvar_ps(ilo, m), mhi = _mm512_permutexvar_ps(ihi, m);
+        for (int64_t s = 0; s < 16; ++s) {
+          const __m512i v =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 128 + s * 16)));
+          // d * q + m in one fused multiply-add, as linear.cpp's Q4_1 (d * q is exact): the fp32 weight itself
+          const __m512 lo = _mm512_fmadd_ps(dlo, _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), mlo);
+          const __m512 hi = _mm512_fmadd_ps(dhi, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), mhi);
+          _mm512_storeu_si512(dst + ((b * 16 + s) * NR + g * 16) * 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    return dst;
+  }
+};
+
+struct Q8Panels {
+  const uint8_t* pp;
+  int64_t K;
+  static int64_t bytes(int64_t Np, int64_t Kp) { return Np / NR * Kp / QK * GROUPS * Q8_GROUP; }
+  const uint16_t* operator()(int64_t t, uint16_t* dst) const {
+    const uint8_t* src = pp + t * (K / QK) * GROUPS * Q8_GROUP;
+    const __m512i ilo = pair_index(false), ihi = pair_index(true);
+    for (int64_t b = 0; b < K / QK; ++b)
+      for (int64_t g = 0; g < GROUPS; ++g) {
+        const uint8_t* grp = src + (b * GROUPS + g) * Q8_GROUP;
+        const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(grp));
+        const __m512 dlo = _mm512_permutexvar_ps(ilo, d), dhi = _mm512_permutexvar_ps(ihi, d);
+        for (int64_t s = 0; s < 16; ++s) {
+          const __m128i* q = reinterpret_cast<const __m128i*>(grp + 64 + s * 32);
+          // fma(d, q, 0) as linear.cpp's Q8_0 (d * q is exact): the fp32 weight itself
+          const __m512 lo = _mm512_fmadd_ps(dlo, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))),
+                                            _mm512_setzero_ps());
+          const __m512 hi = _mm512_fmadd_ps(dhi, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))),
+                                            _mm512_setzero_ps());
+          _mm512_storeu_si512(dst + ((b * 16 + s) * NR + g * 16) * 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    return dst;
+  }
+};
+
+template <class Src>
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool blocks) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16dp: expected a 2-D float32 input");
   const int64_t M = x.size(0), K = x.size(1), Kp = round_up(K, 2), Np = round_up(N, NR);
-  TORCH_CHECK(packed.nbytes() == static_cast<size_t>(Np * Kp * 2), "linear_bf16dp: packed weight does not match N, K");
+  TORCH_CHECK(!blocks || K % QK == 0, "linear_bf16dp: GGUF blocks need K % 32 == 0");
+  TORCH_CHECK(packed.nbytes() == static_cast<size_t>(Src::bytes(Np, Kp)),
+              "linear_bf16dp: packed weight does not match N, K");
   auto xc = x.contiguous();
   auto out = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out;
   auto xb = at::empty({M * Kp}, xc.options().dtype(at::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
   to_bf16(xc.data_ptr<float>(), M, K, Kp, xbp);
-  const uint16_t* pp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const Src src{reinterpret_cast<decltype(Src::pp)>(packed.data_ptr()), K};
   float* op = out.data_ptr<float>();
-  const int64_t panels = Np / NR, panel_elems = Kp * NR;
+  const int64_t panels = Np / NR;
   // Work items are (row chunk, panel) with the panel index fastest, pulled one at a time by the threads
   // (sched.h): for a few rows (decode) the threads share the panels, for a prompt a thread's consecutive items
   // reuse a row chunk's inputs from its L2. Which thread runs an item never changes its bits.
   const int64_t chunks = (M + MC - 1) / MC, items = chunks * panels;
   dspine::parallel_pull(items, [&](auto& pull) {
+    // one expanded panel (K * 96 bytes: L2), kept per thread across calls (no allocation or clearing per call)
+    thread_local std::vector<uint16_t> scratch;
+    if (blocks && scratch.size() < static_cast<size_t>(Kp * NR)) scratch.resize(Kp * NR);
     for (int64_t item; (item = pull()) < items;) {
       const int64_t c = item / panels, t = item % panels;
       const int64_t m1 = std::min(M, (c + 1) * MC);
-      const uint16_t* panel = pp + t * panel_elems;
+      const uint16_t* panel = src(t, scratch.data());
       int64_t m = c * MC;
       for (; m + MR <= m1; m += MR) tile<MR>(xbp, Kp, panel, op, N, t * NR, m);
       switch (m1 - m) {  // the remainder rows: a shorter tile, the same per-element step sequence
@@ -157,6 +321,16 @@ at::Tensor linear_bf16dp(const at::Tensor& x, const at::Tensor& packed, int64_t 
   });
   return out;
 }
+
+at::Tensor linear_bf16dp(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  return run<Panels>(x, packed, N, false);
+}
+at::Tensor linear_bf16dp_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  return run<Q4Panels>(x, packed, N, true);
+}
+at::Tensor linear_bf16dp_q8_0(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  return run<Q8Panels>(x, packed, N, true);
+}
 #pragma GCC pop_options
 
 bool has_bf16dp() { return __builtin_cpu_supports("avx512bf16"); }
@@ -164,6 +338,8 @@ bool has_bf16dp() { return __builtin_cpu_supports("avx512bf16"); }
 at::Tensor linear_bf16dp(const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "linear_bf16dp: this build (" DSPINE_ISA ") has no AVX512-BF16 kernels");
 }
+at::Tensor linear_bf16dp_q4_1(const at::Tensor& x, const at::Tensor& p, int64_t n) { return linear_bf16dp(x, p, n); }
+at::Tensor linear_bf16dp_q8_0(const at::Tensor& x, const at::Tensor& p, int64_t n) { return linear_bf16dp(x, p, n); }
 bool has_bf16dp() { return false; }
 #endif
 }  // namespace
@@ -171,10 +347,18 @@ bool has_bf16dp() { return false; }
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("pack_bf16dp(Tensor w) -> Tensor");
   m.def("linear_bf16dp(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("pack_bf16dp_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("pack_bf16dp_q8_0(Tensor q, Tensor d) -> Tensor");
+  m.def("linear_bf16dp_q4_1(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("linear_bf16dp_q8_0(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("has_bf16dp() -> bool", &has_bf16dp);
 }
 
 TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
   m.impl("pack_bf16dp", &pack_bf16dp);
   m.impl("linear_bf16dp", &linear_bf16dp);
+  m.impl("pack_bf16dp_q4_1", &pack_bf16dp_q4_1);
+  m.impl("pack_bf16dp_q8_0", &pack_bf16dp_q8_0);
+  m.impl("linear_bf16dp_q4_1", &linear_bf16dp_q4_1);
+  m.impl("linear_bf16dp_q8_0", &linear_bf16dp_q8_0);
 }

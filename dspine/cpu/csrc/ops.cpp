@@ -7,6 +7,11 @@
 // with one call. All are inference-only fp32 CPU functions; their results match the torch chains they
 // replace to fp32 rounding (tests/cpu/test_kernels.py), and each output row depends only on its own inputs (a
 // row's result does not depend on the rest of the batch).
+//
+// KV caches are float32 or bfloat16 (the bf16 policy stores K/V in bf16, half the memory): rope_store rotates in
+// fp32 and rounds to bf16 (nearest even, as torch's .bfloat16()) only when it stores; attention loads bf16 keys
+// and values into fp32 registers (exact) and runs the fp32 path's operations in the fp32 path's order, so its
+// result over a bf16 cache is bit-identical to its result over that cache converted to fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,55 +65,94 @@ inline void rotate(float* v, const float* c, const float* s, int64_t d) {
   }
 }
 
+// fp32 -> bfloat16 bits, round to nearest even (NaN -> 0x7FC0): the same bits as torch's .bfloat16(), so a
+// cache stored here equals the fp32 computation's result rounded by torch (tests/cpu/test_kv_bf16.py).
+inline uint16_t bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One head vector into a cache slot of element type T (float: a copy; bf16: rounded).
+inline void store_row(float* dst, const float* src, int64_t D) { std::copy(src, src + D, dst); }
+inline void store_row(uint16_t* dst, const float* src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = bf16_rne(src[i]);
+}
+
+template <class T>
+void rope_store_impl(float* qp, const float* kp, const float* vp, const float* cp, const float* sp,
+                     const int64_t* pp_, T* kcp, T* vcp, int64_t B, int64_t T_, int64_t Hq, int64_t Hkv, int64_t D,
+                     int64_t cap, int64_t d) {
+  std::vector<float> tmp(D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T_; ++t) {
+      const int64_t p = pp_[b * T_ + t];
+      TORCH_CHECK(p >= 0 && p < cap, "rope_store: position outside the cache");
+      const float* c = cp + (b * T_ + t) * d;
+      const float* s = sp + (b * T_ + t) * d;
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + ((b * T_ + t) * Hq + h) * D, c, s, d);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        T* kd = kcp + ((b * Hkv + h) * cap + p) * D;
+        T* vd = vcp + ((b * Hkv + h) * cap + p) * D;
+        const float* ks = kp + ((b * T_ + t) * Hkv + h) * D;
+        const float* vs = vp + ((b * T_ + t) * Hkv + h) * D;
+        std::copy(ks, ks + D, tmp.data());
+        rotate(tmp.data(), c, s, d);  // in fp32 whatever the cache's type: the rounding happens once, at the store
+        store_row(kd, tmp.data(), D);
+        store_row(vd, vs, D);
+      }
+    }
+}
+
 // q [B, T, Hq, D] (rotated in place), k/v [B, T, Hkv, D], cos/sin [B, T, d], pos [B, T]:
-// rotate q and k, store k and v into kc/vc [B, Hkv, cap, D] at pos. Returns q.
+// rotate q and k, store k and v into kc/vc [B, Hkv, cap, D] (float32 or bfloat16) at pos. Returns q.
 at::Tensor rope_store(at::Tensor q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor kc, at::Tensor vc, const at::Tensor& pos) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(), "rope_store: contiguous q and caches");
-  auto kk = k.contiguous();
-  auto vv = v.contiguous();
-  auto cc = cos.contiguous();
-  auto ss = sin.contiguous();
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "rope_store: float32 q");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
+                  (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16),
+              "rope_store: float32 or bfloat16 caches, both the same");
+  auto kk = k.to(at::kFloat).contiguous();
+  auto vv = v.to(at::kFloat).contiguous();
+  auto cc = cos.to(at::kFloat).contiguous();
+  auto ss = sin.to(at::kFloat).contiguous();
   auto pp = pos.to(at::kLong).contiguous();
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = kk.size(2);
   const int64_t cap = kc.size(2), d = cc.size(-1);
-  float* qp = q.data_ptr<float>();
-  const float* kp = kk.data_ptr<float>();
-  const float* vp = vv.data_ptr<float>();
-  const float* cp = cc.data_ptr<float>();
-  const float* sp = ss.data_ptr<float>();
-  const int64_t* pp_ = pp.data_ptr<int64_t>();
-  float* kcp = kc.data_ptr<float>();
-  float* vcp = vc.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t p = pp_[b * T + t];
-      TORCH_CHECK(p >= 0 && p < cap, "rope_store: position outside the cache");
-      const float* c = cp + (b * T + t) * d;
-      const float* s = sp + (b * T + t) * d;
-      for (int64_t h = 0; h < Hq; ++h) rotate(qp + ((b * T + t) * Hq + h) * D, c, s, d);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        float* kd = kcp + ((b * Hkv + h) * cap + p) * D;
-        float* vd = vcp + ((b * Hkv + h) * cap + p) * D;
-        const float* ks = kp + ((b * T + t) * Hkv + h) * D;
-        const float* vs = vp + ((b * T + t) * Hkv + h) * D;
-        std::copy(ks, ks + D, kd);
-        std::copy(vs, vs + D, vd);
-        rotate(kd, c, s, d);
-      }
-    }
+  if (kc.scalar_type() == at::kFloat)
+    rope_store_impl(q.data_ptr<float>(), kk.data_ptr<float>(), vv.data_ptr<float>(), cc.data_ptr<float>(),
+                    ss.data_ptr<float>(), pp.data_ptr<int64_t>(), kc.data_ptr<float>(), vc.data_ptr<float>(), B, T,
+                    Hq, Hkv, D, cap, d);
+  else
+    rope_store_impl(q.data_ptr<float>(), kk.data_ptr<float>(), vv.data_ptr<float>(), cc.data_ptr<float>(),
+                    ss.data_ptr<float>(), pp.data_ptr<int64_t>(), reinterpret_cast<uint16_t*>(kc.data_ptr()),
+                    reinterpret_cast<uint16_t*>(vc.data_ptr()), B, T, Hq, Hkv, D, cap, d);
   return q;
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+// A cache row's values as fp32 (exact for bf16: a bfloat16 is the top half of a float).
+inline dspine::vec kv_load(const float* p) { return dspine::vload(p); }
+inline dspine::vec kv_load(const uint16_t* p) { return dspine::bf16s(p); }
+inline float kv_at(const float* p, int64_t i) { return p[i]; }
+inline float kv_at(const uint16_t* p, int64_t i) {
+  const uint32_t b = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+template <class T>
+inline float dot(const float* a, const T* b, int64_t D) {
   using namespace dspine;
   if (D % VL == 0) {
     vec acc = vzero();
-    for (int64_t x = 0; x < D; x += VL) acc = vfma(vload(a + x), vload(b + x), acc);
+    for (int64_t x = 0; x < D; x += VL) acc = vfma(vload(a + x), kv_load(b + x), acc);
     return vsum(acc);
   }
   float acc = 0.f;
-  for (int64_t x = 0; x < D; ++x) acc += a[x] * b[x];
+  for (int64_t x = 0; x < D; ++x) acc += a[x] * kv_at(b, x);
   return acc;
 }
 
@@ -131,46 +175,55 @@ inline float exp_shifted(float* w, int64_t n, float mx) {
 }
 
 // o[0..D) += a * v
-inline void axpy(float* o, float a, const float* v, int64_t D) {
+template <class T>
+inline void axpy(float* o, float a, const T* v, int64_t D) {
   using namespace dspine;
   if (D % VL == 0) {
     const vec av = vset(a);
     for (int64_t x = 0; x < D; x += VL) {
-      vec r = vfma(av, vload(v + x), vload(o + x));
+      vec r = vfma(av, kv_load(v + x), vload(o + x));
       std::memcpy(o + x, &r, sizeof(r));
     }
     return;
   }
-  for (int64_t x = 0; x < D; ++x) o[x] += a * v[x];
+  for (int64_t x = 0; x < D; ++x) o[x] += a * kv_at(v, x);
+}
+
+// float32 caches: T = float; bfloat16 caches: T = uint16_t (the bits), loaded into fp32 as they are read.
+inline void check_caches(const at::Tensor& kc, const at::Tensor& vc) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend_cache: contiguous caches");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() &&
+                  (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16),
+              "attend_cache: float32 or bfloat16 caches, both the same");
 }
 
 // The one-query-at-a-time loop attend_cache replaced, kept as the reference its tests compare against bit for
 // bit: it defines the per-query order of operations (a dot per key, max, exp_shifted, then an axpy per key in
 // key order).
-at::Tensor attend_cache_ref(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
-                        int64_t window, double scale) {
+template <class T>
+at::Tensor attend_cache_ref_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                                 const at::Tensor& pos, int64_t window, double scale) {
   auto qc = q.contiguous();
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend_cache: contiguous caches");
   auto pp = pos.to(at::kLong).contiguous();
-  const int64_t B = qc.size(0), T = qc.size(1), Hq = qc.size(2), D = qc.size(3);
+  const int64_t B = qc.size(0), T_ = qc.size(1), Hq = qc.size(2), D = qc.size(3);
   const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
-  auto out = at::empty({B, T, Hq * D}, qc.options());
+  auto out = at::empty({B, T_, Hq * D}, qc.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
   const int64_t* pos_ = pp.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * T * Hq, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, B * T_ * Hq, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> w;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i % Hq, bt = i / Hq, b = bt / T;
+      const int64_t h = i % Hq, bt = i / Hq, b = bt / T_;
       const int64_t p = pos_[bt];
       const int64_t hi = std::min(p, cap - 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       const float* qv = qp + i * D;
-      const float* K = kp + (b * Hkv + h / rep) * cap * D;
-      const float* V = vp + (b * Hkv + h / rep) * cap * D;
+      const T* K = kp + (b * Hkv + h / rep) * cap * D;
+      const T* V = vp + (b * Hkv + h / rep) * cap * D;
       float* o = op + i * D;
       std::fill(o, o + D, 0.f);
       if (hi < lo) continue;
@@ -188,13 +241,21 @@ at::Tensor attend_cache_ref(const at::Tensor& q, const at::Tensor& kc, const at:
   return out;
 }
 
+at::Tensor attend_cache_ref(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                            int64_t window, double scale) {
+  check_caches(kc, vc);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache: float32 queries");
+  if (kc.scalar_type() == at::kBFloat16) return attend_cache_ref_impl<uint16_t>(q, kc, vc, pos, window, scale);
+  return attend_cache_ref_impl<float>(q, kc, vc, pos, window, scale);
+}
+
 // Attention of the rep query heads sharing one KV head, for head_dim D = DV * VL, with the same operations in
 // the same order per query as attend_cache_ref (so the bits are the same): each key and value row is loaded
 // once for the rep queries instead of once per query, the rep outputs stay in registers over all keys instead
 // of being loaded and stored per key, and the dots of consecutive keys are independent, so their FMA chains
 // overlap. Why: on a 1,390-token prompt attention was ~20 % of prefill with the per-query loop.
-template <int DV>
-void attend_group(const float* const* qv, float* const* o, int64_t rep, const float* K, const float* V, int64_t lo,
+template <int DV, class T>
+void attend_group(const float* const* qv, float* const* o, int64_t rep, const T* K, const T* V, int64_t lo,
                   int64_t n, float sc, std::vector<float>& w) {
   using namespace dspine;
   constexpr int D = DV * VL;
@@ -205,13 +266,13 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const fl
 #ifdef DSPINE_HAS_VSUM16
   // 16 keys at a time: their 16 dot accumulators reduced together (vsum16: vsum's additions, bit for bit)
   for (; j + 16 <= n; j += 16) {
-    const float* kr = K + (lo + j) * D;
+    const T* kr = K + (lo + j) * D;
     for (int64_t r = 0; r < rep; ++r) {
       vec q[DV], acc[16];
       for (int x = 0; x < DV; ++x) q[x] = vload(qv[r] + x * VL);
       for (int jj = 0; jj < 16; ++jj) {
         acc[jj] = vzero();
-        for (int x = 0; x < DV; ++x) acc[jj] = vfma(q[x], vload(kr + jj * D + x * VL), acc[jj]);
+        for (int x = 0; x < DV; ++x) acc[jj] = vfma(q[x], kv_load(kr + jj * D + x * VL), acc[jj]);
       }
       const vec s = vsum16(acc) * vset(sc);
       std::memcpy(w.data() + r * n + j, &s, sizeof(s));
@@ -219,9 +280,9 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const fl
   }
 #endif
   for (; j < n; ++j) {
-    const float* kr = K + (lo + j) * D;
+    const T* kr = K + (lo + j) * D;
     vec k[DV];
-    for (int x = 0; x < DV; ++x) k[x] = vload(kr + x * VL);
+    for (int x = 0; x < DV; ++x) k[x] = kv_load(kr + x * VL);
     for (int64_t r = 0; r < rep; ++r) {
       vec acc = vzero();
       for (int x = 0; x < DV; ++x) acc = vfma(vload(qv[r] + x * VL), k[x], acc);
@@ -239,9 +300,9 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const fl
     for (int r = 0; r < RMAX; ++r)
       for (int x = 0; x < DV; ++x) acc[r][x] = vzero();
     for (int64_t j = 0; j < n; ++j) {
-      const float* vr = V + (lo + j) * D;
+      const T* vr = V + (lo + j) * D;
       vec v[DV];
-      for (int x = 0; x < DV; ++x) v[x] = vload(vr + x * VL);
+      for (int x = 0; x < DV; ++x) v[x] = kv_load(vr + x * VL);
       for (int64_t r = 0; r < rn; ++r) {
         const vec a = vset(w[(r0 + r) * n + j] * inv[r]);
         for (int x = 0; x < DV; ++x) acc[r][x] = vfma(a, v[x], acc[r][x]);
@@ -251,43 +312,38 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const fl
   }
 }
 
-// q [B, T, Hq, D], kc/vc [B, Hkv, cap, D], pos [B, T]: query (b, t) sees cache slots j <= pos[b, t] (and
-// j > pos - window when window > 0). -> [B, T, Hq * D]. Each query's result depends on its own position and
-// the cache only, never on the other queries of the call (the prefix cache and chunked prompts rely on it).
-at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
-                        int64_t window, double scale) {
+template <class T>
+at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                             int64_t window, double scale) {
   using namespace dspine;
   const int64_t D = q.size(3);
-  if (D % VL != 0 || (D / VL != 2 && D / VL != 4 && D / VL != 8))
-    return attend_cache_ref(q, kc, vc, pos, window, scale);
   auto qc = q.contiguous();
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "attend_cache: contiguous caches");
   auto pp = pos.to(at::kLong).contiguous();
-  const int64_t B = qc.size(0), T = qc.size(1), Hq = qc.size(2);
+  const int64_t B = qc.size(0), T_ = qc.size(1), Hq = qc.size(2);
   const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
-  auto out = at::empty({B, T, Hq * D}, qc.options());
+  auto out = at::empty({B, T_, Hq * D}, qc.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
   const int64_t* pos_ = pp.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // Work items: QB consecutive queries of one (row, KV head), the KV head outer, so consecutive items read the
-  // same keys and values (~0.7 MB for a 1,390-token SmolLM2 layer: they stay in L2; with the heads interleaved
-  // every query streamed all three heads' from L3), pulled one at a time (sched.h): later queries see more keys,
-  // so a static split of the items would leave one thread with most of the work.
+  // same keys and values (~0.7 MB for a 1,390-token SmolLM2 layer in fp32: they stay in L2; with the heads
+  // interleaved every query streamed all three heads' from L3), pulled one at a time (sched.h): later queries see
+  // more keys, so a static split of the items would leave one thread with most of the work.
   constexpr int64_t QB = 8;
-  const int64_t tblocks = (T + QB - 1) / QB, items = B * Hkv * tblocks;
+  const int64_t tblocks = (T_ + QB - 1) / QB, items = B * Hkv * tblocks;
   parallel_pull(items, [&](auto& pull) {
     std::vector<float> w;
     std::vector<const float*> qv(rep);
     std::vector<float*> o(rep);
     for (int64_t item; (item = pull()) < items;) {
       const int64_t tb = item % tblocks, g = item / tblocks % Hkv, b = item / tblocks / Hkv;
-      const float* K = kp + (b * Hkv + g) * cap * D;
-      const float* V = vp + (b * Hkv + g) * cap * D;
-      for (int64_t t = tb * QB; t < std::min(T, (tb + 1) * QB); ++t) {
-        const int64_t bt = b * T + t;
+      const T* K = kp + (b * Hkv + g) * cap * D;
+      const T* V = vp + (b * Hkv + g) * cap * D;
+      for (int64_t t = tb * QB; t < std::min(T_, (tb + 1) * QB); ++t) {
+        const int64_t bt = b * T_ + t;
         const int64_t p = pos_[bt];
         const int64_t hi = std::min(p, cap - 1);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
@@ -309,6 +365,22 @@ at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Ten
     }
   });
   return out;
+}
+
+// q [B, T, Hq, D], kc/vc [B, Hkv, cap, D] (float32 or bfloat16), pos [B, T]: query (b, t) sees cache slots
+// j <= pos[b, t] (and j > pos - window when window > 0). -> [B, T, Hq * D]. Each query's result depends on its
+// own position and the cache only, never on the other queries of the call (the prefix cache and chunked prompts
+// rely on it).
+at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                        int64_t window, double scale) {
+  using namespace dspine;
+  check_caches(kc, vc);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache: float32 queries");
+  const int64_t D = q.size(3);
+  if (D % VL != 0 || (D / VL != 2 && D / VL != 4 && D / VL != 8))
+    return attend_cache_ref(q, kc, vc, pos, window, scale);
+  if (kc.scalar_type() == at::kBFloat16) return attend_cache_impl<uint16_t>(q, kc, vc, pos, window, scale);
+  return attend_cache_impl<float>(q, kc, vc, pos, window, scale);
 }
 
 // gu [..., 2I] = [gate, up] -> silu(gate) * up [..., I]
