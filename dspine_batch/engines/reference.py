@@ -20,9 +20,9 @@ so rows behind one system prompt or template and the ``--num-samples`` siblings 
 
 Chunked prefill (``prefill_chunk``, default ``DEFAULT_PREFILL_CHUNK`` tokens; 0 = whole prompts): newcomers' prompts
 are computed at most that many tokens per forward, and the rows in flight run one round between two forwards, so
-a long prompt does not stall them and a prefill's activations stay bounded. On the CPU kernels only, where a row
-ends bit-identical however its prompt was cut (``dspine.decoding.decode.chunking_exact``); elsewhere prompts go
-whole. Not part of the identity: it cannot change an output.
+a long prompt does not stall them and a prefill's activations stay bounded. Dense targets on the CPU kernels
+only, where a row ends bit-identical however its prompt was cut (``dspine.decoding.decode.chunking_exact``);
+elsewhere (hybrids, torch's GEMMs) prompts go whole. Not part of the identity: it cannot change an output.
 """
 
 from __future__ import annotations
