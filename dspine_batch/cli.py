@@ -169,9 +169,12 @@ def cli() -> None:
                  "oldest dropped first; default 262144, ~130 MB), prefix_cache_mb (prompt prefixes kept so rows "
                  "sharing a system prompt or template, and --num-samples siblings, prefill only what is new; "
                  "least recently used dropped first; default 512, 0 = off; on with the CPU kernels, where a hit "
-                 "never changes an output). SGLang engine: server_flags, any SGLang server "
-                 "argument as KEY=VALUE, block_size, poll_seconds, meta_log, proposers (auto: suffix matches on "
-                 "greedy rows where they beat the draft; suffix: wherever one exists, sampled rows too; dspine).")
+                 "never changes an output), prefill_chunk (prompt tokens per prefill forward: a long prompt "
+                 "enters in chunks, the rows in flight decode between them; default 512, 0 = whole prompts; "
+                 "dense models on the CPU kernels, where it never changes an output). SGLang engine: "
+                 "server_flags, any SGLang server argument as KEY=VALUE, block_size, poll_seconds, meta_log, "
+                 "proposers (auto: suffix matches on greedy rows where they beat the draft; suffix: wherever one "
+                 "exists, sampled rows too; dspine).")
 @env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
 @env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
 @env_option("--on-error", type=click.Choice(["skip", "fail"]),

@@ -4,7 +4,9 @@
 together with the others admitted at the same moment) and written into the running batch in the slot a
 finished request left (``batching.assign_rows``), so nothing waits for the slowest row and a finished request
 is handed back the round it finishes. Requests are pulled from the iterator only when a slot is free.
-``generate`` is the batch-at-once wrapper.
+``generate`` is the batch-at-once wrapper. With ``prefill_chunk`` a newcomer's prompt is computed a bounded
+number of tokens per forward, one forward per round of the rows in flight (``_chunks``, ``_decode_loop``), so a
+long prompt neither stalls them nor holds a whole prompt's activations; a row ends bit-identical either way.
 
 Speculative round, with ``s`` = tokens generated so far per row and ``x`` = the last one:
   schedule.plan (history)                      -> ℓ per row; all 0 -> no draft this round (a plain step)
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +54,7 @@ from dspine.decoding.sampling import (
 from dspine.decoding.schedule import DRAFT, SUFFIX, History, plan, plan_sources
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL, SuffixSource
 from dspine.decoding.verify import Verdict, accept, accept_greedy, check_rows
-from dspine.models.cache import ModelCache
+from dspine.models.cache import KVCache, ModelCache, SSMState
 from dspine.models.target import Target
 
 VERIFY_MODES = ("cost", "fixed")
@@ -258,6 +260,7 @@ class _Config:
     accept_prior: float | None = None
     suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
     prefix: PrefixCache | None = None  # prompt prefixes kept across requests (``prefix.py``)
+    chunk: int = 0  # prompt tokens per prefill forward (``_chunks``); 0: a newcomer's prompt in one forward
 
 
 def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,25 +268,47 @@ def _seeds_positions(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
     return seeds, torch.tensor([len(r.tokens) for r in rows], dtype=torch.long)
 
 
-def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
-    """Right-padded prefill of ``rows``; samples and pushes each row's first token (position 0).
+@dataclass
+class _Pace:
+    """How a prefill job hands the decode loop its turns: ``forwards`` counts the target forwards it has run."""
+
+    forwards: int = 0
+
+    def turn(self) -> Generator[None, None, None]:
+        """Before every forward of a job but its first: yield, so the loop runs one round of the rows in flight
+        between two forwards; the job's last forward and its finishing work (first tokens, the draft's context)
+        then happen in one turn, and the rows join the batch the round that follows it."""
+        if self.forwards:
+            yield
+        self.forwards += 1
+
+
+def _prefill(target: Target, rows: list[_Row], cfg: _Config, pace: _Pace | None = None
+             ) -> Generator[None, None, _Batch]:
+    """Right-padded prefill of ``rows``; samples and pushes each row's first token (position 0). A generator: it
+    yields between two target forwards (``_Pace.turn``) and returns the prefilled batch; with whole prompts
+    (``cfg.chunk == 0``) the caller runs it to the end at once.
 
     With a prefix cache (``prefix.py``) the prefixes these newcomers share and the tree lacks are prefilled
     first, once each (``--num-samples`` siblings: their whole prompt), then every row copies what the tree holds
     for its prompt and computes only the rest. A row's state, first token and draft context are bit-identical
     either way (see ``prefix.py`` for why); ``cached`` counts what a row did not compute, the prefill of a shared
-    prefix being credited to the first row that needed it."""
+    prefix being credited to the first row that needed it. The waves and the rows' own fill run in order inside
+    this one job, and the loop advances one job at a time, so a job meets the tree as its whole-prompt prefill
+    would after the same earlier jobs: for given newcomers, chunking changes neither what is shared nor the
+    credit (which newcomers are admitted together can change: the rows in flight finish at other moments)."""
+    pace = _Pace() if pace is None else pace
     dev = target.device
     prompts = [r.prompt for r in rows]
     cap = _capacity(rows, _extra(cfg))
     credit = [0] * len(rows)
     if cfg.prefix is not None:
         for wave in shared_prefixes(prompts, cfg.prefix):
-            *_, served = _fill(target, [list(p) for p in wave], cfg, max(len(p) for p in wave))
+            *_, served = yield from _fill(target, [list(p) for p in wave], cfg, max(len(p) for p in wave), pace)
             for p, got in zip(wave, served):
                 leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
                 credit[leader] += len(p) - got
-    cache, last, taps, served = _fill(target, prompts, cfg, cap)
+    cache, last, taps, served = yield from _fill(target, prompts, cfg, cap, pace)
     p = target_probs(target.logits(last[:, None]), [r.sp for r in rows])[:, 0]
     seeds, pos = _seeds_positions(rows)
     first = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
@@ -299,12 +324,13 @@ def _prefill(target: Target, rows: list[_Row], cfg: _Config) -> _Batch:
     return _Batch(rows, cache, dcache, hist)
 
 
-def _fill(target: Target, prompts: list[list[int]], cfg: _Config, capacity: int
-          ) -> tuple[ModelCache, torch.Tensor, torch.Tensor | None, list[int]]:
-    """Prefill ``prompts`` into a new cache, copying what the prefix tree holds and computing the rest (one
-    right-padded forward over the rows that have anything left), then keep each prompt in the tree. Returns the
-    cache, the final hidden state of each prompt's last token [B, H], the taps of every prompt position
-    [B, max len, D] (None without a draft) and the tokens each row was served from the tree."""
+def _fill(target: Target, prompts: list[list[int]], cfg: _Config, capacity: int, pace: _Pace
+          ) -> Generator[None, None, tuple[ModelCache, torch.Tensor, torch.Tensor | None, list[int]]]:
+    """Prefill ``prompts`` into a new cache, copying what the prefix tree holds and computing the rest, then keep
+    each prompt in the tree. The rest is computed in one right-padded forward over the rows that have anything
+    left (``cfg.chunk == 0``), or in chunks (``_chunks``). Returns (a generator's value) the cache, the final
+    hidden state of each prompt's last token [B, H], the taps of every prompt position [B, max len, D] (None
+    without a draft) and the tokens each row was served from the tree."""
     dev = target.device
     tree = cfg.prefix
     n = len(prompts)
@@ -315,7 +341,10 @@ def _fill(target: Target, prompts: list[list[int]], cfg: _Config, capacity: int
     longest = max(len(q) for q in prompts)
     last: torch.Tensor | None = None
     taps = None
-    if need:
+    if need and cfg.chunk:
+        last, taps = yield from _chunks(target, prompts, cache, [h.length for h in hits], need, cfg, longest, pace)
+    elif need:
+        yield from pace.turn()
         sub = cache if len(need) == n else cache.select(need)
         lens = torch.tensor([len(prompts[b]) - hits[b].length for b in need], dtype=torch.long, device=dev)
         ids = torch.zeros(len(need), int(lens.max()), dtype=torch.long, device=dev)
@@ -349,6 +378,81 @@ def _fill(target: Target, prompts: list[list[int]], cfg: _Config, capacity: int
             tree.insert(q, cache, b, None if taps is None else taps[b], last[b])
             tree.computed += len(q) - hits[b].length
     return cache, last, taps, [h.length for h in hits]
+
+
+def _chunks(target: Target, prompts: list[list[int]], cache: ModelCache, done: list[int], need: list[int],
+            cfg: _Config, longest: int, pace: _Pace
+            ) -> Generator[None, None, tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Compute rows ``need`` of ``cache`` from position ``done[b]`` to the end of ``prompts[b]`` in right-padded
+    forwards ``[k, T]`` of at most ``cfg.chunk`` tokens, padding included (k·T <= chunk; at least one token per
+    row, so k <= chunk rows: the rest wait for a later forward).
+
+    T is the budget split evenly over the rows still prefilling, at most what the longest of them has left; a row
+    with less left is padded in its last chunk only (``n_valid``, as a whole-prompt prefill pads). Rows that are
+    done, or wait, are left out by running on a copy of the others' rows up to the chunk's end (``_take_rows``),
+    written back after; the cache is used in place while every row takes part and the chunk fits it. Returns the
+    final hidden state of each computed row's last token [B, H] and the taps of the computed positions
+    [B, longest, D] (None without a draft), both unset where a row computed nothing."""
+    dev = target.device
+    n = len(prompts)
+    done = list(done)
+    last: torch.Tensor | None = None
+    taps: torch.Tensor | None = None
+    while True:
+        active = [b for b in need if done[b] < len(prompts[b])][: cfg.chunk]
+        if not active:
+            return last, taps
+        T = max(1, min(cfg.chunk // len(active), max(len(prompts[b]) - done[b] for b in active)))
+        got = [min(T, len(prompts[b]) - done[b]) for b in active]
+        yield from pace.turn()
+        ids = torch.zeros(len(active), T, dtype=torch.long, device=dev)
+        for j, b in enumerate(active):
+            ids[j, : got[j]] = torch.tensor(prompts[b][done[b] : done[b] + got[j]], dtype=torch.long)
+        upto = max(done[b] for b in active) + T  # positions this forward reads and writes (padding included)
+        in_place = len(active) == n and all(isinstance(x, KVCache) and upto <= x.capacity or isinstance(x, SSMState)
+                                            for x in cache.layers)
+        sub = cache if in_place else _take_rows(cache, active, upto)
+        lens = None if min(got) == T else torch.tensor(got, dtype=torch.long, device=dev)
+        out = target.forward(ids, sub, n_valid=lens, taps=cfg.taps)
+        if not in_place:
+            _put_rows(cache, active, sub)
+        for j, b in enumerate(active):
+            if out.taps is not None:
+                if taps is None:
+                    taps = out.taps.new_zeros(n, longest, out.taps.shape[-1])
+                taps[b, done[b] : done[b] + got[j]] = out.taps[j, : got[j]]
+            done[b] += got[j]
+            if done[b] == len(prompts[b]):
+                if last is None:
+                    last = out.hidden.new_empty(n, out.hidden.shape[-1])
+                last[b] = out.hidden[j, got[j] - 1]
+
+
+def _take_rows(cache: ModelCache, rows: list[int], upto: int) -> ModelCache:
+    """Rows ``rows`` of ``cache`` as a new cache holding positions ``< upto`` only: what a chunk reads and
+    writes, so leaving the other rows out copies a chunk's worth of the prompt, not the cache's capacity."""
+    idx = torch.as_tensor(rows, dtype=torch.long, device=cache.lengths.device)
+    layers: list[KVCache | SSMState] = []
+    for x in cache.layers:
+        if isinstance(x, KVCache):
+            layers.append(KVCache(x.k[idx, :, :upto], x.v[idx, :, :upto]))
+        else:
+            layers.append(x.select(idx))
+    return ModelCache(cache.lengths[idx].clone(), layers)
+
+
+def _put_rows(cache: ModelCache, rows: list[int], sub: ModelCache) -> None:
+    """Write ``sub`` (from ``_take_rows``, after a forward) back into rows ``rows`` of ``cache``."""
+    idx = torch.as_tensor(rows, dtype=torch.long, device=cache.lengths.device)
+    for x, s in zip(cache.layers, sub.layers):
+        if isinstance(x, KVCache):
+            upto = min(s.capacity, x.capacity)
+            x.k[idx, :, :upto] = s.k[:, :, :upto]
+            x.v[idx, :, :upto] = s.v[:, :, :upto]
+        else:
+            x.conv[idx] = s.conv
+            x.rec[idx] = s.rec
+    cache.lengths[idx] = sub.lengths
 
 
 def _extra(cfg: _Config) -> int:
@@ -601,6 +705,26 @@ def _cost_model(target: Target, draft, rows: int, block_size: int, long_tokens: 
     return per_target[key]
 
 
+def chunking_exact(target: Target) -> bool:
+    """Whether a prompt prefilled in chunks leaves a row bit-identical to one prefilled whole on ``target``: dense
+    targets on our CPU kernels (``dspine-*``, fp32 or the bf16 family).
+
+    There a prompt position's keys, values, hidden state and taps depend only on the tokens up to it: the linears
+    are batch invariant (a row's result does not depend on how many tokens the GEMM held), the norms, RoPE and the
+    SiLU gate are our per-row kernels, and attention reads the cache one query at a time. torch's GEMMs
+    (``kernel == "torch"``: bf16 torch, quantized weights, ``DSPINE_CPU_KERNELS=0``) choose their blocking by
+    shape, so a chunk's tokens may round differently from the same tokens inside a whole prompt. A hybrid
+    (Qwen3.5: Gated DeltaNet layers) carries its conv window and recurrent state from chunk to chunk as a
+    prefix-cache hit does, but its GDN norms and gated attention are torch ops whose reductions follow the
+    tensor's shape: measured on the tiny test hybrid, a row's state after chunks of 1, 5 or 64 tokens differs
+    from a whole prefill in the last bits (~1e-6), so hybrids prefill whole prompts. Where this is False prompts
+    go whole whatever ``prefill_chunk`` says, so the chunk size never changes an output and is part of no run's
+    identity."""
+    if not str(getattr(target, "kernel", "torch")).startswith("dspine-"):
+        return False
+    return not any(isinstance(x, SSMState) for x in target.new_cache(1, 1).layers)
+
+
 @torch.no_grad()
 def decode_stream(
     target: Target,
@@ -617,6 +741,7 @@ def decode_stream(
     suffix_cap: int = DEFAULT_CAP_TOKENS,
     suffix_max: int = MAX_PROPOSAL,
     prefix_cache: PrefixCache | None = None,
+    prefill_chunk: int = 0,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -632,7 +757,12 @@ def decode_stream(
     ``finish_reason="error"``. ``governor`` (default: a new ``threads.Governor``) adjusts torch's thread count
     to the cores free as the rounds go. ``prefix_cache`` (``prefix.py``; kept by the caller across calls) serves
     prompt prefixes already prefilled and shares those of requests admitted together; outputs never depend on it.
+    ``prefill_chunk`` (> 0) prefills newcomers in forwards of at most that many prompt tokens, one per round of
+    the rows in flight (``_chunks``, ``_decode_loop``); 0 prefills each newcomer's prompt in one forward. Only
+    where it is exact (``chunking_exact``); elsewhere prompts go whole, so outputs never depend on it either.
     """
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {prefill_chunk}")
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     if proposers not in PROPOSERS:
@@ -652,7 +782,8 @@ def decode_stream(
                            int(suffix_max) + 1 if use_suffix else None)
     cfg = _Config(draft if use_draft else None, bs, dynamic_threshold, verify, cost, batch_size,
                   tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
-                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, prefix_cache)
+                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, prefix_cache,
+                  int(prefill_chunk) if chunking_exact(target) else 0)
     if prefix_cache is not None:
         prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor
@@ -662,14 +793,42 @@ def decode_stream(
         gov.restore()
 
 
+@dataclass
+class _Job:
+    """Newcomers admitted together, being prefilled: ``steps`` (``_prefill``) is advanced by the loop."""
+
+    rows: list[_Row]
+    steps: Generator[None, None, _Batch]
+
+
+def _advance(job: _Job, whole: bool) -> _Batch | None:
+    """Run ``job`` to its next turn (chunked) or to its end (``whole``); the prefilled batch once it is done."""
+    try:
+        while True:
+            next(job.steps)
+            if not whole:
+                return None
+    except StopIteration as stop:
+        return stop.value
+
+
 def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tuple[int, GenerationOutput]]:
+    """The continuous-batching loop. Each iteration: admit requests into free slots (a slot is taken from the
+    moment its request is admitted: rows being prefilled count), advance the oldest prefill job, put its rows
+    into the batch when it is done, then run one round of the batch. With whole prompts a job is done in the
+    iteration that admits it (one forward, or one per shared-prefix wave); chunked (``cfg.chunk``), a job runs
+    one forward per iteration, so the rows in flight commit a round's tokens between two chunks of a long
+    prompt instead of waiting for all of it. Jobs are advanced one at a time, in admission order (each finds the
+    prefix tree as the jobs before it left it), and later newcomers wait behind the job in flight."""
     source = enumerate(requests)
     exhausted = False
     batch: _Batch | None = None
     dead: list[int] = []  # slots of finished rows, reusable by newcomers
+    jobs: list[_Job] = []  # prefills in flight, oldest first
     while True:
         gov.tick()
         running = 0 if batch is None else len(batch.rows) - len(dead)
+        running += sum(len(j.rows) for j in jobs)
         newcomers: list[_Row] = []
         while not exhausted and running + len(newcomers) < batch_size:
             try:
@@ -687,7 +846,10 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tupl
             else:
                 newcomers.append(row)
         if newcomers:
-            fresh = _prefill(target, newcomers, cfg)
+            jobs.append(_Job(newcomers, _prefill(target, newcomers, cfg)))
+        fresh = _advance(jobs[0], not cfg.chunk) if jobs else None
+        if fresh is not None:
+            jobs.pop(0)
             if cfg.suffix is not None:
                 for r in fresh.rows:
                     cfg.suffix.start(r.index, r.prompt)
@@ -702,7 +864,7 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tupl
         if batch is not None and dead:
             batch, dead = batch.select([b for b in range(len(batch.rows)) if b not in set(dead)]), []
         if batch is None or not batch.rows:
-            if exhausted:
+            if exhausted and not jobs:
                 return
             continue
         if cfg.suffix is not None:
@@ -770,6 +932,7 @@ def generate(
     batch_size: int | None = None,
     proposers: str = "dspine",
     prefix_cache: PrefixCache | None = None,
+    prefill_chunk: int = 0,
 ) -> list[GenerationOutput]:
     """Generate for token-id prompts; speculative when ``draft`` is given, plain AR otherwise.
 
@@ -777,9 +940,9 @@ def generate(
     ``stop_token_ids`` is a list of ids or a list of such lists. A scalar ``seed`` seeds every request
     identically, so a request's output depends only on its prompt, parameters and seed.
     ``dynamic_threshold`` turns on confidence-based draft truncation (needs a trained confidence head);
-    ``verify``/``cost``/``proposers``/``prefix_cache`` as in ``decode_stream``. ``batch_size`` (default: all
-    prompts at once) bounds the rows decoding together; more prompts join as rows finish. Raises ValueError naming
-    the first bad prompt.
+    ``verify``/``cost``/``proposers``/``prefix_cache``/``prefill_chunk`` as in ``decode_stream``. ``batch_size``
+    (default: all prompts at once) bounds the rows decoding together; more prompts join as rows finish. Raises
+    ValueError naming the first bad prompt.
     """
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
@@ -802,7 +965,8 @@ def generate(
             raise ValueError(f"prompt {i} {why}")
     outs: list[GenerationOutput | None] = [None] * len(prompts)
     stream = decode_stream(target, draft, zip(prompts, params), batch_size or len(prompts), bs, dynamic_threshold,
-                           verify, cost, proposers=proposers, prefix_cache=prefix_cache)
+                           verify, cost, proposers=proposers, prefix_cache=prefix_cache,
+                           prefill_chunk=prefill_chunk)
     for i, o in stream:
         outs[i] = o
     return outs  # type: ignore[return-value]

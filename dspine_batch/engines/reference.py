@@ -17,6 +17,12 @@ decoding with no speculation of any kind.
 Prompt prefixes (``prefix_cache_mb``, default 512): a radix tree over prompt tokens keeps what prefill computed,
 so rows behind one system prompt or template and the ``--num-samples`` siblings of a row prefill only what is new
 (``dspine.decoding.prefix``); each row reports ``cached_prompt_tokens``. Outputs are identical with it off.
+
+Chunked prefill (``prefill_chunk``, default ``DEFAULT_PREFILL_CHUNK`` tokens; 0 = whole prompts): newcomers' prompts
+are computed at most that many tokens per forward, and the rows in flight run one round between two forwards, so
+a long prompt does not stall them and a prefill's activations stay bounded. Dense targets on the CPU kernels
+only, where a row ends bit-identical however its prompt was cut (``dspine.decoding.decode.chunking_exact``);
+elsewhere (hybrids, torch's GEMMs) prompts go whole. Not part of the identity: it cannot change an output.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from dspine_batch.errors import FatalError, UsageError
 ARGS = {"batch_size": int, "block_size": int, "threads": int, "dynamic_threshold": float, "verify": str,
         "accept_prior": float,
         "dtype": str, "quant": str, "proposers": str, "suffix_cap": int, "suffix_max": int,
-        "prefix_cache_mb": int}
+        "prefix_cache_mb": int, "prefill_chunk": int}
 PROPOSERS = ("auto", "dspine", "suffix")
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module docstring)
 
 
 class ReferenceEngine:
@@ -45,7 +52,8 @@ class ReferenceEngine:
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
                  verify: str = "cost", precision: dict[str, str] | None = None,
                  accept_prior: float | None = None, proposers: str | None = "dspine",
-                 suffix_cap: int | None = None, suffix_max: int | None = None, prefix_cache_mb: int | None = None):
+                 suffix_cap: int | None = None, suffix_max: int | None = None, prefix_cache_mb: int | None = None,
+                 prefill_chunk: int | None = None):
         from dspine.decoding.prefix import DEFAULT_CAP_MB, PrefixCache
         from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL
 
@@ -87,6 +95,12 @@ class ReferenceEngine:
         # identity; torch's GEMMs (bf16, quantized, no compiler) round differently for different token counts.
         mb = DEFAULT_CAP_MB if prefix_cache_mb is None else prefix_cache_mb
         self.prefix = PrefixCache(mb << 20) if mb > 0 and str(kernel).startswith("dspine-") else None
+        # Chunked prefill: exact on the same kernels (``decode.chunking_exact``), whole prompts elsewhere, so the
+        # chunk size never changes an output and is not part of the identity either.
+        from dspine.decoding.decode import chunking_exact
+
+        chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        self.prefill_chunk = chunk if chunking_exact(target) else 0
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -114,6 +128,9 @@ class ReferenceEngine:
             raise UsageError(f"--engine-arg suffix_max={opts['suffix_max']}: expected 1..64")
         if opts.get("suffix_cap", 1) < 1:
             raise UsageError(f"--engine-arg suffix_cap={opts['suffix_cap']}: expected a positive token count")
+        if opts.get("prefill_chunk", 0) < 0:
+            raise UsageError(f"--engine-arg prefill_chunk={opts['prefill_chunk']}: expected a token count >= 0 "
+                             "(0 = whole prompts)")
         if opts.get("prefix_cache_mb", 0) < 0:
             raise UsageError(f"--engine-arg prefix_cache_mb={opts['prefix_cache_mb']}: expected MB >= 0 (0 = off)")
         if draft in ("none", ""):
@@ -156,7 +173,7 @@ class ReferenceEngine:
         return cls(target, drafter, tok, model_path, draft_path, opts.get("batch_size", 8), block_size,
                    opts.get("dynamic_threshold", defaults.get("dynamic_threshold")), verify, precision.describe(),
                    opts.get("accept_prior", defaults.get("accept_prior")), proposers, opts.get("suffix_cap"),
-                   opts.get("suffix_max"), opts.get("prefix_cache_mb"))
+                   opts.get("suffix_max"), opts.get("prefix_cache_mb"), opts.get("prefill_chunk"))
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -200,7 +217,8 @@ class ReferenceEngine:
                                self.block_size if self.draft is not None else None, self.dynamic_threshold,
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
-                               suffix_max=self.suffix_max, prefix_cache=self.prefix)
+                               suffix_max=self.suffix_max, prefix_cache=self.prefix,
+                               prefill_chunk=self.prefill_chunk)
         try:
             for i, out in stream:
                 req = pending.pop(i)

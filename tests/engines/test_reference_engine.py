@@ -324,3 +324,32 @@ def test_prefix_cache_arg_is_checked(tiny):
 
     with pytest.raises(UsageError, match="prefix_cache_mb=-1: expected MB >= 0"):
         reference_engine(tiny, prefix_cache_mb="-1")
+
+
+def test_prefill_chunk_arg(tiny):
+    """``prefill_chunk``: default ``DEFAULT_PREFILL_CHUNK``, 0 = whole prompts, checked in one line, listed in
+    ``--help``; outputs and the identity do not depend on it; under torch's GEMMs (quant) prompts stay whole."""
+    from click.testing import CliRunner
+
+    from dspine_batch.cli import cli
+    from dspine_batch.engines.reference import DEFAULT_PREFILL_CHUNK
+    from dspine_batch.errors import UsageError
+
+    base = dict(batch_size="2", verify="fixed")
+    default, cut, whole = (reference_engine(tiny, **base, **extra)
+                           for extra in ({}, {"prefill_chunk": "3"}, {"prefill_chunk": "0"}))
+    assert (default.prefill_chunk, cut.prefill_chunk, whole.prefill_chunk) == (DEFAULT_PREFILL_CHUNK, 3, 0)
+    assert cut.identity() == whole.identity() == default.identity()
+    reqs = chat_requests(cut, n=5)
+    for r, m in zip(reqs, [12, 2, 9, 1, 6]):
+        r.params = SamplingParams(max_new_tokens=m, temperature=0.7 if m % 2 else 0.0, seed=m, stop_token_ids=())
+    got = sorted(cut.run(iter(reqs), 8), key=lambda r: r.row_id)
+    ref = sorted(whole.run(iter(reqs), 8), key=lambda r: r.row_id)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert all(r.error is None and r.token_ids for r in got)
+    for bad, why in (("-1", "prefill_chunk=-1: expected a token count >= 0"),
+                     ("big", "prefill_chunk=big: expected an integer")):
+        with pytest.raises(UsageError, match=why):
+            reference_engine(tiny, prefill_chunk=bad)
+    assert reference_engine(tiny, draft=False, quant="int8", prefill_chunk="3").prefill_chunk == 0
+    assert "prefill_chunk" in CliRunner().invoke(cli, ["generate", "--help"]).output
