@@ -25,20 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+from machine import cpu_line, load_line
+
 REPO = Path(__file__).resolve().parents[2]
 TOPICS = ["rivers", "bridges", "libraries", "volcanoes", "orchards", "lighthouses", "railways", "glaciers"]
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    isa = ("amx" if "amx_bf16" in info else "avx512_bf16" if "avx512_bf16" in info else "avx512" if "avx512f" in info
-           else "avx2" if "avx2" in info else "?")
-    return f"{name} ({isa}), {os.cpu_count()} cores"
-
-
-def load_line() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 def report_text(k: int, words: int) -> str:

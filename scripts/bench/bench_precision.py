@@ -20,20 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
+from machine import cpu_line, load_line
+
 REPO = Path(__file__).resolve().parents[2]
 HELD_OUT = ["README.md", "docs/design.md", "BENCHMARKS.md", "dspine/decoding/decode.py"]
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    isa = ("amx" if "amx_bf16" in info else "avx512_bf16" if "avx512_bf16" in info else "avx512" if "avx512f" in info
-           else "avx2" if "avx2" in info else "?")
-    return f"{name} ({isa}), {os.cpu_count()} cores"
 
 
 def windows(tok, n: int, width: int) -> list[list[int]]:
@@ -99,7 +92,7 @@ def main() -> None:
     t16 = load_target(path, dtype=torch.bfloat16)
     tok = open_tokenizer(path)
     print(f"# {cpu_line()}, fp32 kernel {t32.kernel}, bf16 kernel {t16.kernel}, "
-          "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
+          f"{load_line()}", flush=True)
     nt = next_token(t32, t16, windows(tok, args.windows, args.window))
     print(f"next token, {nt['positions']} held-out positions: top-1 agreement {nt['top1_agreement']:.4%}, "
           f"mean KL(fp32 || bf16) {nt['mean_kl_nats']:.2e} nats", flush=True)

@@ -1,0 +1,20 @@
+"""What every benchmark prints beside its numbers: the processor (model name, widest ISA) and the load average.
+
+Imported by the scripts beside it (``python scripts/bench/x.py`` puts this folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    isa = ("amx" if "amx_bf16" in info else "avx512_bf16" if "avx512_bf16" in info else "avx512" if "avx512f" in info
+           else "avx2" if "avx2" in info else "?")
+    return f"{name} ({isa}), {os.cpu_count()} cores"
+
+
+def load_line() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
