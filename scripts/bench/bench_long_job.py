@@ -13,6 +13,14 @@ each run recorded (from its manifest) are printed with the numbers.
     git worktree add /tmp/before b9eba4f
     python scripts/bench/bench_long_job.py --config before=@/tmp/before default= fp32=dtype=float32
     python scripts/bench/bench_long_job.py --rows 24 --max-new-tokens 16 --json out/long_job.json
+
+Any input and CLI options work too, e.g. decode speed at 8 rows a batch, before and after, on the examples:
+
+    python scripts/bench/bench_long_job.py --input examples/prompts.jsonl --max-new-tokens 128 \
+        --cli-args "--draft none" --config before=batch_size=8@/tmp/before after=batch_size=8
+
+Besides wall time (model load included) each run reports the job's own generation rate from its ``_report.json``
+(generated tokens over the generation seconds), where the checkout writes one.
 """
 
 from __future__ import annotations
@@ -51,9 +59,9 @@ def write_prompts(path: Path, rows: int, words: int) -> None:
                                 "\n\nSummarise this report in three sentences."}) + "\n")
 
 
-def run(name: str, args: str, checkout: Path, inp: Path, out: Path, max_new: int) -> dict:
+def run(name: str, args: str, checkout: Path, inp: Path, out: Path, max_new: int, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", str(inp), "-o", str(out), "--overwrite",
-           "--progress", "none", "--max-new-tokens", str(max_new)]
+           "--progress", "none", "--max-new-tokens", str(max_new), *extra]
     for kv in filter(None, args.split(",")):
         cmd += ["--engine-arg", kv]
     env = dict(os.environ, PYTHONPATH=str(checkout))
@@ -65,7 +73,9 @@ def run(name: str, args: str, checkout: Path, inp: Path, out: Path, max_new: int
     if status != 0:
         raise SystemExit(f"{name}: exit {status >> 8}: {err[-2000:]}")
     eng = json.loads((out / "_manifest.json").read_text()).get("fingerprint_fields", {}).get("engine", {})
+    report = json.loads((out / "_report.json").read_text()) if (out / "_report.json").exists() else {}
     return {"config": name, "wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024),
+            "gen_tok_s": report.get("tokens_per_s"), "tokens": report.get("completion_tokens"),
             "dtype": eng.get("dtype"), "kernel": eng.get("kernel", "torch"), "load": load_line()}
 
 
@@ -76,6 +86,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--words", type=int, default=920, help="about this many words per report (~1,400 tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--input", type=Path, help="run on this input file instead of the generated long prompts")
+    ap.add_argument("--cli-args", default="", help="more `dspine-batch generate` options, e.g. \"--draft none\"")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "out" / "bench_long_job")
     ap.add_argument("--json", type=Path)
@@ -87,23 +99,33 @@ def main() -> None:
         eargs, _, checkout = rest.partition("@")
         configs.append((name, eargs, Path(checkout).resolve() if checkout else REPO))
     args.out.mkdir(parents=True, exist_ok=True)
-    inp = args.out / "long_prompts.jsonl"
-    write_prompts(inp, args.rows, args.words)
-    print(f"# {cpu_line()}; {args.rows} rows x ~{args.words} words, {args.max_new_tokens} new tokens; "
-          f"{load_line()}", flush=True)
+    if args.input:
+        inp = args.input.resolve()
+        what = f"{inp.name}, {args.max_new_tokens} new tokens at most"
+    else:
+        inp = args.out / "long_prompts.jsonl"
+        write_prompts(inp, args.rows, args.words)
+        what = f"{args.rows} rows x ~{args.words} words, {args.max_new_tokens} new tokens"
+    extra = args.cli_args.split()
+    print(f"# {cpu_line()}; {what}; options {' '.join(extra) or '-'}; {load_line()}", flush=True)
     results = []
     for rep in range(args.repeats):  # interleaved: every configuration once per repeat
         for name, eargs, checkout in configs:
-            r = run(name, eargs, checkout, inp, args.out / name, args.max_new_tokens)
+            r = run(name, eargs, checkout, inp, args.out / name, args.max_new_tokens, extra)
             r["repeat"] = rep
             results.append(r)
-            print(f"{name:<10} wall {r['wall_s']:7.1f} s  peak RSS {r['peak_rss_mb']:6d} MB  dtype {r['dtype']}  "
-                  f"kernel {r['kernel']}  {r['load']}", flush=True)
+            print(f"{name:<10} wall {r['wall_s']:7.1f} s  gen {r['gen_tok_s'] or 0:7.1f} tok/s ({r['tokens']} tokens)  "
+                  f"peak RSS {r['peak_rss_mb']:6d} MB  dtype {r['dtype']}  kernel {r['kernel']}  {r['load']}",
+                  flush=True)
     best = {name: min((r for r in results if r["config"] == name), key=lambda r: r["wall_s"]) for name, *_ in configs}
     base = best[configs[0][0]]
-    print(f"\n| config | best wall | vs {configs[0][0]} | peak RSS | vs {configs[0][0]} |\n|---|---:|---:|---:|---:|")
+    rate = {name: max(r["gen_tok_s"] or 0 for r in results if r["config"] == name) for name, *_ in configs}
+    b0 = configs[0][0]
+    print(f"\n| config | best wall | vs {b0} | best gen tok/s | vs {b0} | peak RSS | vs {b0} |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for name, r in best.items():
-        print(f"| {name} | {r['wall_s']:.1f} s | {base['wall_s'] / r['wall_s']:.2f}x | {r['peak_rss_mb']} MB | "
+        gen = f"{rate[name]:.1f} | {rate[name] / rate[b0]:.2f}x" if rate[name] and rate[b0] else "- | -"
+        print(f"| {name} | {r['wall_s']:.1f} s | {base['wall_s'] / r['wall_s']:.2f}x | {gen} | {r['peak_rss_mb']} MB | "
               f"{r['peak_rss_mb'] / base['peak_rss_mb']:.0%} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
