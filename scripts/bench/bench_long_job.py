@@ -19,8 +19,8 @@ Any input and CLI options work too, e.g. decode speed at 8 rows a batch, before 
     python scripts/bench/bench_long_job.py --input examples/prompts.jsonl --max-new-tokens 128 \
         --cli-args "--draft none" --config before=batch_size=8@/tmp/before after=batch_size=8
 
-Besides wall time (model load included) each run reports the job's own generation rate from its ``_report.json``
-(generated tokens over the generation seconds), where the checkout writes one.
+Besides wall time (model load included) each run reports the job's own rate from the checkout's ``report``
+(``_report.json``: generated tokens over the job's elapsed seconds, prompt reading included, model load not).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ def run(name: str, args: str, checkout: Path, inp: Path, out: Path, max_new: int
     if status != 0:
         raise SystemExit(f"{name}: exit {status >> 8}: {err[-2000:]}")
     eng = json.loads((out / "_manifest.json").read_text()).get("fingerprint_fields", {}).get("engine", {})
+    # the checkout's own `report` (untimed) writes _report.json: generated tokens over the job's elapsed seconds
+    subprocess.run([sys.executable, "-m", "dspine_batch.cli", "report", str(out)], cwd=checkout, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     report = json.loads((out / "_report.json").read_text()) if (out / "_report.json").exists() else {}
     return {"config": name, "wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024),
             "gen_tok_s": report.get("tokens_per_s"), "tokens": report.get("completion_tokens"),

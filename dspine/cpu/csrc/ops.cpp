@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sched.h"
@@ -249,6 +250,46 @@ at::Tensor attend_cache_ref(const at::Tensor& q, const at::Tensor& kc, const at:
   return attend_cache_ref_impl<float>(q, kc, vc, pos, window, scale);
 }
 
+// max(w[0..n)), -inf for n = 0. A max is exact in any order, so eight lanes (vectorised) instead of one scalar
+// dependency chain: the same value std::max over the row gives (NaN scores are skipped alike).
+inline float max_of(const float* w, int64_t n) {
+  float m[8];
+  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) m[l] = m[l] < w[i + l] ? w[i + l] : m[l];
+  for (; i < n; ++i) m[0] = m[0] < w[i] ? w[i] : m[0];
+  float r = m[0];
+  for (int l = 1; l < 8; ++l) r = r < m[l] ? m[l] : r;
+  return r;
+}
+
+// o[r] = sum over keys j of (p[r * n + j] * inv[r]) * V[lo + j], in key order, for RN query heads. RN and DV are
+// compile-time so the RN x DV accumulators stay in registers (with a runtime head count the compiler kept them on
+// the stack: a load and a store around every FMA, most of a prompt's attention time).
+template <int DV, int RN, class T>
+inline void weighted_values(const float* p, int64_t n, const float* inv, const T* V, int64_t lo, float* const* o) {
+  using namespace dspine;
+  constexpr int D = DV * VL;
+  vec acc[RN][DV];
+  for (int r = 0; r < RN; ++r)
+    for (int x = 0; x < DV; ++x) acc[r][x] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = V + (lo + j) * D;
+    vec v[DV];
+    for (int x = 0; x < DV; ++x) v[x] = kv_load(vr + x * VL);
+    for (int r = 0; r < RN; ++r) {
+      const vec a = vset(p[r * n + j] * inv[r]);
+      for (int x = 0; x < DV; ++x) acc[r][x] = vfma(a, v[x], acc[r][x]);
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int x = 0; x < DV; ++x) {
+      const vec out = acc[r][x];  // a copy's address, not acc's: acc stays in registers
+      std::memcpy(o[r] + x * VL, &out, sizeof(out));
+    }
+}
+
 // Attention of the rep query heads sharing one KV head, for head_dim D = DV * VL, with the same operations in
 // the same order per query as attend_cache_ref (so the bits are the same): each key and value row is loaded
 // once for the rep queries instead of once per query, the rep outputs stay in registers over all keys instead
@@ -289,27 +330,32 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
       w[r * n + j] = vsum(acc) * sc;
     }
   }
-  for (int64_t r = 0; r < rep; ++r)
-    for (int64_t i = 0; i < n; ++i) mx[r] = std::max(mx[r], w[r * n + i]);
-  constexpr int RMAX = 4;  // query heads whose outputs are held in registers at once
+  for (int64_t r = 0; r < rep; ++r) mx[r] = max_of(w.data() + r * n, n);
+  // query heads whose outputs are held in registers at once (RMAX x DV accumulators)
+  constexpr int RMAX = DV >= 8 ? 2 : 4;
   for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
     const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
     float inv[RMAX];
     for (int64_t r = 0; r < rn; ++r) inv[r] = 1.f / exp_shifted(w.data() + (r0 + r) * n, n, mx[r0 + r]);
-    vec acc[RMAX][DV];
-    for (int r = 0; r < RMAX; ++r)
-      for (int x = 0; x < DV; ++x) acc[r][x] = vzero();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vr = V + (lo + j) * D;
-      vec v[DV];
-      for (int x = 0; x < DV; ++x) v[x] = kv_load(vr + x * VL);
-      for (int64_t r = 0; r < rn; ++r) {
-        const vec a = vset(w[(r0 + r) * n + j] * inv[r]);
-        for (int x = 0; x < DV; ++x) acc[r][x] = vfma(a, v[x], acc[r][x]);
-      }
+    const float* p = w.data() + r0 * n;
+    switch (rn) {
+      case 1: weighted_values<DV, 1>(p, n, inv, V, lo, o + r0); break;
+      case 2: weighted_values<DV, 2>(p, n, inv, V, lo, o + r0); break;
+      case 3: if constexpr (RMAX >= 3) weighted_values<DV, 3>(p, n, inv, V, lo, o + r0); break;
+      default: if constexpr (RMAX >= 4) weighted_values<DV, 4>(p, n, inv, V, lo, o + r0); break;
     }
-    for (int64_t r = 0; r < rn; ++r) std::memcpy(o[r0 + r], acc[r], sizeof(float) * D);
   }
+}
+
+// n bf16 values -> fp32 (exact)
+inline void widen(const uint16_t* src, int64_t n, float* dst) {
+  using namespace dspine;
+  int64_t i = 0;
+  for (; i + VL <= n; i += VL) {
+    const vec v = bf16s(src + i);
+    std::memcpy(dst + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) dst[i] = kv_at(src, i);
 }
 
 template <class T>
@@ -335,14 +381,42 @@ at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at
   constexpr int64_t QB = 8;
   const int64_t tblocks = (T_ + QB - 1) / QB, items = B * Hkv * tblocks;
   parallel_pull(items, [&](auto& pull) {
-    std::vector<float> w;
+    std::vector<float> w, kf, vf;
     std::vector<const float*> qv(rep);
     std::vector<float*> o(rep);
     for (int64_t item; (item = pull()) < items;) {
       const int64_t tb = item % tblocks, g = item / tblocks % Hkv, b = item / tblocks / Hkv;
-      const T* K = kp + (b * Hkv + g) * cap * D;
-      const T* V = vp + (b * Hkv + g) * cap * D;
-      for (int64_t t = tb * QB; t < std::min(T_, (tb + 1) * QB); ++t) {
+      const int64_t t0 = tb * QB, t1 = std::min(T_, (tb + 1) * QB);
+      const T* Kc = kp + (b * Hkv + g) * cap * D;
+      const T* Vc = vp + (b * Hkv + g) * cap * D;
+      // bf16 caches, several queries (a prompt's block): the keys and values the block reads are widened to fp32
+      // once, into a scratch every query of the block then reads (L2-sized: 2 x 1,400 x 64 floats), instead of
+      // once per query and query head. bf16 -> fp32 is exact, so the bits are the same; decode (one query a row)
+      // reads the bf16 rows directly (half the bytes, and nothing to share).
+      const float* K = nullptr;  // the widened rows, from cache slot `base` on
+      const float* V = nullptr;
+      int64_t base = 0;
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (t1 - t0 > 1) {
+          int64_t lo_min = cap, hi_max = -1;
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t p = pos_[b * T_ + t];
+            hi_max = std::max(hi_max, std::min(p, cap - 1));
+            lo_min = std::min(lo_min, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
+          }
+          if (hi_max >= lo_min) {
+            const int64_t rows = hi_max - lo_min + 1;
+            kf.resize(rows * D);
+            vf.resize(rows * D);
+            widen(Kc + lo_min * D, rows * D, kf.data());
+            widen(Vc + lo_min * D, rows * D, vf.data());
+            K = kf.data();
+            V = vf.data();
+            base = lo_min;
+          }
+        }
+      }
+      for (int64_t t = t0; t < t1; ++t) {
         const int64_t bt = b * T_ + t;
         const int64_t p = pos_[bt];
         const int64_t hi = std::min(p, cap - 1);
@@ -356,10 +430,18 @@ at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at
           continue;
         }
         const int64_t n = hi - lo + 1;
-        switch (D / VL) {
-          case 2: attend_group<2>(qv.data(), o.data(), rep, K, V, lo, n, sc, w); break;
-          case 4: attend_group<4>(qv.data(), o.data(), rep, K, V, lo, n, sc, w); break;
-          default: attend_group<8>(qv.data(), o.data(), rep, K, V, lo, n, sc, w); break;
+        if (K != nullptr) {
+          switch (D / VL) {
+            case 2: attend_group<2>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
+            case 4: attend_group<4>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
+            default: attend_group<8>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
+          }
+        } else {
+          switch (D / VL) {
+            case 2: attend_group<2>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
+            case 4: attend_group<4>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
+            default: attend_group<8>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
+          }
         }
       }
     }
