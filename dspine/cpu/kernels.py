@@ -20,6 +20,7 @@ of the engine's identity (``kernel_name``), since it changes fp32 rounding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -35,7 +36,7 @@ from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "ops.cpp")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "attention_bf16.cpp", "ops.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "sched.h")]
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
@@ -157,6 +158,20 @@ def _build(isa: str) -> str | None:
 def bf16dp_ok() -> bool:
     """True where the bf16 family of linears runs: the avx512 build on a CPU with AVX512-BF16."""
     return load() == "avx512" and "avx512_bf16" in cpu_flags() and bool(torch.ops.dspine_cpu.has_bf16dp())
+
+
+BF16_ATTENTION_DIMS = (32, 64, 128)
+
+
+@functools.cache
+def _bf16dp_for(isa: str | None) -> bool:
+    return isa is not None and bf16dp_ok()
+
+
+def bf16_attention(head_dim: int) -> bool:
+    """Whether attention over a bf16 KV cache runs on bf16 dot products (``csrc/attention_bf16.cpp``): where the
+    bf16 family runs and ``head_dim`` is one it has tiles for. Cached: it is asked once per layer and step."""
+    return head_dim in BF16_ATTENTION_DIMS and _bf16dp_for(load())
 
 
 def unavailable_reason() -> str | None:
@@ -372,8 +387,12 @@ def rope_store(q, k, v, cos, sin, kc, vc, pos):
 
 def attend_cache(q, kc, vc, pos, window: int | None, scale: float) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] at positions pos [B, T] over the caches (slots <= pos, within ``window``)
-    -> [B, T, Hq * D]. float32 or bfloat16 caches; a bf16 cache gives the bits of the same cache in fp32 (its
-    values are loaded into fp32 registers, the arithmetic is the fp32 path's)."""
+    -> [B, T, Hq * D]. float32 caches: fp32 arithmetic (``csrc/ops.cpp``). bfloat16 caches (the bf16 policy):
+    bf16 dot products where ``bf16_attention(D)`` (query and softmax weights rounded to bf16, fp32 sums:
+    ``csrc/attention_bf16.cpp``), elsewhere the values loaded into fp32 and the fp32 path's arithmetic (the bits of
+    the same cache in fp32). Either way a query's bits depend on its own inputs only."""
+    if kc.dtype == torch.bfloat16 and bf16_attention(q.shape[-1]):
+        return torch.ops.dspine_cpu.attend_cache_bf16dp(q, kc, vc, pos, int(window or 0), float(scale))
     return torch.ops.dspine_cpu.attend_cache(q, kc, vc, pos, int(window or 0), float(scale))
 
 

@@ -30,7 +30,7 @@ def assign_rows(dst: ModelCache, slots: list[int], src: ModelCache) -> bool:
     idx = torch.as_tensor(slots, dtype=torch.long, device=dst.lengths.device)
     for d, s in zip(dst.layers, src.layers):
         if isinstance(d, KVCache):
-            d.ensure(s.capacity)
+            d.ensure(s.capacity, exact=True)  # the newcomer's capacity covers its prompt and budget
             d.k[idx, :, : s.capacity] = s.k.to(d.k.dtype)
             d.v[idx, :, : s.capacity] = s.v.to(d.v.dtype)
         else:

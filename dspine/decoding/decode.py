@@ -902,8 +902,8 @@ def _admit(batch: _Batch | None, dead: list[int], fresh: _Batch) -> tuple[_Batch
     """Put the freshly prefilled rows into the batch: into dead slots in place first, appended beyond that."""
     if not fresh.rows:
         return batch, dead
-    if batch is None:
-        return fresh, []
+    if batch is None or len(dead) == len(batch.rows):
+        return fresh, []  # every slot is free: the old cache is dropped whole, nothing copied or grown
     k = min(len(dead), len(fresh.rows))
     if k and batch.assign(dead[:k], fresh.select(list(range(k)))):
         dead = dead[k:]

@@ -31,11 +31,13 @@ class KVCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def ensure(self, needed: int) -> None:
-        """Grow the time axis (doubling) so positions < ``needed`` fit."""
+    def ensure(self, needed: int, exact: bool = False) -> None:
+        """Grow the time axis so positions < ``needed`` fit: doubling (writes one step at a time grow often), or to
+        ``needed`` itself when the caller knows it is the final size (a newcomer's rows written into freed slots:
+        doubling there left a batch cache twice the size its rows need for the rest of the job)."""
         if needed <= self.capacity:
             return
-        new = max(needed, 2 * self.capacity)
+        new = needed if exact else max(needed, 2 * self.capacity)
         pad = new - self.capacity
         z = self.k.new_zeros(self.k.shape[0], self.k.shape[1], pad, self.k.shape[3])
         self.k = torch.cat([self.k, z], dim=2)

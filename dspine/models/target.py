@@ -121,8 +121,9 @@ class Target(nn.Module):
 
         Why: under the bf16 policy the KV cache is most of a long batch's memory; bf16 halves it (and the bytes
         attention streams), while rotation, scores, softmax and the weighted sum stay fp32 in registers. It
-        changes outputs, so the kernel name says so (``-kvbf16``), and caches built before the change are not
-        this target's any more (the prefix cache keys its layout on the dtype)."""
+        changes outputs, so the kernel name says so (``-kvbf16``; ``-kvbf16dp`` where attention over it runs on
+        bf16 dot products, ``kernels.bf16_attention``), and caches built before the change are not this target's
+        any more (the prefix cache keys its layout on the dtype)."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"KV cache dtype {dtype}: choose torch.float32 or torch.bfloat16")
         if dtype == self.kv_dtype:
@@ -131,14 +132,22 @@ class Target(nn.Module):
             raise ValueError(f"a {dtype} KV cache needs our fused attention (a dense target with CPU kernels); "
                              f"this target's attention is torch's ({self.kernel})")
         self._kv_dtype = None if dtype == self.dtype else dtype
-        base = self.kernel.removesuffix("-kvbf16")
-        self._kernel = base + ("-kvbf16" if dtype == torch.bfloat16 and self.dtype != torch.bfloat16 else "")
+        base = self.kernel.removesuffix("-kvbf16dp").removesuffix("-kvbf16")
+        if dtype == torch.bfloat16 and self.dtype != torch.bfloat16:
+            from dspine.cpu import kernels
+
+            # attention over it on bf16 dot products where the CPU has them (other bits: another name)
+            dims = {m.head_dim for m in self.modules() if hasattr(m, "fast") and hasattr(m, "head_dim")}
+            dp = bool(dims) and all(kernels.bf16_attention(d) for d in dims)
+            base += "-kvbf16dp" if dp else "-kvbf16"
+        self._kernel = base
         return self
 
     @property
     def kernel(self) -> str:
         """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``dspine-<isa>-bf16`` (the bf16
-        family), ``torch``, or a quant mode; ``-kvbf16`` when keys and values are stored in bf16 over fp32 weights."""
+        family), ``torch``, or a quant mode; ``-kvbf16`` when keys and values are stored in bf16 over fp32 weights
+        (``-kvbf16dp``: and attention runs on bf16 dot products)."""
         return getattr(self, "_kernel", "torch")
 
     def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:

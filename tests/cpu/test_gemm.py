@@ -119,7 +119,9 @@ def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
     """dtype=bfloat16 on an AVX512-BF16 CPU: every linear in the bf16 family, the rest fp32; a row's prompt
     forward and greedy tokens do not depend on its neighbours or on the prompt being read in one piece."""
     bf16, fp32 = load_target(llama_dir, dtype=torch.bfloat16), load_target(llama_dir)
-    assert bf16.kernel.endswith("-bf16-kvbf16") and bf16.dtype == torch.float32
+    hd = bf16.layers[0].self_attn.head_dim
+    assert bf16.kernel.endswith("-bf16" + ("-kvbf16dp" if kernels.bf16_attention(hd) else "-kvbf16"))
+    assert bf16.dtype == torch.float32
     assert set(kernels.weight_formats(bf16)) == {kernels.BF16DP}
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, bf16.vocab_size, (3, 40), generator=g)

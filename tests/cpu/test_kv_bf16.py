@@ -1,5 +1,6 @@
 """bf16 KV caches in our fused ops (csrc/ops.cpp): ``rope_store`` rotates in fp32 and rounds only as it stores,
-``attend_cache`` over a bf16 cache is bit-identical to the same call over that cache converted to fp32, for every
+the ``attend_cache`` op over a bf16 cache is bit-identical to the same call over that cache converted to fp32 (what
+runs where the bf16 dot-product attention does not: test_attention_bf16.py), for every
 code path (the grouped kernel for head_dim 32/64/128, the per-query loop otherwise) and whatever queries share the
 call; the fp32 caches' results are unchanged by the templating (the reference loop and the grouped kernel agree)."""
 
@@ -56,14 +57,15 @@ def test_attend_over_bf16_is_attend_over_its_fp32_values(shape):
     q = torch.randn(B, T, Hq, D, generator=g)
     pos = torch.tensor([3, 20, 0])[:B, None] + torch.arange(T)
     args = (pos, window, D**-0.5)
-    got = kernels.attend_cache(q, kc, vc, *args)
+    attend = torch.ops.dspine_cpu.attend_cache  # the fp32-order op (kernels.attend_cache may pick bf16 dots)
+    got = attend(q, kc, vc, *args)
     assert got.dtype == torch.float32
-    assert torch.equal(got, kernels.attend_cache(q, kc.float(), vc.float(), *args))
+    assert torch.equal(got, attend(q, kc.float(), vc.float(), *args))
     ref = torch.ops.dspine_cpu.attend_cache_ref
     assert torch.equal(ref(q, kc, vc, *args), ref(q, kc.float(), vc.float(), *args))
     assert torch.equal(got, ref(q, kc, vc, *args))  # the grouped kernel keeps the loop's order over bf16 too
     for t in {0, T // 2, T - 1}:  # a query alone gives its bits inside the many-query call
-        alone = kernels.attend_cache(q[:, t : t + 1], kc, vc, pos[:, t : t + 1], window, D**-0.5)
+        alone = attend(q[:, t : t + 1], kc, vc, pos[:, t : t + 1], window, D**-0.5)
         assert torch.equal(alone[:, 0], got[:, t])
     # and it is attention: close to the fp32 torch computation over the same (bf16) values
     keys, values = kc.float().repeat_interleave(Hq // Hkv, 1), vc.float().repeat_interleave(Hq // Hkv, 1)

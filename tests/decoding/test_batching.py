@@ -25,9 +25,31 @@ def test_assign_rows_matches_select_and_concat():
     assert torch.equal(got.layers[0].k[:, :, :12], want.layers[0].k[:, :, :12])
     assert torch.equal(got.layers[0].v[:, :, :12], want.layers[0].v[:, :, :12])
     assert torch.equal(got.layers[1].conv, want.layers[1].conv) and torch.equal(got.layers[1].rec, want.layers[1].rec)
+    # grown to what the newcomers need, not doubled: the batch keeps that size for the rest of the job
+    assert run.layers[0].capacity == 12
+
+
+def test_decode_writes_still_grow_by_doubling():
+    kv = KVCache.empty(1, 2, 8, 4, torch.float32, "cpu")
+    kv.write(torch.tensor([[8]]), torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4))
+    assert kv.capacity == 16 and torch.equal(kv.k[0, :, 8], torch.ones(2, 4))
 
 
 def test_pending_verify_is_not_assigned():
     run, new = _cache(2, 8, 0), _cache(1, 8, 1)
     run.layers[1].pending = {"x": torch.zeros(2, 1)}
     assert not can_assign(run, new) and not assign_rows(run, [0], new)
+
+
+def test_admit_reuses_slots_and_drops_a_wholly_finished_batch():
+    from dspine.decoding.decode import _admit, _Batch
+
+    run = _Batch(["a", "b", "c"], _cache(3, 8, 0), None, None)
+    fresh = _Batch(["d"], _cache(1, 12, 1), None, None)
+    batch, dead = _admit(run, [1, 2], fresh)  # one newcomer into a freed slot, in place; one slot still free
+    assert batch is run and dead == [2] and batch.rows == ["a", "d", "c"]
+    assert batch.cache.layers[0].capacity == 12  # grown exactly to the newcomer's need
+    assert torch.equal(batch.cache.layers[0].k[1], fresh.cache.layers[0].k[0])
+    everyone_done = _Batch(["e", "f"], _cache(2, 8, 2), None, None)
+    batch, dead = _admit(everyone_done, [0, 1], fresh)  # nothing alive: the newcomers' cache is the batch
+    assert batch is fresh and dead == []

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(kernels.disabled() or kernels.load() is None or 
 
 @pytest.fixture(scope="module", params=["llama-d32", "qwen3"])
 def target(request, tmp_path_factory):
-    """llama with head_dim 32 (the grouped attention kernel), qwen3 with head_dim 16 (the per-query loop, q/k norms)."""
+    """llama with head_dim 32 (attention on bf16 dot products), qwen3 with head_dim 16 (attention over the bf16
+    cache in fp32, the per-query loop, q/k norms)."""
     where = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3":
         path = save_tiny_hf(where, "qwen3")
@@ -28,7 +29,8 @@ def target(request, tmp_path_factory):
         path = save_tiny_hf(where, "llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2)
     t = load_target(path, dtype=torch.bfloat16)
-    assert t.kernel.endswith("-bf16-kvbf16") and t.kv_dtype == torch.bfloat16
+    kv = "-kvbf16dp" if request.param == "llama-d32" else "-kvbf16"
+    assert t.kernel.endswith("-bf16" + kv) and t.kv_dtype == torch.bfloat16
     return t
 
 

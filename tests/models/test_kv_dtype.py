@@ -81,7 +81,7 @@ def test_bf16_policy_stores_bf16_kv_and_says_so(wide_dir):
     t = load_target(wide_dir, dtype=torch.bfloat16)
     isa = kernels.load()
     assert t.dtype == torch.float32 and t.kv_dtype == torch.bfloat16
-    assert t.kernel == f"dspine-{isa}-bf16-kvbf16"
+    assert t.kernel == f"dspine-{isa}-bf16-kvbf16dp"  # head_dim 32: attention on bf16 dot products
     cache = t.new_cache(2, 8)
     assert {(layer.k.dtype, layer.v.dtype) for layer in cache.layers} == {(torch.bfloat16, torch.bfloat16)}
     wide = load_target(wide_dir, dtype=torch.bfloat16, kv_dtype=torch.float32)  # main's bf16 policy, its name
@@ -94,7 +94,7 @@ def test_bf16_policy_stores_bf16_kv_and_says_so(wide_dir):
     t.set_kv_dtype(torch.float32)
     assert t.kernel == wide.kernel and torch.equal(t.score(ids), b)
     t.set_kv_dtype(torch.bfloat16)
-    assert t.kernel.endswith("-kvbf16") and torch.equal(t.score(ids), a)
+    assert t.kernel.endswith("-kvbf16dp") and torch.equal(t.score(ids), a)
 
 
 @needs_bf16

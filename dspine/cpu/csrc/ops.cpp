@@ -157,24 +157,6 @@ inline float dot(const float* a, const T* b, int64_t D) {
   return acc;
 }
 
-// w[0..n) = exp(w - mx); returns their sum
-inline float exp_shifted(float* w, int64_t n, float mx) {
-  using namespace dspine;
-  float sum = 0.f;
-  int64_t j = 0;
-  const vec m = vset(mx);
-  for (; j + VL <= n; j += VL) {
-    vec e = vexp(vload(w + j) - m);
-    std::memcpy(w + j, &e, sizeof(e));
-    sum += vsum(e);
-  }
-  for (; j < n; ++j) {
-    w[j] = std::exp(w[j] - mx);
-    sum += w[j];
-  }
-  return sum;
-}
-
 // o[0..D) += a * v
 template <class T>
 inline void axpy(float* o, float a, const T* v, int64_t D) {
@@ -235,7 +217,7 @@ at::Tensor attend_cache_ref_impl(const at::Tensor& q, const at::Tensor& kc, cons
         w[j] = dot(qv, K + (lo + j) * D, D) * sc;
         mx = std::max(mx, w[j]);
       }
-      const float inv = 1.f / exp_shifted(w.data(), n, mx);
+      const float inv = 1.f / dspine::exp_shifted(w.data(), n, mx);
       for (int64_t j = 0; j < n; ++j) axpy(o, w[j] * inv, V + (lo + j) * D, D);
     }
   });
@@ -248,20 +230,6 @@ at::Tensor attend_cache_ref(const at::Tensor& q, const at::Tensor& kc, const at:
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache: float32 queries");
   if (kc.scalar_type() == at::kBFloat16) return attend_cache_ref_impl<uint16_t>(q, kc, vc, pos, window, scale);
   return attend_cache_ref_impl<float>(q, kc, vc, pos, window, scale);
-}
-
-// max(w[0..n)), -inf for n = 0. A max is exact in any order, so eight lanes (vectorised) instead of one scalar
-// dependency chain: the same value std::max over the row gives (NaN scores are skipped alike).
-inline float max_of(const float* w, int64_t n) {
-  float m[8];
-  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) m[l] = m[l] < w[i + l] ? w[i + l] : m[l];
-  for (; i < n; ++i) m[0] = m[0] < w[i] ? w[i] : m[0];
-  float r = m[0];
-  for (int l = 1; l < 8; ++l) r = r < m[l] ? m[l] : r;
-  return r;
 }
 
 // o[r] = sum over keys j of (p[r * n + j] * inv[r]) * V[lo + j], in key order, for RN query heads. RN and DV are
@@ -330,13 +298,13 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
       w[r * n + j] = vsum(acc) * sc;
     }
   }
-  for (int64_t r = 0; r < rep; ++r) mx[r] = max_of(w.data() + r * n, n);
+  for (int64_t r = 0; r < rep; ++r) mx[r] = dspine::max_of(w.data() + r * n, n);
   // query heads whose outputs are held in registers at once (RMAX x DV accumulators)
   constexpr int RMAX = DV >= 8 ? 2 : 4;
   for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
     const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
     float inv[RMAX];
-    for (int64_t r = 0; r < rn; ++r) inv[r] = 1.f / exp_shifted(w.data() + (r0 + r) * n, n, mx[r0 + r]);
+    for (int64_t r = 0; r < rn; ++r) inv[r] = 1.f / dspine::exp_shifted(w.data() + (r0 + r) * n, n, mx[r0 + r]);
     const float* p = w.data() + r0 * n;
     switch (rn) {
       case 1: weighted_values<DV, 1>(p, n, inv, V, lo, o + r0); break;

@@ -4,8 +4,11 @@
 // prefetch and the int8/uint8/bfloat16 -> float conversions the compact weight formats need.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -164,5 +167,38 @@ inline vec vexp(vec xin) {
   ivec e = (__builtin_convertvector(fl, ivec) + 127) << 23;
   fvec out = y * reinterpret_cast<fvec&>(e);
   return reinterpret_cast<vec&>(out);
+}
+
+// The softmax pieces attention needs (ops.cpp, attention_bf16.cpp): one definition, so both kernels share the
+// order of operations they document.
+// w[0..n) = exp(w - mx); returns their sum
+inline float exp_shifted(float* w, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t j = 0;
+  const vec m = vset(mx);
+  for (; j + VL <= n; j += VL) {
+    vec e = vexp(vload(w + j) - m);
+    std::memcpy(w + j, &e, sizeof(e));
+    sum += vsum(e);
+  }
+  for (; j < n; ++j) {
+    w[j] = std::exp(w[j] - mx);
+    sum += w[j];
+  }
+  return sum;
+}
+
+// max(w[0..n)), -inf for n = 0. A max is exact in any order, so eight lanes (vectorised) instead of one scalar
+// dependency chain: the same value std::max over the row gives (NaN scores are skipped alike).
+inline float max_of(const float* w, int64_t n) {
+  float m[8];
+  std::fill(m, m + 8, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) m[l] = m[l] < w[i + l] ? w[i + l] : m[l];
+  for (; i < n; ++i) m[0] = m[0] < w[i] ? w[i] : m[0];
+  float r = m[0];
+  for (int l = 1; l < 8; ++l) r = r < m[l] ? m[l] : r;
+  return r;
 }
 }  // namespace dspine

@@ -1,0 +1,227 @@
+// Attention over a bf16 KV cache with bf16 dot products (AVX512-BF16 `vdpbf16ps`): the bf16 policy's attention.
+//
+// Why (issue 26): with the linears at torch's bf16 GEMM rate, attention over the cache was ~45 % of a 1,400-token
+// prompt. attend_cache (ops.cpp) widens every bf16 key and value to fp32 and runs the fp32 path's FMAs: 4 FMAs a
+// key and query head for the scores and 4 for the weighted sum (head_dim 64), plus the conversions. Here the
+// products are bf16 x bf16 (exact in fp32) summed in fp32 by `vdpbf16ps`, two per lane and instruction: 2 for the
+// scores, 2 for the weighted sum, and the keys and values are read as they are stored.
+//
+// What is rounded to bf16, beyond the cache's own keys and values: the query (once per query and head, nearest
+// even) and the softmax weights p_j = exp(s_j - max) / sum (after the fp32 normalisation). Scores, max, exp, the
+// sum and every accumulation stay fp32. The precision cost is measured with the rest of the policy
+// (scripts/bench/bench_precision.py, BENCHMARKS.md); dtype=float32 never comes here.
+//
+// Batch invariance by construction: a query's result is a function of its own q, its position and the cache rows
+// it sees, computed in an order fixed by head_dim and by its key count n alone:
+//   - score of key j: one accumulator of 16 lanes, head_dim / 32 `vdpbf16ps` in order, then the vsum tree (vsum16
+//     makes vsum's additions for 16 keys at once, bit for bit);
+//   - max, exp and their sum as ops.cpp's (exp_shifted's order: 16-key blocks, then the tail);
+//   - output lane d: one accumulator over key pairs (lo, lo + 1), (lo + 2, lo + 3), ... in order, one
+//     `vdpbf16ps` each (an odd last key pairs with a zero weight and a zero row).
+// Nothing depends on how many queries share the call, their order, the work item or thread that computes them,
+// so a row gives the same bits alone, batched, chunked, after a prefix-cache hit, as a decode step or in a verify.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "sched.h"
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+
+// q [D] fp32 -> DB vectors of 32 bf16 (element e of vector x is q[32 x + e], as a key row's 32 values are)
+template <int DB>
+inline void query_bf16(const float* q, __m512bh* qb) {
+  for (int x = 0; x < DB; ++x)
+    qb[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * x + 16), _mm512_loadu_ps(q + 32 * x));
+}
+
+// w[j] = sc * (q . K[lo + j]) for j < n: per key one 16-lane accumulator, DB dot-product steps, the vsum tree.
+template <int DB>
+inline void scores(const __m512bh* qb, const uint16_t* K, int64_t lo, int64_t n, float sc, float* w) {
+  constexpr int D = 32 * DB;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const uint16_t* kr = K + (lo + j) * D;
+    dspine::vec acc[16];
+    for (int jj = 0; jj < 16; ++jj) {
+      acc[jj] = _mm512_setzero_ps();
+      for (int x = 0; x < DB; ++x)
+        acc[jj] = _mm512_dpbf16_ps(acc[jj], qb[x], (__m512bh)_mm512_loadu_si512(kr + jj * D + 32 * x));
+    }
+    const dspine::vec s = _mm512_mul_ps(dspine::vsum16(acc), _mm512_set1_ps(sc));
+    std::memcpy(w + j, &s, sizeof(s));
+  }
+  for (; j < n; ++j) {
+    const uint16_t* kr = K + (lo + j) * D;
+    dspine::vec acc = _mm512_setzero_ps();
+    for (int x = 0; x < DB; ++x) acc = _mm512_dpbf16_ps(acc, qb[x], (__m512bh)_mm512_loadu_si512(kr + 32 * x));
+    w[j] = dspine::vsum(acc) * sc;
+  }
+}
+
+// The softmax weights of scores w[0..n), rounded to bf16: pb[j] = bf16(exp(w[j] - max) / sum); pb[n] = 0 when n is
+// odd (the weighted sum reads keys in pairs). w is overwritten with the exponentials.
+inline void weights_bf16(float* w, int64_t n, uint16_t* pb) {
+  const float mx = dspine::max_of(w, n);
+  const float inv = 1.f / dspine::exp_shifted(w, n, mx);
+  const __m512 iv = _mm512_set1_ps(inv);
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w + j + 16), iv),
+                                           _mm512_mul_ps(_mm512_loadu_ps(w + j), iv));
+    _mm512_storeu_si512(pb + j, (__m512i)p);
+  }
+  for (; j < n; ++j) {  // the same rounding one at a time (nearest even, as _mm512_cvtne2ps_pbh)
+    const __m512 v = _mm512_set1_ps(w[j] * inv);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    uint16_t tmp[16];
+    std::memcpy(tmp, &h, 32);
+    pb[j] = tmp[0];
+  }
+  if (n % 2) pb[n] = 0;
+}
+
+// o[r][d] = sum over key pairs of (p_j V[lo + j][d] + p_{j+1} V[lo + j + 1][d]) for RN heads: the two rows of a
+// pair interleaved into (V[j][d], V[j+1][d]) lanes once, used by every head; outputs in registers.
+template <int DB, int RN>
+inline void weighted_values(const uint16_t* const* pb, int64_t n, const uint16_t* V, int64_t lo, float* const* o) {
+  constexpr int D = 32 * DB, DO = 2 * DB;  // DO output vectors of 16 lanes
+  // word 2l <- a[l], word 2l + 1 <- b[l]: lanes 0-15 of the first 16 d (lo) or of d 16-31 (hi)
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  __m512 acc[RN][DO];
+  for (int r = 0; r < RN; ++r)
+    for (int y = 0; y < DO; ++y) acc[r][y] = _mm512_setzero_ps();
+  auto pair = [&](const uint16_t* a, const uint16_t* b, int64_t j) {
+    __m512bh v[DO];
+    for (int x = 0; x < DB; ++x) {
+      const __m512i A = _mm512_loadu_si512(a + 32 * x);
+      const __m512i B = b != nullptr ? _mm512_loadu_si512(b + 32 * x) : _mm512_setzero_si512();
+      v[2 * x] = (__m512bh)_mm512_permutex2var_epi16(A, il, B);
+      v[2 * x + 1] = (__m512bh)_mm512_permutex2var_epi16(A, ih, B);
+    }
+    for (int r = 0; r < RN; ++r) {
+      int32_t w2;
+      std::memcpy(&w2, pb[r] + j, 4);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(w2);
+      for (int y = 0; y < DO; ++y) acc[r][y] = _mm512_dpbf16_ps(acc[r][y], p, v[y]);
+    }
+  };
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) pair(V + (lo + j) * D, V + (lo + j + 1) * D, j);
+  if (j < n) pair(V + (lo + j) * D, nullptr, j);  // the odd last key: a zero row beside it, weight pb[n] = 0
+  for (int r = 0; r < RN; ++r)
+    for (int y = 0; y < DO; ++y) {
+      const __m512 out = acc[r][y];
+      std::memcpy(o[r] + 16 * y, &out, sizeof(out));
+    }
+}
+
+// The rep query heads of one KV head for one query (keys lo .. lo + n - 1).
+template <int DB>
+void attend_query(const float* const* qv, float* const* o, int64_t rep, const uint16_t* K, const uint16_t* V,
+                  int64_t lo, int64_t n, float sc, std::vector<float>& w, std::vector<uint16_t>& pb) {
+  constexpr int RMAX = DB >= 4 ? 2 : 4;  // RMAX x 2 DB accumulators in registers
+  w.resize(n);
+  pb.resize(rep * (n + 1));
+  std::vector<const uint16_t*> pr(rep);
+  for (int64_t r = 0; r < rep; ++r) {
+    __m512bh qb[DB];
+    query_bf16<DB>(qv[r], qb);
+    scores<DB>(qb, K, lo, n, sc, w.data());
+    pr[r] = pb.data() + r * (n + 1);
+    weights_bf16(w.data(), n, pb.data() + r * (n + 1));
+  }
+  for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
+    const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
+    switch (rn) {
+      case 1: weighted_values<DB, 1>(pr.data() + r0, n, V, lo, o + r0); break;
+      case 2: weighted_values<DB, 2>(pr.data() + r0, n, V, lo, o + r0); break;
+      case 3: if constexpr (RMAX >= 3) weighted_values<DB, 3>(pr.data() + r0, n, V, lo, o + r0); break;
+      default: if constexpr (RMAX >= 4) weighted_values<DB, 4>(pr.data() + r0, n, V, lo, o + r0); break;
+    }
+  }
+}
+
+// q [B, T, Hq, D] fp32, kc/vc [B, Hkv, cap, D] bf16, pos [B, T]: as attend_cache (ops.cpp), for D = 32, 64 or 128.
+at::Tensor attend_cache_bf16dp(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                               int64_t window, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache_bf16dp: float32 queries");
+  TORCH_CHECK(kc.scalar_type() == at::kBFloat16 && vc.scalar_type() == at::kBFloat16 && kc.is_contiguous() &&
+                  vc.is_contiguous(),
+              "attend_cache_bf16dp: contiguous bfloat16 caches");
+  const int64_t D = q.size(3);
+  TORCH_CHECK(D == 32 || D == 64 || D == 128, "attend_cache_bf16dp: head_dim 32, 64 or 128");
+  auto qc = q.contiguous();
+  auto pp = pos.to(at::kLong).contiguous();
+  const int64_t B = qc.size(0), T_ = qc.size(1), Hq = qc.size(2);
+  const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
+  auto out = at::empty({B, T_, Hq * D}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  const int64_t* pos_ = pp.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // Work items as attend_cache's: QB consecutive queries of one (row, KV head), KV head outer, pulled one at a time.
+  constexpr int64_t QB = 8;
+  const int64_t tblocks = (T_ + QB - 1) / QB, items = B * Hkv * tblocks;
+  dspine::parallel_pull(items, [&](auto& pull) {
+    std::vector<float> w;
+    std::vector<uint16_t> pb;
+    std::vector<const float*> qv(rep);
+    std::vector<float*> o(rep);
+    for (int64_t item; (item = pull()) < items;) {
+      const int64_t tb = item % tblocks, g = item / tblocks % Hkv, b = item / tblocks / Hkv;
+      const uint16_t* K = kp + (b * Hkv + g) * cap * D;
+      const uint16_t* V = vp + (b * Hkv + g) * cap * D;
+      for (int64_t t = tb * QB; t < std::min(T_, (tb + 1) * QB); ++t) {
+        const int64_t bt = b * T_ + t, p = pos_[bt];
+        const int64_t hi = std::min(p, cap - 1), lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        for (int64_t r = 0; r < rep; ++r) {
+          qv[r] = qp + (bt * Hq + g * rep + r) * D;
+          o[r] = op + (bt * Hq + g * rep + r) * D;
+        }
+        if (hi < lo) {
+          for (int64_t r = 0; r < rep; ++r) std::fill(o[r], o[r] + D, 0.f);
+          continue;
+        }
+        const int64_t n = hi - lo + 1;
+        switch (D) {
+          case 32: attend_query<1>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
+          case 64: attend_query<2>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
+          default: attend_query<4>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+#pragma GCC pop_options
+#else
+at::Tensor attend_cache_bf16dp(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                               double) {
+  TORCH_CHECK(false, "attend_cache_bf16dp: this build (" DSPINE_ISA ") has no AVX512-BF16 kernels");
+}
+#endif
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
+  m.def("attend_cache_bf16dp(Tensor q, Tensor kc, Tensor vc, Tensor pos, int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) { m.impl("attend_cache_bf16dp", &attend_cache_bf16dp); }
