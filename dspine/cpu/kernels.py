@@ -388,9 +388,9 @@ def rope_store(q, k, v, cos, sin, kc, vc, pos):
 def attend_cache(q, kc, vc, pos, window: int | None, scale: float) -> torch.Tensor:
     """Attention of q [B, T, Hq, D] at positions pos [B, T] over the caches (slots <= pos, within ``window``)
     -> [B, T, Hq * D]. float32 caches: fp32 arithmetic (``csrc/ops.cpp``). bfloat16 caches (the bf16 policy):
-    bf16 dot products where ``bf16_attention(D)`` (query and softmax weights rounded to bf16, fp32 sums:
-    ``csrc/attention_bf16.cpp``), elsewhere the values loaded into fp32 and the fp32 path's arithmetic (the bits of
-    the same cache in fp32). Either way a query's bits depend on its own inputs only."""
+    bf16 dot products where ``bf16_attention(D)`` (the query as two bf16 parts, softmax weights rounded to bf16,
+    fp32 sums: ``csrc/attention_bf16.cpp``), elsewhere the values loaded into fp32 and the fp32 path's arithmetic
+    (the bits of the same cache in fp32). Either way a query's bits depend on its own inputs only."""
     if kc.dtype == torch.bfloat16 and bf16_attention(q.shape[-1]):
         return torch.ops.dspine_cpu.attend_cache_bf16dp(q, kc, vc, pos, int(window or 0), float(scale))
     return torch.ops.dspine_cpu.attend_cache(q, kc, vc, pos, int(window or 0), float(scale))

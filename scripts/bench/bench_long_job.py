@@ -101,6 +101,7 @@ def main() -> None:
         name, _, rest = c.partition("=")
         eargs, _, checkout = rest.partition("@")
         configs.append((name, eargs, Path(checkout).resolve() if checkout else REPO))
+    args.out = args.out.resolve()  # the children run in their checkouts
     args.out.mkdir(parents=True, exist_ok=True)
     if args.input:
         inp = args.input.resolve()

@@ -3,18 +3,21 @@
 // Why (issue 26): with the linears at torch's bf16 GEMM rate, attention over the cache was ~45 % of a 1,400-token
 // prompt. attend_cache (ops.cpp) widens every bf16 key and value to fp32 and runs the fp32 path's FMAs: 4 FMAs a
 // key and query head for the scores and 4 for the weighted sum (head_dim 64), plus the conversions. Here the
-// products are bf16 x bf16 (exact in fp32) summed in fp32 by `vdpbf16ps`, two per lane and instruction: 2 for the
-// scores, 2 for the weighted sum, and the keys and values are read as they are stored.
+// products are bf16 x bf16 (exact in fp32) summed in fp32 by `vdpbf16ps`, two per lane and instruction, and the
+// keys and values are read as they are stored.
 //
-// What is rounded to bf16, beyond the cache's own keys and values: the query (once per query and head, nearest
-// even) and the softmax weights p_j = exp(s_j - max) / sum (after the fp32 normalisation). Scores, max, exp, the
-// sum and every accumulation stay fp32. The precision cost is measured with the rest of the policy
-// (scripts/bench/bench_precision.py, BENCHMARKS.md); dtype=float32 never comes here.
+// Precision: the query is split into two bf16 parts, hi = bf16(q) and lo = bf16(q - hi) (q = hi + lo to ~2^-17),
+// both dotted with each key, so the scores are as good as fp32's over the same bf16 keys; the softmax weights
+// p_j = exp(s_j - max) / sum are rounded to bf16 once (after the fp32 normalisation). Max, exp, the sum and every
+// accumulation stay fp32. Measured against fp32 (scripts/bench/bench_precision.py, BENCHMARKS.md "Precision"): the
+// same next-token agreement and KL as the fp32-order attention over the bf16 cache; rounding the query too (one
+// part) raised the KL ~10 %, splitting the weights as well cost 35 % of the speed for no measurable gain.
+// dtype=float32 never comes here.
 //
 // Batch invariance by construction: a query's result is a function of its own q, its position and the cache rows
 // it sees, computed in an order fixed by head_dim and by its key count n alone:
-//   - score of key j: one accumulator of 16 lanes, head_dim / 32 `vdpbf16ps` in order, then the vsum tree (vsum16
-//     makes vsum's additions for 16 keys at once, bit for bit);
+//   - score of key j: one accumulator of 16 lanes, per 32 dims `vdpbf16ps` with hi then with lo, in order, then the
+//     vsum tree (vsum16 makes vsum's additions for 16 keys at once, bit for bit);
 //   - max, exp and their sum as ops.cpp's (exp_shifted's order: 16-key blocks, then the tail);
 //   - output lane d: one accumulator over key pairs (lo, lo + 1), (lo + 2, lo + 3), ... in order, one
 //     `vdpbf16ps` each (an odd last key pairs with a zero weight and a zero row).
@@ -39,16 +42,29 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512bf16")
 
-// q [D] fp32 -> DB vectors of 32 bf16 (element e of vector x is q[32 x + e], as a key row's 32 values are)
+// 16 bf16 -> fp32 (exact)
+inline __m512 widen16(__m256bh h) {
+  __m256i bits;
+  std::memcpy(&bits, &h, 32);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// q [D] fp32 -> its bf16 rounding hi and the rounding of what that leaves, lo (q = hi + lo to ~2^-17): DB vectors
+// of 32 bf16 each (element e of vector x is for q[32 x + e], as a key row's 32 values are)
 template <int DB>
-inline void query_bf16(const float* q, __m512bh* qb) {
-  for (int x = 0; x < DB; ++x)
-    qb[x] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * x + 16), _mm512_loadu_ps(q + 32 * x));
+inline void query_bf16(const float* q, __m512bh* hi, __m512bh* lo) {
+  for (int x = 0; x < DB; ++x) {
+    const __m512 a = _mm512_loadu_ps(q + 32 * x), b = _mm512_loadu_ps(q + 32 * x + 16);
+    hi[x] = _mm512_cvtne2ps_pbh(b, a);
+    const __m512 ah = widen16(_mm512_cvtneps_pbh(a)), bh = widen16(_mm512_cvtneps_pbh(b));  // hi's values in fp32
+    lo[x] = _mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));  // a - ah: exact
+  }
 }
 
 // w[j] = sc * (q . K[lo + j]) for j < n: per key one 16-lane accumulator, DB dot-product steps, the vsum tree.
 template <int DB>
-inline void scores(const __m512bh* qb, const uint16_t* K, int64_t lo, int64_t n, float sc, float* w) {
+inline void scores(const __m512bh* qh, const __m512bh* ql, const uint16_t* K, int64_t lo, int64_t n, float sc,
+                   float* w) {
   constexpr int D = 32 * DB;
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
@@ -56,8 +72,10 @@ inline void scores(const __m512bh* qb, const uint16_t* K, int64_t lo, int64_t n,
     dspine::vec acc[16];
     for (int jj = 0; jj < 16; ++jj) {
       acc[jj] = _mm512_setzero_ps();
-      for (int x = 0; x < DB; ++x)
-        acc[jj] = _mm512_dpbf16_ps(acc[jj], qb[x], (__m512bh)_mm512_loadu_si512(kr + jj * D + 32 * x));
+      for (int x = 0; x < DB; ++x) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + jj * D + 32 * x);
+        acc[jj] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[jj], qh[x], k), ql[x], k);
+      }
     }
     const dspine::vec s = _mm512_mul_ps(dspine::vsum16(acc), _mm512_set1_ps(sc));
     std::memcpy(w + j, &s, sizeof(s));
@@ -65,7 +83,10 @@ inline void scores(const __m512bh* qb, const uint16_t* K, int64_t lo, int64_t n,
   for (; j < n; ++j) {
     const uint16_t* kr = K + (lo + j) * D;
     dspine::vec acc = _mm512_setzero_ps();
-    for (int x = 0; x < DB; ++x) acc = _mm512_dpbf16_ps(acc, qb[x], (__m512bh)_mm512_loadu_si512(kr + 32 * x));
+    for (int x = 0; x < DB; ++x) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + 32 * x);
+      acc = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc, qh[x], k), ql[x], k);
+    }
     w[j] = dspine::vsum(acc) * sc;
   }
 }
@@ -140,9 +161,9 @@ void attend_query(const float* const* qv, float* const* o, int64_t rep, const ui
   pb.resize(rep * (n + 1));
   std::vector<const uint16_t*> pr(rep);
   for (int64_t r = 0; r < rep; ++r) {
-    __m512bh qb[DB];
-    query_bf16<DB>(qv[r], qb);
-    scores<DB>(qb, K, lo, n, sc, w.data());
+    __m512bh qh[DB], ql[DB];
+    query_bf16<DB>(qv[r], qh, ql);
+    scores<DB>(qh, ql, K, lo, n, sc, w.data());
     pr[r] = pb.data() + r * (n + 1);
     weights_bf16(w.data(), n, pb.data() + r * (n + 1));
   }

@@ -11,7 +11,8 @@
 // KV caches are float32 or bfloat16 (the bf16 policy stores K/V in bf16, half the memory): rope_store rotates in
 // fp32 and rounds to bf16 (nearest even, as torch's .bfloat16()) only when it stores; attention loads bf16 keys
 // and values into fp32 registers (exact) and runs the fp32 path's operations in the fp32 path's order, so its
-// result over a bf16 cache is bit-identical to its result over that cache converted to fp32.
+// result over a bf16 cache is bit-identical to its result over that cache converted to fp32. (Where the bf16 family
+// runs, dspine.cpu.kernels sends bf16 caches to attention_bf16.cpp instead: bf16 dot products, its own fixed order.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
