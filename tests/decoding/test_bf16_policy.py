@@ -103,3 +103,37 @@ def test_tree_never_mixes_kv_dtypes(tmp_path):
     out = generate(t, None, [p], max_new_tokens=3, prefix_cache=tree)[0]
     assert out.cached_prompt_tokens == 0  # the bf16 entries are gone, not copied into an fp32 cache
     assert {kv[0].dtype for node in tree._nodes() for kv in node.kv if kv is not None} == {torch.float32}
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_prefill_state_bit_identical_in_chunks_alone_and_after_a_hit(target, chunk):
+    """test_chunked.py's invariance on the bf16 policy (bf16 linears, bf16 KV, bf16 attention where head_dim
+    allows): every row's keys, values, final hidden state and taps are the same bits whole, in chunks, alone,
+    beside others, and continuing from a prefix-cache hit."""
+    from test_chunked import _fill_state, _same
+
+    prompts = token_prompts(4, target.vocab_size, seed=chunk, lo=1, hi=70)
+    prompts[0] = token_prompts(1, target.vocab_size, seed=99, lo=90, hi=90)[0]
+    whole, _, _ = _fill_state(target, prompts, 0)
+    chunked, _, n = _fill_state(target, prompts, chunk)
+    assert n >= 2
+    for b in range(len(prompts)):
+        assert _same(chunked[b], whole[b]), f"row {b} differs with chunk {chunk}"
+        alone, _, _ = _fill_state(target, [prompts[b]], chunk)
+        assert _same(alone[0], whole[b]), f"row {b} alone differs with chunk {chunk}"
+    tree = PrefixCache()
+    tree.bind(target, target.new_cache(1, 1), 2)
+    _fill_state(target, [prompts[0][:40]], chunk, tree)
+    hit, served, _ = _fill_state(target, [prompts[0]], chunk, tree)
+    assert served == [40] and _same(hit[0], whole[0])
+
+
+def test_greedy_and_sampled_identical_for_any_chunk(target):
+    from test_chunked import _long_mix
+
+    prompts = _long_mix(target.vocab_size, seed=3)
+    for kw in (dict(), dict(temperature=0.9, top_p=0.95, seed=list(range(len(prompts))))):
+        whole = generate(target, None, prompts, max_new_tokens=12, batch_size=3, **kw)
+        for chunk in (1, 7):
+            cut = generate(target, None, prompts, max_new_tokens=12, batch_size=3, prefill_chunk=chunk, **kw)
+            assert [o.token_ids for o in cut] == [o.token_ids for o in whole]
