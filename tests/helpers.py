@@ -712,3 +712,20 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
         return workload(engine)
     finally:
         scoped_shutdown(engine, _child_pids() - before)
+
+
+def cache_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, window: int = 0
+                    ) -> torch.Tensor:
+    """torch's fp32 softmax attention of q [B, T, Hq, D] over caches [B, Hkv, cap, D] (any float dtype, read as
+    fp32): query (b, t) sees slots <= pos[b, t] (and > pos - window) -> [B, T, Hq * D]. What our attention kernels
+    are checked against."""
+    B, T, Hq, D = q.shape
+    Hkv, cap = kc.shape[1], kc.shape[2]
+    keys, values = kc.float().repeat_interleave(Hq // Hkv, 1), vc.float().repeat_interleave(Hq // Hkv, 1)
+    j = torch.arange(cap)
+    mask = j[None, None, :] <= pos[:, :, None]
+    if window:
+        mask &= j[None, None, :] > pos[:, :, None] - window
+    scores = torch.einsum("bthd,bhsd->bhts", q, keys) * D**-0.5
+    out = torch.einsum("bhts,bhsd->bthd", scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1), values)
+    return out.reshape(B, T, Hq * D)

@@ -37,7 +37,7 @@ from dspine.cpu.precision import cpu_flags
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "attention_bf16.cpp", "ops.cpp")]
-HEADERS = [CSRC / name for name in ("vec.h", "sched.h")]
+HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h")]
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
 # The bf16 precision policy's format (never tried by default: it rounds): weights rounded to bfloat16, inputs

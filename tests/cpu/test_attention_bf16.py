@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cache_attention
 from test_kernels import _usable
 
 from dspine.cpu import kernels
@@ -65,14 +66,7 @@ def test_it_is_attention_to_bf16_precision(shape):
     B, T, Hq, Hkv, D, window, cap = shape
     q, kc, vc, pos = _inputs(B, T, Hq, Hkv, D, cap, seed=3 * D + T)
     got = attend(q, kc, vc, pos, window, D**-0.5)
-    keys, values = kc.float().repeat_interleave(Hq // Hkv, 1), vc.float().repeat_interleave(Hq // Hkv, 1)
-    j = torch.arange(cap)
-    mask = j[None, None, :] <= pos[:, :, None]
-    if window:
-        mask &= j[None, None, :] > pos[:, :, None] - window
-    scores = torch.einsum("bthd,bhsd->bhts", q, keys) * D**-0.5
-    want = torch.einsum("bhts,bhsd->bthd", scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1), values)
-    want = want.reshape(B, T, Hq * D)
+    want = cache_attention(q, kc, vc, pos, window)
     torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
     assert (got - want).norm() / want.norm() < 0.01
     # and the fp32-order op over the same cache is the fp32 answer, the bf16 one differs only in low bits

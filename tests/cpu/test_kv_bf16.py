@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cache_attention
 from test_kernels import _usable
 
 from dspine.cpu import kernels
@@ -68,14 +69,7 @@ def test_attend_over_bf16_is_attend_over_its_fp32_values(shape):
         alone = attend(q[:, t : t + 1], kc, vc, pos[:, t : t + 1], window, D**-0.5)
         assert torch.equal(alone[:, 0], got[:, t])
     # and it is attention: close to the fp32 torch computation over the same (bf16) values
-    keys, values = kc.float().repeat_interleave(Hq // Hkv, 1), vc.float().repeat_interleave(Hq // Hkv, 1)
-    j = torch.arange(cap)
-    mask = j[None, None, :] <= pos[:, :, None]
-    if window:
-        mask &= j[None, None, :] > pos[:, :, None] - window
-    scores = torch.einsum("bthd,bhsd->bhts", q, keys) * D**-0.5
-    want = torch.einsum("bhts,bhsd->bthd", scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1), values)
-    torch.testing.assert_close(got, want.reshape(B, T, Hq * D), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, cache_attention(q, kc, vc, pos, window), rtol=1e-5, atol=1e-5)
 
 
 def test_mixed_or_other_cache_dtypes_are_refused():

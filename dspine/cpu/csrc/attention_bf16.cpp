@@ -33,7 +33,7 @@
 #include <limits>
 #include <vector>
 
-#include "sched.h"
+#include "attend_items.h"
 #include "vec.h"
 
 namespace {
@@ -189,47 +189,19 @@ at::Tensor attend_cache_bf16dp(const at::Tensor& q, const at::Tensor& kc, const 
   TORCH_CHECK(D == 32 || D == 64 || D == 128, "attend_cache_bf16dp: head_dim 32, 64 or 128");
   auto qc = q.contiguous();
   auto pp = pos.to(at::kLong).contiguous();
-  const int64_t B = qc.size(0), T_ = qc.size(1), Hq = qc.size(2);
-  const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
-  auto out = at::empty({B, T_, Hq * D}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
-  const int64_t* pos_ = pp.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  auto out = at::empty({qc.size(0), qc.size(1), qc.size(2) * D}, qc.options());
   const float sc = static_cast<float>(scale);
-  // Work items as attend_cache's: QB consecutive queries of one (row, KV head), KV head outer, pulled one at a time.
-  constexpr int64_t QB = 8;
-  const int64_t tblocks = (T_ + QB - 1) / QB, items = B * Hkv * tblocks;
-  dspine::parallel_pull(items, [&](auto& pull) {
-    std::vector<float> w;
-    std::vector<uint16_t> pb;
-    std::vector<const float*> qv(rep);
-    std::vector<float*> o(rep);
-    for (int64_t item; (item = pull()) < items;) {
-      const int64_t tb = item % tblocks, g = item / tblocks % Hkv, b = item / tblocks / Hkv;
-      const uint16_t* K = kp + (b * Hkv + g) * cap * D;
-      const uint16_t* V = vp + (b * Hkv + g) * cap * D;
-      for (int64_t t = tb * QB; t < std::min(T_, (tb + 1) * QB); ++t) {
-        const int64_t bt = b * T_ + t, p = pos_[bt];
-        const int64_t hi = std::min(p, cap - 1), lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        for (int64_t r = 0; r < rep; ++r) {
-          qv[r] = qp + (bt * Hq + g * rep + r) * D;
-          o[r] = op + (bt * Hq + g * rep + r) * D;
-        }
-        if (hi < lo) {
-          for (int64_t r = 0; r < rep; ++r) std::fill(o[r], o[r] + D, 0.f);
-          continue;
-        }
-        const int64_t n = hi - lo + 1;
-        switch (D) {
-          case 32: attend_query<1>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
-          case 64: attend_query<2>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
-          default: attend_query<4>(qv.data(), o.data(), rep, K, V, lo, n, sc, w, pb); break;
-        }
-      }
-    }
-  });
+  dspine::for_each_query<uint16_t>(qc, kc, vc, pp, window, out,
+                                   [&](const float* const* qv, float* const* o, int64_t rep, const uint16_t* K,
+                                       const uint16_t* V, int64_t lo, int64_t n) {
+                                     thread_local std::vector<float> w;
+                                     thread_local std::vector<uint16_t> pb;
+                                     switch (D) {
+                                       case 32: attend_query<1>(qv, o, rep, K, V, lo, n, sc, w, pb); break;
+                                       case 64: attend_query<2>(qv, o, rep, K, V, lo, n, sc, w, pb); break;
+                                       default: attend_query<4>(qv, o, rep, K, V, lo, n, sc, w, pb); break;
+                                     }
+                                   });
   return out;
 }
 #pragma GCC pop_options

@@ -22,9 +22,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
+#include "attend_items.h"
 #include "sched.h"
 #include "vec.h"
 
@@ -316,103 +316,21 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
   }
 }
 
-// n bf16 values -> fp32 (exact)
-inline void widen(const uint16_t* src, int64_t n, float* dst) {
-  using namespace dspine;
-  int64_t i = 0;
-  for (; i + VL <= n; i += VL) {
-    const vec v = bf16s(src + i);
-    std::memcpy(dst + i, &v, sizeof(v));
-  }
-  for (; i < n; ++i) dst[i] = kv_at(src, i);
-}
-
 template <class T>
 at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                              int64_t window, double scale) {
-  using namespace dspine;
-  const int64_t D = q.size(3);
   auto qc = q.contiguous();
   auto pp = pos.to(at::kLong).contiguous();
-  const int64_t B = qc.size(0), T_ = qc.size(1), Hq = qc.size(2);
-  const int64_t Hkv = kc.size(1), cap = kc.size(2), rep = Hq / Hkv;
-  auto out = at::empty({B, T_, Hq * D}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  const T* kp = reinterpret_cast<const T*>(kc.data_ptr());
-  const T* vp = reinterpret_cast<const T*>(vc.data_ptr());
-  const int64_t* pos_ = pp.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  const int64_t D = qc.size(3);
+  auto out = at::empty({qc.size(0), qc.size(1), qc.size(2) * D}, qc.options());
   const float sc = static_cast<float>(scale);
-  // Work items: QB consecutive queries of one (row, KV head), the KV head outer, so consecutive items read the
-  // same keys and values (~0.7 MB for a 1,390-token SmolLM2 layer in fp32: they stay in L2; with the heads
-  // interleaved every query streamed all three heads' from L3), pulled one at a time (sched.h): later queries see
-  // more keys, so a static split of the items would leave one thread with most of the work.
-  constexpr int64_t QB = 8;
-  const int64_t tblocks = (T_ + QB - 1) / QB, items = B * Hkv * tblocks;
-  parallel_pull(items, [&](auto& pull) {
-    std::vector<float> w, kf, vf;
-    std::vector<const float*> qv(rep);
-    std::vector<float*> o(rep);
-    for (int64_t item; (item = pull()) < items;) {
-      const int64_t tb = item % tblocks, g = item / tblocks % Hkv, b = item / tblocks / Hkv;
-      const int64_t t0 = tb * QB, t1 = std::min(T_, (tb + 1) * QB);
-      const T* Kc = kp + (b * Hkv + g) * cap * D;
-      const T* Vc = vp + (b * Hkv + g) * cap * D;
-      // bf16 caches, several queries (a prompt's block): the keys and values the block reads are widened to fp32
-      // once, into a scratch every query of the block then reads (L2-sized: 2 x 1,400 x 64 floats), instead of
-      // once per query and query head. bf16 -> fp32 is exact, so the bits are the same; decode (one query a row)
-      // reads the bf16 rows directly (half the bytes, and nothing to share).
-      const float* K = nullptr;  // the widened rows, from cache slot `base` on
-      const float* V = nullptr;
-      int64_t base = 0;
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (t1 - t0 > 1) {
-          int64_t lo_min = cap, hi_max = -1;
-          for (int64_t t = t0; t < t1; ++t) {
-            const int64_t p = pos_[b * T_ + t];
-            hi_max = std::max(hi_max, std::min(p, cap - 1));
-            lo_min = std::min(lo_min, window > 0 ? std::max<int64_t>(0, p - window + 1) : 0);
-          }
-          if (hi_max >= lo_min) {
-            const int64_t rows = hi_max - lo_min + 1;
-            kf.resize(rows * D);
-            vf.resize(rows * D);
-            widen(Kc + lo_min * D, rows * D, kf.data());
-            widen(Vc + lo_min * D, rows * D, vf.data());
-            K = kf.data();
-            V = vf.data();
-            base = lo_min;
-          }
-        }
-      }
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t bt = b * T_ + t;
-        const int64_t p = pos_[bt];
-        const int64_t hi = std::min(p, cap - 1);
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-        for (int64_t r = 0; r < rep; ++r) {
-          qv[r] = qp + (bt * Hq + g * rep + r) * D;
-          o[r] = op + (bt * Hq + g * rep + r) * D;
-        }
-        if (hi < lo) {
-          for (int64_t r = 0; r < rep; ++r) std::fill(o[r], o[r] + D, 0.f);
-          continue;
-        }
-        const int64_t n = hi - lo + 1;
-        if (K != nullptr) {
-          switch (D / VL) {
-            case 2: attend_group<2>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
-            case 4: attend_group<4>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
-            default: attend_group<8>(qv.data(), o.data(), rep, K, V, lo - base, n, sc, w); break;
-          }
-        } else {
-          switch (D / VL) {
-            case 2: attend_group<2>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
-            case 4: attend_group<4>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
-            default: attend_group<8>(qv.data(), o.data(), rep, Kc, Vc, lo, n, sc, w); break;
-          }
-        }
-      }
+  dspine::for_each_query<T>(qc, kc, vc, pp, window, out, [&](const float* const* qv, float* const* o, int64_t rep,
+                                                             const T* K, const T* V, int64_t lo, int64_t n) {
+    thread_local std::vector<float> w;
+    switch (D / dspine::VL) {
+      case 2: attend_group<2>(qv, o, rep, K, V, lo, n, sc, w); break;
+      case 4: attend_group<4>(qv, o, rep, K, V, lo, n, sc, w); break;
+      default: attend_group<8>(qv, o, rep, K, V, lo, n, sc, w); break;
     }
   });
   return out;
