@@ -113,10 +113,12 @@ inline void weights_bf16(float* w, int64_t n, uint16_t* pb) {
   if (n % 2) pb[n] = 0;
 }
 
-// o[r][d] = sum over key pairs of (p_j V[lo + j][d] + p_{j+1} V[lo + j + 1][d]) for RN heads: the two rows of a
-// pair interleaved into (V[j][d], V[j+1][d]) lanes once, used by every head; outputs in registers.
+// o[r][d] = sum over key pairs of (p_j V[lo + j][d] + p_{j+1} V[lo + j + 1][d]) for RN heads, head r's weights at
+// pb + r * stride: the two rows of a pair interleaved into (V[j][d], V[j+1][d]) lanes once, used by every head;
+// outputs in registers.
 template <int DB, int RN>
-inline void weighted_values(const uint16_t* const* pb, int64_t n, const uint16_t* V, int64_t lo, float* const* o) {
+inline void weighted_values(const uint16_t* pb, int64_t stride, int64_t n, const uint16_t* V, int64_t lo,
+                            float* const* o) {
   constexpr int D = 32 * DB, DO = 2 * DB;  // DO output vectors of 16 lanes
   // word 2l <- a[l], word 2l + 1 <- b[l]: lanes 0-15 of the first 16 d (lo) or of d 16-31 (hi)
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -137,7 +139,7 @@ inline void weighted_values(const uint16_t* const* pb, int64_t n, const uint16_t
     }
     for (int r = 0; r < RN; ++r) {
       int32_t w2;
-      std::memcpy(&w2, pb[r] + j, 4);
+      std::memcpy(&w2, pb + r * stride + j, 4);
       const __m512bh p = (__m512bh)_mm512_set1_epi32(w2);
       for (int y = 0; y < DO; ++y) acc[r][y] = _mm512_dpbf16_ps(acc[r][y], p, v[y]);
     }
@@ -157,23 +159,23 @@ template <int DB>
 void attend_query(const float* const* qv, float* const* o, int64_t rep, const uint16_t* K, const uint16_t* V,
                   int64_t lo, int64_t n, float sc, std::vector<float>& w, std::vector<uint16_t>& pb) {
   constexpr int RMAX = DB >= 4 ? 2 : 4;  // RMAX x 2 DB accumulators in registers
+  const int64_t stride = n + 1;  // head r's weights at pb[r * stride]: n, and a zero after an odd n
   w.resize(n);
-  pb.resize(rep * (n + 1));
-  std::vector<const uint16_t*> pr(rep);
+  pb.resize(rep * stride);
   for (int64_t r = 0; r < rep; ++r) {
     __m512bh qh[DB], ql[DB];
     query_bf16<DB>(qv[r], qh, ql);
     scores<DB>(qh, ql, K, lo, n, sc, w.data());
-    pr[r] = pb.data() + r * (n + 1);
-    weights_bf16(w.data(), n, pb.data() + r * (n + 1));
+    weights_bf16(w.data(), n, pb.data() + r * stride);
   }
   for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
     const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
+    const uint16_t* p = pb.data() + r0 * stride;
     switch (rn) {
-      case 1: weighted_values<DB, 1>(pr.data() + r0, n, V, lo, o + r0); break;
-      case 2: weighted_values<DB, 2>(pr.data() + r0, n, V, lo, o + r0); break;
-      case 3: if constexpr (RMAX >= 3) weighted_values<DB, 3>(pr.data() + r0, n, V, lo, o + r0); break;
-      default: if constexpr (RMAX >= 4) weighted_values<DB, 4>(pr.data() + r0, n, V, lo, o + r0); break;
+      case 1: weighted_values<DB, 1>(p, stride, n, V, lo, o + r0); break;
+      case 2: weighted_values<DB, 2>(p, stride, n, V, lo, o + r0); break;
+      case 3: if constexpr (RMAX >= 3) weighted_values<DB, 3>(p, stride, n, V, lo, o + r0); break;
+      default: if constexpr (RMAX >= 4) weighted_values<DB, 4>(p, stride, n, V, lo, o + r0); break;
     }
   }
 }

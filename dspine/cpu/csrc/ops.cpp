@@ -270,8 +270,6 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
   using namespace dspine;
   constexpr int D = DV * VL;
   w.resize(rep * n);
-  for (int64_t r = 0; r < rep; ++r) std::fill(o[r], o[r] + D, 0.f);
-  std::vector<float> mx(rep, -std::numeric_limits<float>::infinity());
   int64_t j = 0;
 #ifdef DSPINE_HAS_VSUM16
   // 16 keys at a time: their 16 dot accumulators reduced together (vsum16: vsum's additions, bit for bit)
@@ -299,13 +297,15 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
       w[r * n + j] = vsum(acc) * sc;
     }
   }
-  for (int64_t r = 0; r < rep; ++r) mx[r] = dspine::max_of(w.data() + r * n, n);
   // query heads whose outputs are held in registers at once (RMAX x DV accumulators)
   constexpr int RMAX = DV >= 8 ? 2 : 4;
   for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
     const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
     float inv[RMAX];
-    for (int64_t r = 0; r < rn; ++r) inv[r] = 1.f / dspine::exp_shifted(w.data() + (r0 + r) * n, n, mx[r0 + r]);
+    for (int64_t r = 0; r < rn; ++r) {
+      float* wr = w.data() + (r0 + r) * n;
+      inv[r] = 1.f / dspine::exp_shifted(wr, n, dspine::max_of(wr, n));
+    }
     const float* p = w.data() + r0 * n;
     switch (rn) {
       case 1: weighted_values<DV, 1>(p, n, inv, V, lo, o + r0); break;
