@@ -18,7 +18,7 @@ Modes (``DSPINE_PROPOSERS``, set by ``dspine-batch --engine sglang --engine-arg 
   order of the job, what a resumed engine has seen).
 * ``auto`` (the batch tool's default): greedy rows only, the suffix proposal where its estimated accepted tokens
   beat the row's draft record (the reference engine's survival estimate, ``dspine.decoding.decode``
-  ``_suffix_survival``, against a shrunk per-row mean of the draft's accepted tokens per round). Sampled rows
+  ``acceptance.suffix_survival``, against a shrunk per-row mean of the draft's accepted tokens per round). Sampled rows
   keep the draft's block, so their tokens never depend on other rows (as in the reference engine, whose sampled
   rows under ``auto`` never mix the two sources either). Greedy outputs are plain decoding's whatever is proposed;
   only the speculative stats depend on the history (a resumed engine starts with an empty finished index).
@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dspine.decoding.decode import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
+from dspine.decoding.acceptance import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, SuffixSource, Suggestion
 
 PROPOSERS_ENV = "DSPINE_PROPOSERS"  # auto | dspine | suffix (unset: dspine, SGLang launched by hand)

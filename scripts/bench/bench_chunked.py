@@ -86,14 +86,14 @@ def child(spec: dict) -> dict:
         return {"wall_s": wall, "prompt_tokens": sum(map(len, ids)), "rss_mb": _rss_mb(), "rss_before_mb": before,
                 "completion_tokens": sum(len(r.token_ids) for r in out), "digest": _digest(out)}
     if part == "stall":
-        from dspine.decoding import decode
+        from dspine.decoding import prefill, rows
 
         long = _prompts(1, spec["tokens"])[0]
         shorts = _prompts(2, 40, offset=1)
         shorts = [s[-40:] for s in shorts]  # two short prompts (the tail of a report request)
         eng = _engine(chunk, 2)
         events: list[tuple] = []
-        push, forward, fill = decode._Row.push, eng.target.forward, decode._fill
+        push, forward, fill = rows.Row.push, eng.target.forward, prefill.fill
         filling = [False]
 
         def rec_push(row, new):
@@ -117,7 +117,7 @@ def child(spec: dict) -> dict:
                     filling[0] = False
                 yield
 
-        decode._Row.push, decode._fill, eng.target.forward = rec_push, rec_fill, rec_forward
+        rows.Row.push, prefill.fill, eng.target.forward = rec_push, rec_fill, rec_forward
         t0 = time.perf_counter()
         out = list(eng.run(iter(_requests([shorts[0], shorts[1], long], [400, 1, 1])), 2))
         wall = time.perf_counter() - t0

@@ -42,14 +42,14 @@ def test_pending_verify_is_not_assigned():
 
 
 def test_admit_reuses_slots_and_drops_a_wholly_finished_batch():
-    from dspine.decoding.decode import _admit, _Batch
+    from dspine.decoding.running import RunningBatch, admit
 
-    run = _Batch(["a", "b", "c"], _cache(3, 8, 0), None, None)
-    fresh = _Batch(["d"], _cache(1, 12, 1), None, None)
-    batch, dead = _admit(run, [1, 2], fresh)  # one newcomer into a freed slot, in place; one slot still free
+    run = RunningBatch(["a", "b", "c"], _cache(3, 8, 0), None, None)
+    fresh = RunningBatch(["d"], _cache(1, 12, 1), None, None)
+    batch, dead = admit(run, [1, 2], fresh)  # one newcomer into a freed slot, in place; one slot still free
     assert batch is run and dead == [2] and batch.rows == ["a", "d", "c"]
     assert batch.cache.layers[0].capacity == 12  # grown exactly to the newcomer's need
     assert torch.equal(batch.cache.layers[0].k[1], fresh.cache.layers[0].k[0])
-    everyone_done = _Batch(["e", "f"], _cache(2, 8, 2), None, None)
-    batch, dead = _admit(everyone_done, [0, 1], fresh)  # nothing alive: the newcomers' cache is the batch
+    everyone_done = RunningBatch(["e", "f"], _cache(2, 8, 2), None, None)
+    batch, dead = admit(everyone_done, [0, 1], fresh)  # nothing alive: the newcomers' cache is the batch
     assert batch is fresh and dead == []

@@ -4,7 +4,7 @@ The state tests compare what prefill leaves (keys/values, GDN state, final hidde
 bit; the decoding tests compare tokens with whole-prompt prefill for chunk sizes 1, 5 and 64 (plain, the DSpine
 draft, suffix proposals, the prefix cache; greedy and sampled); the interleaving test reads a log of the target's
 forwards and the rows' commits, never a clock. Dense targets only: a hybrid prefills whole prompts
-(``decode.chunking_exact`` says why), which the last tests check.
+(``prefill.chunking_exact`` says why), which the last tests check.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 from helpers import token_prompts
 
 from dspine import generate
-from dspine.decoding import decode
+from dspine.decoding import rows as rows_mod
+from dspine.decoding.config import StreamConfig
 from dspine.decoding.cost import CostModel
-from dspine.decoding.decode import _Config, _fill, _Pace, chunking_exact
+from dspine.decoding.prefill import Pace, chunking_exact, fill
 from dspine.decoding.prefix import PrefixCache
 from dspine.models.cache import KVCache, SSMState
 
@@ -40,10 +41,10 @@ def _run(gen):
 
 
 def _fill_state(target, prompts, chunk, tree=None):
-    """What ``_fill`` leaves for ``prompts``: per row (KV up to its length, GDN state, final hidden, taps)."""
-    cfg = _Config(None, 1, None, "fixed", None, len(prompts), (0, 1), prefix=tree, chunk=chunk)
-    pace = _Pace()
-    cache, last, taps, served = _run(_fill(target, [list(p) for p in prompts], cfg, max(map(len, prompts)) + 4,
+    """What ``prefill.fill`` leaves for ``prompts``: per row (KV up to its length, GDN state, final hidden, taps)."""
+    cfg = StreamConfig(None, 1, None, "fixed", None, len(prompts), (0, 1), prefix=tree, chunk=chunk)
+    pace = Pace()
+    cache, last, taps, served = _run(fill(target, [list(p) for p in prompts], cfg, max(map(len, prompts)) + 4,
                                            pace))
     rows = []
     for b, p in enumerate(prompts):
@@ -180,11 +181,11 @@ def test_prefix_cache_sharing_and_credit_with_chunks(target, chunk, batch):
 
 class _Log:
     """Records, in order, every target forward (its batch rows and tokens per row) and every commit of tokens
-    to a row (``_Row.push``): the interleaving of prefill and decoding, without a clock."""
+    to a row (``Row.push``): the interleaving of prefill and decoding, without a clock."""
 
     def __init__(self, monkeypatch, target):
         self.events: list[tuple] = []
-        forward, push = target.forward, decode._Row.push
+        forward, push = target.forward, rows_mod.Row.push
 
         def rec_forward(ids, cache, *a, **kw):
             self.events.append(("forward", ids.shape[0], ids.shape[1]))
@@ -196,7 +197,7 @@ class _Log:
             return kept
 
         monkeypatch.setattr(target, "forward", rec_forward)
-        monkeypatch.setattr(decode._Row, "push", rec_push)
+        monkeypatch.setattr(rows_mod.Row, "push", rec_push)
 
 
 def _committed_during_prefill(events, newcomer: int) -> tuple[int, dict[int, int]]:

@@ -1,0 +1,48 @@
+"""What a decoding stream was asked to do (``StreamConfig``), and the sizes that follow from it: the cache slots a
+verify may need beyond the committed tokens (``extra_slots``) and the longest verify a row can make (``hist_len``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspine.decoding.cost import CostModel
+from dspine.decoding.prefix import PrefixCache
+from dspine.decoding.suffix import SuffixSource
+
+
+@dataclass
+class StreamConfig:
+    draft: object | None
+    block_size: int
+    dynamic_threshold: float | None
+    verify: str
+    cost: CostModel | None
+    nominal_rows: int
+    taps: tuple[int, ...]
+    accept_prior: float | None = None
+    suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
+    prefix: PrefixCache | None = None  # prompt prefixes kept across requests (``prefix.py``)
+    chunk: int = 0  # prompt tokens per prefill forward (``chunks``); 0: a newcomer's prompt in one forward
+
+
+
+def extra_slots(cfg: StreamConfig) -> int:
+    """Cache slots a verify can need beyond the committed tokens. They do not count against the model's context
+    (``check_request``): slots of a verify past ``max_position`` hold tokens that can never be committed (a row
+    commits at most its budget, which fits), and RoPE is computed, not tabled, so a request near the context
+    limit gets exactly the tokens plain decoding gives it."""
+    extra = cfg.block_size if cfg.draft is not None else 0
+    if cfg.suffix is not None:
+        extra = max(extra, cfg.suffix.max_len + 1)
+    return extra
+
+
+
+def hist_len(cfg: StreamConfig) -> int:
+    """Longest verify a row can make (its accept histogram has one more entry): the draft's block, or a suffix
+    proposal's length + 1; 0 without speculation."""
+    n = cfg.block_size if cfg.draft is not None else 0
+    if cfg.suffix is not None:
+        n = max(n, cfg.suffix.max_len + 1)
+    return n
+
