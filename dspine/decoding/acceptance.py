@@ -1,31 +1,106 @@
-"""How many of a proposal's tokens the target is expected to keep: the suffix proposals' survival estimate, per row
-and token (the DSpine draft's per-row history is ``schedule.History``)."""
+"""How many of a proposal's tokens the target is expected to keep, learned from the job as it runs.
+
+Two levels. Per row: the DSpine draft's per-slot history (``schedule.History``) and a suffix acceptance rate over
+the row's own recent suffix verifies. Job-wide (``JobAcceptance``): the same counts pooled over every row of the
+stream, with a half-life in rounds, which is what a row without evidence of its own is shrunk towards. So the
+draft's τ on *this* text, not a number measured once on other prompts, decides whether a fresh row tries it; a
+source that stops paying is dropped within a few rounds (its rates fall on the rows that use it, and the pooled
+rate with them) and one that starts paying (a row begins to repeat itself) is picked up from the row's own
+evidence. A row's suffix evidence decays too (``SUFFIX_DECAY`` per verify), so its rate follows the text it is
+writing now rather than its whole history.
+
+``suffix_survival`` turns a suffix proposal into per-token survival estimates: the corpus agreement of each
+proposed token (how often the n-gram before it was followed by the same token), shrunk towards the row's rate.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from dspine.decoding.rows import Row
 from dspine.decoding.suffix import SuffixSource
 
-SUFFIX_PRIOR = 0.5  # per-token acceptance assumed for a row's suffix proposals before it has evidence
+SUFFIX_PRIOR = 0.5  # per-token acceptance assumed for suffix proposals before the job has any evidence
 SUFFIX_PRIOR_WEIGHT = 4.0  # in pseudo-tokens
 AGREEMENT_WEIGHT = 2.0  # pseudo-occurrences behind a proposed token's corpus agreement (count, same)
+SUFFIX_DECAY = 0.9  # a row's suffix evidence kept per suffix verify it makes
+POOL_HALF_LIFE = 64.0  # rounds: pooled evidence halves after this many rounds that add to it
+POOL_WEIGHT = 8.0  # pseudo-trials behind the static prior in the pooled estimates
+_POOL_DECAY = 0.5 ** (1.0 / POOL_HALF_LIFE)
 
 
-def suffix_survival(rows: list[Row], src: SuffixSource, width: int) -> tuple[torch.Tensor, list[list[int]]]:
-    """Each row's suffix proposal (tokens, capped by what the row may still generate) and its estimated survival
-    a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the same
-    token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal."""
+@dataclass
+class JobAcceptance:
+    """Pooled acceptance of the stream's proposals, per source (see the module docstring)."""
+
+    draft_prior: float  # per-slot acceptance assumed before any evidence (the draft's decode.json, or the default)
+    slots: int  # draft slots (block - 1)
+    draft_trials: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    draft_hits: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    suffix_trials: float = 0.0
+    suffix_hits: float = 0.0
+    # what each source did over the whole stream (not decayed): verify rounds, tokens proposed, tokens accepted
+    totals: dict[str, list[int]] = field(default_factory=lambda: {"dspine": [0, 0, 0], "suffix": [0, 0, 0]})
+    suggested: int = 0  # rounds in which some row had a suffix proposal at all
+
+    def __post_init__(self) -> None:
+        if self.draft_trials is None:
+            self.draft_trials = torch.zeros(max(self.slots, 0))
+            self.draft_hits = torch.zeros(max(self.slots, 0))
+
+    def draft_rates(self) -> torch.Tensor:
+        """[slots] per-slot acceptance (given the previous slot passed) pooled over the job's draft rounds."""
+        return (self.draft_hits + self.draft_prior * POOL_WEIGHT) / (self.draft_trials + POOL_WEIGHT)
+
+    def suffix_rate(self) -> float:
+        return (self.suffix_hits + SUFFIX_PRIOR * POOL_WEIGHT) / (self.suffix_trials + POOL_WEIGHT)
+
+    def observe_draft(self, verified: list[int], accepted: list[int]) -> None:
+        """One round's draft verifies: per row ℓ and accepted (rows that did not take the draft: 0, 0)."""
+        if not any(verified) or self.slots <= 0:
+            return
+        j = torch.arange(self.slots)[None, :]
+        v, a = torch.tensor(verified)[:, None], torch.tensor(accepted)[:, None]
+        tried = ((j < v) & (j <= a)).float().sum(0)
+        hit = ((j < a) & (j < v)).float().sum(0)
+        self.draft_trials = self.draft_trials * _POOL_DECAY + tried
+        self.draft_hits = self.draft_hits * _POOL_DECAY + hit
+
+    def count(self, source: str, proposed: int, accepted: int) -> None:
+        """One row's verify of ``proposed`` tokens from ``source``, ``accepted`` of them kept."""
+        n = self.totals[source]
+        n[0] += 1
+        n[1] += proposed
+        n[2] += accepted
+
+    def observe_suffix(self, trials: float, hits: float) -> None:
+        if trials <= 0:
+            return
+        self.suffix_trials = self.suffix_trials * _POOL_DECAY + trials
+        self.suffix_hits = self.suffix_hits * _POOL_DECAY + hits
+
+
+def row_suffix_rate(r: Row, prior: float) -> float:
+    """The row's suffix acceptance rate, shrunk towards ``prior`` (the job's pooled rate)."""
+    return (r.sfx_hits + prior * SUFFIX_PRIOR_WEIGHT) / (r.sfx_trials + SUFFIX_PRIOR_WEIGHT)
+
+
+def suffix_survival(rows: list[Row], src: SuffixSource, width: int, prior: float = SUFFIX_PRIOR
+                    ) -> tuple[torch.Tensor, list[list[int]]]:
+    """Each running row's suffix proposal (tokens, capped by what the row may still generate) and its estimated
+    survival a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the
+    same token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal and for finished rows."""
     a = torch.zeros(len(rows), width)
     props: list[list[int]] = []
     for b, r in enumerate(rows):
         room = r.sp.max_new_tokens - len(r.tokens) - 1  # a verify of ℓ commits up to ℓ + 1 tokens
-        sug = src.suggest(r.index, min(width, room)) if room > 0 else None
+        sug = src.suggest(r.index, min(width, room)) if room > 0 and r.finish is None else None
         if sug is None:
             props.append([])
             continue
-        rate = (r.sfx_hits + SUFFIX_PRIOR * SUFFIX_PRIOR_WEIGHT) / (r.sfx_trials + SUFFIX_PRIOR_WEIGHT)
+        rate = row_suffix_rate(r, prior)
         surv, out = 1.0, []
         for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
             agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
@@ -34,4 +109,3 @@ def suffix_survival(rows: list[Row], src: SuffixSource, width: int) -> tuple[tor
             out.append(sug.tokens[j])
         props.append(out)
     return a, props
-

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspine.decoding.acceptance import JobAcceptance
 from dspine.decoding.cost import CostModel
 from dspine.decoding.prefix import PrefixCache
+from dspine.decoding.prices import LivePrices, StaticPrices
 from dspine.decoding.suffix import SuffixSource
 
 
@@ -23,7 +25,9 @@ class StreamConfig:
     suffix: SuffixSource | None = None  # suffix proposals on (proposers "suffix" or "auto")
     prefix: PrefixCache | None = None  # prompt prefixes kept across requests (``prefix.py``)
     chunk: int = 0  # prompt tokens per prefill forward (``chunks``); 0: a newcomer's prompt in one forward
-
+    prices: LivePrices | StaticPrices | None = None  # what rounds cost, from the job's own rounds (``prices.py``)
+    job: JobAcceptance | None = None  # acceptance pooled over the stream's rows (``acceptance.py``)
+    keep_dead: bool = False  # finished rows stay in their slots until reused (the target packs: they cost nothing)
 
 
 def extra_slots(cfg: StreamConfig) -> int:
@@ -35,7 +39,6 @@ def extra_slots(cfg: StreamConfig) -> int:
     if cfg.suffix is not None:
         extra = max(extra, cfg.suffix.max_len + 1)
     return extra
-
 
 
 def hist_len(cfg: StreamConfig) -> int:

@@ -35,18 +35,23 @@ from dataclasses import dataclass
 import torch
 
 from dspine.cpu.threads import Governor
+from dspine.decoding.acceptance import JobAcceptance
 from dspine.decoding.config import StreamConfig, hist_len
 from dspine.decoding.cost import CostModel, load_or_calibrate
+from dspine.decoding.explain import explain
 from dspine.decoding.prefill import chunking_exact, prefill
 from dspine.decoding.prefix import PrefixCache
+from dspine.decoding.prices import LivePrices, StaticPrices, Stopwatch
 from dspine.decoding.rounds import mixed_round, plain_round, spec_round
 from dspine.decoding.rows import GenerationOutput, Row, SpecStats, check_request
 from dspine.decoding.running import RunningBatch, admit
 from dspine.decoding.sampling import SamplingParams, per_request
+from dspine.decoding.schedule import PRIOR_ACCEPT
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, MAX_PROPOSAL, SuffixSource
 from dspine.models.target import Target
 
 VERIFY_MODES = ("cost", "fixed")
+EXPLAIN_EVERY = 32  # rounds between two refreshes of a caller's ``decisions``
 PROPOSERS = ("dspine", "suffix", "auto")  # auto: both, chosen per row and round
 
 __all__ = ["GenerationOutput", "SpecStats", "chunking_exact", "check_request", "decode_stream", "generate"]
@@ -82,6 +87,8 @@ def decode_stream(
     suffix_max: int = MAX_PROPOSAL,
     prefix_cache: PrefixCache | None = None,
     prefill_chunk: int = 0,
+    prices: str | LivePrices | StaticPrices = "live",
+    decisions: dict | None = None,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -97,6 +104,12 @@ def decode_stream(
     ``finish_reason="error"``. ``governor`` (default: a new ``threads.Governor``) adjusts torch's thread count
     to the cores free as the rounds go. ``prefix_cache`` (``prefix.py``; kept by the caller across calls) serves
     prompt prefixes already prefilled and shares those of requests admitted together; outputs never depend on it.
+    ``prices`` (suffix proposals on): what rounds cost as the planner sees it; "live" (default) fits the job's
+    own round times, seeded by ``cost`` (``prices.LivePrices``); "static" keeps ``cost``'s calibrated prices
+    (``prices.StaticPrices``: tests that must not depend on timing); or a prices object. Prices only choose
+    between choices whose tokens are identical, so no output depends on them.
+    ``decisions`` (a dict the caller keeps): filled every ``EXPLAIN_EVERY`` rounds and at the end with what each
+    proposer did and, where one did not run, why (``explain.explain``), and the live prices (``"prices"``).
     ``prefill_chunk`` (> 0) prefills newcomers in forwards of at most that many prompt tokens, one per round of
     the rows in flight (``chunks``, ``_decode_loop``); 0 prefills each newcomer's prompt in one forward. Only
     where it is exact (``chunking_exact``); elsewhere prompts go whole, so outputs never depend on it either.
@@ -121,16 +134,28 @@ def decode_stream(
         cost = _cost_model(target, draft if use_draft else None, batch_size, bs if use_draft else 2,
                            int(suffix_max) + 1 if use_suffix else None)
     cfg = StreamConfig(draft if use_draft else None, bs, dynamic_threshold, verify, cost, batch_size,
-                  tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
-                  SuffixSource(suffix_cap, suffix_max) if use_suffix else None, prefix_cache,
-                  int(prefill_chunk) if chunking_exact(target) else 0)
+                       tuple(draft.target_layer_ids) if use_draft else (), accept_prior,
+                       SuffixSource(suffix_cap, suffix_max) if use_suffix else None, prefix_cache,
+                       int(prefill_chunk) if chunking_exact(target) else 0)
+    if use_suffix:  # rounds priced live and acceptance pooled over the job (``prices.py``, ``acceptance.py``)
+        if prices == "live":
+            prices = LivePrices(cost, packed=target.packs)
+        elif prices == "static":
+            prices = StaticPrices(cost, packed=target.packs)
+        elif not hasattr(prices, "round_s"):
+            raise ValueError(f"prices must be 'live', 'static' or a prices object, got {prices!r}")
+        cfg.prices = prices
+        cfg.job = JobAcceptance(PRIOR_ACCEPT if accept_prior is None else accept_prior, bs - 1 if use_draft else 0)
+    # finished rows stay in their slots (they cost nothing on a packing target) where the round knows them
+    cfg.keep_dead = target.packs and (use_suffix or cfg.draft is None)
     if prefix_cache is not None:
         prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor
     try:
-        yield from _decode_loop(target, requests, batch_size, cfg, cfg.draft, gov)
+        yield from _decode_loop(target, requests, batch_size, cfg, cfg.draft, gov, decisions)
     finally:
         gov.restore()
+        _explain(cfg, decisions)
 
 
 @dataclass
@@ -152,7 +177,19 @@ def _advance(job: _Job, whole: bool) -> RunningBatch | None:
         return stop.value
 
 
-def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tuple[int, GenerationOutput]]:
+def _explain(cfg: StreamConfig, decisions: dict | None) -> None:
+    """Refresh the caller's ``decisions`` (see ``decode_stream``)."""
+    if decisions is None or cfg.job is None:
+        return
+    decisions.update(explain(cfg.job, cfg.prices, cfg.draft is not None, cfg.nominal_rows,
+                             decisions.get("_row_rounds", 0)))
+    summary = getattr(cfg.prices, "summary", None)
+    if summary is not None:
+        decisions["prices"] = summary()
+
+
+def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
+                 ) -> Iterator[tuple[int, GenerationOutput]]:
     """The continuous-batching loop. Each iteration: admit requests into free slots (a slot is taken from the
     moment its request is admitted: rows being prefilled count), advance the oldest prefill job, put its rows
     into the batch when it is done, then run one round of the batch. With whole prompts a job is done in the
@@ -163,8 +200,9 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tupl
     source = enumerate(requests)
     exhausted = False
     batch: RunningBatch | None = None
-    dead: list[int] = []  # slots of finished rows, reusable by newcomers
+    dead: list[int] = []  # slots of finished rows, reusable by newcomers (kept in place with ``cfg.keep_dead``)
     jobs: list[_Job] = []  # prefills in flight, oldest first
+    rounds = row_rounds = 0
     while True:
         gov.tick()
         running = 0 if batch is None else len(batch.rows) - len(dead)
@@ -201,21 +239,34 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov) -> Iterator[tupl
                     yield r.index, r.output()
             fresh = fresh.select([b for b, r in enumerate(fresh.rows) if r.finish is None])
             batch, dead = admit(batch, dead, fresh)
-        if batch is not None and dead:
+        if batch is not None and dead and (not cfg.keep_dead or 2 * len(dead) > len(batch.rows)):
+            # compact: always where the round does not know finished rows; with ``keep_dead`` only once most
+            # slots are dead (a job's tail), so the copy is of the few live rows and never once per finish
             batch, dead = batch.select([b for b in range(len(batch.rows)) if b not in set(dead)]), []
-        if batch is None or not batch.rows:
+        if batch is None or len(dead) == len(batch.rows):
             if exhausted and not jobs:
                 return
             continue
         if cfg.suffix is not None:
-            mixed_round(target, batch, cfg)
+            watch = Stopwatch()
+            R, k, block = mixed_round(target, batch, cfg, watch)
+            cfg.prices.observe(R, k, watch.elapsed(), block, watch.draft_s)
             _feed(cfg.suffix, batch.rows)
+            rounds += 1
+            row_rounds += R
+            if decisions is not None:
+                decisions["_row_rounds"] = row_rounds
+                if rounds % EXPLAIN_EVERY == 0:
+                    _explain(cfg, decisions)
         elif draft is None:
             plain_round(target, batch)
         else:
             spec_round(target, batch, cfg)
+        was = set(dead)
         dead = [b for b, r in enumerate(batch.rows) if r.finish is not None]
         for b in dead:
+            if b in was:
+                continue
             if cfg.suffix is not None:
                 cfg.suffix.finish(batch.rows[b].index)
             yield batch.rows[b].index, batch.rows[b].output()
@@ -250,6 +301,7 @@ def generate(
     proposers: str = "dspine",
     prefix_cache: PrefixCache | None = None,
     prefill_chunk: int = 0,
+    prices: str | LivePrices | StaticPrices = "live",
 ) -> list[GenerationOutput]:
     """Generate for token-id prompts; speculative when ``draft`` is given, plain AR otherwise.
 
@@ -257,9 +309,9 @@ def generate(
     ``stop_token_ids`` is a list of ids or a list of such lists. A scalar ``seed`` seeds every request
     identically, so a request's output depends only on its prompt, parameters and seed.
     ``dynamic_threshold`` turns on confidence-based draft truncation (needs a trained confidence head);
-    ``verify``/``cost``/``proposers``/``prefix_cache``/``prefill_chunk`` as in ``decode_stream``. ``batch_size``
-    (default: all prompts at once) bounds the rows decoding together; more prompts join as rows finish. Raises
-    ValueError naming the first bad prompt.
+    ``verify``/``cost``/``proposers``/``prefix_cache``/``prefill_chunk``/``prices`` as in ``decode_stream``.
+    ``batch_size`` (default: all prompts at once) bounds the rows decoding together; more prompts join as rows
+    finish. Raises ValueError naming the first bad prompt.
     """
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
@@ -283,7 +335,7 @@ def generate(
     outs: list[GenerationOutput | None] = [None] * len(prompts)
     stream = decode_stream(target, draft, zip(prompts, params), batch_size or len(prompts), bs, dynamic_threshold,
                            verify, cost, proposers=proposers, prefix_cache=prefix_cache,
-                           prefill_chunk=prefill_chunk)
+                           prefill_chunk=prefill_chunk, prices=prices)
     for i, o in stream:
         outs[i] = o
     return outs  # type: ignore[return-value]

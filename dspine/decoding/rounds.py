@@ -4,11 +4,14 @@ proposal (``mixed_round``). Each proposes, runs one target forward and hands the
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dspine.decoding.acceptance import suffix_survival
-from dspine.decoding.commit import record, verify_round
+from dspine.decoding.commit import record, verify_slots
 from dspine.decoding.config import StreamConfig
+from dspine.decoding.prices import Stopwatch
 from dspine.decoding.rows import Row, seeds_positions
 from dspine.decoding.running import RunningBatch
 from dspine.decoding.sampling import (
@@ -21,7 +24,7 @@ from dspine.decoding.sampling import (
     sample_from,
     target_probs,
 )
-from dspine.decoding.schedule import DRAFT, SUFFIX, plan, plan_sources
+from dspine.decoding.schedule import DRAFT, SUFFIX, plan, plan_packed, plan_sources
 from dspine.decoding.verify import accept
 from dspine.models.target import Target
 
@@ -34,18 +37,26 @@ def draft_generators(rows: list[Row], sampled: list[bool]) -> list[torch.Generat
     return [make_generator((a << 32) | b) if s else None for (a, b), s in zip(h, sampled)]
 
 
-def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()) -> torch.Tensor | None:
-    """One decode step for every row; returns the taps of the committed tokens when ``taps`` are asked for."""
+def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One decode step for every live row; returns the taps of the committed tokens (when ``taps`` are asked
+    for) and the tokens each row committed (1, or 0 for a finished row kept in its slot: it computes nothing)."""
     rows = batch.rows
     dev = target.device
+    live = [r.finish is None for r in rows]
+    n = torch.tensor(live, dtype=torch.long)
+    everyone = all(live)
     ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=dev)
-    out = target.forward(ids, batch.cache, taps=taps)
-    p = target_probs(target.logits(out.hidden), [r.sp for r in rows])[:, 0]
-    seeds, pos = seeds_positions(rows)
+    out = target.forward(ids, batch.cache, n_valid=None if everyone else n.to(dev), taps=taps)
+    idx = list(range(len(rows))) if everyone else [b for b, x in enumerate(live) if x]
+    hidden = out.hidden if everyone else out.hidden[idx]
+    going = [rows[b] for b in idx]
+    p = target_probs(target.logits(hidden), [r.sp for r in going])[:, 0]
+    seeds, pos = seeds_positions(going)
     toks = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
-    for r, t in zip(rows, toks):
+    for r, t in zip(going, toks):
         r.push([t])
-    return out.taps
+    return out.taps, n
 
 
 def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
@@ -61,7 +72,7 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
         ell = plan(batch.hist.survival(), greedy, cfg.cost, cfg.nominal_rows)
     W = int(ell.max())
     if W == 0:  # no row drafts: exactly a plain step (same uniforms), the draft's context catches up later
-        batch.pending.append((plain_round(target, batch, cfg.taps), torch.ones(B, dtype=torch.long)))
+        batch.hold(draft, *plain_round(target, batch, cfg.taps))
         for r in rows:
             r.stats.plain_steps += 1
         batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
@@ -85,7 +96,8 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
         props = prop.tokens[:, :W].to(dev)
         q = None if prop.q is None or W == 0 else prop.q[:, :W]
     ids = torch.cat([anchor[:, None], props], dim=1)
-    out = target.forward(ids, batch.cache, speculative=W > 0, taps=cfg.taps)
+    n_valid = (ell.to(dev) + 1) if target.packs and W > 0 else None  # packed: each row computes its 1 + ℓ tokens
+    out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=W > 0, taps=cfg.taps)
     p = target_probs(target.logits(out.hidden), params)
     u_acc = keyed_uniforms(seeds, pos, STREAM_ACCEPT, W).to(dev)
     u_fin = keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)
@@ -99,31 +111,43 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
 
 
 
-def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
+def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: Stopwatch) -> tuple[int, int, int]:
     """A round with suffix proposals on: per row a plain step, the draft's block or the row's suffix proposal
-    (``schedule.plan_sources``), verified together in one ragged forward."""
-    draft, rows, dev, src = cfg.draft, batch.rows, target.device, cfg.suffix
+    (``schedule.plan_packed`` / ``plan_sources`` with the live prices), verified together in one ragged forward
+    (packed on targets that pack: each row computes its own ``1 + ℓ`` tokens). Finished rows kept in their slots
+    (``cfg.keep_dead``) take no part. Returns what the round was, for its price: (live rows, verified tokens
+    beyond one per row, the draft's block or 0)."""
+    draft, rows, dev, src, job = cfg.draft, batch.rows, target.device, cfg.suffix, cfg.job
     B = len(rows)
+    live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
+    R = int(live.sum())
     params = [r.sp for r in rows]
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
     seeds, pos = seeds_positions(rows)
-    a_sfx, sfx = suffix_survival(rows, src, src.max_len)
-    a_draft = batch.hist.survival() if draft is not None else None
-    pl = plan_sources(a_draft, a_sfx, greedy, cfg.cost)
+    a_sfx, sfx = suffix_survival(rows, src, src.max_len, job.suffix_rate())
+    job.suggested += any(sfx)
+    a_draft = batch.hist.survival(job.draft_rates()) if draft is not None else None
+    packed = cfg.prices.packed
+    if packed:
+        pl = plan_packed(a_draft, a_sfx, greedy, live, cfg.prices)
+    else:
+        pl = plan_sources(a_draft, a_sfx, greedy, cfg.prices)
     # the draft proposes for greedy rows only here: a batch of sampled rows (``--num-samples``) keeps no draft
     # context, so its rounds pay no taps and no upkeep (a greedy row admitted later brings its own from prefill)
-    upkeep = batch.dcache is not None and bool(greedy.any())
+    upkeep = batch.dcache is not None and bool((greedy & live).any())
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source, pl.ell
     anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
-    q, dprops = None, None  # q: the draft's proposal distributions, for sampled draft rows (none under auto)
+    dprops = None
     if pl.draft_block:
-        batch.catch_up(draft)
+        t0 = time.perf_counter()
+        batch.catch_up(draft)  # upkeep: paid whoever proposes, so priced neither as the draft's nor the round's
+        t1 = time.perf_counter()
+        watch.upkeep_s += t1 - t0
         use = source == DRAFT
-        sampled = [bool(u) and not sp.greedy for u, sp in zip(use.tolist(), params)]
-        temps = torch.tensor([sp.temperature if s else 0.0 for sp, s in zip(params, sampled)], device=dev)
-        prop = draft.propose(batch.dcache, anchor, target, temps, draft_generators(rows, sampled),
-                             block_size=pl.draft_block, dynamic_threshold=cfg.dynamic_threshold)
+        temps = torch.zeros(B, device=dev)  # only greedy rows take the draft here (``plan_*``): no q is needed
+        prop = draft.propose(batch.dcache, anchor, target, temps, [None] * B, block_size=pl.draft_block,
+                             dynamic_threshold=cfg.dynamic_threshold)
         d_ell = torch.minimum(ell, prop.n_draft.cpu().clamp(0, pl.draft_block - 1))
         conf = getattr(prop, "confidence", None)
         if conf is not None and bool(use.any()):  # the draft's confidences re-plan its own rows
@@ -132,37 +156,38 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
             d_ell[idx] = plan(a, greedy[idx], cfg.cost, cfg.nominal_rows, cap=d_ell[idx],
                               sunk_block=pl.draft_block, row_blocks=ell[idx] + 1)
         ell = torch.where(use, d_ell, ell)
-        dprops = prop.tokens  # only greedy rows take the draft here (``plan_sources``): no q is needed
+        dprops = prop.tokens
+        watch.draft_s += time.perf_counter() - t1
     W = int(ell.max())
     if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
-        got = plain_round(target, batch, taps)
+        got, n = plain_round(target, batch, taps)
         if upkeep:
-            batch.pending.append((got, torch.ones(B, dtype=torch.long)))
-        for r in rows:
-            r.stats.plain_steps += 1
+            watch.upkeep_s += batch.hold(draft, got, n)
+        for b in torch.nonzero(live).flatten().tolist():
+            rows[b].stats.plain_steps += 1
         if batch.hist is not None:
             batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
-        return
+        return R, 0, pl.draft_block
     props = torch.zeros(B, W, dtype=torch.long)
-    for b in range(B):
+    for b in torch.nonzero(ell).flatten().tolist():
         e = int(ell[b])
-        if source[b] == SUFFIX and e:
+        if source[b] == SUFFIX:
             props[b, :e] = torch.tensor(sfx[b][:e], dtype=torch.long)
-        elif source[b] == DRAFT and e:
+        elif source[b] == DRAFT:
             props[b, :e] = dprops[b, :e].cpu()
     props = props.to(dev)
     ids = torch.cat([anchor[:, None], props], dim=1)
-    out = target.forward(ids, batch.cache, speculative=True, taps=taps)
-    logits = target.logits(out.hidden)  # [B, W+1, V]
-    verdict = verify_round(logits, rows, props, q, ell, source == SUFFIX, seeds, pos)
-    n_commit = verdict.n_accepted + 1
+    n_valid = ((ell + 1) * live).to(dev) if packed else None
+    out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=True, taps=taps)
+    verdict = verify_slots(target, out.hidden, rows, props, ell, live, source == SUFFIX, seeds, pos)
+    n_commit = (verdict.n_accepted + 1) * live.to(dev)
     target.commit(batch.cache, n_commit)
     if upkeep:
         if pl.draft_block:
             draft.extend_context(batch.dcache, out.taps, n_commit)
-        else:  # the draft did not run: its upkeep waits until it does
-            batch.pending.append((out.taps, n_commit.cpu()))
-    ell_l, acc_l = record(rows, verdict, ell, source.tolist())
+        else:  # the draft did not run: its upkeep waits until it does (or until ``hold`` catches up)
+            watch.upkeep_s += batch.hold(draft, out.taps, n_commit.cpu())
+    ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job)
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
-
+    return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

@@ -4,6 +4,7 @@ Low-level cache row moves live in ``batching.py``."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,8 @@ from dspine.decoding.batching import assign_rows, can_assign
 from dspine.decoding.rows import Row
 from dspine.decoding.schedule import History
 from dspine.models.cache import ModelCache
+
+PENDING_ROUNDS = 16  # rounds of the draft's context kept pending at most before a catch-up
 
 
 @dataclass
@@ -24,8 +27,21 @@ class RunningBatch:
     hist: History | None
     # taps of tokens committed in rounds the draft did not run, not yet in its context: (taps [B, T, D], n [B])
     # per round, row b's first n[b] valid. The draft catches up in one call when it next runs (``catch_up``),
-    # so rounds without the draft (plain steps, suffix rounds) pay no draft upkeep.
+    # so rounds without the draft (plain steps, suffix rounds) pay no draft upkeep; ``hold`` catches up every
+    # ``PENDING_ROUNDS`` rounds so the list stays bounded (one call over many rounds' tokens costs what the rounds
+    # would have paid one by one, in one forward).
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def hold(self, draft, taps: torch.Tensor | None, n: torch.Tensor) -> float:
+        """Keep a round's taps for the draft's context; returns the seconds a catch-up took (0 when none ran)."""
+        if taps is None:
+            return 0.0
+        self.pending.append((taps, n))
+        if len(self.pending) < PENDING_ROUNDS:
+            return 0.0
+        t0 = time.perf_counter()
+        self.catch_up(draft)
+        return time.perf_counter() - t0
 
     def catch_up(self, draft) -> None:
         """Append the pending context rows to the draft cache (one forward over all of them)."""

@@ -28,11 +28,12 @@ depend on the cost model, i.e. on the machine the calibration ran on).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+import numpy as np
 import torch
 
 from dspine.decoding.cost import CostModel
+from dspine.decoding.prices import EXPLORE_SLACK
 
 PRIOR_ACCEPT = 0.6  # prior per-slot acceptance (given the previous slot was accepted)
 PRIOR_WEIGHT = 3.0  # in pseudo-trials
@@ -62,9 +63,12 @@ class History:
     def concat(parts: list[History]) -> History:
         return History(torch.cat([p.trials for p in parts]), torch.cat([p.hits for p in parts]), parts[0].prior)
 
-    def survival(self) -> torch.Tensor:
-        """a [rows, slots]: estimated probability that drafts 1..j+1 are all accepted."""
-        rate = (self.hits + self.prior * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+    def survival(self, prior: torch.Tensor | None = None) -> torch.Tensor:
+        """a [rows, slots]: estimated probability that drafts 1..j+1 are all accepted. ``prior`` [slots]: the
+        per-slot rates a row without evidence is shrunk towards (the job's pooled ones,
+        ``acceptance.JobAcceptance``); default the fixed ``self.prior``."""
+        p = self.prior if prior is None else prior[None, : self.trials.shape[1]]
+        rate = (self.hits + p * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
         return rate.cumprod(-1)
 
     def update(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -166,15 +170,6 @@ PLAIN, DRAFT, SUFFIX = 0, 1, 2  # what a row verifies this round
 SOURCE_NAMES = ("plain", "dspine", "suffix")
 
 
-@lru_cache(maxsize=64)
-def _secs(cost: CostModel, rows: int, top: int, n_d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seconds of a verify of width w = 0..top at ``rows``, and of the draft block min(w, n_d) + 1 (0 at w = 0);
-    cached: a round plans with the same tables as the last."""
-    target = torch.tensor([cost.target_s(rows, w + 1) for w in range(top + 1)])
-    draft = torch.tensor([cost.draft_s(rows, min(w, n_d) + 1) if w and n_d else 0.0 for w in range(top + 1)])
-    return target, draft
-
-
 @dataclass
 class SourcePlan:
     """One round's choice: per row the source and ℓ; whether the draft runs and with what block."""
@@ -182,14 +177,21 @@ class SourcePlan:
     source: torch.Tensor  # [rows] long: PLAIN / DRAFT / SUFFIX
     ell: torch.Tensor  # [rows] long: tokens verified (0 for PLAIN)
     draft_block: int  # block the draft proposes (0: the draft does not run this round)
+    explore: bool = False  # chosen to refresh a price (``prices.EXPLORE_EVERY``), not because it prices best
+
+
+def _plain_plan(rows: int) -> SourcePlan:
+    return SourcePlan(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), 0)
 
 
 def plan_sources(
-    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, cost: CostModel
+    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, prices
 ) -> SourcePlan:
     """Choose per row between a plain step, the draft's block and the row's suffix proposal, by expected committed
-    tokens per second; a_draft [rows, n_d] (the draft's pre-draft survival, None without a draft), a_suffix
-    [rows, n_s] (the suffix proposal's estimated survival, 0 past its length).
+    tokens per second, for a target whose verify pads every row to the widest (``prices.packed`` false: hybrids,
+    torch's GEMMs); a_draft [rows, n_d] (the draft's pre-draft survival, None without a draft), a_suffix
+    [rows, n_s] (the suffix proposal's estimated survival, 0 past its length); ``prices``: ``prices.LivePrices``
+    or ``StaticPrices``.
 
     Every row's tokens are exact whatever ℓ it verifies: a greedy row's under any truncation, a sampled row's
     suffix proposal is a point mass verified with the uniforms plain decoding draws (``verify.accept``), so it
@@ -203,28 +205,34 @@ def plan_sources(
     """
     rows, n_s = a_suffix.shape
     n_d = 0 if a_draft is None else a_draft.shape[1]
-    source = torch.zeros(rows, dtype=torch.long)
-    ell = torch.zeros(rows, dtype=torch.long)
     if rows == 0 or (not bool(a_suffix.any()) and (a_draft is None or not bool(greedy.any()))):
-        return SourcePlan(source, ell, 0)  # nothing to propose: a plain step (the common round, planned cheaply)
+        return _plain_plan(rows)  # nothing to propose: a plain step (the common round, planned cheaply)
+    if prices.plain_due(rows):
+        return _plain_plan(rows)
     tok_s = _tokens(a_suffix)  # [rows, n_s + 1]
     top = max(n_s, n_d)
     widths = torch.arange(top + 1)
-    t_secs, d_secs = _secs(cost, rows, top, n_d)
+    t_secs = torch.cat([torch.tensor([prices.round_s(rows, 0)], dtype=torch.float64),
+                        torch.from_numpy(prices.round_many(rows, (widths[1:] * rows).numpy()))])
+    d_secs = torch.tensor([prices.draft_s(rows, min(w, n_d) + 1) if w and n_d else 0.0 for w in range(top + 1)],
+                          dtype=torch.float64)
     ts = tok_s[:, widths.clamp(max=n_s)]  # [rows, top + 1]: a row's expected suffix tokens at width w
-    best_obj, w, block = -1.0, 0, 0
-    options = [(ts, torch.zeros(top + 1), 0)]
+    options = [(ts, torch.zeros(top + 1, dtype=torch.float64), 0)]
     g = greedy[:, None]
     if a_draft is not None and bool(greedy.any()):  # the draft runs a block of min(w, n_d) + 1; greedy rows
         td = _tokens(a_draft)[:, widths.clamp(max=n_d)]  # take their better source, sampled rows their suffix
         options.append((torch.where(g, torch.maximum(ts, td), ts), d_secs, 1))
+    plain_rate = float(ts[:, 0].sum()) / float(t_secs[0])
+    best_obj, w, block = -1.0, 0, 0
     for per_row, extra_secs, on in options:
-        obj = per_row.sum(0) / (t_secs + extra_secs)
-        if on:
-            obj[0] = -1.0  # a draft block of 1 proposes nothing
+        obj = per_row.sum(0).double() / (t_secs + extra_secs)
+        obj[0] = -1.0  # width 0 is the plain step, priced above
         o, x = float(obj.max()), int(obj.argmax())  # argmax: ties keep the narrower width (first maximum)
         if o > best_obj:
             best_obj, w, block = o, x, (min(x, n_d) + 1 if on else 0)
+    explore = best_obj <= plain_rate and prices.explore_due(rows) and best_obj >= (1 - EXPLORE_SLACK) * plain_rate
+    if best_obj <= plain_rate and not explore:
+        return _plain_plan(rows)
     ts_w = tok_s[:, min(w, n_s)]
     td_w = _tokens(a_draft)[:, min(w, n_d)] if block else torch.zeros_like(ts_w)
     pick_d = greedy & (td_w > ts_w) & (td_w > 1.0)
@@ -234,4 +242,76 @@ def plan_sources(
     own = torch.clamp((a_suffix > 0).sum(-1), max=w)
     ell = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
     draft_block = block if bool(pick_d.any()) else 0
-    return SourcePlan(source, ell, draft_block)
+    return SourcePlan(source, ell, draft_block, explore)
+
+
+def plan_packed(
+    a_draft: torch.Tensor | None, a_suffix: torch.Tensor, greedy: torch.Tensor, live: torch.Tensor, prices
+) -> SourcePlan:
+    """The same choice for a target whose verify costs its real tokens (``prices.packed``: a dense target on the
+    CPU kernels computes only each row's ``1 + ℓ`` tokens). A round then costs ``round(R, k)`` for ``k = Σ ℓ``
+    (plus the draft's block when it runs), so rows no longer pay for each other's width and each proposed token
+    is worth its own survival: every token of every row's proposal is a candidate, taken in order of survival
+    (a row's survival falls along its proposal, so a row always takes a leading run), and the count k that
+    maximises expected committed tokens per second, ``(R + Σ taken survival) / time(k)``, wins against the plain
+    step's ``R / time(0)``. With the draft, each block size is tried: its greedy rows take the draft's curve
+    where its expected tokens beat their suffix proposal's. ``live`` [rows] marks the rows still decoding (finished
+    rows kept in place compute nothing). Tokens stay exact for any choice (see ``plan_sources``).
+
+    Planned every round, so it is numpy on small arrays, and most rounds end at a bound: with prices on a line
+    (``base + jump + per * k``), k tokens of total survival ``S_k <= min(k * a_max, S)`` pay only if
+    ``S_k * base > R * (jump + per * k)``, which ``a_max * base <= R * per`` or ``S * base <= R * (jump + per)``
+    rule out for every k (free text at 8 rows on a CPU: most rounds)."""
+    rows, n_s = a_suffix.shape
+    n_d = 0 if a_draft is None else a_draft.shape[1]
+    lv = live.numpy()
+    R = int(lv.sum())
+    s_cur = a_suffix.numpy() * lv[:, None]
+    dg = greedy.numpy() & lv
+    use_draft = a_draft is not None and n_d > 0 and bool(dg.any())
+    if R == 0 or prices.plain_due(R):
+        return _plain_plan(rows)
+    d_cur = a_draft.numpy() * dg[:, None] if use_draft else None
+    a_max = max(float(s_cur.max()) if s_cur.size else 0.0, float(d_cur.max()) if use_draft else 0.0)
+    if a_max <= 0:
+        return _plain_plan(rows)
+    explore = prices.explore_due(R)
+    line = prices.line(R)
+    if line is not None and not explore:
+        base, jump, per = line
+        total = float(s_cur.sum()) + (float(d_cur.sum()) if use_draft else 0.0)
+        if a_max * base <= R * per or total * base <= R * (jump + per):
+            return _plain_plan(rows)  # no count of tokens can pay (see the docstring)
+    plain_rate = R / prices.round_s(R, 0)
+    width = max(n_s, n_d)
+    best: tuple[float, int, np.ndarray, np.ndarray, float] | None = None
+    for block in [0] + (list(range(2, n_d + 2)) if use_draft else []):
+        curve = np.zeros((rows, width))
+        curve[:, :n_s] = s_cur
+        take_d = np.zeros(rows, dtype=bool)
+        if block:
+            d = np.zeros((rows, width))
+            d[:, : block - 1] = d_cur[:, : block - 1]
+            take_d = dg & (d.sum(-1) > curve.sum(-1))
+            curve[take_d] = d[take_d]
+        vals = curve[curve > 0]
+        if not vals.size:
+            continue
+        vals = -np.sort(-vals)
+        ks = np.arange(1, vals.size + 1)
+        rates = (R + np.cumsum(vals)) / (prices.round_many(R, ks) + prices.draft_s(R, block))
+        i = int(rates.argmax())
+        if best is None or float(rates[i]) > best[0]:
+            best = (float(rates[i]), block, curve, take_d, float(vals[i]))
+    if best is None:
+        return _plain_plan(rows)
+    rate, block, curve, take_d, thr = best
+    explore = rate <= plain_rate and explore and rate >= (1 - EXPLORE_SLACK) * plain_rate
+    if rate <= plain_rate and not explore:
+        return _plain_plan(rows)
+    ell = torch.from_numpy(((curve >= thr) & (curve > 0)).sum(-1).astype(np.int64))
+    take = torch.from_numpy(take_d)
+    source = torch.where(ell > 0, torch.where(take, DRAFT, SUFFIX), PLAIN)
+    on = source == DRAFT
+    draft_block = int(ell[on].max()) + 1 if bool(on.any()) else 0
+    return SourcePlan(source, ell, draft_block, explore)

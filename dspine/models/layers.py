@@ -137,6 +137,36 @@ class Positions:
         return self._masks[window]
 
 
+@dataclass
+class Packing:
+    """The valid tokens of a right-padded ``[B, T]`` forward, packed: row b's first ``n_valid[b]`` tokens, in
+    order. A dense layer's per-token work (norms, linears, the MLP) runs on the ``[N, ...]`` packed rows only;
+    attention and the cache writes see the padded ``[B, T]`` layout again (``spread``: zeros at padded slots,
+    which are never committed and are overwritten before anything reads them)."""
+
+    index: torch.Tensor  # [N] flat indices b * T + t of the valid tokens
+    shape: tuple[int, int]  # (B, T)
+
+    @staticmethod
+    def of(n_valid: torch.Tensor, B: int, T: int) -> Packing | None:
+        """None when nothing is padded (the plain path is then the same work)."""
+        n = n_valid.to(torch.long).clamp(0, T)
+        if int(n.sum()) == B * T:
+            return None
+        valid = torch.arange(T, device=n.device)[None, :] < n[:, None]
+        return Packing(torch.nonzero(valid.flatten()).flatten(), (B, T))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [N, ...]."""
+        return x.reshape(self.shape[0] * self.shape[1], *x.shape[2:])[self.index]
+
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B * T, ...] with zeros at the padded slots."""
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:])
+        out[self.index] = x
+        return out
+
+
 def position_mask(q_pos: torch.Tensor, k_len: int, window: int | None = None) -> torch.Tensor:
     """Boolean mask [B, 1, T, k_len]: key slot j is visible to a query at position p iff j <= p (and j > p-w)."""
     j = torch.arange(k_len, device=q_pos.device)

@@ -12,7 +12,7 @@ from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
 from dspine.models.checkpoint import ModelLoadError, load_state
-from dspine.models.layers import Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
+from dspine.models.layers import Packing, Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
 
 
@@ -45,9 +45,13 @@ class Attention(nn.Module):
         kv_width = self.n_kv * self.head_dim
         return self.qkv_proj(x).split([self.n_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
-    def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None):
-        B, T, _ = x.shape
-        q, k, v = self.project(x)
+    def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None, packed: Packing | None = None):
+        if packed is not None:  # x [N, H]: the valid tokens only (``Packing``)
+            q, k, v = (packed.spread(y) for y in self.project(x))
+            B, T = packed.shape
+        else:
+            B, T, _ = x.shape
+            q, k, v = self.project(x)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim)
@@ -58,7 +62,8 @@ class Attention(nn.Module):
 
             kv.ensure(at.upto)
             q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
-            return self.o_proj(kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.head_dim**-0.5))
+            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.head_dim**-0.5)
+            return self.o_proj(o if packed is None else packed.gather(o))
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
         kv.write(at.pos, k, v.transpose(1, 2), upto=at.upto, rows=at.rows)
@@ -76,8 +81,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = SwiGLU(cfg["hidden_size"], cfg["intermediate_size"])
 
-    def forward(self, x, cos, sin, at: Positions, kv, window):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window)
+    def forward(self, x, cos, sin, at: Positions, kv, window, packed: Packing | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,6 +127,10 @@ class DenseTarget(Target):
     def fused_attention(self) -> bool:
         return all(layer.self_attn.fast for layer in self.layers)
 
+    @property
+    def packs(self) -> bool:
+        return self.fused_attention()
+
     def new_cache(self, batch: int, capacity: int) -> ModelCache:
         a = self.layers[0].self_attn
         return ModelCache(
@@ -130,15 +139,24 @@ class DenseTarget(Target):
         )
 
     def forward(self, ids, cache, n_valid=None, speculative=False, taps=()):
+        """See ``target.py``. With ``n_valid`` on the fused CPU kernels only the valid tokens are computed
+        (``Packing``): a ragged verify or prefill costs its real tokens, not rows x the longest row. Each token's
+        bits are those of the padded forward (the kernels are batch invariant); outputs at padded slots are 0."""
         B, T = ids.shape
         pos = cache.lengths[:, None] + torch.arange(T, device=ids.device)  # [B, T]
+        packed = Packing.of(n_valid, B, T) if n_valid is not None and self.packs else None
+        if packed is not None and bool((n_valid == 0).any()):
+            # a row with nothing to compute (a finished row kept in its slot): its padded query reads one key
+            # instead of its whole context; what it writes at slot 0 of its own row is never read again (the slot
+            # is overwritten whole when a newcomer takes it)
+            pos = torch.where((n_valid == 0).to(pos.device)[:, None], torch.zeros_like(pos), pos)
         cos, sin = self.rotary(pos, self.dtype)
-        x = self.embed_tokens(ids)
+        x = self.embed_tokens(ids if packed is None else packed.gather(ids))
         at = Positions.of(pos)
         tapped = []
         want = set(taps)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, at, cache.layers[i], self.windows[i])
+            x = layer(x, cos, sin, at, cache.layers[i], self.windows[i], packed)
             if i in want:
                 tapped.append(x)
         if not speculative:
@@ -147,4 +165,8 @@ class DenseTarget(Target):
         if taps:
             order = {i: t for i, t in zip(sorted(want), tapped)}
             tap = torch.cat([order[i] for i in taps], dim=-1)
-        return TargetOutput(self.norm(x), tap)
+        hidden = self.norm(x)
+        if packed is not None:
+            hidden = packed.spread(hidden).view(B, T, -1)
+            tap = None if tap is None else packed.spread(tap).view(B, T, -1)
+        return TargetOutput(hidden, tap)

@@ -214,6 +214,12 @@ class Target(nn.Module):
     ) -> TargetOutput:
         raise NotImplementedError
 
+    @property
+    def packs(self) -> bool:
+        """Whether ``forward`` with ``n_valid`` computes only the valid tokens (a ragged verify costs its real
+        tokens; rows with ``n_valid`` 0 cost nothing), bit-identical per token to the padded forward."""
+        return False
+
     def commit(self, cache: ModelCache, n: torch.Tensor) -> None:
         """Keep the first ``n[b]`` tokens of the pending speculative forward (default: KV-only models)."""
         cache.lengths += n.to(cache.lengths)

@@ -60,8 +60,8 @@ def test_suffix_greedy_equals_ar(target, proposers):
     prompts = _repetitive_prompts(target, 5, seed=7)
     ar = generate(target, None, prompts, max_new_tokens=30)
     d = _random_dspine(target, 4, seed=1) if proposers == "auto" else None
-    spec = generate(target, d, prompts, max_new_tokens=30, verify="cost", cost=CHEAP, proposers=proposers,
-                    batch_size=3)
+    spec = generate(target, d, prompts, max_new_tokens=30, verify="cost", cost=CHEAP, prices="static",
+                    proposers=proposers, batch_size=3)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
     assert sum(s.stats.suffix_accepted for s in spec) > 0  # suffix proposals were really verified and accepted
 
@@ -80,7 +80,7 @@ def test_prefix_cache_changes_no_output(target, batch):
     assert held and {t.dtype for kv in held for t in kv} == {torch.bfloat16}  # stored in the cache's dtype
     again = generate(target, None, prompts, max_new_tokens=10, batch_size=batch, prefix_cache=tree)
     assert [o.token_ids for o in again] == [o.token_ids for o in off]
-    kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, proposers="auto", batch_size=3)
+    kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, prices="static", proposers="auto", batch_size=3)
     d = _random_dspine(target, 4, seed=3)
     spec = generate(target, d, prompts, prefix_cache=PrefixCache(), **kw)
     assert [o.token_ids for o in spec] == [o.token_ids for o in generate(target, None, prompts, max_new_tokens=12)]

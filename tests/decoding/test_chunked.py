@@ -126,7 +126,7 @@ def test_speculative_identical_for_any_chunk(target, chunk, proposers):
     plain = generate(target, None, prompts, max_new_tokens=12)
     d = _random_dspine(target, 4, seed=3)
     for sampled in (False, True):
-        kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, proposers=proposers, batch_size=3)
+        kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, prices="static", proposers=proposers, batch_size=3)
         if sampled:
             kw.update(temperature=0.8, seed=list(range(len(prompts))))
         whole = generate(target, d, prompts, **kw)

@@ -396,8 +396,8 @@ def test_suffix_greedy_equals_ar(target, proposers, batch):
     prompts = _repetitive_prompts(target, 5, seed=7)
     ar = generate(target, None, prompts, max_new_tokens=30)
     d = _random_dspine(target, 4, seed=1) if proposers == "auto" else None
-    spec = generate(target, d, prompts, max_new_tokens=30, verify="cost", cost=CHEAP, proposers=proposers,
-                    batch_size=batch)
+    spec = generate(target, d, prompts, max_new_tokens=30, verify="cost", cost=CHEAP, prices="static",
+                    proposers=proposers, batch_size=batch)
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
     st = [s.stats for s in spec]
     assert sum(s.suffix_accepted for s in st) > 0  # suffix proposals were really verified and accepted
@@ -412,7 +412,7 @@ def test_auto_mixes_draft_and_suffix_rounds(llama_target):
     prompts = _repetitive_prompts(llama_target, 3, seed=8) + token_prompts(3, 256, seed=9)
     ar = generate(llama_target, None, prompts, max_new_tokens=16)
     spec = generate(llama_target, _random_dspine(llama_target, 4, seed=2), prompts, max_new_tokens=16,
-                    verify="cost", cost=CHEAP, proposers="auto")
+                    verify="cost", cost=CHEAP, prices="static", proposers="auto")
     assert [s.token_ids for s in spec] == [a.token_ids for a in ar]
     assert sum(s.stats.dspine_steps for s in spec) > 0 and sum(s.stats.suffix_steps for s in spec) > 0
 
@@ -426,8 +426,8 @@ def test_suffix_sampled_rows_are_plain_decoding_token_for_token(llama_target, pr
     plain = generate(llama_target, None, prompts, **kw)
     d = _random_dspine(llama_target, 4, seed=3) if proposers == "auto" else None
     for batch in (1, 4):
-        spec = generate(llama_target, d, prompts, verify="cost", cost=CHEAP, proposers=proposers, batch_size=batch,
-                        **kw)
+        spec = generate(llama_target, d, prompts, verify="cost", cost=CHEAP, prices="static", proposers=proposers,
+                        batch_size=batch, **kw)
         assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     sampled = [s.stats for s, t in zip(spec, kw["temperature"]) if t > 0]
     assert sum(s.suffix_steps for s in sampled) > 0
@@ -445,7 +445,7 @@ def test_suffix_sampled_joint_of_three_tokens_matches_target(small_vocab_target,
     d = _random_dspine(small_vocab_target, bs, seed=5) if proposers == "auto" else None
     outs = generate(small_vocab_target, d, [prompt] * (n + k), max_new_tokens=3,
                     temperature=[1.0] * n + [0.0] * k, seed=list(range(n + k)), verify="cost", cost=WIDE,
-                    proposers=proposers, batch_size=batch)
+                    prices="static", proposers=proposers, batch_size=batch)
     V = small_vocab_target.vocab_size
     counts = torch.zeros(V**3, dtype=torch.long)
     for o in outs[:n]:

@@ -81,7 +81,7 @@ def test_speculative_with_draft_context_from_the_cache(target, proposers):
     prompts = _prefix_heavy(target.vocab_size, seed=5)
     plain = generate(target, None, prompts, max_new_tokens=12)
     d = _random_dspine(target, 4, seed=3)
-    kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, proposers=proposers, batch_size=3)
+    kw = dict(max_new_tokens=12, verify="cost", cost=CHEAP, prices="static", proposers=proposers, batch_size=3)
     off = generate(target, d, prompts, **kw)
     on = generate(target, d, prompts, prefix_cache=PrefixCache(), **kw)
     assert [o.token_ids for o in on] == [o.token_ids for o in plain]

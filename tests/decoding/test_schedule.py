@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dspine.decoding.cost import CostModel, Grid
+from dspine.decoding.prices import StaticPrices
 from dspine.decoding.schedule import DRAFT, PLAIN, SUFFIX, History, plan, plan_sources, row_rule
 
 # target: 1 s + 0.2 s per extra verified token, whatever the rows; draft 0.2 s
@@ -114,10 +115,10 @@ def test_sampled_rows_width_is_paid_by_the_whole_batch():
     a[0] = torch.tensor([0.9, 0.8, 0.7])
     sampled = torch.zeros(8, dtype=torch.bool)
     # a 4-token verify costs 2x a step for all 8 rows: 8 + 2.4 tokens in 2 s is worse than 8 tokens in 1 s
-    pl = plan_sources(None, a, sampled, _suffix_only((1.0, 2.0)))
+    pl = plan_sources(None, a, sampled, StaticPrices(_suffix_only((1.0, 2.0))))
     assert pl.ell.tolist() == [0] * 8 and pl.source.tolist() == [PLAIN] * 8
     # a nearly free width pays: the proposing row verifies it, the others take their plain token in the same forward
-    pl = plan_sources(None, a, sampled, _suffix_only((1.0, 1.1)))
+    pl = plan_sources(None, a, sampled, StaticPrices(_suffix_only((1.0, 1.1))))
     assert pl.ell.tolist() == [3] + [0] * 7 and pl.source.tolist() == [SUFFIX] + [PLAIN] * 7
 
 
@@ -125,7 +126,7 @@ def test_sampled_rows_never_take_the_draft_and_nothing_to_propose_is_a_plain_ste
     a_sfx = torch.zeros(2, 3)
     a_draft = torch.full((2, 3), 0.95)
     greedy = torch.tensor([True, False])
-    pl = plan_sources(a_draft, a_sfx, greedy, _suffix_only((1.0, 1.1)))
+    pl = plan_sources(a_draft, a_sfx, greedy, StaticPrices(_suffix_only((1.0, 1.1))))
     assert pl.source.tolist() == [DRAFT, PLAIN] and pl.ell[1] == 0 and pl.draft_block > 0
-    pl = plan_sources(a_draft, a_sfx, torch.tensor([False, False]), _suffix_only((1.0, 1.1)))
+    pl = plan_sources(a_draft, a_sfx, torch.tensor([False, False]), StaticPrices(_suffix_only((1.0, 1.1))))
     assert pl.ell.tolist() == [0, 0] and pl.draft_block == 0

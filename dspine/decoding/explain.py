@@ -1,0 +1,71 @@
+"""Why the planner did what it did, in words a user can act on: per source, the rounds it was chosen, its tokens
+proposed and accepted, and when it never ran (or hardly), the numbers behind that — its expected τ on this job
+against the τ a round of it must reach to beat a plain step on this machine at the rows in flight. The batch tool
+logs it once, early, and its report prints it (``dspine_batch``'s ``explain()``)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspine.decoding.acceptance import JobAcceptance
+from dspine.decoding.prices import LivePrices, StaticPrices
+
+_SHARE = 0.01  # a source chosen in fewer than this share of row-rounds is explained as if it had not run
+
+
+def _typical_rows(prices: LivePrices | StaticPrices, fallback: int) -> int:
+    """The row count the job has spent most rounds at (the prices' buckets), else ``fallback``."""
+    rows = getattr(prices, "rows", None)
+    if not rows:
+        return fallback
+    return max(rows, key=lambda R: rows[R].fit.xx[0][0])
+
+
+def break_even(prices: LivePrices | StaticPrices, R: int, width: int, block: int = 0) -> float:
+    """τ (tokens committed per row per round) a round that verifies ``width`` tokens on every one of ``R`` rows
+    (and runs the draft's ``block``) must reach to be as fast as a plain step: its time over the plain step's."""
+    plain = prices.round_s(R, 0)
+    return (prices.round_s(R, R * width) + prices.draft_s(R, block)) / plain
+
+
+def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: bool, rows: int,
+            row_rounds: int) -> dict[str, dict]:
+    """Per source (``dspine``, ``suffix``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
+    nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far."""
+    R = _typical_rows(prices, rows)
+    out: dict[str, dict] = {}
+    for name in ("dspine", "suffix"):
+        rounds, proposed, accepted = job.totals[name]
+        ran = rounds > 0 and rounds >= _SHARE * max(row_rounds, 1)
+        out[name] = {"rounds": rounds, "proposed": proposed, "accepted": accepted, "ran": rounds > 0, "why": None}
+        if ran:
+            continue
+        if name == "dspine":
+            if not draft_on:
+                why = "no DSpine draft in this run"
+            elif job.slots <= 0:
+                why = "the draft's block is 1 (nothing to propose)"
+            else:
+                rates = job.draft_rates()
+                surv = torch.cumprod(rates, 0)
+                best = max(range(2, job.slots + 2), key=lambda b: (1 + float(surv[: b - 1].sum()))
+                           / break_even(prices, R, b - 1, b))
+                tau = 1 + float(surv[: best - 1].sum())
+                need = break_even(prices, R, best - 1, best)
+                if tau < need:
+                    why = (f"its expected tau {tau:.2f} (acceptance pooled over this job) at block {best} is below "
+                           f"the {need:.2f} a round of it must reach to beat a plain step at {R} rows on this CPU")
+                else:
+                    why = (f"its expected tau {tau:.2f} at block {best} beats the {need:.2f} a round needs, but "
+                           "its rows were sampled (the draft runs for greedy rows only under proposers=auto) or "
+                           "took suffix proposals")
+        else:
+            if not job.suggested:
+                why = "no row's text repeated text already seen (no proposal)"
+            else:
+                rate = job.suffix_rate()
+                need = break_even(prices, R, 1)
+                why = (f"its proposals' expected acceptance ({rate:.2f} a token, pooled over this job) did not pay for "
+                       f"the {need:.2f} a one-token verify must reach at {R} rows on this CPU")
+        out[name]["why"] = why if rounds == 0 else f"hardly ran ({rounds} rounds): {why}"
+    return out

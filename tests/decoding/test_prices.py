@@ -1,0 +1,153 @@
+"""Live prices (``dspine.decoding.prices``): a round's price follows the job's own round times, a wrong calibration
+is corrected by the job, stale prices are refreshed by bounded exploration, and no price changes a token."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import token_prompts
+from test_generate import _random_dspine, _repetitive_prompts
+
+from dspine import generate
+from dspine.decoding.cost import CostModel
+from dspine.decoding.prices import EXPLORE_EVERY, LivePrices, StaticPrices
+from dspine.decoding.schedule import DRAFT, PLAIN, SUFFIX, plan_packed
+
+# calibrated: 10 ms a step, 1 ms per extra token, 2 ms a draft block
+CAL = CostModel.flat(target_s=0.010, per_token_s=0.001, draft_s=0.002)
+
+
+def _machine(R: int, k: int) -> float:
+    """The 'real' cost of a round on an imaginary machine: 30 ms base, a verify 6 ms more, 2 ms per token."""
+    return 0.030 + (0.006 + 0.002 * k if k else 0.0)
+
+
+def test_prices_follow_the_job_not_the_calibration():
+    prices = LivePrices(CAL, packed=True)
+    rng = random.Random(0)
+    for i in range(200):
+        k = [0, 0, 3, 8, 1][i % 5]
+        prices.observe(8, k, _machine(8, k) * rng.uniform(0.97, 1.03))
+    for k in (0, 1, 4, 8, 16):
+        assert prices.round_s(8, k) == pytest.approx(_machine(8, k), rel=0.06)
+    assert prices.round_many(8, np.array([2, 8])).tolist() == pytest.approx([_machine(8, 2), _machine(8, 8)],
+                                                                               rel=0.06)
+    # a row count never timed starts from the calibration at the job's observed scale (~2x the calibration)
+    assert prices.round_s(4, 0) == pytest.approx(CAL.target_s(4, 1) * prices.ratio, rel=1e-6)
+    assert 1.2 < prices.ratio < 4.0
+    s = prices.summary()["rows"][8]
+    assert s["plain_ms"] == pytest.approx(30, rel=0.06) and s["token_ms"] == pytest.approx(2, rel=0.2)
+
+
+def test_surcharges_never_negative_and_the_machine_getting_busier_moves_prices():
+    prices = LivePrices(CAL, packed=True)
+    for i in range(100):  # noise that says wider verifies are cheaper: read as no slope at all
+        prices.observe(8, [0, 4, 12][i % 3], [0.030, 0.040, 0.035][i % 3])
+    assert prices.round_s(8, 40) >= prices.round_s(8, 4) >= prices.round_s(8, 0)
+    before = prices.round_s(8, 0)
+    for i in range(120):  # a neighbour starts: everything takes twice as long
+        prices.observe(8, [0, 4][i % 2], 2 * [0.030, 0.040][i % 2])
+    assert prices.round_s(8, 0) == pytest.approx(2 * 0.030, rel=0.1) and prices.round_s(8, 0) > 1.5 * before
+
+
+def test_a_wrong_calibration_is_corrected_and_exploration_is_bounded():
+    slow = CostModel.flat(target_s=2.0, per_token_s=0.5, draft_s=1.0)  # a calibration taken beside a busy neighbour
+    prices = LivePrices(slow, packed=True)
+    verifies = 0
+    for _ in range(4 * EXPLORE_EVERY):  # a planner that always verifies: a plain step is forced every so often
+        if prices.plain_due(8):
+            prices.observe(8, 0, _machine(8, 0))
+        else:
+            verifies += 1
+            prices.observe(8, 6, _machine(8, 6))
+    assert verifies >= 4 * EXPLORE_EVERY - 5
+    assert prices.round_s(8, 0) == pytest.approx(_machine(8, 0), rel=0.15)
+    assert prices.round_s(8, 6) == pytest.approx(_machine(8, 6), rel=0.15)
+    # and the other way round: a verify may be explored once per EXPLORE_EVERY plain rounds, not more
+    quiet = LivePrices(CAL, packed=True)
+    due = 0
+    for _ in range(3 * EXPLORE_EVERY):
+        if quiet.explore_due(8):
+            due += 1
+            quiet.observe(8, 4, _machine(8, 4))
+        else:
+            quiet.observe(8, 0, _machine(8, 0))
+    assert 1 <= due <= 3
+    # the draft's price follows its timed proposals
+    for _ in range(50):
+        prices.observe(8, 4, _machine(8, 4) + 0.004, draft_block=3, draft_seconds=0.004)
+    assert prices.draft_s(8, 3) == pytest.approx(0.004, rel=0.1)
+
+
+def _static(target_s: float, per_token_s: float, draft_s: float = 1e6) -> StaticPrices:
+    return StaticPrices(CostModel.flat(target_s=target_s, per_token_s=per_token_s, draft_s=draft_s), packed=True)
+
+
+def test_packed_plan_each_row_pays_its_own_tokens():
+    a = torch.zeros(8, 4)
+    a[2] = torch.tensor([0.95, 0.9, 0.85, 0.8])  # one row with a strong suffix proposal, the rest none
+    live = torch.ones(8, dtype=torch.bool)
+    greedy = torch.ones(8, dtype=torch.bool)
+    # each extra token costs 1 % of a step: the strong row verifies its whole proposal, the others step plainly
+    pl = plan_packed(None, a, greedy, live, _static(1.0, 0.01))
+    assert pl.ell.tolist() == [0, 0, 4, 0, 0, 0, 0, 0]
+    assert pl.source.tolist() == [PLAIN, PLAIN, SUFFIX] + [PLAIN] * 5 and pl.draft_block == 0
+    # each extra token costs what a row's share of a step costs: a token must be certain to pay, none is
+    pl = plan_packed(None, a, greedy, live, _static(1e-9, 1.0))
+    assert pl.ell.tolist() == [0] * 8
+    # a finished row kept in its slot never verifies, whatever its survival says
+    dead = live.clone()
+    dead[2] = False
+    assert plan_packed(None, a, greedy, dead, _static(1.0, 0.01)).ell.tolist() == [0] * 8
+
+
+def test_packed_plan_takes_the_draft_for_greedy_rows_only_when_it_pays():
+    a_sfx = torch.zeros(4, 3)
+    a_draft = torch.full((4, 2), 0.9)
+    live = torch.ones(4, dtype=torch.bool)
+    greedy = torch.tensor([True, True, False, True])
+    pl = plan_packed(a_draft, a_sfx, greedy, live, _static(1.0, 0.01, draft_s=0.05))
+    assert pl.source.tolist() == [DRAFT, DRAFT, PLAIN, DRAFT] and pl.draft_block == 3
+    assert plan_packed(a_draft, a_sfx, greedy, live, _static(1.0, 0.01, draft_s=5.0)).draft_block == 0
+
+
+class _RandomPrices(StaticPrices):
+    """Prices that say something different every round: a planner reading them chooses at random."""
+
+    def __init__(self, seed: int, packed: bool):
+        super().__init__(CostModel.flat(1.0, 0.1, 0.1), packed)
+        self.rng = random.Random(seed)
+
+    def round_s(self, R, k):
+        return self.rng.uniform(0.5, 2.0) * (1 + 0.01 * k)
+
+    def round_many(self, R, ks):
+        return np.array([self.round_s(R, float(k)) for k in np.asarray(ks).tolist()])
+
+    def draft_s(self, R, block):
+        return self.rng.uniform(0.0, 1.0) if block > 1 else 0.0
+
+
+@pytest.mark.parametrize("target_name", ["llama", "hybrid"])
+def test_no_price_changes_a_token(target_name, llama_target, hybrid_target):
+    """Greedy and sampled rows (and rows joining freed slots) under auto: whatever the prices say — live ones
+    timed on this machine, two fixed opposite ones, prices drawn at random every round — every output is plain
+    decoding's, token for token: prices only choose between choices whose tokens are identical."""
+    target = {"llama": llama_target, "hybrid": hybrid_target}[target_name]
+    prompts = _repetitive_prompts(target, 5, seed=12) + token_prompts(3, target.vocab_size, seed=13)
+    kw = dict(max_new_tokens=[20, 9, 24, 15, 20, 4, 18, 22], temperature=[0.8, 0.0, 0.0, 1.0, 0.6, 0.0, 0.9, 0.0],
+              seed=list(range(30, 38)), top_p=0.95)
+    plain = generate(target, None, prompts, **kw)
+    want = [p.token_ids for p in plain]
+    draft = _random_dspine(target, 4, seed=4)
+    cheap, dear = _static(1.0, 0.001, 0.01), _static(1.0, 10.0, 10.0)
+    for prices in ["live", cheap, dear, _RandomPrices(1, target.packs), _RandomPrices(2, target.packs)]:
+        if isinstance(prices, StaticPrices):
+            prices.packed = target.packs
+        spec = generate(target, draft, prompts, verify="cost", cost=CAL, proposers="auto", batch_size=3,
+                        prices=prices, **kw)
+        assert [s.token_ids for s in spec] == want
+        assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
