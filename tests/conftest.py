@@ -69,3 +69,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_target(tmp_path_factory):
+    """A 16-token Qwen3 with a sharp head: exact laws over a few tokens can be enumerated (χ² tests)."""
+    from dspine import load_target
+
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("v16"), "qwen3", vocab=16, layers=2, head_scale=6.0))

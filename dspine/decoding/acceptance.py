@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspine.decoding.grammar import forced
 from dspine.decoding.rows import Row
 from dspine.decoding.suffix import SuffixSource
 
 SUFFIX_PRIOR = 0.5  # per-token acceptance assumed for suffix proposals before the job has any evidence
 SUFFIX_PRIOR_WEIGHT = 4.0  # in pseudo-tokens
 AGREEMENT_WEIGHT = 2.0  # pseudo-occurrences behind a proposed token's corpus agreement (count, same)
+FORCED_PRIOR = 0.9  # per-token acceptance assumed for a forced string's canonical tokens before evidence
 SUFFIX_DECAY = 0.9  # a row's suffix evidence kept per suffix verify it makes
 POOL_HALF_LIFE = 64.0  # rounds: pooled evidence halves after this many rounds that add to it
 POOL_WEIGHT = 8.0  # pseudo-trials behind the static prior in the pooled estimates
@@ -41,8 +43,11 @@ class JobAcceptance:
     draft_hits: torch.Tensor = field(default=None)  # type: ignore[assignment]
     suffix_trials: float = 0.0
     suffix_hits: float = 0.0
+    forced_trials: float = 0.0
+    forced_hits: float = 0.0
     # what each source did over the whole stream (not decayed): verify rounds, tokens proposed, tokens accepted
-    totals: dict[str, list[int]] = field(default_factory=lambda: {"dspine": [0, 0, 0], "suffix": [0, 0, 0]})
+    totals: dict[str, list[int]] = field(
+        default_factory=lambda: {"dspine": [0, 0, 0], "suffix": [0, 0, 0], "forced": [0, 0, 0]})
     suggested: int = 0  # rounds in which some row had a suffix proposal at all
 
     def __post_init__(self) -> None:
@@ -56,6 +61,16 @@ class JobAcceptance:
 
     def suffix_rate(self) -> float:
         return (self.suffix_hits + SUFFIX_PRIOR * POOL_WEIGHT) / (self.suffix_trials + POOL_WEIGHT)
+
+    def forced_rate(self) -> float:
+        """Acceptance of a grammar's forced-string tokens (the model may split the same text otherwise)."""
+        return (self.forced_hits + FORCED_PRIOR * POOL_WEIGHT) / (self.forced_trials + POOL_WEIGHT)
+
+    def observe_forced(self, trials: float, hits: float) -> None:
+        if trials <= 0:
+            return
+        self.forced_trials = self.forced_trials * _POOL_DECAY + trials
+        self.forced_hits = self.forced_hits * _POOL_DECAY + hits
 
     def observe_draft(self, verified: list[int], accepted: list[int]) -> None:
         """One round's draft verifies: per row ℓ and accepted (rows that did not take the draft: 0, 0)."""
@@ -87,7 +102,44 @@ def row_suffix_rate(r: Row, prior: float) -> float:
     return (r.sfx_hits + prior * SUFFIX_PRIOR_WEIGHT) / (r.sfx_trials + SUFFIX_PRIOR_WEIGHT)
 
 
-def suffix_survival(rows: list[Row], src: SuffixSource, width: int, prior: float = SUFFIX_PRIOR
+def point_proposals(rows: list[Row], src: SuffixSource, width: int, job: JobAcceptance
+                    ) -> tuple[torch.Tensor, list[list[int]], list[int]]:
+    """Each running row's point-mass proposal and its survival a [rows, width]: a row with a grammar proposes the
+    tokens it forces (``grammar.forced``: single allowed tokens certain, a forced string's canonical tokens at the
+    job's forced rate) and a suffix match chained after them; other rows their suffix proposal
+    (``suffix_survival``). Returns (a, tokens per row, forced tokens per row)."""
+    a, props = suffix_survival([r if r.state is None or r.state.matcher is None else None for r in rows], src,
+                               width, job.suffix_rate())
+    n_forced = [0] * len(rows)
+    for b, r in enumerate(rows):
+        st = r.state
+        if st is None or st.matcher is None or r.finish is not None:
+            continue
+        room = min(width, r.sp.max_new_tokens - len(r.tokens) - 1)
+        if room <= 0:
+            continue
+        toks, certain = forced(st.matcher, r.sp.grammar.encode, st.vocab_size, room)
+        surv, out = 1.0, []
+        rate = job.forced_rate()
+        for j, t in enumerate(toks):
+            surv *= 1.0 if j >= len(toks) - certain else rate
+            a[b, j] = surv
+            out.append(t)
+        n_forced[b] = len(out)
+        if len(out) < room:
+            sug = src.suggest(r.index, room - len(out), tail=out)
+            if sug is not None:
+                srate = row_suffix_rate(r, job.suffix_rate())
+                for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
+                    agree = (same + AGREEMENT_WEIGHT * srate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
+                    surv *= min(agree, srate + (1.0 - srate) * agree)
+                    a[b, len(out)] = surv
+                    out.append(sug.tokens[j])
+        props[b] = out
+    return a, props, n_forced
+
+
+def suffix_survival(rows: list[Row | None], src: SuffixSource, width: int, prior: float = SUFFIX_PRIOR
                     ) -> tuple[torch.Tensor, list[list[int]]]:
     """Each running row's suffix proposal (tokens, capped by what the row may still generate) and its estimated
     survival a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the
@@ -95,6 +147,9 @@ def suffix_survival(rows: list[Row], src: SuffixSource, width: int, prior: float
     a = torch.zeros(len(rows), width)
     props: list[list[int]] = []
     for b, r in enumerate(rows):
+        if r is None:  # a row that proposes otherwise (``point_proposals``)
+            props.append([])
+            continue
         room = r.sp.max_new_tokens - len(r.tokens) - 1  # a verify of ℓ commits up to ℓ + 1 tokens
         sug = src.suggest(r.index, min(width, room)) if room > 0 and r.finish is None else None
         if sug is None:

@@ -214,7 +214,7 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             except StopIteration:
                 exhausted = True
                 break
-            row = Row(i, [int(t) for t in prompt], sp, hist_len(cfg))
+            row = Row(i, [int(t) for t in prompt], sp, hist_len(cfg), target.vocab_size)
             why = check_request(target, row.prompt, sp)
             if why is not None:
                 yield i, GenerationOutput([], "error", len(row.prompt), row.stats, error=f"prompt {i} {why}")
@@ -302,6 +302,7 @@ def generate(
     prefix_cache: PrefixCache | None = None,
     prefill_chunk: int = 0,
     prices: str | LivePrices | StaticPrices = "live",
+    **processors,
 ) -> list[GenerationOutput]:
     """Generate for token-id prompts; speculative when ``draft`` is given, plain AR otherwise.
 
@@ -311,7 +312,9 @@ def generate(
     ``dynamic_threshold`` turns on confidence-based draft truncation (needs a trained confidence head);
     ``verify``/``cost``/``proposers``/``prefix_cache``/``prefill_chunk``/``prices`` as in ``decode_stream``.
     ``batch_size`` (default: all prompts at once) bounds the rows decoding together; more prompts join as rows
-    finish. Raises ValueError naming the first bad prompt.
+    finish. ``processors``: any other ``SamplingParams`` field, scalar or one value per prompt (penalties,
+    ``min_tokens``, ``logit_bias`` as {id: bias}, ``logprobs``, ``grammar``: ``processors.py``). Raises
+    ValueError naming the first bad prompt.
     """
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts:
@@ -324,6 +327,7 @@ def generate(
         top_k=top_k,
         seed=seed,
         stop_token_ids=stop_token_ids,
+        **processors,
     )
     bs = 1 if draft is None else int(block_size or draft.block_size)
     if draft is not None and bs < 2:

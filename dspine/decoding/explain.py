@@ -30,11 +30,11 @@ def break_even(prices: LivePrices | StaticPrices, R: int, width: int, block: int
 
 def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: bool, rows: int,
             row_rounds: int) -> dict[str, dict]:
-    """Per source (``dspine``, ``suffix``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
+    """Per source (``dspine``, ``suffix``, ``forced``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
     nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far."""
     R = _typical_rows(prices, rows)
     out: dict[str, dict] = {}
-    for name in ("dspine", "suffix"):
+    for name in ("dspine", "suffix", "forced"):
         rounds, proposed, accepted = job.totals[name]
         ran = rounds > 0 and rounds >= _SHARE * max(row_rounds, 1)
         out[name] = {"rounds": rounds, "proposed": proposed, "accepted": accepted, "ran": rounds > 0, "why": None}
@@ -59,6 +59,8 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
                     why = (f"its expected tau {tau:.2f} at block {best} beats the {need:.2f} a round needs, but "
                            "its rows were sampled (the draft runs for greedy rows only under proposers=auto) or "
                            "took suffix proposals")
+        elif name == "forced":
+            why = "no row's grammar forced a token (no row had a grammar, or none left a single continuation)"
         else:
             if not job.suggested:
                 why = "no row's text repeated text already seen (no proposal)"

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from dspine.decoding.batching import assign_rows
+from dspine.decoding.commit import sample_first
 from dspine.decoding.config import StreamConfig, extra_slots
 from dspine.decoding.prefix import Hit, shared_prefixes
-from dspine.decoding.rows import Row, seeds_positions
+from dspine.decoding.rows import Row
 from dspine.decoding.running import RunningBatch
-from dspine.decoding.sampling import STREAM_FINAL, keyed_uniforms, sample_from, target_probs
 from dspine.decoding.schedule import History
 from dspine.models.cache import KVCache, ModelCache, SSMState
 from dspine.models.target import Target
@@ -67,18 +67,15 @@ def prefill(target: Target, rows: list[Row], cfg: StreamConfig, pace: Pace | Non
                 leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
                 credit[leader] += len(p) - got
     cache, last, taps, served = yield from fill(target, prompts, cfg, cap, pace)
-    p = target_probs(target.logits(last[:, None]), [r.sp for r in rows])[:, 0]
-    seeds, pos = seeds_positions(rows)
-    first = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
+    for r, got, c in zip(rows, served, credit):
+        r.cached = max(0, got - c)
+    sample_first(target, last, rows)  # each row's first token, through the processing seam
     dcache = hist = None
     if cfg.draft is not None:
         lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
         dcache = cfg.draft.new_cache(len(rows), cap)
         cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
-    for r, t, got, c in zip(rows, first, served, credit):
-        r.cached = max(0, got - c)
-        r.push([t])
     return RunningBatch(rows, cache, dcache, hist)
 
 

@@ -8,24 +8,19 @@ import time
 
 import torch
 
-from dspine.decoding.acceptance import suffix_survival
-from dspine.decoding.commit import record, verify_slots
+from dspine.decoding.acceptance import point_proposals
+from dspine.decoding.commit import record, sample_first, verify_slots
 from dspine.decoding.config import StreamConfig
 from dspine.decoding.prices import Stopwatch
+from dspine.decoding.processors import grammar_masks
 from dspine.decoding.rows import Row, seeds_positions
 from dspine.decoding.running import RunningBatch
 from dspine.decoding.sampling import (
-    STREAM_ACCEPT,
     STREAM_DRAFT,
-    STREAM_FINAL,
     keyed_hash,
-    keyed_uniforms,
     make_generator,
-    sample_from,
-    target_probs,
 )
-from dspine.decoding.schedule import DRAFT, SUFFIX, plan, plan_packed, plan_sources
-from dspine.decoding.verify import accept
+from dspine.decoding.schedule import DRAFT, FORCED, SUFFIX, plan, plan_packed, plan_sources
 from dspine.models.target import Target
 
 
@@ -49,17 +44,15 @@ def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()
     ids = torch.tensor([[r.tokens[-1]] for r in rows], dtype=torch.long, device=dev)
     out = target.forward(ids, batch.cache, n_valid=None if everyone else n.to(dev), taps=taps)
     idx = list(range(len(rows))) if everyone else [b for b, x in enumerate(live) if x]
-    hidden = out.hidden if everyone else out.hidden[idx]
-    going = [rows[b] for b in idx]
-    p = target_probs(target.logits(hidden), [r.sp for r in going])[:, 0]
-    seeds, pos = seeds_positions(going)
-    toks = sample_from(p, keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)).tolist()
-    for r, t in zip(going, toks):
-        r.push([t])
+    hidden = out.hidden[:, 0] if everyone else out.hidden[idx, 0]
+    sample_first(target, hidden, [rows[b] for b in idx])
     return out.taps, n
 
 
 def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
+    """The DSpine draft's block for every row (``proposers="dspine"``): ℓ by ``schedule.plan`` from the static
+    cost model (sampled rows' ℓ may decide their tokens, so it must not read live prices), sampled rows verified
+    against the draft's q."""
     draft, rows, dev = cfg.draft, batch.rows, target.device
     B, n = len(rows), cfg.block_size - 1
     params = [r.sp for r in rows]
@@ -79,44 +72,43 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
         return
     batch.catch_up(draft)
     pre = ell
-    props, q = torch.zeros(B, 0, dtype=torch.long, device=dev), None
-    if W > 0:
-        sampled = [not sp.greedy and int(e) > 0 for sp, e in zip(params, ell)]
-        temps = torch.tensor([sp.temperature if s else 0.0 for sp, s in zip(params, sampled)], device=dev)
-        prop = draft.propose(batch.dcache, anchor, target, temps, draft_generators(rows, sampled),
-                             block_size=W + 1, dynamic_threshold=cfg.dynamic_threshold)
-        ell = torch.minimum(ell.to(dev), prop.n_draft.to(dev).clamp(0, W))
-        conf = getattr(prop, "confidence", None)
-        if cfg.verify == "cost" and conf is not None:  # reads the confidences (a host sync off the CPU)
-            a = conf[:, :W].float().cpu().cumprod(-1)
-            ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell.cpu(), sunk_block=W + 1,
-                       row_blocks=pre + 1).to(dev)
-        if dev.type == "cpu":  # free to read here: verify no wider than the longest row needs
-            W = int(ell.max())
-        props = prop.tokens[:, :W].to(dev)
-        q = None if prop.q is None or W == 0 else prop.q[:, :W]
+    sampled = [not sp.greedy and int(e) > 0 for sp, e in zip(params, ell)]
+    temps = torch.tensor([sp.temperature if s else 0.0 for sp, s in zip(params, sampled)], device=dev)
+    prop = draft.propose(batch.dcache, anchor, target, temps, draft_generators(rows, sampled),
+                         block_size=W + 1, dynamic_threshold=cfg.dynamic_threshold)
+    ell = torch.minimum(ell, prop.n_draft.cpu().clamp(0, W))
+    conf = getattr(prop, "confidence", None)
+    if cfg.verify == "cost" and conf is not None:  # reads the confidences (a host sync off the CPU)
+        a = conf[:, :W].float().cpu().cumprod(-1)
+        ell = plan(a, greedy, cfg.cost, cfg.nominal_rows, cap=ell, sunk_block=W + 1, row_blocks=pre + 1)
+    states = [r.state for r in rows]
+    masks = None
+    if any(s is not None and s.matcher is not None for s in states):  # a refused proposal ends the verify there
+        masks, cut = grammar_masks(states, prop.tokens[:, :W].cpu(), ell)
+        ell = ell if cut is None else cut
+    W = int(ell.max())  # verify no wider than the longest row needs
+    props = prop.tokens[:, :W].to(dev)
+    q = None if prop.q is None or W == 0 else prop.q[:, :W]
     ids = torch.cat([anchor[:, None], props], dim=1)
     n_valid = (ell.to(dev) + 1) if target.packs and W > 0 else None  # packed: each row computes its 1 + ℓ tokens
     out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=W > 0, taps=cfg.taps)
-    p = target_probs(target.logits(out.hidden), params)
-    u_acc = keyed_uniforms(seeds, pos, STREAM_ACCEPT, W).to(dev)
-    u_fin = keyed_uniforms(seeds, pos, STREAM_FINAL, 1)[:, 0].to(dev)
-    verdict = accept(p, props, q, ell.to(dev), u_acc, u_fin)
+    live = torch.ones(B, dtype=torch.bool)
+    verdict, lp = verify_slots(target, out.hidden, rows, props, ell, live, torch.zeros(B, dtype=torch.bool), seeds,
+                               pos, masks, q)
     n_commit = verdict.n_accepted + 1
     if W > 0:
         target.commit(batch.cache, n_commit)
     draft.extend_context(batch.dcache, out.taps, n_commit)
-    ell_l, acc_l = record(rows, verdict, ell, [DRAFT] * B)
+    ell_l, acc_l = record(rows, verdict, ell, [DRAFT] * B, lp=lp)
     batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
 
 
-
 def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: Stopwatch) -> tuple[int, int, int]:
-    """A round with suffix proposals on: per row a plain step, the draft's block or the row's suffix proposal
-    (``schedule.plan_packed`` / ``plan_sources`` with the live prices), verified together in one ragged forward
-    (packed on targets that pack: each row computes its own ``1 + ℓ`` tokens). Finished rows kept in their slots
-    (``cfg.keep_dead``) take no part. Returns what the round was, for its price: (live rows, verified tokens
-    beyond one per row, the draft's block or 0)."""
+    """A round with point proposals on (suffix matches, and the tokens a row's grammar forces): per row a plain
+    step, the draft's block or its point proposal (``schedule.plan_packed`` / ``plan_sources`` with the live
+    prices), verified together in one ragged forward (packed on targets that pack: each row computes its own
+    ``1 + ℓ`` tokens). Finished rows kept in their slots (``cfg.keep_dead``) take no part. Returns what the round
+    was, for its price: (live rows, verified tokens beyond one per row, the draft's block or 0)."""
     draft, rows, dev, src, job = cfg.draft, batch.rows, target.device, cfg.suffix, cfg.job
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
@@ -124,19 +116,20 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     params = [r.sp for r in rows]
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
     seeds, pos = seeds_positions(rows)
-    a_sfx, sfx = suffix_survival(rows, src, src.max_len, job.suffix_rate())
-    job.suggested += any(sfx)
+    a_pt, pts, n_forced = point_proposals(rows, src, src.max_len, job)
+    job.suggested += any(pts)
     a_draft = batch.hist.survival(job.draft_rates()) if draft is not None else None
     packed = cfg.prices.packed
     if packed:
-        pl = plan_packed(a_draft, a_sfx, greedy, live, cfg.prices)
+        pl = plan_packed(a_draft, a_pt, greedy, live, cfg.prices)
     else:
-        pl = plan_sources(a_draft, a_sfx, greedy, cfg.prices)
+        pl = plan_sources(a_draft, a_pt, greedy, cfg.prices)
     # the draft proposes for greedy rows only here: a batch of sampled rows (``--num-samples``) keeps no draft
     # context, so its rounds pay no taps and no upkeep (a greedy row admitted later brings its own from prefill)
     upkeep = batch.dcache is not None and bool((greedy & live).any())
     taps = cfg.taps if upkeep else ()
-    source, ell = pl.source, pl.ell
+    source, ell = pl.source.clone(), pl.ell
+    source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
     anchor = torch.tensor([r.tokens[-1] for r in rows], dtype=torch.long, device=dev)
     dprops = None
     if pl.draft_block:
@@ -159,6 +152,20 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         dprops = prop.tokens
         watch.draft_s += time.perf_counter() - t1
     W = int(ell.max())
+    props = torch.zeros(B, W, dtype=torch.long)
+    for b in torch.nonzero(ell).flatten().tolist():
+        e = int(ell[b])
+        if source[b] in (SUFFIX, FORCED):
+            props[b, :e] = torch.tensor(pts[b][:e], dtype=torch.long)
+        elif source[b] == DRAFT:
+            props[b, :e] = dprops[b, :e].cpu()
+    masks = None
+    if any(r.state is not None and r.state.matcher is not None for r in rows):  # walked before the forward: a
+        masks, cut = grammar_masks([r.state for r in rows], props, ell, live.tolist())  # refused token ends it
+        if cut is not None:
+            ell = cut
+            W = int(ell.max())
+            props = props[:, :W]
     if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
         got, n = plain_round(target, batch, taps)
         if upkeep:
@@ -168,18 +175,12 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         if batch.hist is not None:
             batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
         return R, 0, pl.draft_block
-    props = torch.zeros(B, W, dtype=torch.long)
-    for b in torch.nonzero(ell).flatten().tolist():
-        e = int(ell[b])
-        if source[b] == SUFFIX:
-            props[b, :e] = torch.tensor(sfx[b][:e], dtype=torch.long)
-        elif source[b] == DRAFT:
-            props[b, :e] = dprops[b, :e].cpu()
     props = props.to(dev)
     ids = torch.cat([anchor[:, None], props], dim=1)
     n_valid = ((ell + 1) * live).to(dev) if packed else None
     out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=True, taps=taps)
-    verdict = verify_slots(target, out.hidden, rows, props, ell, live, source == SUFFIX, seeds, pos)
+    point = (source == SUFFIX) | (source == FORCED)
+    verdict, lp = verify_slots(target, out.hidden, rows, props, ell, live, point, seeds, pos, masks)
     n_commit = (verdict.n_accepted + 1) * live.to(dev)
     target.commit(batch.cache, n_commit)
     if upkeep:
@@ -187,7 +188,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             draft.extend_context(batch.dcache, out.taps, n_commit)
         else:  # the draft did not run: its upkeep waits until it does (or until ``hold`` catches up)
             watch.upkeep_s += batch.hold(draft, out.taps, n_commit.cpu())
-    ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job)
+    ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced)
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
     return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspine.decoding.processors import RowState
 from dspine.decoding.sampling import SamplingParams
 from dspine.models.target import Target
 
@@ -39,6 +40,9 @@ class SpecStats:
     suffix_steps: int = 0
     suffix_proposed: int = 0
     suffix_accepted: int = 0
+    forced_steps: int = 0  # verify rounds that proposed tokens the row's grammar forces (``grammar.forced``)
+    forced_proposed: int = 0
+    forced_accepted: int = 0
 
     @property
     def accept_length(self) -> float:
@@ -58,15 +62,21 @@ class GenerationOutput:
     latency_s: float = 0.0
     error: str | None = None  # why the request was rejected (finish_reason "error"); no tokens then
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (not computed for this request)
+    # per generated token when the request asked for logprobs: (id, logprob, [(id, logprob) of the top k]) of the
+    # model's raw distribution at that position (``processors.Logprobs``)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class Row:
     """Mutable decoding state of one request."""
 
-    def __init__(self, index: int, prompt: list[int], sp: SamplingParams, block_size: int):
+    def __init__(self, index: int, prompt: list[int], sp: SamplingParams, block_size: int,
+                 vocab_size: int | None = None):
         self.index = index
         self.prompt = prompt
         self.sp = sp
+        # penalties, grammar, logprobs (``processors.py``); None for the common request that asks for none
+        self.state = RowState.of(sp, prompt, vocab_size) if vocab_size else None
         self.tokens: list[int] = []
         self.finish: str | None = None
         self.stats = SpecStats(block_size=block_size, accept_histogram=[0] * (block_size + 1))
@@ -78,8 +88,9 @@ class Row:
         self.sfx_hits = 0.0
         self.cached = 0  # prompt tokens served by the prefix cache
 
-    def push(self, new: list[int]) -> int:
-        """Append tokens, truncating at a stop token or max_new_tokens; returns how many were kept."""
+    def push(self, new: list[int], logprobs: list | None = None) -> int:
+        """Append tokens, truncating at a stop token or max_new_tokens; returns how many were kept. ``logprobs``:
+        the tokens' entries (``processors.Logprobs.take``), kept for the kept tokens."""
         kept = 0
         for t in new:
             if self.finish is not None:
@@ -90,13 +101,18 @@ class Row:
                 self.finish = "stop"
             elif len(self.tokens) >= self.sp.max_new_tokens:
                 self.finish = "length"
+        if self.state is not None and kept:
+            self.state.commit(self.tokens[-kept:])
+            if logprobs is not None:
+                self.state.logprobs.extend(logprobs[:kept])
         if self.finish is not None and not self.t1:
             self.t1 = time.perf_counter()
         return kept
 
     def output(self) -> GenerationOutput:
+        lp = self.state.logprobs if self.state is not None and self.sp.logprobs is not None else None
         return GenerationOutput(self.tokens, self.finish or "length", len(self.prompt), self.stats, self.t1 - self.t0,
-                                cached_prompt_tokens=self.cached)
+                                cached_prompt_tokens=self.cached, logprobs=lp)
 
 
 def check_request(target: Target, prompt: Sequence[int], sp: SamplingParams) -> str | None:

@@ -13,18 +13,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """A request's sampling settings. Beyond temperature / top-k / top-p, the history-dependent processors
+    (penalties, ``logit_bias``, ``min_tokens``, a ``grammar``: ``processors.py``) and ``logprobs`` (None: off; k:
+    the chosen token's logprob and the k most likely)."""
+
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    grammar: Any = None  # grammar.Constraint
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -35,10 +47,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be 0..20 (top logprobs), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's history changes its logits (``processors.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias or self.grammar is not None)
 
 
 def per_request(n: int, **values) -> list[SamplingParams]:
@@ -50,6 +74,9 @@ def per_request(n: int, **values) -> list[SamplingParams]:
                 vals = [tuple(v) for v in val]
             else:
                 vals = [tuple(val or ())] * n
+        elif key == "logit_bias":  # {id: bias} for every prompt, or one dict (or None) per prompt
+            per = val if isinstance(val, list | tuple) else [val] * n
+            vals = [tuple(sorted((int(k), float(v)) for k, v in (d or {}).items())) for d in per]
         elif isinstance(val, list | tuple):
             vals = list(val)
         else:

@@ -166,8 +166,8 @@ def plan(
 
 # -- two sources: the DSpine draft and suffix proposals --------------------------------------------------------
 
-PLAIN, DRAFT, SUFFIX = 0, 1, 2  # what a row verifies this round
-SOURCE_NAMES = ("plain", "dspine", "suffix")
+PLAIN, DRAFT, SUFFIX, FORCED = 0, 1, 2, 3  # what a row verifies this round (FORCED: its grammar's forced tokens,
+SOURCE_NAMES = ("plain", "dspine", "suffix", "forced")  # then maybe a suffix match chained after them)
 
 
 @dataclass

@@ -223,11 +223,17 @@ class SuffixSource:
         if e.tokens:
             self.finished.add(e.prompt_tail + e.tokens)
 
-    def suggest(self, key: int, max_len: int | None = None) -> Suggestion | None:
+    def suggest(self, key: int, max_len: int | None = None, tail: Sequence[int] = ()) -> Suggestion | None:
+        """The best continuation of row ``key``'s text (followed by ``tail``: tokens proposed before the match,
+        e.g. those its grammar forces)."""
         e = self.rows[key]
         ctx = e.prompt_tail + e.tokens if len(e.tokens) < self.orders[-1] else e.tokens
         limit = self.max_len if max_len is None else min(self.max_len, max_len)
-        best = e.index.suggest(e.index.text(), limit, overlap=True)
+        if tail:
+            ctx = list(ctx) + list(tail)
+            best = e.index.suggest(e.index.text() + list(tail), limit)
+        else:
+            best = e.index.suggest(e.index.text(), limit, overlap=True)
         for other in self.groups.get(e.group, ())[-MAX_SIBLINGS - 1 :]:
             if other != key:
                 s = self.rows[other].index.suggest(ctx, limit)

@@ -96,8 +96,8 @@ def child(spec: dict) -> dict:
         push, forward, fill = rows.Row.push, eng.target.forward, prefill.fill
         filling = [False]
 
-        def rec_push(row, new):
-            kept = push(row, new)
+        def rec_push(row, new, logprobs=None):
+            kept = push(row, new, logprobs)
             events.append(("push", row.index, kept, time.perf_counter()))
             return kept
 

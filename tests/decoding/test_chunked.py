@@ -191,8 +191,8 @@ class _Log:
             self.events.append(("forward", ids.shape[0], ids.shape[1]))
             return forward(ids, cache, *a, **kw)
 
-        def rec_push(row, new):
-            kept = push(row, new)
+        def rec_push(row, new, logprobs=None):
+            kept = push(row, new, logprobs)
             self.events.append(("push", row.index, kept))
             return kept
 

@@ -1,0 +1,198 @@
+"""One seam for everything a row's history does to its logits before sampling or acceptance.
+
+Penalties, logit bias, ``min_tokens`` and a grammar's mask are all functions of what a row has produced so far,
+applied to the logits of the slot being decided; temperature, top-k and top-p follow (``sampling.target_probs``).
+Plain steps, the first token after the prompt and every verify slot go through ``process`` alike, a verify slot
+``j`` with the row's committed tokens *plus the proposed tokens before it* as its history, so the distribution a
+proposal is verified against is exactly the one plain decoding samples from at that position: losslessness under
+any of these follows from using the same processed distribution everywhere (vLLM v1 keeps grammars at one
+bitmask seam before its sampler for the same reason).
+
+What each does, in this order (document of record: ``docs/design.md``, "Processed distribution"):
+
+1. ``repetition_penalty`` p (HF / vLLM): every id in the prompt or the output so far, logit / p where the logit is
+   positive, logit * p where not;
+2. ``presence_penalty`` / ``frequency_penalty`` (OpenAI): ``logit -= presence * [count > 0] + frequency * count``
+   over the ids generated so far (the prompt does not count);
+3. ``logit_bias``: added to the given ids;
+4. ``min_tokens``: the row's stop ids masked while it has generated fewer (unless nothing else is left);
+5. the grammar's mask (``grammar.py``): every id the grammar does not allow at that point to -inf.
+
+Logprobs are the model's own: the log-softmax of the raw logits at each committed token's position, before any of
+the above and before temperature (what OpenAI and vLLM report by default), with the ``k`` most likely ids
+(``Logprobs``). With our batch-invariant kernels a verify slot's logits are bit-identical to the plain step's at
+that position, so speculative and plain runs report the same numbers.
+
+Rows that ask for none of this cost nothing here: ``process`` returns the logits untouched when no row of the
+round has state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dspine.decoding.grammar import apply_masks, walk
+from dspine.decoding.sampling import SamplingParams
+
+
+@dataclass
+class RowState:
+    """What a row's processors need of its history: generated-id counts, ids seen (prompt and output), the
+    grammar matcher, and the generated length."""
+
+    sp: SamplingParams
+    vocab_size: int
+    counts: torch.Tensor | None = None  # [V] float: times each id was generated (presence / frequency)
+    seen: torch.Tensor | None = None  # [V] bool: ids in the prompt or generated (repetition)
+    matcher: Any = None  # xgrammar.GrammarMatcher
+    generated: int = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    @staticmethod
+    def of(sp: SamplingParams, prompt: list[int], vocab_size: int) -> RowState | None:
+        """The state a request needs, None when it needs none (the common case: no cost at all)."""
+        if not sp.processed and sp.logprobs is None:
+            return None
+        st = RowState(sp, vocab_size)
+        if sp.presence_penalty or sp.frequency_penalty:
+            st.counts = torch.zeros(vocab_size)
+        if sp.repetition_penalty != 1.0:
+            st.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            ids = torch.tensor([t for t in prompt if 0 <= t < vocab_size], dtype=torch.long)
+            st.seen[ids] = True
+        if sp.grammar is not None:
+            st.matcher = sp.grammar.matcher()
+        return st
+
+    @property
+    def shapes(self) -> bool:
+        """Whether this row changes its logits (logprobs alone do not)."""
+        return self.sp.processed
+
+    def commit(self, tokens: list[int]) -> None:
+        """The row committed ``tokens``: they join its history (and its grammar's state)."""
+        for t in tokens:
+            if self.counts is not None:
+                self.counts[t] += 1
+            if self.seen is not None:
+                self.seen[t] = True
+            if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(t):
+                raise RuntimeError(f"token {t} was committed but the row's grammar refuses it (a masking bug)")
+        self.generated += len(tokens)
+
+
+def grammar_masks(states: list[RowState | None], props: torch.Tensor | None, ell: torch.Tensor | None,
+                  live: list[bool] | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    """The masks of every slot the round will read for the constrained rows (``grammar.walk``), before the
+    forward: {batch row: [ℓ' + 1, words]}, and ℓ cut where a proposed token is refused (None when no row has a
+    grammar, or no row is cut)."""
+    masks: dict[int, torch.Tensor] = {}
+    cut = None
+    for b, st in enumerate(states):
+        if st is None or st.matcher is None or (live is not None and not live[b]):
+            continue
+        e = 0 if ell is None else int(ell[b])
+        prop = [] if e == 0 else props[b, :e].tolist()
+        m, taken = walk(st.matcher, prop, st.vocab_size)
+        masks[b] = m
+        if taken < e:
+            if cut is None:
+                cut = ell.clone()
+            cut[b] = taken
+    return masks, cut
+
+
+def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int], j_idx: list[int],
+            props: torch.Tensor | None, masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """The processed logits (before temperature / top-k / top-p) of the slots ``logits`` [N, V] holds: slot n is
+    row ``b_idx[n]``'s slot ``j_idx[n]`` (its history: committed tokens + ``props[b, :j]``). In place on the rows
+    that change; the same tensor back when no row does. ``masks``: ``grammar_masks``' (computed here for slot 0
+    when missing)."""
+    rows: dict[int, list[int]] = {}
+    for n, b in enumerate(b_idx):
+        st = states[b]
+        if st is not None and st.shapes:
+            rows.setdefault(b, []).append(n)
+    if not rows:
+        return logits
+    masked_rows, mask_list, early_rows = [], [], []
+    for b, ns in rows.items():
+        st, sp = states[b], states[b].sp
+        js = [j_idx[n] for n in ns]
+        idx = torch.tensor(ns, dtype=torch.long)
+        extra = [props[b, :j].tolist() if j and props is not None else [] for j in js]
+        if st.seen is not None or st.counts is not None:
+            x = logits[idx]
+            if st.seen is not None:  # repetition: prompt + output ids, the proposals before each slot included
+                seen = st.seen[None].repeat(len(ns), 1)
+                for i, e in enumerate(extra):
+                    if e:
+                        seen[i, e] = True
+                p = sp.repetition_penalty
+                x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+            if st.counts is not None:  # presence / frequency over the generated ids
+                c = st.counts[None].repeat(len(ns), 1)
+                for i, e in enumerate(extra):
+                    if e:
+                        c[i].index_add_(0, torch.tensor(e, dtype=torch.long), torch.ones(len(e)))
+                x = x - sp.presence_penalty * (c > 0).float() - sp.frequency_penalty * c
+            logits[idx] = x
+        if sp.logit_bias:
+            ids = torch.tensor([i for i, _ in sp.logit_bias], dtype=torch.long)
+            bias = torch.tensor([v for _, v in sp.logit_bias], dtype=logits.dtype)
+            logits[idx[:, None], ids[None, :]] += bias
+        if sp.min_tokens and sp.stop_token_ids:
+            early = [n for n, j in zip(ns, js) if st.generated + j < sp.min_tokens]
+            if early:
+                stops = torch.tensor(sp.stop_token_ids, dtype=torch.long)
+                logits[torch.tensor(early)[:, None], stops[None, :]] = float("-inf")
+                early_rows += early
+        if st.matcher is not None:
+            m = masks.get(b) if masks else None
+            if m is None:
+                m, _ = walk(st.matcher, [], st.vocab_size)
+            for n, j in zip(ns, js):
+                masked_rows.append(n)
+                mask_list.append(m[min(j, m.shape[0] - 1)])
+    if masked_rows:
+        apply_masks(logits, torch.stack(mask_list), masked_rows)
+    if early_rows and masked_rows:  # min_tokens against a grammar that only allows a stop: the grammar wins
+        idx = torch.tensor(early_rows, dtype=torch.long)
+        dead = (logits[idx] == float("-inf")).all(-1)
+        for n in idx[dead].tolist():
+            logits[n, torch.tensor(states[b_idx[n]].sp.stop_token_ids, dtype=torch.long)] = 0.0
+    return logits
+
+
+@dataclass
+class Logprobs:
+    """The raw log-softmax facts of the slots whose rows asked for logprobs, taken before processing: the raw
+    logits of those slots, their log-normaliser and top ids; ``take`` reads a committed token's entry."""
+
+    where: dict[tuple[int, int], int]  # (batch row, slot) -> row in ``raw``
+    raw: torch.Tensor  # [n, V]
+    lse: torch.Tensor  # [n]
+    top_ids: torch.Tensor  # [n, k]
+    top_lp: torch.Tensor  # [n, k]
+
+    @staticmethod
+    def of(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int], j_idx: list[int]
+           ) -> Logprobs | None:
+        sel = [n for n, b in enumerate(b_idx) if states[b] is not None and states[b].sp.logprobs is not None]
+        if not sel:
+            return None
+        raw = logits[torch.tensor(sel, dtype=torch.long)].float()
+        lse = torch.logsumexp(raw, -1)
+        k = max(states[b_idx[n]].sp.logprobs or 0 for n in sel)
+        top = raw.topk(k, dim=-1) if k else None
+        return Logprobs({(b_idx[n], j_idx[n]): i for i, n in enumerate(sel)}, raw, lse,
+                        top.indices if top is not None else torch.zeros(len(sel), 0, dtype=torch.long),
+                        (top.values - lse[:, None]) if top is not None else torch.zeros(len(sel), 0))
+
+    def take(self, b: int, j: int, token: int, k: int) -> tuple[int, float, list[tuple[int, float]]]:
+        i = self.where[(b, j)]
+        lp = float(self.raw[i, token] - self.lse[i])
+        return token, lp, list(zip(self.top_ids[i, :k].tolist(), self.top_lp[i, :k].tolist()))

@@ -1,0 +1,192 @@
+"""Structured outputs and the processing seam (grammars, penalties, logit bias, min_tokens, logprobs) under
+speculation: greedy speculative output is the plain output under the same grammar and penalties, on dense and
+hybrid targets, with the draft, suffix matches and grammar-forced tokens proposing; sampled rows follow the
+grammar-masked, penalised distribution exactly (χ² on the joint law of three tokens, against an exact law computed
+here with xgrammar's own matcher and the penalty formulas written out); logprobs of a speculative run are a plain
+run's."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import JoiningScriptedDraft, random_mistakes, token_prompts
+from test_generate import CHEAP, WIDE, _chi2_pvalue, _random_dspine
+
+from dspine import generate
+from dspine.decoding.grammar import Grammars
+
+xgrammar = pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"},
+                   "tags": {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "maxItems": 3}},
+    "required": ["kind", "ok", "tags"],
+}
+
+
+def byte_grammars(vocab: int = 256) -> Grammars:
+    """A tokenizer for the tiny byte-vocabulary test models: id i is byte i, id 0 the stop token."""
+    words = ["</s>"] + [bytes([i]).decode("latin-1") for i in range(1, vocab)]
+    info = xgrammar.TokenizerInfo(words, vocab_type=xgrammar.VocabType.RAW, vocab_size=vocab, stop_token_ids=[0])
+    return Grammars(info, lambda s: list(s.encode("latin-1")), vocab)
+
+
+def _json_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that show records of the schema's shape, so suffix matches have something to copy."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        rec = json.dumps({"kind": ["alpha", "beta", "gamma"][i % 3], "ok": bool(i % 2), "tags": ["x", "yy"][: i % 3]})
+        noise = torch.randint(1, 128, (5,), generator=g).tolist()
+        out.append(noise + list(rec.encode()) + noise)
+    return out
+
+
+@pytest.fixture(params=["llama", "qwen3", "hybrid"])
+def target(request, llama_target, qwen3_target, hybrid_target):
+    return {"llama": llama_target, "qwen3": qwen3_target, "hybrid": hybrid_target}[request.param]
+
+
+def test_greedy_under_a_schema_is_plain_with_every_proposer(target):
+    from jsonschema import validate
+
+    grammar = byte_grammars().get("json_schema", json.dumps(SCHEMA))
+    prompts = _json_prompts(6, seed=1)
+    kw = dict(max_new_tokens=70, stop_token_ids=[0], grammar=grammar)
+    plain = generate(target, None, prompts, **kw)
+    done = [bytes(o.token_ids[:-1]).decode() for o in plain if o.finish_reason == "stop"]
+    assert done, "some rows end their JSON"
+    for text in done:  # every finished row is a valid record (a reader we did not write)
+        validate(json.loads(text), SCHEMA)
+    spec = generate(target, _random_dspine(target, 4, seed=2), prompts, verify="cost", cost=CHEAP, prices="static",
+                    proposers="auto", batch_size=3, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
+    st = [s.stats for s in spec]
+    assert sum(s.forced_accepted for s in st) > 0  # the grammar's forced tokens were proposed and kept
+    assert all(s.forced_accepted <= s.forced_proposed for s in st)
+
+
+def test_a_draft_that_breaks_the_grammar_is_cut_and_changes_nothing(llama_target):
+    """A scripted draft proposing bytes the grammar refuses: the walk ends each verify at the first refused token
+    (its slots are never computed), greedy output stays the plain output."""
+    grammar = byte_grammars().get("regex", "[a-c]{2,6}(,[0-9]{1,3}){0,4}")
+    prompts = token_prompts(4, 128, seed=5)
+    kw = dict(max_new_tokens=30, stop_token_ids=[0], grammar=grammar)
+    plain = generate(llama_target, None, prompts, **kw)
+    for rate in (0.0, 0.5, 1.0):
+        draft = JoiningScriptedDraft(prompts, [p.token_ids for p in plain], block_size=4,
+                                     mistake=random_mistakes(9, rate))
+        spec = generate(llama_target, draft, prompts, verify="fixed", batch_size=2, **kw)
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+
+
+def test_penalties_bias_and_min_tokens_greedy_equals_plain(target):
+    prompts = token_prompts(5, target.vocab_size, seed=3)
+    prompts = [p + p for p in prompts]  # text worth repeating: suffix matches propose it
+    kw = dict(max_new_tokens=28, stop_token_ids=[7], presence_penalty=[0.0, 0.7, 0.0, 1.5, 0.3],
+              frequency_penalty=[0.0, 0.0, 0.9, 0.4, 0.3], repetition_penalty=[1.0, 1.0, 1.3, 1.0, 1.5],
+              logit_bias=[{}, {5: 2.0}, {}, {9: -100.0}, {11: 1.0}], min_tokens=[0, 0, 10, 0, 20])
+    plain = generate(target, None, prompts, **kw)
+    for o, m in zip(plain, kw["min_tokens"]):
+        assert 7 not in o.token_ids[:m]
+    spec = generate(target, _random_dspine(target, 4, seed=4), prompts, verify="cost", cost=CHEAP, prices="static",
+                    proposers="auto", batch_size=2, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.verify_steps for s in spec) > 0
+    assert all(9 not in o.token_ids for o in plain[3:4])  # a -100 bias never lets the id through greedily
+
+
+def test_logprobs_of_a_speculative_run_are_a_plain_runs(llama_target):
+    prompts = [p + p for p in token_prompts(4, 256, seed=6)]
+    kw = dict(max_new_tokens=16, logprobs=3, temperature=[0.0, 0.8, 0.0, 1.0], seed=[1, 2, 3, 4])
+    plain = generate(llama_target, None, prompts, **kw)
+    spec = generate(llama_target, _random_dspine(llama_target, 4, seed=5), prompts, verify="cost", cost=CHEAP,
+                    prices="static", proposers="auto", batch_size=3, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.verify_steps for s in spec) > 0
+    for s, p, prompt in zip(spec, plain, prompts):
+        assert s.logprobs == p.logprobs  # bit-equal: the kernels are batch invariant
+        assert len(p.logprobs) == len(p.token_ids)
+        # and they are the model's own: log-softmax of its raw logits at each position (an independent forward)
+        raw = llama_target.score(torch.tensor([prompt + p.token_ids]))[0, len(prompt) - 1 : -1].log_softmax(-1)
+        for (tok, lp, top), row, t in zip(p.logprobs, raw, p.token_ids):
+            assert tok == t and lp == pytest.approx(float(row[t]), abs=1e-4)
+            assert [i for i, _ in top] == row.topk(3).indices.tolist()
+
+
+# -- the exact law under a grammar and penalties ---------------------------------------------------------------
+
+LETTERS = "abcdefghijklmno"  # ids 0..14; id 15 is the stop token
+
+
+def letter_grammars(vocab: int = 16) -> Grammars:
+    words = list(LETTERS) + ["</s>"]
+    info = xgrammar.TokenizerInfo(words, vocab_type=xgrammar.VocabType.RAW, vocab_size=vocab, stop_token_ids=[15])
+    return Grammars(info, lambda s: [LETTERS.index(c) for c in s], vocab)
+
+
+def _allowed(grammar, prefix: list[int], vocab: int) -> torch.Tensor:
+    """The grammar's allowed ids after ``prefix``, from a fresh xgrammar matcher (bool [V])."""
+    m = grammar.matcher()
+    for t in prefix:
+        assert m.accept_token(t)
+    mask = xgrammar.allocate_token_bitmask(1, vocab)
+    m.fill_next_token_bitmask(mask, 0)
+    return torch.tensor([bool((int(mask[0, i // 32]) >> (i % 32)) & 1) for i in range(vocab)])
+
+
+def _penalised(logits: torch.Tensor, prompt: list[int], out: list[int], pres: float, freq: float, rep: float):
+    x = logits.clone()
+    for t in set(prompt) | set(out):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t in set(out):
+        x[t] -= pres + freq * out.count(t)
+    return x
+
+
+def _exact_joint3(target, prompt, grammar, pres, freq, rep):
+    V = target.vocab_size
+    law = torch.zeros(V, V, V, dtype=torch.float64)
+
+    def dist(out):
+        logits = target.score(torch.tensor([prompt + out]))[0, -1].double()
+        x = _penalised(logits, prompt, out, pres, freq, rep)
+        x[~_allowed(grammar, out, V)] = -math.inf
+        return x.softmax(-1)
+
+    p1 = dist([])
+    for a in torch.nonzero(p1 > 0).flatten().tolist():
+        p2 = dist([a])
+        for b in torch.nonzero(p2 > 0).flatten().tolist():
+            law[a, b] = p1[a] * p2[b] * dist([a, b])
+    return law.flatten()
+
+
+@pytest.mark.parametrize("pen", [(0.0, 0.0, 1.0), (0.6, 0.4, 1.4)], ids=["grammar", "grammar+penalties"])
+def test_sampled_joint_of_three_tokens_under_a_grammar_matches_the_exact_law(small_vocab_target, pen):
+    """Sampled rows under a regex whose second token is forced, with penalties: suffix matches and forced tokens
+    propose (point masses), greedy neighbours verify the draft's block, rows join freed slots. The joint law of
+    three sampled tokens is the exact grammar-masked, penalised law."""
+    grammar = letter_grammars().get("regex", "[a-e]b[a-f][a-o]*")
+    prompt = [0, 1, 2, 0, 1, 3, 0, 1, 2, 0, 1]
+    exact = _exact_joint3(small_vocab_target, prompt, grammar, *pen)
+    n, k = 12000, 1000
+    outs = generate(small_vocab_target, _random_dspine(small_vocab_target, 4, seed=6), [prompt] * (n + k),
+                    max_new_tokens=3, temperature=[1.0] * n + [0.0] * k, seed=list(range(n + k)), verify="cost",
+                    cost=WIDE, prices="static", proposers="auto", batch_size=13, grammar=grammar, stop_token_ids=[15],
+                    presence_penalty=pen[0], frequency_penalty=pen[1], repetition_penalty=pen[2])
+    V = small_vocab_target.vocab_size
+    counts = torch.zeros(V**3, dtype=torch.long)
+    for o in outs[:n]:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    support = exact > 0  # the grammar leaves few sequences: nothing may fall outside them
+    assert int(counts[~support].sum()) == 0
+    assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
+    assert sum(o.stats.forced_accepted for o in outs[:n]) > n // 4  # the forced 'b' was proposed and kept
+    assert all(o.token_ids[1] == 1 for o in outs)  # and the grammar holds on every row
