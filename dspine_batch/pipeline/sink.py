@@ -322,6 +322,8 @@ class PartSink:
             "row_id": [o.row_id for o in owners],
             "sample_index": [r.sample_index for r in rs],
             "output": [r.text if ok else None for r, ok in zip(rs, oks, strict=True)],
+            "reasoning_content": [r.reasoning_content if ok else None for r, ok in zip(rs, oks, strict=True)],
+            "tool_calls": [r.tool_calls if ok else None for r, ok in zip(rs, oks, strict=True)],
             "finish_reason": [r.finish_reason if ok else "error" for r, ok in zip(rs, oks, strict=True)],
             "status": ["ok" if ok else "error" for ok in oks],
             "error": [r.error for r in rs],
@@ -337,6 +339,8 @@ class PartSink:
             "accept_length": [r.accept_length for r in rs],
             "accept_histogram": [r.accept_histogram for r in rs],
             **{name: [getattr(r, name) for r in rs] for name in SOURCE_STATS},
+            **_structure_columns(owners),
+            "logprobs": [r.logprobs if ok else None for r, ok in zip(rs, oks, strict=True)],
             "latency_s": [r.latency_s for r in rs],
             "attempt": [self.attempt] * len(rs),
         }
@@ -372,3 +376,10 @@ class PartSink:
         self._since = time.monotonic()
         self.on_commit(self.stats)
         return True
+
+
+def _structure_columns(owners: list[WorkItem]) -> dict[str, list[Any]]:
+    """``structure_kind`` / ``structure`` of each output row: its row's constraint (all samples share it)."""
+    structures = [o.requests[0].params.structure if o.requests else None for o in owners]
+    return {"structure_kind": [s.kind if s is not None else None for s in structures],
+            "structure": [s.spec if s is not None else None for s in structures]}

@@ -23,13 +23,10 @@ from typing import Any
 import pyarrow as pa
 
 from dspine_batch.errors import FatalError, RowError, UsageError
+from dspine_batch.pipeline.requests import IGNORED_BODY_KEYS, ROW_FIELDS
 
 BATCH_ROWS = 4096
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".json", ".ndjson.gz", ".ndjson.zst")
-OPENAI_PARAM_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-                     "stop": "stop"}
-OPENAI_IGNORED_KEYS = {"model", "stream", "user", "n", "metadata", "store"}
 UTF8_BOM = b"\xef\xbb\xbf"
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
 _NOT_UTF8 = "not valid UTF-8"
@@ -307,7 +304,8 @@ def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
                 all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
     if first_bad is None:
         return []
-    where = f"first: row {first_bad.row}, {first_bad.message}"
+    field = f", field {first_bad.field!r}:" if first_bad.field else ","
+    where = f"first: row {first_bad.row}{field} {first_bad.message}"
     if all_utf8:
         raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
                          "e.g. iconv -f LATIN1 -t UTF-8")
@@ -331,9 +329,12 @@ def arrow_schema(inp: InputFile) -> pa.Schema | None:
     return None
 
 
-def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS) -> Iterator[RowBatch]:
+def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS,
+              needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
+    """The rows of one input. ``needles``: JSON Lines rows whose bytes contain none of them are skipped
+    unparsed (a quick pre-filter for scans that only care about rows mentioning some keys)."""
     if inp.kind in ("jsonl", "openai"):
-        yield from _iter_jsonl(inp, batch_rows)
+        yield from _iter_jsonl(inp, batch_rows, needles)
     elif inp.kind == "parquet":
         yield from _iter_parquet(inp, columns, batch_rows)
     elif inp.kind == "arrow":
@@ -345,11 +346,13 @@ def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH
 
 
 def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | None = None,
-                batch_rows: int = BATCH_ROWS) -> Iterator[RowBatch]:
-    """All rows of all inputs in a stable order, at most ``limit`` rows in total."""
+                batch_rows: int = BATCH_ROWS, needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
+    """All rows of all inputs in a stable order, at most ``limit`` rows in total (``needles``: see
+    ``iter_file``; not with a limit, which counts the rows it skips)."""
+    assert needles is None or limit is None
     left = limit if limit is not None else -1
     for inp in files:
-        for batch in iter_file(inp, columns, batch_rows):
+        for batch in iter_file(inp, columns, batch_rows, needles):
             if left >= 0:
                 if left == 0:
                     return
@@ -361,7 +364,7 @@ def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | 
             return
 
 
-def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
+def _iter_jsonl(inp: InputFile, batch_rows: int, needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
@@ -371,6 +374,8 @@ def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
             for index, line in enumerate(_jsonl_lines(f)):
                 if not line.strip():
                     continue  # blank lines are not rows (their line number is still counted)
+                if needles is not None and not any(n in line for n in needles):
+                    continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
                 if len(rows) >= batch_rows:
@@ -398,7 +403,8 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
 
 
 def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | RowError:
-    """Flatten an OpenAI batch line into our row shape: custom_id, messages|prompt, allow-listed params."""
+    """Flatten an OpenAI batch line into our row shape: custom_id, messages|prompt, and the body's request fields
+    under their own names (``requests`` reads them; its messages name them ``body.<key>``)."""
     body = obj.get("body")
     if "custom_id" not in obj:
         return RowError(name, index, "custom_id", "missing (OpenAI batch line)")
@@ -406,15 +412,15 @@ def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | 
         return RowError(name, index, "body", "missing or not an object (OpenAI batch line)")
     row: dict[str, Any] = {"custom_id": obj["custom_id"]}
     for key, value in body.items():
-        if key in ("messages", "prompt"):
+        if key in ("messages", "prompt") or key in _BODY_FIELDS:
             row[key] = value
-        elif key in OPENAI_PARAM_KEYS:
-            row[OPENAI_PARAM_KEYS[key]] = value
-        elif key not in OPENAI_IGNORED_KEYS:
-            return RowError(name, index, f"body.{key}", "unsupported request field")
-    if body.get("n") not in (None, 1):
-        return RowError(name, index, "body.n", "use --num-samples instead of per-row n")
+        elif key not in IGNORED_BODY_KEYS:
+            return RowError(name, index, f"body.{key}", "not a request field dspine-batch supports (README, "
+                            "'Requests', lists them)")
     return row
+
+
+_BODY_FIELDS = frozenset(ROW_FIELDS)
 
 
 def _rows_of(inp: InputFile, indices: Sequence[int], batch: pa.RecordBatch) -> list[dict[str, Any] | RowError]:

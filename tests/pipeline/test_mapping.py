@@ -11,6 +11,7 @@ from dspine_batch.engines.base import SamplingParams
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.mapping import MapSettings, RowMapper, resolve_columns
+from dspine_batch.pipeline.requests import Defaults, RowOptions
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
 
 
@@ -18,7 +19,8 @@ def _map(tmp_path, rows, raw=None, keep=(), samples=1, system=None, **eng):
     files = resolve_inputs([str(write_jsonl(tmp_path / "in.jsonl", rows, raw))])
     cols = resolve_columns(files, None, None, None, list(keep), True)
     engine = ScriptedEngine(**eng)
-    mapper = RowMapper(MapSettings(cols, SamplingParams(max_new_tokens=16), samples, system, True), engine.tokenizer,
+    defaults = Defaults(SamplingParams(max_new_tokens=16), RowOptions(n=samples), {})
+    mapper = RowMapper(MapSettings(cols, defaults, system, True, engine.name, engine.features), engine.tokenizer,
                        engine.max_context)
     out = []
     for b in iter_inputs(files, cols.read_columns()):
