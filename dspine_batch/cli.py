@@ -128,6 +128,7 @@ def cli() -> None:
     dspine-batch generate INPUT... -o OUTDIR   run (or resume) a job
     dspine-batch status OUTDIR                 done / failed / remaining
     dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
+    dspine-batch export OUTDIR -o FILE         OpenAI batch results file (JSONL)
     dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
     dspine-batch slurm JOB.toml --submit       Slurm array job + finalize (docs/slurm.md)
     """
@@ -295,6 +296,27 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     if plot:
         plot_report(summary, plot)
         click.echo(f"plot written to {plot}", err=True)
+
+
+@cli.command()
+@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["openai"]), default="openai", show_default=True,
+              help="openai: the OpenAI Batch API output shape (one line per input row, samples as choices).")
+@click.option("-o", "--output", "output", required=True, metavar="FILE", help="Results file, or - for stdout.")
+def export(outdir: str, fmt: str, output: str) -> None:
+    """Write the committed rows of OUTDIR as an OpenAI batch results file (JSONL): `custom_id` is the row id,
+    `response.body` a chat.completion (content, reasoning_content, tool_calls, logprobs, finish_reason,
+    usage), `error` for rows that failed. Streams: memory does not grow with the number of rows.
+
+    \b
+    Example:
+      dspine-batch export out/ --format openai -o results.jsonl
+    """
+    from dspine_batch.ops.export import export_openai
+
+    stats = export_openai(outdir, output)
+    click.echo(f"dspine-batch: {stats.lines:,} lines ({stats.ok:,} ok, {stats.errors:,} errors) -> {output}",
+               err=True)
 
 
 @cli.command()

@@ -211,7 +211,7 @@ def generate(cfg: GenerateConfig) -> int:
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
                               cfg.row_params)  # before the model loads: a typo costs a second, not a minute
     job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard), job_request(cfg.as_dict()))
-    _check_structures(job)  # every distinct grammar compiled once, before the model loads
+    base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
     prepare_outdir(job.outdir)
     shutdown, lock = Shutdown(cfg.grace_seconds), Lock(job.outdir, job.tag)
     try:
@@ -222,6 +222,7 @@ def generate(cfg: GenerateConfig) -> int:
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
         log(f"{found}; output -> {job.outdir}")
+        _check_row_structures(job, base)  # every distinct grammar compiled once, before the model loads
         _check_free_space(job, total)
         t0 = time.monotonic()
         log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft})")
@@ -239,16 +240,21 @@ def generate(cfg: GenerateConfig) -> int:
         shutdown.restore()
 
 
-def _check_structures(job: Job) -> None:
-    """The job's structure and every row's own, checked with xgrammar now (``structures``); rows whose field is
-    unusable become error rows (one warning line), or, with --on-error fail, the job is refused."""
-    cols = job.columns
-    if cols.row_params and job.files[0].kind not in ("jsonl", "openai"):
-        log(f"per-row request fields from columns: {', '.join(cols.row_params)}")
+def _check_job_structure(job: Job) -> Defaults:
+    """The job-wide request checked, its structure compiled with xgrammar; returns it (over default sampling)."""
     base = job_defaults(job, SamplingParams(max_new_tokens=job.cfg.max_new_tokens))
     s = base.params.structure
     if s is not None and (problem := job.structures.problem(s)):
         raise UsageError(f"{base.labels['structure']}: {problem}")
+    return base
+
+
+def _check_row_structures(job: Job, base: Defaults) -> None:
+    """Every row's own structure checked now (``structures.prescan``): rows whose field is unusable become error
+    rows (one warning line), or, with --on-error fail, the job is refused."""
+    cols = job.columns
+    if cols.row_params and job.files[0].kind not in ("jsonl", "openai"):
+        log(f"per-row request fields from columns: {', '.join(cols.row_params)}")
     t0 = time.monotonic()
     found = prescan(job.files, cols.row_params, job.cfg.limit, base, job.structures)
     if found.rows or found.problems:

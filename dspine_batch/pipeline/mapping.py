@@ -196,6 +196,7 @@ class RowMapper:
         self._has_keep = bool(settings.columns.keep)
         self._row_params = bool(settings.columns.row_params)
         self._stop_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._body_keys = frozenset(ROW_FIELDS) | {"custom_id", "messages", "prompt"}
 
     def build(self, row_id: str, file: InputFile, index: int, row: dict[str, Any] | RowError,
               id_problem: str | None, row_hash: int = 0) -> WorkItem:
@@ -208,6 +209,10 @@ class RowMapper:
         defaults = self.settings.defaults
         params, options = defaults.params, defaults.options
         try:
+            if file.kind == "openai" and not self._body_keys.issuperset(row):
+                key = next(k for k in row if k not in self._body_keys)
+                raise RowError(file.name, index, f"body.{key}", "not a request field dspine-batch supports "
+                               "(README, 'Requests', lists them)")
             if self._row_params:
                 params, options = self._request(file, index, row)
             ids = self._prompt_ids(file, index, row, options)

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from dspine_batch.errors import FatalError, RowError, UsageError
-from dspine_batch.pipeline.requests import IGNORED_BODY_KEYS, ROW_FIELDS
+from dspine_batch.pipeline.requests import IGNORED_BODY_KEYS
 
 BATCH_ROWS = 4096
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".json", ".ndjson.gz", ".ndjson.zst")
@@ -403,24 +403,17 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
 
 
 def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | RowError:
-    """Flatten an OpenAI batch line into our row shape: custom_id, messages|prompt, and the body's request fields
-    under their own names (``requests`` reads them; its messages name them ``body.<key>``)."""
+    """Flatten an OpenAI batch line into our row shape: custom_id, and the body's keys under their own names
+    (``requests`` reads the request fields and names them ``body.<key>``; the mapper refuses the others, so an
+    error row still carries its custom_id)."""
     body = obj.get("body")
     if "custom_id" not in obj:
         return RowError(name, index, "custom_id", "missing (OpenAI batch line)")
     if not isinstance(body, dict):
         return RowError(name, index, "body", "missing or not an object (OpenAI batch line)")
-    row: dict[str, Any] = {"custom_id": obj["custom_id"]}
-    for key, value in body.items():
-        if key in ("messages", "prompt") or key in _BODY_FIELDS:
-            row[key] = value
-        elif key not in IGNORED_BODY_KEYS:
-            return RowError(name, index, f"body.{key}", "not a request field dspine-batch supports (README, "
-                            "'Requests', lists them)")
+    row = {k: v for k, v in body.items() if k not in IGNORED_BODY_KEYS and k != "custom_id"}
+    row["custom_id"] = obj["custom_id"]
     return row
-
-
-_BODY_FIELDS = frozenset(ROW_FIELDS)
 
 
 def _rows_of(inp: InputFile, indices: Sequence[int], batch: pa.RecordBatch) -> list[dict[str, Any] | RowError]:
