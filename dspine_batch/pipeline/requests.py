@@ -378,6 +378,10 @@ def _file_or_inline(path: str, name: str, as_json: bool) -> Any:
         raise UsageError(f"{flag(name)} {path}: not valid JSON ({e})") from e
 
 
+def _file_label(flag_name: str, value: str) -> str:
+    return flag_name if value.lstrip().startswith(("{", "[")) else f"{flag_name} {value}"
+
+
 def job_request(settings: dict[str, Any]) -> RowRequest:
     """The job-wide request fields from the resolved settings (``GenerateConfig``), checked before the model
     loads; a problem is a ``UsageError`` naming the flag (and file)."""
@@ -393,7 +397,7 @@ def job_request(settings: dict[str, Any]) -> RowRequest:
         values["response_format"] = settings["response_format"]
     if settings.get("json_schema"):
         values["guided_json"] = _file_or_inline(settings["json_schema"], "guided_json", True)
-        labels["guided_json"] = f"--json-schema {settings['json_schema']}"
+        labels["guided_json"] = _file_label("--json-schema", settings["json_schema"])
     for name in ("regex", "choice"):
         if settings.get(name):
             values[name] = list(settings[name]) if name == "choice" else settings[name]
@@ -402,7 +406,7 @@ def job_request(settings: dict[str, Any]) -> RowRequest:
         labels["grammar"] = f"--grammar {settings['grammar']}"
     if settings.get("tools"):
         values["tools"] = _file_or_inline(settings["tools"], "tools", True)
-        labels["tools"] = f"--tools {settings['tools']}"
+        labels["tools"] = _file_label("--tools", settings["tools"])
     choice = settings.get("tool_choice") or "auto"
     values["tool_choice"] = choice if choice in TOOL_CHOICES else {"type": "function", "function": {"name": choice}}
     if settings.get("chat_template_kwargs"):
