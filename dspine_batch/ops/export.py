@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import UsageError
@@ -136,7 +137,9 @@ def _choice(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _logprob(e: dict[str, Any], top: bool) -> dict[str, Any]:
-    out = {"token": e["token"], "logprob": float(e["logprob"]), "bytes": list(e["token"].encode("utf-8"))}
+    # stored as float32: written as float32's shortest decimal (-0.616, not -0.6159999966621399)
+    out = {"token": e["token"], "logprob": float(str(np.float32(e["logprob"]))),
+           "bytes": list(e["token"].encode("utf-8"))}
     if top:
         out["top_logprobs"] = [_logprob(t, False) for t in e.get("top_logprobs") or []]
     return out

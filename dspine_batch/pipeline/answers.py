@@ -39,9 +39,11 @@ class Answers:
         self._tokens: dict[int, str] = {}
 
     def run(self, finished: Iterator[Finished]) -> Iterator[Finished]:
+        reasoning = self.reasoning_parser is not None
         for item, results in finished:
+            tools = item.options is not None and item.options.parse_tools
             for r in results or ():
-                if r.error is None and r.text is not None:
+                if r.error is None and r.text is not None and (reasoning or tools or r.logprobs is not None):
                     self.apply(item.options, r)
             yield item, results
 

@@ -197,6 +197,8 @@ class RowMapper:
         self._row_params = bool(settings.columns.row_params)
         self._stop_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._body_keys = frozenset(ROW_FIELDS) | {"custom_id", "messages", "prompt"}
+        self._fields = frozenset(settings.columns.row_params)
+        self._seen: dict[tuple, tuple[Any, RowOptions]] = {}  # scalar request fields -> (params, options)
 
     def build(self, row_id: str, file: InputFile, index: int, row: dict[str, Any] | RowError,
               id_problem: str | None, row_hash: int = 0) -> WorkItem:
@@ -245,9 +247,28 @@ class RowMapper:
         """The row's request fields over the job's: its SamplingParams and options, every field checked, the
         engine's support included."""
         defaults = self.settings.defaults
-        values = {name: v for name in self.settings.columns.row_params if (v := row.get(name)) is not None}
+        fields = self._fields
+        if fields.isdisjoint(row):  # most rows of a plain prompt file: no request field at all
+            return defaults.params, defaults.options
+        values = {k: v for k, v in row.items() if v is not None and k in fields}
         if not values:
             return defaults.params, defaults.options
+        try:  # rows of one job mostly repeat the same scalar settings: parse each combination once
+            key = (file.kind == "openai", *((k, type(v), v) for k, v in values.items()))
+            hit = self._seen.get(key)
+        except TypeError:  # a list or an object among them: parsed every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        params, options = self._parse_request(file, index, values)
+        if key is not None:
+            if len(self._seen) >= 4096:
+                self._seen.clear()
+            self._seen[key] = (params, options)
+        return params, options
+
+    def _parse_request(self, file: InputFile, index: int, values: dict[str, Any]) -> tuple[Any, RowOptions]:
+        defaults = self.settings.defaults
 
         def fail(label: str, msg: str) -> RowError:
             return RowError(file.name, index, label, msg)
@@ -306,6 +327,8 @@ class RowMapper:
         try:
             if messages is None:
                 ids = self.tokenizer.encode(text)
+            elif not cols.messages and options.tools is None and not options.template_kwargs:
+                ids = self.tokenizer.render_chat(messages)  # the common case, without the tools machinery
             else:
                 ids = self.prompts.render(messages, options.tools, options.template_kwargs)
         except Exception as e:  # template errors are data errors: the row's content broke the template

@@ -74,6 +74,8 @@ def check_messages(name: str, index: int, field: str, value: Any) -> list[dict[s
             content = _join_parts(name, index, f"{where}.content", content)
             m = {**m, "content": content}
         calls = m.get("tool_calls")
+        if calls is None and "tool_calls" in m:
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -123,8 +125,7 @@ class PromptRenderer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                template_kwargs: dict[str, Any]) -> list[int]:
-        has_calls = any(m.get("tool_calls") for m in messages)
-        if (tools is None and not has_calls) or self.template_reads_tools():
+        if (tools is None and not any("tool_calls" in m for m in messages)) or self.template_reads_tools():
             extra = {"tools": tools} if tools is not None else {}
             return self.tokenizer.render_chat(messages, **extra, **template_kwargs)
         messages = [_plain(m) for m in messages]

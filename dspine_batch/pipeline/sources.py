@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -274,6 +275,22 @@ def _check_jsonl(path: str) -> None:
         raise UsageError(f"{path}: looks like a JSON array; dspine-batch reads JSON Lines (one object per line)")
 
 
+def mentions(inp: InputFile, pattern: re.Pattern[bytes], longest: int) -> bool:
+    """Whether a JSON Lines input's bytes match ``pattern`` anywhere (no match is ``longest`` bytes or more), read
+    in 1 MiB chunks: one regex pass, no JSON parsing, so a scan for a few keys costs almost nothing on inputs
+    that never mention them."""
+    tail = b""
+    try:
+        with _open_text_stream(inp.path) as f:
+            while chunk := f.read(1 << 20):
+                if pattern.search(tail + chunk):
+                    return True
+                tail = chunk[-longest:]
+    except _stream_errors() as e:
+        raise FatalError(f"{inp.name}: unreadable ({_short(e)})") from e
+    return False
+
+
 def _is_openai_batch(path: str) -> bool:
     try:
         with _open_text_stream(path) as f:
@@ -330,9 +347,9 @@ def arrow_schema(inp: InputFile) -> pa.Schema | None:
 
 
 def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS,
-              needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
-    """The rows of one input. ``needles``: JSON Lines rows whose bytes contain none of them are skipped
-    unparsed (a quick pre-filter for scans that only care about rows mentioning some keys)."""
+              needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+    """The rows of one input. ``needles``: JSON Lines rows whose bytes do not match are skipped unparsed (a
+    quick pre-filter for scans that only care about rows mentioning some keys)."""
     if inp.kind in ("jsonl", "openai"):
         yield from _iter_jsonl(inp, batch_rows, needles)
     elif inp.kind == "parquet":
@@ -346,7 +363,7 @@ def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH
 
 
 def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | None = None,
-                batch_rows: int = BATCH_ROWS, needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
+                batch_rows: int = BATCH_ROWS, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
     """All rows of all inputs in a stable order, at most ``limit`` rows in total (``needles``: see
     ``iter_file``; not with a limit, which counts the rows it skips)."""
     assert needles is None or limit is None
@@ -364,7 +381,7 @@ def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | 
             return
 
 
-def _iter_jsonl(inp: InputFile, batch_rows: int, needles: tuple[bytes, ...] | None = None) -> Iterator[RowBatch]:
+def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
@@ -374,7 +391,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: tuple[bytes, ...] | No
             for index, line in enumerate(_jsonl_lines(f)):
                 if not line.strip():
                     continue  # blank lines are not rows (their line number is still counted)
-                if needles is not None and not any(n in line for n in needles):
+                if needles is not None and needles.search(line) is None:
                     continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)

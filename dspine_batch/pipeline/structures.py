@@ -11,13 +11,14 @@ then asks the same ``StructureCheck``, so nothing is compiled twice.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from dspine_batch.engines.base import Structure
 from dspine_batch.engines.grammar import grammar_of
 from dspine_batch.errors import RowError
 from dspine_batch.pipeline.requests import STRUCTURE_FIELDS, Defaults, merge, parse_fields
-from dspine_batch.pipeline.sources import InputFile, iter_inputs
+from dspine_batch.pipeline.sources import InputFile, iter_inputs, mentions
 
 MAX_KNOWN = 100_000  # distinct structures remembered (a job with a schema per row must not grow without bound)
 STRUCTURE_KEYS = STRUCTURE_FIELDS + ("tools", "tool_choice")  # tool_choice may force a call: a schema
@@ -58,7 +59,10 @@ def prescan(files: list[InputFile], row_fields: tuple[str, ...], limit: int | No
     out = PrescanResult()
     if not keys:
         return out
-    needles = tuple(f'"{k}"'.encode() for k in keys)
+    needles = re.compile(b'"(?:' + b"|".join(re.escape(k.encode()) for k in keys) + b')"')
+    longest = max(len(k) for k in keys) + 2
+    if limit is None:  # (a limit counts every row, so every file is read then)
+        files = [f for f in files if f.kind not in ("jsonl", "openai") or mentions(f, needles, longest)]
     for batch in iter_inputs(files, list(keys), limit, needles=None if limit is not None else needles):
         openai = batch.file.kind == "openai"
         for index, row in zip(batch.indices, batch.rows, strict=True):

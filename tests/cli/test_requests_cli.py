@@ -199,3 +199,20 @@ def test_an_engine_without_a_feature_refuses_it_by_name(tmp_path, capsys):
     assert "field 'body.presence_penalty': not supported by the plain engine yet" in got["a"]["error"]
     assert "field 'body.logprobs': not supported by the plain engine yet" in got["c"]["error"]
     assert [r["sample_index"] for r in read_output(tmp_path / "a") if r["row_id"] == "b"] == [0, 1]
+
+
+def test_job_file_tables_and_env_set_the_request_fields(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(4))
+    job = tmp_path / "job.toml"
+    job.write_text(f'inputs = ["{src}"]\noutput = "{tmp_path / "a"}"\nchoice = ["yes", "no"]\nlogprobs = true\n'
+                   'top-logprobs = 2\nlogit_bias = {"5" = -1.5}\nchat_template_kwargs = {enable_thinking = false}\n'
+                   'tool-choice = "none"\n')
+    assert run_cli(["generate", "--config", str(job)]) == 0
+    got = read_output(tmp_path / "a")
+    assert {r["output"] for r in got} <= {"yes", "no"} and all(len(r["logprobs"][0]["top_logprobs"]) == 2
+                                                              for r in got)
+    request = json.loads((tmp_path / "a" / "_manifest.json").read_text())["fingerprint_fields"]["settings"]["request"]
+    assert request["logit_bias"] == [[5, -1.5]] and request["chat_template_kwargs"] == '{"enable_thinking":false}'
+    assert run_cli(["generate", str(src), "-o", str(tmp_path / "b")],
+                   env={"DSPINE_BATCH_RESPONSE_FORMAT": '{"type": "json_object"}'}) == 0
+    assert all(isinstance(json.loads(r["output"]), dict) for r in read_output(tmp_path / "b"))
