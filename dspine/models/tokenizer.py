@@ -89,6 +89,11 @@ class HFTokenizer:
                     **kwargs: Any) -> list[int]:
         return self.tok.encode(self.render(messages, tools=tools, **kwargs), add_special_tokens=False).ids
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (added tokens included)."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (``decode`` drops them)."""
         return self.tok.decode([token_id], skip_special_tokens=False)

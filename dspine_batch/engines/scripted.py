@@ -63,6 +63,10 @@ class ScriptedTokenizer:
     def token_text(self, token_id: int) -> str:
         return _letters([token_id])
 
+    @property
+    def vocab_size(self) -> int:
+        return CHAR_BASE + 0x110000  # letters below, then one id per Unicode code point
+
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
         return (EOS,)
 

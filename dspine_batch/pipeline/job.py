@@ -385,6 +385,10 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
         if feature not in features:
             what = "structure" if feature in STRUCTURE_KINDS else feature
             raise UsageError(f"{defaults.labels.get(what, what)}: not supported by the {engine.name} engine yet")
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab and defaults.params.logit_bias and defaults.params.logit_bias[-1][0] >= vocab:
+        raise UsageError(f"--logit-bias: token id {defaults.params.logit_bias[-1][0]} is not in the model's "
+                         f"vocabulary ({vocab} tokens)")
     if not use_chat and (defaults.options.tools is not None or defaults.options.template_kwargs):
         raise UsageError("--tools / --chat-template-kwargs need a chat template (not --raw)")
     settings = MapSettings(job.columns, defaults, cfg.system_prompt, use_chat, engine.name, features)

@@ -280,6 +280,10 @@ class RowMapper:
         if "stop" in over:
             over["stop_token_ids"] = self._stop_ids(over["stop"])
         params = replace(defaults.params, **over)
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if "logit_bias" in over and vocab and params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise fail(labels["logit_bias"], f"token id {params.logit_bias[-1][0]} is not in the model's "
+                       f"vocabulary ({vocab} tokens)")
         for feature in params.features():
             if feature not in self.settings.features:
                 what = "structure" if feature in STRUCTURE_KINDS else feature

@@ -82,6 +82,7 @@ def test_equal_structures_spelled_differently_are_one(tmp_path):
     ({"logit_bias": {"a": 1}}, "body.logit_bias", "token id 'a'"),
     ({"logit_bias": {"5": 101}}, "body.logit_bias", "[-100, 100]"),
     ({"n": 0}, "body.n", "1..128"),
+    ({"logit_bias": {"99999999": 1}}, "body.logit_bias", "not in the model's vocabulary"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "body.max_completion_tokens", "disagrees with body.max_tokens"),
     ({"response_format": {"type": "xml"}}, "body.response_format.type", "json_object or json_schema"),
     ({"response_format": {"type": "json_schema"}}, "body.response_format.json_schema", "expected an object"),
