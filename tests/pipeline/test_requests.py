@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import write_jsonl
+from helpers import map_rows, write_jsonl
 
 from dspine_batch.engines.base import SamplingParams, Structure
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.mapping import MapSettings, RowMapper, resolve_columns
 from dspine_batch.pipeline.requests import Defaults, RowOptions, identity, job_request, merge
-from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
+from dspine_batch.pipeline.sources import resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -34,12 +34,7 @@ def _map(tmp_path, rows, openai=False, features=None, defaults=None, samples=1):
     settings = MapSettings(cols, d, None, True, "reference" if features is not None else engine.name,
                            engine.features if features is None else features)
     mapper = RowMapper(settings, engine.tokenizer, engine.max_context, warn=lambda m: None)
-    out = []
-    for b in iter_inputs(files, cols.read_columns()):
-        ids, problems, _ = mapper.assign_ids(b)
-        out += [mapper.build(i, b.file, idx, r, p) for i, idx, r, p in zip(ids, b.indices, b.rows, problems,
-                                                                            strict=True)]
-    return out
+    return map_rows(mapper, files, cols)
 
 
 def test_openai_body_fields_become_params_and_options(tmp_path):
