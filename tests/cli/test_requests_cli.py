@@ -216,3 +216,19 @@ def test_job_file_tables_and_env_set_the_request_fields(tmp_path):
     assert run_cli(["generate", str(src), "-o", str(tmp_path / "b")],
                    env={"DSPINE_BATCH_RESPONSE_FORMAT": '{"type": "json_object"}'}) == 0
     assert all(isinstance(json.loads(r["output"]), dict) for r in read_output(tmp_path / "b"))
+
+
+def test_parquet_columns_are_request_fields(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["x", "y"], "choice": [["red", "blue"], None],
+                             "response_format": [None, json.dumps({"type": "json_schema",
+                                                                   "json_schema": {"schema": SCHEMA}})],
+                             "n": [2, None]}), src)
+    assert run_cli(["generate", str(src), "-o", str(tmp_path / "out")]) == 0
+    assert "per-row request fields from columns: response_format, choice, n" in capsys.readouterr().err
+    got = read_output(tmp_path / "out")
+    assert [(r["row_id"], r["sample_index"]) for r in got] == [("a", 0), ("a", 1), ("b", 0)]
+    assert got[0]["output"] in ("red", "blue")
+    jsonschema.validate(json.loads(got[2]["output"]), SCHEMA)
