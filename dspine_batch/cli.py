@@ -72,9 +72,14 @@ def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) 
                 raise UsageError(f"--config {value}: unknown key {key!r}{hint}; the keys are: {', '.join(known)}")
         if isinstance(data.get("engine_args"), dict):
             data["engine_arg"] = [f"{k}={v}" for k, v in data.pop("engine_args").items()]
-        for key in ("keep_columns", "stop"):
+        for key in ("keep_columns", "stop", "choice"):
             if isinstance(data.get(key), str):
                 data[key] = [data[key]]
+        for key in ("response_format", "chat_template_kwargs", "tools", "json_schema"):  # tables: inline JSON
+            if isinstance(data.get(key), dict | list):
+                data[key] = json.dumps(data[key])
+        if isinstance(data.get("logit_bias"), dict):
+            data["logit_bias"] = [f"{k}={v}" for k, v in data["logit_bias"].items()]
         if "inputs" in data or "input" in data:
             ctx.meta["config_inputs"] = data.pop("inputs", None) or data.pop("input")
         if "output" in data:
@@ -91,6 +96,7 @@ Examples:
   dspine-batch generate data/*.parquet -o out/ --prompt-column question --id-column qid \\
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
   dspine-batch generate requests.jsonl -o out/           # OpenAI batch JSONL (custom_id + body)
+  dspine-batch generate facts.jsonl -o out/ --json-schema person.schema.json   # every output a valid record
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
@@ -98,8 +104,11 @@ Examples:
 \b
 Rows: the prompt column (default `prompt`; `messages` when there is no `prompt`) is rendered with the
 model's chat template unless --raw. Row ids come from --id-column (default `id` if present), else
-<file>:<row-index>. Columns named max_new_tokens, temperature, top_p, top_k, seed or stop override the
-sampling settings for their row (--no-row-params to ignore them).
+<file>:<row-index>. Columns (or OpenAI body keys) named like request fields override the job's settings for
+their row (--no-row-params to ignore them): max_new_tokens / max_tokens / max_completion_tokens, temperature,
+top_p, top_k, seed, stop, n, logprobs, top_logprobs, presence_penalty, frequency_penalty, repetition_penalty,
+min_tokens, logit_bias, response_format, regex, choice, grammar (and vLLM's guided_json/regex/choice/grammar),
+tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests".
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
@@ -119,6 +128,7 @@ def cli() -> None:
     dspine-batch generate INPUT... -o OUTDIR   run (or resume) a job
     dspine-batch status OUTDIR                 done / failed / remaining
     dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
+    dspine-batch export OUTDIR -o FILE         OpenAI batch results file (JSONL)
     dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
     dspine-batch slurm JOB.toml --submit       Slurm array job + finalize (docs/slurm.md)
     """
@@ -148,7 +158,36 @@ def cli() -> None:
 @env_option("--top-k", type=click.IntRange(min=-1), help="0 or -1 = off.")
 @env_option("--seed", type=int, help="Run seed; each (row, sample) gets its own seed derived from it.")
 @env_option("--stop", multiple=True, help="Stop string (repeatable).")
-@env_option("--num-samples", type=click.IntRange(min=1), help="Samples per row.")
+@env_option("--num-samples", type=click.IntRange(min=1), help="Samples per row (a row's own `n` overrides it).")
+@env_option("--logprobs/--no-logprobs", "logprobs", show_default=False,
+            help="Store each generated token's log-probability (column `logprobs`): the log-softmax of the model's "
+                 "own logits at that position, before temperature, top-k/top-p, penalties or a grammar, as OpenAI "
+                 "and vLLM report them by default.")
+@env_option("--top-logprobs", type=click.IntRange(0, 20), help="Also the N most likely tokens at each position "
+            "(turns on --logprobs).")
+@env_option("--presence-penalty", type=FiniteFloatRange(-2, 2))
+@env_option("--frequency-penalty", type=FiniteFloatRange(-2, 2))
+@env_option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True), help="1 = off.")
+@env_option("--min-tokens", type=click.IntRange(min=0), help="Generate at least this many tokens before a stop.")
+@env_option("--logit-bias", "logit_bias", type=KeyValue(), multiple=True, metavar="TOKEN_ID=BIAS",
+            help="Add BIAS (-100..100) to a token's logit (repeatable).")
+@env_option("--response-format", metavar="JSON", help='OpenAI\'s response_format for every row, e.g. '
+            '\'{"type": "json_object"}\'.')
+@env_option("--json-schema", metavar="FILE", help="Every output follows this JSON Schema (a file, or inline JSON).")
+@env_option("--regex", help="Every output matches this regular expression (xgrammar's syntax).")
+@env_option("--choice", multiple=True, help="Every output is one of these strings (repeatable).")
+@env_option("--grammar", metavar="FILE", help="Every output follows this EBNF/GBNF grammar (root rule `root`).")
+@env_option("--tools", metavar="FILE", help="OpenAI tools list (JSON file, or inline JSON) for every row, rendered "
+            "by the chat template (or as a Hermes-style system block when the template ignores tools).")
+@env_option("--tool-choice", metavar="none|auto|required|NAME",
+            help="none: tools shown, calls not parsed; auto: calls parsed; required / a function's name: the "
+                 "output is forced to be a call (a JSON schema: needs an engine with structured outputs).")
+@env_option("--chat-template-kwargs", metavar="JSON",
+            help='Variables for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3).')
+@env_option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek-r1"]),
+            help="Move the reasoning (<think>...</think>) out of `output` into `reasoning_content`.")
+@env_option("--tool-call-parser", type=click.Choice(["hermes", "qwen3_coder"]),
+            help="Move tool calls out of `output` into `tool_calls` (OpenAI's shape); finish_reason tool_calls.")
 @env_option("--row-params/--no-row-params", help="Let input columns override sampling settings per row.")
 @env_option("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
 @env_option("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
@@ -195,7 +234,7 @@ def cli() -> None:
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
-             **kw: Any) -> int:
+             logit_bias: tuple[tuple[str, str], ...], choice: tuple[str, ...], **kw: Any) -> int:
     """Generate completions for every row of INPUT (JSONL[.gz|.zst], Parquet file/dir/glob, a save_to_disk
     dataset dir, a local HF dataset with --split, or OpenAI batch JSONL) into Parquet parts in OUTDIR.
 
@@ -209,7 +248,8 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
         raise click.UsageError("no INPUT given (pass files, or `inputs` in --config)")
     keep = [c.strip() for k in keep_columns for c in k.split(",") if c.strip()]
     cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
-                         engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop), **kw)
+                         engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
+                         logit_bias=dict(logit_bias), choice=list(choice), **kw)
     return run_generate(cfg)
 
 
@@ -256,6 +296,27 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     if plot:
         plot_report(summary, plot)
         click.echo(f"plot written to {plot}", err=True)
+
+
+@cli.command()
+@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["openai"]), default="openai", show_default=True,
+              help="openai: the OpenAI Batch API output shape (one line per input row, samples as choices).")
+@click.option("-o", "--output", "output", required=True, metavar="FILE", help="Results file, or - for stdout.")
+def export(outdir: str, fmt: str, output: str) -> None:
+    """Write the committed rows of OUTDIR as an OpenAI batch results file (JSONL): `custom_id` is the row id,
+    `response.body` a chat.completion (content, reasoning_content, tool_calls, logprobs, finish_reason,
+    usage), `error` for rows that failed. Streams: memory does not grow with the number of rows.
+
+    \b
+    Example:
+      dspine-batch export out/ --format openai -o results.jsonl
+    """
+    from dspine_batch.ops.export import export_openai
+
+    stats = export_openai(outdir, output)
+    click.echo(f"dspine-batch: {stats.lines:,} lines ({stats.ok:,} ok, {stats.errors:,} errors) -> {output}",
+               err=True)
 
 
 @cli.command()

@@ -70,6 +70,18 @@ def prompts(n: int, start: int = 0) -> list[dict]:
     return [{"id": f"r{i:05d}", "prompt": kinds[i % 4].format(i=i)} for i in range(start, start + n)]
 
 
+def map_rows(mapper: Any, files: list, columns: Any) -> list:
+    """Every input row through a ``RowMapper`` as the pipeline does it (ids first, then the work item)."""
+    from dspine_batch.pipeline.sources import iter_inputs
+
+    out = []
+    for b in iter_inputs(files, columns.read_columns()):
+        ids, problems, _ = mapper.assign_ids(b)
+        out += [mapper.build(i, b.file, idx, r, p) for i, idx, r, p in zip(ids, b.indices, b.rows, problems,
+                                                                            strict=True)]
+    return out
+
+
 def scripted_engine(model: str, draft: str, engine_args: dict[str, str]) -> ScriptedEngine:
     """Engine loader: the deterministic scripted engine, whatever model was asked for."""
     return ScriptedEngine.from_args(engine_args)

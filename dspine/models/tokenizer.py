@@ -75,15 +75,28 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.template_source)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The template's text; ``tools`` and ``kwargs`` (e.g. ``enable_thinking``) are template variables, as
+        ``apply_chat_template`` passes them."""
         if not self.template_source:
             raise ValueError(f"{self.dir}: the tokenizer has no chat template")
         special = {k: v for k, v in self.special.items() if v is not None}
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                     documents=None, **special, **kwargs)
+        return self._compiled.render(**{**special, **kwargs}, messages=messages, tools=tools, documents=None,
+                                     add_generation_prompt=add_generation_prompt)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tok.encode(self.render(messages), add_special_tokens=False).ids
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **kwargs: Any) -> list[int]:
+        return self.tok.encode(self.render(messages, tools=tools, **kwargs), add_special_tokens=False).ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (added tokens included)."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (``decode`` drops them)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids

@@ -4,6 +4,12 @@ The pipeline only sees ``Request`` in and ``Result`` out through ``Engine.run``,
 ``tokenizer`` (prompts -> ids, stop ids); which engine runs (scripted test engine, the CPU reference engine over
 ``dspine.generate``, SGLang) must not change anything else. Engines are found by name in ``registry.py``;
 ``SamplingParams`` holds the generation defaults of the whole tool.
+
+Request features beyond plain sampling (logprobs, penalties, logit bias, min_tokens, structured outputs) are
+opt-in per engine: an engine lists the ones it honours in ``features`` (names in ``FEATURES``), and the pipeline
+refuses a row that uses one its engine does not list, naming the row's field, instead of sending the engine a
+request it would silently answer without it. Everything about rendering the prompt (tools, tool_choice,
+chat_template_kwargs) and reading the answer (reasoning, tool calls) is the pipeline's, the same for every engine.
 """
 
 from __future__ import annotations
@@ -12,6 +18,35 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+STRUCTURE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """A constraint on the output's text, as one canonical string, so equal constraints compare, hash and
+    fingerprint equal however the user spelled them (``digest``; engines compile each distinct one once).
+
+    ``spec`` by ``kind``: ``json_schema`` the schema as sorted-keys compact JSON; ``json_object`` "" (any JSON
+    object); ``regex`` the pattern; ``choice`` a JSON list of the allowed strings; ``grammar`` EBNF/GBNF text
+    (xgrammar's dialect, root rule ``root``). No torch or xgrammar here: ``engines.grammar`` compiles them."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURE_KINDS:
+            raise ValueError(f"structure kind {self.kind!r}: expected one of {', '.join(STRUCTURE_KINDS)}")
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.kind}\x1f{self.spec}".encode()).hexdigest()[:24]
+
+
+# What an engine may declare in ``Engine.features``: the SamplingParams fields beyond plain sampling, with the
+# structure kinds one by one (an engine may take JSON schemas before it takes arbitrary grammars).
+FEATURES = frozenset({"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                      "min_tokens", "logit_bias", *STRUCTURE_KINDS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +62,41 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    # OpenAI/vLLM names and ranges; engines honour them only where they list them in ``Engine.features``
+    logprobs: bool = False  # return the log-softmax of the model's own logits for each completion token
+    top_logprobs: int = 0  # 0..20 most likely alternatives per position (needs logprobs)
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once from every token already in the completion
+    frequency_penalty: float = 0.0  # [-2, 2], times the token's count in the completion
+    repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and completion tokens, CTRL-style divide/multiply)
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted by id
+    structure: Structure | None = None
+
+    def features(self) -> tuple[str, ...]:
+        """The names (``FEATURES``) of the non-default settings this request uses."""
+        used = []
+        if self.logprobs:
+            used.append("logprobs")
+        if self.top_logprobs:
+            used.append("top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty", "min_tokens", "logit_bias"):
+            if getattr(self, name):
+                used.append(name)
+        if self.repetition_penalty != 1.0:
+            used.append("repetition_penalty")
+        if self.structure is not None:
+            used.append(self.structure.kind)
+        return tuple(used)
 
 
 DEFAULTS = SamplingParams()
+
+# ``Result.logprobs``: one entry per completion token, ``(token_id, logprob, top)`` with ``top`` the
+# ``top_logprobs`` most likely tokens at that position as ``((token_id, logprob), ...)``, most likely first
+# (empty without top_logprobs). Log-probabilities of the model's own logits (log-softmax before temperature,
+# top-k/top-p, penalties or grammar), as OpenAI and vLLM report them by default. Engines return ids and numbers;
+# the pipeline adds each token's text (``pipeline.answers``).
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(slots=True)
@@ -64,8 +131,16 @@ class Result:
     suffix_verify_steps: int | None = None
     suffix_tokens_proposed: int | None = None
     suffix_tokens_accepted: int | None = None
+    # verify steps whose proposal came from grammar-forced tokens (None where the engine does not tell them)
+    forced_verify_steps: int | None = None
+    forced_tokens_proposed: int | None = None
+    forced_tokens_accepted: int | None = None
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs; see TokenLogprob
     latency_s: float = 0.0
     error: str | None = None
+    # set by the pipeline from ``text`` (``--reasoning-parser`` / ``--tool-call-parser``), never by engines
+    reasoning_content: str | None = None
+    tool_calls: str | None = None  # JSON list in OpenAI's shape
 
 
 class Tokenizer(Protocol):
@@ -77,8 +152,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat template with ``add_generation_prompt=True``, tokenized."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """Chat template with ``add_generation_prompt=True``, tokenized; ``tools`` and ``template_kwargs``
+        (e.g. ``enable_thinking``) are passed to the template as variables."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -95,6 +172,7 @@ class Engine(Protocol):
 
     name: str
     tokenizer: Tokenizer
+    features: frozenset[str]  # which of ``FEATURES`` it honours; empty: plain sampling only
 
     def identity(self) -> dict[str, Any]:
         """Everything about the model/draft/backend that changes outputs; goes into the run fingerprint."""

@@ -47,6 +47,7 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module
 
 class ReferenceEngine:
     name = "reference"
+    features: frozenset[str] = frozenset()  # request features beyond plain sampling (base.FEATURES): none yet
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,

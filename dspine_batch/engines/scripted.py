@@ -6,23 +6,34 @@ go through the same normalisation as a real backend. Selected with the hidden ``
 behind the default command line by the tests (``registry.engines_replaced``); configured with
 ``--engine-arg KEY=VALUE``. ``crash_after`` raises ``EngineDied`` (a transient death: exit 75), ``fail_after`` a
 plain exception (a bug: exit 1).
+
+It declares every request feature (``base.FEATURES``) and honours them where a test can tell: a ``choice`` row
+gets one of its strings, a ``json_schema`` / ``json_object`` row a JSON value that validates (``_instance``; cut
+at ``max_new_tokens`` like any output, finish ``length``), ``logprobs`` rows deterministic log-probabilities
+(the chosen token first among its ``top_logprobs``); penalties, logit bias, min_tokens, regex and grammar
+are accepted and ignored. A prompt carrying the tools block (``<tools>``, what the pipeline gives a template
+without tools) is answered with a Hermes ``<tool_call>`` to its first tool; ``reasoning=1`` wraps every answer
+in a ``<think>`` block first. Such text is spelled one token per character (ids ``CHAR_BASE`` + code point).
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import json
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.base import FEATURES, Request, Result, Structure
 from dspine_batch.engines.sglang.stats import stats_from_sglang_meta
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import EngineDied, UsageError
 
 EOS = 0
+CHAR_BASE = 1 << 20  # ids of the characters of structured text (generated letters stay below 64)
 
 
 @dataclass
@@ -41,11 +52,20 @@ class ScriptedTokenizer:
             return [len(text)]  # tokenization is engine cost too
         return list(map(ord, text))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """A template that, like the embedded SmolLM2's, reads neither ``tools`` nor template options."""
         return self.encode("".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>")
 
     def decode(self, ids: list[int]) -> str:
         return _letters(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return _letters([token_id])
+
+    @property
+    def vocab_size(self) -> int:
+        return CHAR_BASE + 0x110000  # letters below, then one id per Unicode code point
 
     def stop_token_ids(self, stop: Iterable[str]) -> tuple[int, ...]:
         return (EOS,)
@@ -62,12 +82,15 @@ class ScriptedEngine:
     block_size: int = 8
     max_context_len: int = 4096
     chat_template: bool = True
+    reasoning: bool = False  # answer "<think>...</think>answer"
     name: str = "scripted"
+    features: frozenset[str] = FEATURES
 
     @classmethod
     def from_args(cls, args: dict[str, str]) -> ScriptedEngine:
         kinds = {"latency": float, "error_every": int, "crash_after": int, "fail_after": int, "block_size": int,
-                 "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag}
+                 "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag,
+                 "reasoning": _flag}
         kw: dict[str, Any] = {}
         for key, value in args.items():
             if key not in kinds:
@@ -80,7 +103,8 @@ class ScriptedEngine:
 
     def identity(self) -> dict[str, Any]:
         return {"engine": "scripted", "draft": self.draft, "block_size": self.block_size,
-                "error_every": self.error_every, "zero_cost": self.zero_cost}
+                "error_every": self.error_every, "zero_cost": self.zero_cost} | (
+                    {"reasoning": True} if self.reasoning else {})
 
     @property
     def max_context(self) -> int | None:
@@ -140,8 +164,13 @@ class ScriptedEngine:
         salt = f"{p.temperature}:{p.top_p}:{p.top_k}:{p.seed if p.temperature > 0 else ''}"
         base = _h(",".join(map(str, req.prompt_ids[-64:])), salt)
         want = 1 + base % 48
-        n = min(want, p.max_new_tokens)
-        tokens = [1 + (base >> (i % 48)) % 26 + i % 7 for i in range(n)]
+        special = _special_text(p.structure, req.prompt_ids, base, self.reasoning)
+        if special is None:
+            n = min(want, p.max_new_tokens)
+            tokens = [1 + (base >> (i % 48)) % 26 + i % 7 for i in range(n)]
+        else:
+            want = len(special)
+            tokens = [CHAR_BASE + ord(c) for c in special[:p.max_new_tokens]]
         text = _letters(tokens)
         finish = "stop" if want <= p.max_new_tokens else "length"
         cut = cut_at_stop(text, tokens, p.stop, _letters)
@@ -152,6 +181,13 @@ class ScriptedEngine:
         if self.draft and len(tokens) > 1:
             meta = _spec_meta(base, len(tokens), self.block_size)
             stats_from_sglang_meta(meta, result, block_size=self.block_size)
+            if p.structure is not None:  # a made-up share of the rounds proposed grammar-forced tokens
+                steps = result.verify_steps or 0
+                result.forced_verify_steps = steps // 2
+                result.forced_tokens_proposed = 3 * (steps // 2)
+                result.forced_tokens_accepted = 3 * (steps // 2)
+        if p.logprobs:
+            result.logprobs = [_logprob(t, base, i, p.top_logprobs) for i, t in enumerate(tokens)]
         return result
 
 
@@ -178,7 +214,65 @@ def _h(*parts: object) -> int:
 
 
 def _letters(ids: list[int]) -> str:
-    return "".join(chr(96 + t % 26 + 1) for t in ids)
+    return "".join(chr(t - CHAR_BASE) if t >= CHAR_BASE else chr(96 + t % 26 + 1) for t in ids)
+
+
+def _logprob(token: int, base: int, i: int, top: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    lp = -((base >> (i % 40)) % 1000) / 250.0
+    alts = tuple((token + 1 + j, lp - 0.5 * (j + 1)) for j in range(top - 1))
+    return token, lp, (((token, lp),) + alts) if top else ()
+
+
+def _special_text(structure: Structure | None, prompt_ids: list[int], base: int, reasoning: bool) -> str | None:
+    """The answer of a structured row, a row offered tools, or a reasoning engine; None: plain letters."""
+    text = None
+    if structure is not None and structure.kind in ("choice", "json_schema", "json_object"):
+        if structure.kind == "choice":
+            options = json.loads(structure.spec)
+            text = options[base % len(options)]
+        else:
+            schema = json.loads(structure.spec) if structure.spec else {"type": "object"}
+            text = json.dumps(_instance(schema, base))
+    elif structure is None:
+        prompt = "".join(chr(t) for t in prompt_ids if 0 <= t < 0x110000)
+        m = re.search(r'<tools>\s*(\{.*?\})\n', prompt)
+        if m:
+            fn = json.loads(m.group(1))["function"]
+            args = _instance(fn.get("parameters") or {"type": "object"}, base)
+            text = "<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>"
+    if reasoning:
+        text = f"<think>\nthinking {base % 97}\n</think>\n\n" + (text if text is not None else "the answer")
+    return text
+
+
+def _instance(schema: Any, base: int) -> Any:
+    """A value that validates against ``schema`` (the JSON Schema subset tests use)."""
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][base % len(schema["enum"])]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return _instance(schema[key][0], base)
+    kind = schema.get("type", "object")
+    kind = next((k for k in kind if k != "null"), "null") if isinstance(kind, list) else kind
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return {k: _instance(v, base >> 1) for k, v in props.items()}
+    if kind == "array":
+        return [_instance(schema.get("items") or {}, base + j) for j in range(max(1, schema.get("minItems", 1)))]
+    if kind == "string":
+        text = f"v{base % 1000}".ljust(schema.get("minLength", 0), "v")
+        return text[:schema["maxLength"]] if "maxLength" in schema else text
+    if kind == "integer":
+        return int(schema.get("minimum", base % 100))
+    if kind == "number":
+        return float(schema.get("minimum", (base % 1000) / 10))
+    if kind == "boolean":
+        return bool(base & 1)
+    return None
 
 
 def _flag(value: str) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dspine_batch.ops.answer_stats import AnswerTally, format_answers
 from dspine_batch.pipeline.resume import list_parts, read_state
 from dspine_batch.pipeline.schema import SOURCE_STATS
 
@@ -37,11 +38,13 @@ def summarize(outdir: str) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     examples: dict[str, str] = {}
     rows: set[str] = set()
-    by_source = {name: 0 for name in SOURCE_STATS}
+    by_source = {name: 0 for name in SOURCE_STATS}  # dspine_ / suffix_ / forced_ (grammar-forced tokens)
     cached = cache_prompt = cache_rows = 0  # prefix cache: rows that report it, their cached and prompt tokens
+    answers = AnswerTally()  # reasoning, tool calls, logprobs, structured outputs (schema 4)
     for part in list_parts(outdir):
         # parts written before schema 2 have no by-source columns, before schema 3 no cached_prompt_tokens
         have = set(pq.read_schema(part.path).names)
+        answers.add_part(part.path, have)
         t = pq.read_table(part.path, columns=COLUMNS + [c for c in OPTIONAL if c in have]).to_pydict()
         n += len(t["row_id"])
         rows.update(t["row_id"])
@@ -92,7 +95,8 @@ def summarize(outdir: str) -> dict[str, Any]:
         "tau_token_weighted": _r(spec_toks / steps) if steps else None,  # = sum(tau_i * steps_i) / sum(steps_i)
         "accept_rate": _r(accepted / proposed) if proposed else None,
         "verify_steps": steps, "accept_histogram": hist.tolist(), "accept_rate_by_position": [_r(x) for x in by_pos],
-        "by_source": {src: _source_summary(by_source, src) for src in ("dspine", "suffix")},
+        "by_source": {src: _source_summary(by_source, src) for src in ("dspine", "suffix", "forced")},
+        "answers": answers.summary(),
         "finish_reasons": dict(finish.most_common()),
         "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
     }
@@ -148,6 +152,7 @@ def format_report(s: dict[str, Any]) -> str:
         f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
         "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
+    lines += format_answers(s.get("answers"))
     for src, v in s.get("by_source", {}).items():
         if v["verify_steps"]:
             lines.append(f"  {src:<11} {v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of "

@@ -1,7 +1,9 @@
 """The exactly-once batch pipeline: source -> scheduler -> engine -> sink.
 
 Holds the job settings (``config.py``), input rows (``sources.py``), rows to requests (``mapping.py``, row keys in
-``keyset.py``), bounded in-flight work (``scheduler.py``), atomic Parquet parts (``sink.py``, output schema in
+``keyset.py``; request fields in ``requests.py``, conversations and tools in ``prompts.py``, grammars checked up
+front in ``structures.py``), bounded in-flight work (``scheduler.py``), reading the answer (``answers.py`` with the
+``reasoning.py`` and ``tool_calls.py`` parsers), atomic Parquet parts (``sink.py``, output schema in
 ``schema.py``), resume's done-set (``resume.py``), the run's fingerprint (``manifest.py``), part compaction
 (``compact.py``), sharding (``shard.py``), signal handling (``shutdown.py``), the progress bar (``progress.py``),
 and ``job.py``, which wires them for one ``dspine-batch generate``. See ``docs/design.md``, "The exactly-once

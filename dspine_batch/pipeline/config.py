@@ -35,6 +35,24 @@ class GenerateConfig:
     seed: int = DEFAULTS.seed
     stop: list[str] = field(default_factory=list)
     num_samples: int = 1
+    # the request fields beyond sampling (``requests``), job-wide; a row's own fields override them
+    logprobs: bool = DEFAULTS.logprobs
+    top_logprobs: int = DEFAULTS.top_logprobs
+    presence_penalty: float = DEFAULTS.presence_penalty
+    frequency_penalty: float = DEFAULTS.frequency_penalty
+    repetition_penalty: float = DEFAULTS.repetition_penalty
+    min_tokens: int = DEFAULTS.min_tokens
+    logit_bias: dict[str, str] = field(default_factory=dict)  # token id -> bias, as given
+    response_format: str | None = None  # OpenAI's response_format, as JSON text
+    json_schema: str | None = None  # a JSON Schema file (or inline JSON)
+    regex: str | None = None
+    choice: list[str] = field(default_factory=list)
+    grammar: str | None = None  # an EBNF/GBNF file
+    tools: str | None = None  # a JSON file with OpenAI's tools list (or inline JSON)
+    tool_choice: str = "auto"  # none / auto / required / a function name
+    chat_template_kwargs: str | None = None  # JSON object passed to the chat template
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     row_params: bool = True
     keep_columns: list[str] = field(default_factory=list)
     save_token_ids: bool = False
@@ -65,7 +83,10 @@ def default(name: str) -> Any:
 
 
 IDENTITY_FIELDS = ("split", "system_prompt", "chat_template", "max_new_tokens", "temperature", "top_p",
-                   "top_k", "seed", "stop", "num_samples", "row_params", "save_token_ids", "limit")
+                   "top_k", "seed", "stop", "num_samples", "row_params", "save_token_ids", "limit",
+                   "reasoning_parser", "tool_call_parser")
+# The job-wide request fields (structure, tools, penalties, ...) enter the identity parsed and canonical
+# (``requests.identity``): a schema file's content counts, not its path.
 
 
 def load_toml_raw(path: str) -> dict[str, Any]:

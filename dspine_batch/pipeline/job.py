@@ -18,13 +18,13 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dspine_batch.engines.base import Engine, Result, SamplingParams, Tokenizer
+from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams, Tokenizer
 from dspine_batch.engines.registry import open_engine
 from dspine_batch.errors import (
     EXIT_ERROR_BUDGET,
@@ -40,11 +40,14 @@ from dspine_batch.errors import (
     human_bytes,
 )
 from dspine_batch.pipeline import compact
+from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.manifest import build_manifest, create_or_check, describe_inputs, read_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
 from dspine_batch.pipeline.progress import Progress
+from dspine_batch.pipeline.requests import Defaults, RowOptions, RowRequest, job_request, merge
+from dspine_batch.pipeline.requests import identity as request_identity
 from dspine_batch.pipeline.resume import (
     DoneSet,
     Lock,
@@ -62,6 +65,7 @@ from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
+from dspine_batch.pipeline.structures import StructureCheck, prescan
 
 SUCCESS = "_SUCCESS"
 Finished = tuple[WorkItem, list[Result] | None]
@@ -193,6 +197,8 @@ class Job:
     outdir: str
     shard: tuple[int, int]
     tag: str
+    request: RowRequest = field(default_factory=RowRequest)  # the job-wide request fields, parsed
+    structures: StructureCheck = field(default_factory=StructureCheck)
 
 
 def generate(cfg: GenerateConfig) -> int:
@@ -204,7 +210,8 @@ def generate(cfg: GenerateConfig) -> int:
             log(f"warning: {inp.name}: empty file (0 rows)")
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
                               cfg.row_params)  # before the model loads: a typo costs a second, not a minute
-    job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard))
+    job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard), job_request(cfg.as_dict()))
+    base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
     prepare_outdir(job.outdir)
     shutdown, lock = Shutdown(cfg.grace_seconds), Lock(job.outdir, job.tag)
     try:
@@ -215,6 +222,7 @@ def generate(cfg: GenerateConfig) -> int:
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
         log(f"{found}; output -> {job.outdir}")
+        _check_row_structures(job, base)  # every distinct grammar compiled once, before the model loads
         _check_free_space(job, total)
         t0 = time.monotonic()
         log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft})")
@@ -230,6 +238,43 @@ def generate(cfg: GenerateConfig) -> int:
     finally:
         lock.release()
         shutdown.restore()
+
+
+def _check_job_structure(job: Job) -> Defaults:
+    """The job-wide request checked, its structure compiled with xgrammar; returns it (over default sampling)."""
+    base = job_defaults(job, SamplingParams(max_new_tokens=job.cfg.max_new_tokens))
+    s = base.params.structure
+    if s is not None and (problem := job.structures.problem(s)):
+        raise UsageError(f"{base.labels['structure']}: {problem}")
+    return base
+
+
+def _check_row_structures(job: Job, base: Defaults) -> None:
+    """Every row's own structure checked now (``structures.prescan``): rows whose field is unusable become error
+    rows (one warning line), or, with --on-error fail, the job is refused."""
+    cols = job.columns
+    if cols.row_params and job.files[0].kind not in ("jsonl", "openai"):
+        log(f"per-row request fields from columns: {', '.join(cols.row_params)}")
+    t0 = time.monotonic()
+    found = prescan(job.files, cols.row_params, job.cfg.limit, base, job.structures)
+    if found.rows or found.problems:
+        log(f"structures: {found.rows:,} rows carry their own, {job.structures.compiled} distinct checked with "
+            f"xgrammar ({time.monotonic() - t0:.1f}s)")
+    if found.problems:
+        if job.cfg.on_error == "fail":
+            raise UsageError(f"{found.first} (--on-error fail)")
+        log(f"warning: {found.problems:,} rows ask for a structure that cannot be used; they become error rows "
+            f"(first: {found.first})")
+
+
+def job_defaults(job: Job, base: SamplingParams) -> Defaults:
+    """The job-wide request over ``base`` (the job's SamplingParams): flags, env and job file together."""
+    def fail(label: str, msg: str) -> UsageError:
+        return UsageError(f"{label}: {msg}")
+
+    over, options, labels = merge(Defaults(base, RowOptions(n=job.cfg.num_samples), {}), job.request, fail)
+    over.pop("stop", None)
+    return Defaults(replace(base, **over), options, labels)
 
 
 def _check_previous_run(job: Job) -> None:
@@ -308,7 +353,8 @@ def _open_output(job: Job, engine: Engine, use_chat: bool) -> tuple[Any, dict[st
     """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set."""
     cfg, columns, outdir = job.cfg, job.columns, job.outdir
     schema = output_schema(columns.keep_schema(), cfg.save_token_ids)
-    settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat}
+    settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat,
+                                                                 "request": request_identity(job.request)}
     fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(job.files), "settings": settings,
               "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
                           "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
@@ -331,10 +377,22 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     cfg, outdir, tokenizer = job.cfg, job.outdir, engine.tokenizer
     use_chat = _use_chat(cfg, job.columns, tokenizer)
     schema, manifest, done = _open_output(job, engine, use_chat)
-    defaults = SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p), max(cfg.top_k, 0),
-                              cfg.seed, tokenizer.stop_token_ids(cfg.stop), tuple(cfg.stop))
-    mapper = RowMapper(MapSettings(job.columns, defaults, cfg.num_samples, cfg.system_prompt, use_chat), tokenizer,
-                       engine.max_context)
+    defaults = job_defaults(job, SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p),
+                                                max(cfg.top_k, 0), cfg.seed, tokenizer.stop_token_ids(cfg.stop),
+                                                tuple(cfg.stop)))
+    features = frozenset(getattr(engine, "features", ()))
+    for feature in defaults.params.features():
+        if feature not in features:
+            what = "structure" if feature in STRUCTURE_KINDS else feature
+            raise UsageError(f"{defaults.labels.get(what, what)}: not supported by the {engine.name} engine yet")
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab and defaults.params.logit_bias and defaults.params.logit_bias[-1][0] >= vocab:
+        raise UsageError(f"--logit-bias: token id {defaults.params.logit_bias[-1][0]} is not in the model's "
+                         f"vocabulary ({vocab} tokens)")
+    if not use_chat and (defaults.options.tools is not None or defaults.options.template_kwargs):
+        raise UsageError("--tools / --chat-template-kwargs need a chat template (not --raw)")
+    settings = MapSettings(job.columns, defaults, cfg.system_prompt, use_chat, engine.name, features)
+    mapper = RowMapper(settings, tokenizer, engine.max_context, job.structures, warn=log)
     state = ShardState(outdir, job.tag)
     state.start(job.shard, manifest["fingerprint"], done)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
@@ -379,6 +437,7 @@ def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRo
             progress: Progress, shutdown: Shutdown) -> None:
     batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
     finished = schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown)
+    finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
     write_rows(finished, sink, progress, shutdown)

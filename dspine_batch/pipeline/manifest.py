@@ -126,6 +126,13 @@ def create_or_check(outdir: str, manifest: dict[str, Any]) -> dict[str, Any]:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     assert existing is not None
+    old_schema = existing.get("fingerprint_fields", {}).get("schema_version")
+    new_schema = manifest["fingerprint_fields"].get("schema_version")
+    if existing.get("fingerprint") != manifest["fingerprint"] and old_schema != new_schema:
+        raise FingerprintMismatch(
+            f"{outdir} was written by another dspine-batch version (schema_version: {old_schema} -> {new_schema}; "
+            "one folder never mixes parts of two output schemas): finish it with the version that started it "
+            "(its committed rows are intact), or --overwrite to start over")
     if existing.get("fingerprint") != manifest["fingerprint"]:
         changes = diff(existing.get("fingerprint_fields", {}), manifest["fingerprint_fields"]) or ["(unknown)"]
         raise FingerprintMismatch(

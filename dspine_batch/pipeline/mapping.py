@@ -1,27 +1,29 @@
-"""From input rows to requests: which columns mean what, row ids, per-row params, prompt rendering.
+"""From input rows to requests: which columns mean what, row ids, per-row request fields, prompts.
 
-All validation of user data happens here, so every problem is reported the same way: a ``RowError``
-naming file, row and field. Column resolution runs once up front (exit 2 for unknown columns) so nobody
-learns about a typo at row 3,000,000.
+All validation of user data happens here (with ``requests`` for the fields, ``prompts`` for conversations and
+``structures`` for grammars), so every problem is reported the same way: a ``RowError`` naming file, row and
+field. Column resolution runs once up front (exit 2 for unknown columns) so nobody learns about a typo at row
+3,000,000. A row that asks for a feature its engine does not honour (``Engine.features``) is refused here,
+naming the field, rather than answered without it.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from dspine_batch.engines.base import Request, SamplingParams, Tokenizer, derive_seed
+from dspine_batch.engines.base import STRUCTURE_KINDS, Request, Tokenizer, derive_seed
 from dspine_batch.errors import RowError, UsageError
 from dspine_batch.pipeline.keyset import KeySet, index_hashes, key_hash, key_hashes
+from dspine_batch.pipeline.prompts import PromptRenderer, check_messages
+from dspine_batch.pipeline.requests import ROW_FIELDS, Defaults, RowOptions, merge, parse_fields
 from dspine_batch.pipeline.sources import InputFile, RowBatch, arrow_schema, peek_rows
-
-ROW_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-ROLES = {"system", "user", "assistant", "tool"}
+from dspine_batch.pipeline.structures import StructureCheck
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     elif id_column == "":
         id_column = None
     role_cols = [c for c in (prompt, messages, id_column) if c]
-    params = tuple(p for p in ROW_PARAMS if row_params and p in names and p not in role_cols)
+    # JSON Lines rows need not share keys (an OpenAI body has only what it sets): every field may appear
+    schemaless = all(inp.kind in ("jsonl", "openai") for inp in files)
+    params = tuple(p for p in ROW_FIELDS if row_params and (schemaless or p in names) and p not in role_cols)
     keep = tuple(dict.fromkeys(keep))
     for inp in files:
         sch = schema if inp is first else arrow_schema(inp)
@@ -112,15 +116,17 @@ class WorkItem:
     keep: tuple[Any, ...] | None
     error: str | None = None
     row_hash: int = 0  # 64-bit hash of row_id (keyset.key_hash), stored beside each part for fast resume
+    options: RowOptions | None = None  # tools and how to read the answer (None on error rows)
 
 
 @dataclass(frozen=True)
 class MapSettings:
     columns: Columns
-    defaults: SamplingParams
-    num_samples: int
+    defaults: Defaults  # the job-wide request (``requests.job_request`` over the job's SamplingParams)
     system_prompt: str | None
     use_chat: bool
+    engine: str = "scripted"  # the engine's name, for refusals
+    features: frozenset[str] = frozenset()  # what the engine honours (``Engine.features``)
 
 
 class FallbackIds(Sequence[str]):
@@ -175,19 +181,24 @@ class RowIds:
 
 
 class RowMapper:
-    """Maps rows to work items: validation, per-row params, prompt rendering, per-sample seeds."""
+    """Maps rows to work items: validation, per-row request fields, prompt rendering, per-sample seeds."""
 
-    def __init__(self, settings: MapSettings, tokenizer: Tokenizer, max_context: int | None):
+    def __init__(self, settings: MapSettings, tokenizer: Tokenizer, max_context: int | None,
+                 structures: StructureCheck | None = None, warn: Callable[[str], None] | None = None):
         self.settings = settings
         self.tokenizer = tokenizer
         self.ids = RowIds(settings.columns.id)
         self.assign_ids = self.ids.assign_ids
         self.max_context = max_context
+        self.structures = structures or StructureCheck()
+        self.prompts = PromptRenderer(tokenizer, warn or _warn)
         self._keep_types = [f.type for f in settings.columns.keep_schema()]
         self._has_keep = bool(settings.columns.keep)
         self._row_params = bool(settings.columns.row_params)
-        self._samples = settings.num_samples
         self._stop_cache: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._body_keys = frozenset(ROW_FIELDS) | {"custom_id", "messages", "prompt"}
+        self._fields = frozenset(settings.columns.row_params)
+        self._seen: dict[tuple, tuple[Any, RowOptions]] = {}  # scalar request fields -> (params, options)
 
     def build(self, row_id: str, file: InputFile, index: int, row: dict[str, Any] | RowError,
               id_problem: str | None, row_hash: int = 0) -> WorkItem:
@@ -197,19 +208,27 @@ class RowMapper:
         problem = id_problem or problem
         if problem:
             return WorkItem(row_id, [], keep, problem, row_hash)
+        defaults = self.settings.defaults
+        params, options = defaults.params, defaults.options
         try:
-            params = self._params(file, index, row) if self._row_params else self.settings.defaults
-            ids = self._prompt_ids(file, index, row)
+            if file.kind == "openai" and not self._body_keys.issuperset(row):
+                key = next(k for k in row if k not in self._body_keys)
+                raise RowError(file.name, index, f"body.{key}", "not a request field dspine-batch supports "
+                               "(README, 'Requests', lists them)")
+            if self._row_params:
+                params, options = self._request(file, index, row)
+            ids = self._prompt_ids(file, index, row, options)
         except RowError as e:
             return WorkItem(row_id, [], keep, str(e), row_hash)
+        n = options.n
         if params.temperature > 0:  # greedy output does not depend on the seed: skip the hashing
             reqs = [Request(row_id, s, ids, replace(params, seed=derive_seed(params.seed, row_id, s)))
-                    for s in range(self._samples)]
-        elif self._samples == 1:
+                    for s in range(n)]
+        elif n == 1:
             reqs = [Request(row_id, 0, ids, params)]
         else:
-            reqs = [Request(row_id, s, ids, params) for s in range(self._samples)]
-        return WorkItem(row_id, reqs, keep, None, row_hash)
+            reqs = [Request(row_id, s, ids, params) for s in range(n)]
+        return WorkItem(row_id, reqs, keep, None, row_hash, options)
 
     def _keep(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
         cols = self.settings.columns.keep
@@ -224,29 +243,70 @@ class RowMapper:
                 return tuple(None for _ in cols), str(problem)
         return values, None
 
-    def _params(self, file: InputFile, index: int, row: dict[str, Any]) -> SamplingParams:
-        p = self.settings.defaults
-        over: dict[str, Any] = {}
-        for name in self.settings.columns.row_params:
-            value = row.get(name)
-            if value is None:
-                continue
-            over[name] = check_param(name, value, lambda msg, n=name: RowError(file.name, index, n, msg))
+    def _request(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[Any, RowOptions]:
+        """The row's request fields over the job's: its SamplingParams and options, every field checked, the
+        engine's support included."""
+        defaults = self.settings.defaults
+        fields = self._fields
+        if fields.isdisjoint(row):  # most rows of a plain prompt file: no request field at all
+            return defaults.params, defaults.options
+        values = {k: v for k, v in row.items() if v is not None and k in fields}
+        if not values:
+            return defaults.params, defaults.options
+        try:  # rows of one job mostly repeat the same scalar settings: parse each combination once
+            key = (file.kind == "openai", *((k, type(v), v) for k, v in values.items()))
+            hit = self._seen.get(key)
+        except TypeError:  # a list or an object among them: parsed every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        params, options = self._parse_request(file, index, values)
+        if key is not None:
+            if len(self._seen) >= 4096:
+                self._seen.clear()
+            self._seen[key] = (params, options)
+        return params, options
+
+    def _parse_request(self, file: InputFile, index: int, values: dict[str, Any]) -> tuple[Any, RowOptions]:
+        defaults = self.settings.defaults
+
+        def fail(label: str, msg: str) -> RowError:
+            return RowError(file.name, index, label, msg)
+
+        req = parse_fields(values, (lambda n: f"body.{n}") if file.kind == "openai" else (lambda n: n), fail)
+        over, options, labels = merge(defaults, req, fail)
         if not over:
-            return p
+            return defaults.params, options
         if "stop" in over:
             over["stop_token_ids"] = self._stop_ids(over["stop"])
-        return replace(p, **over)
+        params = replace(defaults.params, **over)
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        if "logit_bias" in over and vocab and params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise fail(labels["logit_bias"], f"token id {params.logit_bias[-1][0]} is not in the model's "
+                       f"vocabulary ({vocab} tokens)")
+        for feature in params.features():
+            if feature not in self.settings.features:
+                what = "structure" if feature in STRUCTURE_KINDS else feature
+                raise fail(labels.get(what, what), f"not supported by the {self.settings.engine} engine yet")
+        structure = params.structure
+        if structure is not None and structure != defaults.params.structure:
+            problem = self.structures.problem(structure)
+            if problem:
+                raise fail(labels["structure"], problem)
+        return params, options
 
     def _stop_ids(self, stop: tuple[str, ...]) -> tuple[int, ...]:
         if stop not in self._stop_cache:
             self._stop_cache[stop] = self.tokenizer.stop_token_ids(stop)
         return self._stop_cache[stop]
 
-    def _prompt_ids(self, file: InputFile, index: int, row: dict[str, Any]) -> list[int]:
+    def _prompt_ids(self, file: InputFile, index: int, row: dict[str, Any], options: RowOptions) -> list[int]:
         cols = self.settings.columns
         if cols.messages:
-            messages = _check_messages(file.name, index, cols.messages, row.get(cols.messages, _MISSING))
+            value = row.get(cols.messages, _MISSING)
+            if value is _MISSING:
+                raise RowError(file.name, index, cols.messages, "missing")
+            messages = check_messages(file.name, index, cols.messages, value)
             if self.settings.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.settings.system_prompt}, *messages]
             field = cols.messages
@@ -264,8 +324,17 @@ class RowMapper:
                 messages = [{"role": "user", "content": text}]
                 if self.settings.system_prompt:
                     messages.insert(0, {"role": "system", "content": self.settings.system_prompt})
+        if messages is None and (options.tools is not None or options.template_kwargs):
+            what = "tools" if options.tools is not None else "chat_template_kwargs"
+            raise RowError(file.name, index, f"body.{what}" if file.kind == "openai" else what,
+                           "needs a chat template (not --raw)")
         try:
-            ids = self.tokenizer.render_chat(messages) if messages is not None else self.tokenizer.encode(text)
+            if messages is None:
+                ids = self.tokenizer.encode(text)
+            elif not cols.messages and options.tools is None and not options.template_kwargs:
+                ids = self.tokenizer.render_chat(messages)  # the common case, without the tools machinery
+            else:
+                ids = self.prompts.render(messages, options.tools, options.template_kwargs)
         except Exception as e:  # template errors are data errors: the row's content broke the template
             raise RowError(file.name, index, field, f"cannot render the prompt ({str(e)[:200]})") from e
         if self.max_context and len(ids) >= self.max_context:
@@ -274,55 +343,11 @@ class RowMapper:
         return ids
 
 
+def _warn(msg: str) -> None:
+    print(f"dspine-batch: {msg}", file=sys.stderr, flush=True)
+
+
 _MISSING = object()
-
-
-def _check_messages(name: str, index: int, field: str, value: Any) -> list[dict[str, Any]]:
-    if value is _MISSING:
-        raise RowError(name, index, field, "missing")
-    if not isinstance(value, list) or not value:
-        raise RowError(name, index, field, f"expected a non-empty list of messages, got {_type_name(value)}")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise RowError(name, index, f"{field}[{i}]", f"expected an object, got {_type_name(m)}")
-        if m.get("role") not in ROLES:
-            raise RowError(name, index, f"{field}[{i}].role", f"expected one of {sorted(ROLES)}, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise RowError(name, index, f"{field}[{i}].content",
-                           f"expected a string, got {_type_name(m.get('content'))}")
-    return value
-
-
-def check_param(name: str, value: Any, fail: Any) -> Any:
-    """Validate one sampling parameter; ``fail(msg)`` builds the exception (RowError or UsageError)."""
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    is_num = (is_int or isinstance(value, float)) and not (isinstance(value, float) and not math.isfinite(value))
-    if name == "max_new_tokens":
-        if not is_int or value < 1:
-            raise fail(f"expected an integer >= 1, got {value!r}")
-    elif name == "temperature":
-        if not is_num or value < 0:
-            raise fail(f"expected a number >= 0, got {value!r}")
-        value = float(value)
-    elif name == "top_p":
-        if not is_num or not 0 < value <= 1:
-            raise fail(f"expected a number in (0, 1], got {value!r}")
-        value = float(value)
-    elif name == "top_k":
-        if not is_int or value < -1:
-            raise fail(f"expected an integer >= 0 (0 or -1: off), got {value!r}")
-        value = max(value, 0)
-    elif name == "seed":
-        if not is_int:
-            raise fail(f"expected an integer, got {value!r}")
-    elif name == "stop":
-        if isinstance(value, str):
-            value = (value,)
-        elif isinstance(value, list) and all(isinstance(s, str) and s for s in value):
-            value = tuple(value)
-        else:
-            raise fail(f"expected a string or a list of non-empty strings, got {value!r}")
-    return value
 
 
 def _fits(v: Any, t: pa.DataType) -> bool:

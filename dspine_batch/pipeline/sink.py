@@ -322,6 +322,9 @@ class PartSink:
             "row_id": [o.row_id for o in owners],
             "sample_index": [r.sample_index for r in rs],
             "output": [r.text if ok else None for r, ok in zip(rs, oks, strict=True)],
+            # set by the answer step on ok results only
+            "reasoning_content": [r.reasoning_content for r in rs],
+            "tool_calls": [r.tool_calls for r in rs],
             "finish_reason": [r.finish_reason if ok else "error" for r, ok in zip(rs, oks, strict=True)],
             "status": ["ok" if ok else "error" for ok in oks],
             "error": [r.error for r in rs],
@@ -337,6 +340,9 @@ class PartSink:
             "accept_length": [r.accept_length for r in rs],
             "accept_histogram": [r.accept_histogram for r in rs],
             **{name: [getattr(r, name) for r in rs] for name in SOURCE_STATS},
+            **_structure_columns(owners),
+            "logprobs": [r.logprobs if ok else None for r, ok in zip(rs, oks, strict=True)]
+            if any(r.logprobs is not None for r in rs) else [None] * len(rs),
             "latency_s": [r.latency_s for r in rs],
             "attempt": [self.attempt] * len(rs),
         }
@@ -372,3 +378,12 @@ class PartSink:
         self._since = time.monotonic()
         self.on_commit(self.stats)
         return True
+
+
+def _structure_columns(owners: list[WorkItem]) -> dict[str, list[Any]]:
+    """``structure_kind`` / ``structure`` of each output row: its row's constraint (all samples share it)."""
+    structures = [o.requests[0].params.structure if o.requests else None for o in owners]
+    if not any(structures):
+        return {"structure_kind": structures, "structure": structures}
+    return {"structure_kind": [s.kind if s is not None else None for s in structures],
+            "structure": [s.spec if s is not None else None for s in structures]}

@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,13 +24,10 @@ from typing import Any
 import pyarrow as pa
 
 from dspine_batch.errors import FatalError, RowError, UsageError
+from dspine_batch.pipeline.requests import IGNORED_BODY_KEYS
 
 BATCH_ROWS = 4096
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".json", ".ndjson.gz", ".ndjson.zst")
-OPENAI_PARAM_KEYS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-                     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-                     "stop": "stop"}
-OPENAI_IGNORED_KEYS = {"model", "stream", "user", "n", "metadata", "store"}
 UTF8_BOM = b"\xef\xbb\xbf"
 COMPRESSED_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
 _NOT_UTF8 = "not valid UTF-8"
@@ -277,6 +275,22 @@ def _check_jsonl(path: str) -> None:
         raise UsageError(f"{path}: looks like a JSON array; dspine-batch reads JSON Lines (one object per line)")
 
 
+def mentions(inp: InputFile, pattern: re.Pattern[bytes], longest: int) -> bool:
+    """Whether a JSON Lines input's bytes match ``pattern`` anywhere (no match is ``longest`` bytes or more), read
+    in 1 MiB chunks: one regex pass, no JSON parsing, so a scan for a few keys costs almost nothing on inputs
+    that never mention them."""
+    tail = b""
+    try:
+        with _open_text_stream(inp.path) as f:
+            while chunk := f.read(1 << 20):
+                if pattern.search(tail + chunk):
+                    return True
+                tail = chunk[-longest:]
+    except _stream_errors() as e:
+        raise FatalError(f"{inp.name}: unreadable ({_short(e)})") from e
+    return False
+
+
 def _is_openai_batch(path: str) -> bool:
     try:
         with _open_text_stream(path) as f:
@@ -307,7 +321,8 @@ def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
                 all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
     if first_bad is None:
         return []
-    where = f"first: row {first_bad.row}, {first_bad.message}"
+    field = f", field {first_bad.field!r}:" if first_bad.field else ","
+    where = f"first: row {first_bad.row}{field} {first_bad.message}"
     if all_utf8:
         raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
                          "e.g. iconv -f LATIN1 -t UTF-8")
@@ -331,9 +346,12 @@ def arrow_schema(inp: InputFile) -> pa.Schema | None:
     return None
 
 
-def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS) -> Iterator[RowBatch]:
+def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS,
+              needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+    """The rows of one input. ``needles``: JSON Lines rows whose bytes do not match are skipped unparsed (a
+    quick pre-filter for scans that only care about rows mentioning some keys)."""
     if inp.kind in ("jsonl", "openai"):
-        yield from _iter_jsonl(inp, batch_rows)
+        yield from _iter_jsonl(inp, batch_rows, needles)
     elif inp.kind == "parquet":
         yield from _iter_parquet(inp, columns, batch_rows)
     elif inp.kind == "arrow":
@@ -345,11 +363,13 @@ def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH
 
 
 def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | None = None,
-                batch_rows: int = BATCH_ROWS) -> Iterator[RowBatch]:
-    """All rows of all inputs in a stable order, at most ``limit`` rows in total."""
+                batch_rows: int = BATCH_ROWS, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+    """All rows of all inputs in a stable order, at most ``limit`` rows in total (``needles``: see
+    ``iter_file``; not with a limit, which counts the rows it skips)."""
+    assert needles is None or limit is None
     left = limit if limit is not None else -1
     for inp in files:
-        for batch in iter_file(inp, columns, batch_rows):
+        for batch in iter_file(inp, columns, batch_rows, needles):
             if left >= 0:
                 if left == 0:
                     return
@@ -361,7 +381,7 @@ def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | 
             return
 
 
-def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
+def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
@@ -371,6 +391,8 @@ def _iter_jsonl(inp: InputFile, batch_rows: int) -> Iterator[RowBatch]:
             for index, line in enumerate(_jsonl_lines(f)):
                 if not line.strip():
                     continue  # blank lines are not rows (their line number is still counted)
+                if needles is not None and needles.search(line) is None:
+                    continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
                 if len(rows) >= batch_rows:
@@ -398,22 +420,16 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
 
 
 def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | RowError:
-    """Flatten an OpenAI batch line into our row shape: custom_id, messages|prompt, allow-listed params."""
+    """Flatten an OpenAI batch line into our row shape: custom_id, and the body's keys under their own names
+    (``requests`` reads the request fields and names them ``body.<key>``; the mapper refuses the others, so an
+    error row still carries its custom_id)."""
     body = obj.get("body")
     if "custom_id" not in obj:
         return RowError(name, index, "custom_id", "missing (OpenAI batch line)")
     if not isinstance(body, dict):
         return RowError(name, index, "body", "missing or not an object (OpenAI batch line)")
-    row: dict[str, Any] = {"custom_id": obj["custom_id"]}
-    for key, value in body.items():
-        if key in ("messages", "prompt"):
-            row[key] = value
-        elif key in OPENAI_PARAM_KEYS:
-            row[OPENAI_PARAM_KEYS[key]] = value
-        elif key not in OPENAI_IGNORED_KEYS:
-            return RowError(name, index, f"body.{key}", "unsupported request field")
-    if body.get("n") not in (None, 1):
-        return RowError(name, index, "body.n", "use --num-samples instead of per-row n")
+    row = {k: v for k, v in body.items() if k not in IGNORED_BODY_KEYS and k != "custom_id"}
+    row["custom_id"] = obj["custom_id"]
     return row
 
 

@@ -5,27 +5,24 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import write_jsonl
+from helpers import map_rows, write_jsonl
 
 from dspine_batch.engines.base import SamplingParams
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.mapping import MapSettings, RowMapper, resolve_columns
-from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
+from dspine_batch.pipeline.requests import Defaults, RowOptions
+from dspine_batch.pipeline.sources import resolve_inputs
 
 
 def _map(tmp_path, rows, raw=None, keep=(), samples=1, system=None, **eng):
     files = resolve_inputs([str(write_jsonl(tmp_path / "in.jsonl", rows, raw))])
     cols = resolve_columns(files, None, None, None, list(keep), True)
     engine = ScriptedEngine(**eng)
-    mapper = RowMapper(MapSettings(cols, SamplingParams(max_new_tokens=16), samples, system, True), engine.tokenizer,
+    defaults = Defaults(SamplingParams(max_new_tokens=16), RowOptions(n=samples), {})
+    mapper = RowMapper(MapSettings(cols, defaults, system, True, engine.name, engine.features), engine.tokenizer,
                        engine.max_context)
-    out = []
-    for b in iter_inputs(files, cols.read_columns()):
-        ids, problems, _ = mapper.assign_ids(b)
-        out += [mapper.build(i, b.file, idx, r, p) for i, idx, r, p in zip(ids, b.indices, b.rows, problems,
-                                                                            strict=True)]
-    return out
+    return map_rows(mapper, files, cols)
 
 
 def test_ids_samples_seeds_and_row_params(tmp_path):

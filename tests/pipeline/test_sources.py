@@ -108,14 +108,14 @@ def test_openai_batch_jsonl_is_recognised(tmp_path):
     lines = [{"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                        "temperature": 0.2}},
-             {"custom_id": "q2", "body": {"model": "x", "messages": [], "logprobs": True}}]
+             {"custom_id": "q2", "body": {"model": "x", "messages": [], "web_search_options": {}}}]
     p = write_jsonl(tmp_path / "batch.jsonl", lines)
     files = resolve_inputs([str(p)])
     assert files[0].kind == "openai"
     rows = [r for _, r in _all_rows(files)]
-    assert rows[0] == {"custom_id": "q1", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 5,
+    assert rows[0] == {"custom_id": "q1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                        "temperature": 0.2}
-    assert isinstance(rows[1], RowError) and rows[1].field == "body.logprobs"
+    assert rows[1] == {"custom_id": "q2", "messages": [], "web_search_options": {}}  # the mapper refuses it
 
 
 def test_unusable_inputs_are_usage_errors(tmp_path):

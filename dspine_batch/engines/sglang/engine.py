@@ -80,6 +80,7 @@ def on_cpu() -> bool:
 
 class SGLangEngine:
     name = "sglang"
+    features: frozenset[str] = frozenset()  # request features beyond plain sampling (base.FEATURES): none yet
 
     def __init__(self, engine: Any, tokenizer: Any, identity: dict[str, Any], block_size: int | None,
                  max_context: int | None, owned_pids: set[int], poll_seconds: float = 1.0,

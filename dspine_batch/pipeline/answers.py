@@ -1,0 +1,110 @@
+"""From an engine's completion to the answer columns: reasoning, tool calls, token log-probabilities.
+
+One step between the scheduler and the sink, the same for every engine (the reference engine needs no SGLang
+for it): ``--reasoning-parser`` moves the thinking into ``reasoning_content`` (``reasoning``);
+``--tool-call-parser`` moves calls into ``tool_calls`` (``tool_calls``) for rows that have tools and a
+``tool_choice`` other than ``none``; a row whose ``tool_choice`` forced a call generated the call's JSON itself
+(``requests.forced_tool_structure``), read as one call whatever the parser. A completion that ended by itself
+(``stop``) with a call gets ``finish_reason`` ``tool_calls``, as OpenAI reports it; one cut by ``length`` keeps
+``length``. Call ids are ``call_`` + a hash of (row id, sample, position): stable across resumes.
+
+Log-probabilities come from engines as ids and numbers (``engines.base.TokenLogprob``); each token gets its
+text here (the tokenizer's decoding of that one id, special tokens included; a token holding part of a
+multi-byte character decodes to U+FFFD).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dspine_batch.engines.base import Result, Tokenizer
+from dspine_batch.pipeline.mapping import WorkItem
+from dspine_batch.pipeline.reasoning import split_reasoning
+from dspine_batch.pipeline.requests import RowOptions
+from dspine_batch.pipeline.tool_calls import Call, parse_tool_calls
+
+Finished = tuple[WorkItem, list[Result] | None]
+
+
+class Answers:
+    def __init__(self, tokenizer: Tokenizer, reasoning_parser: str | None, tool_call_parser: str | None,
+                 warn: Callable[[str], None]):
+        self.tokenizer = tokenizer
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
+        self.warn = warn
+        self._warned = False
+        self._tokens: dict[int, str] = {}
+
+    def run(self, finished: Iterator[Finished]) -> Iterator[Finished]:
+        reasoning = self.reasoning_parser is not None
+        for item, results in finished:
+            tools = item.options is not None and item.options.parse_tools
+            for r in results or ():
+                if r.error is None and r.text is not None and (reasoning or tools or r.logprobs is not None):
+                    self.apply(item.options, r)
+            yield item, results
+
+    def apply(self, options: RowOptions | None, r: Result) -> None:
+        text = r.text or ""
+        if self.reasoning_parser:
+            r.reasoning_content, text = split_reasoning(text, self.reasoning_parser)
+        calls: list[Call] = []
+        if options is not None and options.parse_tools:
+            if options.forced_tool:
+                calls = _forced_call(text)
+                text = "" if calls else text
+            elif self.tool_call_parser:
+                text, calls = parse_tool_calls(text, self.tool_call_parser, options.tools)
+            elif not self._warned:
+                self._warned = True
+                self.warn("warning: rows have tools but no --tool-call-parser: their calls stay in `output` "
+                          "(hermes reads the format of the tools block given to templates without tools)")
+        if calls:
+            calls = calls[:1] if not options.parallel_tool_calls else calls  # type: ignore[union-attr]
+            r.tool_calls = json.dumps([{"id": call_id(r.row_id, r.sample_index, k), "type": "function",
+                                        "function": c} for k, c in enumerate(calls)], ensure_ascii=False)
+            if r.finish_reason == "stop":
+                r.finish_reason = "tool_calls"
+        r.text = text
+        if r.logprobs is not None:
+            r.logprobs = [self._entry(e) for e in r.logprobs[:len(r.token_ids)]]  # type: ignore[misc]
+
+    def _entry(self, e: Any) -> dict[str, Any]:
+        """``(token_id, logprob, top)`` -> the ``logprobs`` column's struct, with token texts."""
+        tid, lp, top = e
+        return {"token_id": tid, "token": self._text(tid), "logprob": lp,
+                "top_logprobs": [{"token_id": t, "token": self._text(t), "logprob": p} for t, p in top]}
+
+    def _text(self, tid: int) -> str:
+        text = self._tokens.get(tid)
+        if text is None:
+            text = token_text(self.tokenizer, tid)
+            if len(self._tokens) < 1 << 20:
+                self._tokens[tid] = text
+        return text
+
+
+def token_text(tokenizer: Any, tid: int) -> str:
+    """One token's text: the tokenizer's own ``token_text`` (special tokens kept) where it has one."""
+    fn = getattr(tokenizer, "token_text", None)
+    return fn(tid) if fn is not None else tokenizer.decode([tid])
+
+
+def call_id(row_id: str, sample_index: int, k: int) -> str:
+    digest = hashlib.blake2b(f"{row_id}\x1f{sample_index}\x1f{k}".encode(), digest_size=12).hexdigest()
+    return f"call_{digest}"
+
+
+def _forced_call(text: str) -> list[Call]:
+    """The output of a forced tool choice: the call's JSON ``{"name", "arguments"}``."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"),
+                                                                                             dict):
+        return []
+    return [{"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}]
