@@ -89,6 +89,11 @@ class FakeEngine:
                 meta.update(spec_verify_ct=rounds, spec_num_correct_drafts=sum(j * c for j, c in enumerate(hist)),
                             spec_num_proposed_drafts=rounds * (self.block - 1), spec_accept_length=n / rounds,
                             spec_correct_drafts_histogram=hist)
+            if kw.get("return_logprob"):  # SGLang's [logprob, token_id, text] entries
+                k = int(kw.get("top_logprobs_num") or 0)
+                meta["output_token_logprobs"] = [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)]
+                meta["output_top_logprobs"] = [[[-0.1 * (j + 1), (t + j) % 50, None] for j in range(k)]
+                                               for t in out] if k else [None] * n
             if key in self.abort_keys:
                 meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue", "status_code": 500}
                 out = []

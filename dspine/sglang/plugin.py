@@ -34,10 +34,11 @@ def register() -> None:
     if getattr(sglang, "__version__", None) != SGLANG_VERSION:
         logger.warning("dspine: built against sglang==%s, found %s; DSPINE may not work",
                        SGLANG_VERSION, getattr(sglang, "__version__", "?"))
-    from . import cpu, name_checks
+    from . import cpu, name_checks, sampling
     from .algo import register_algorithm
 
     cpu.apply()  # only when SGLang runs on the CPU here (test/dev path)
+    sampling.apply()  # only in engines dspine-batch starts (DSPINE_SGLANG_SAMPLING=reference)
     register_algorithm()
     name_checks.include()
     register_model()

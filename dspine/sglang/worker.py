@@ -37,16 +37,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import torch
+from sglang.srt.layers.sampler import apply_custom_logit_processor
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
+from sglang.srt.speculative import dflash_worker_v2
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
 from sglang.srt.speculative.dspark_components.dspark_draft import resolve_greedy_mask
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
 from . import draft_math as dm
 from .models.dspine_draft import DSpineDraftModel
+from .processing import Histories, process_block, row_params
+from .sampling import prompt_repetition
 from .suffix import PROPOSERS_ENV, ROUND_LOG_ENV, SuffixProposer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,26 @@ logger = logging.getLogger(__name__)
 # round) to this file, so tests can compare SGLang's proposals with the reference engine's round by round.
 # Eager path only (a captured CUDA graph never calls it); costs a host sync per round when set.
 PROPOSAL_LOG_ENV = "DSPINE_SGLANG_PROPOSAL_LOG"
+_active = threading.local()  # the DSPINE worker running a forward in this thread (the verify hook's dispatch)
+
+
+def install_verify_hook() -> None:
+    """Route DFlash's verify-logits step (``apply_dflash_verify_logits_adjustments``, a module global of
+    ``dflash_worker_v2`` called between the target verify and the grammar mask) to the running DSPINE worker's
+    per-slot processing; other workers keep SGLang's. Idempotent."""
+    current = dflash_worker_v2.apply_dflash_verify_logits_adjustments
+    if getattr(current, "_dspine", False):
+        return
+
+    def adjust(*, next_token_logits, sampling_info, draft_token_num):
+        worker = getattr(_active, "worker", None)
+        if worker is None:
+            return current(next_token_logits=next_token_logits, sampling_info=sampling_info,
+                           draft_token_num=draft_token_num)
+        return worker._adjust_verify_logits(next_token_logits, sampling_info, int(draft_token_num))
+
+    adjust._dspine = True
+    dflash_worker_v2.apply_dflash_verify_logits_adjustments = adjust
 
 
 def record_proposals(path: str, anchor: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -84,6 +109,9 @@ def cpu_hybrid_problem(device: str, req_to_token_pool) -> str | None:
 class DSpineWorkerV2(DFlashWorkerV2):
     _batch = None  # the batch of the running forward (class defaults: DFlash's __init__ warms the proposal step)
     suffix: SuffixProposer | None = None
+    histories: Histories | None = None
+    _raw_logits = None  # this round's verify logits before processing (rows returning logprobs)
+    _processed: list | None = None  # (batch row, Req) of this round's processed rows
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
@@ -110,6 +138,8 @@ class DSpineWorkerV2(DFlashWorkerV2):
         proposer = SuffixProposer(os.environ.get(PROPOSERS_ENV) or "dspine", int(self.block_size) - 1,
                                   log_path=os.environ.get(ROUND_LOG_ENV))
         self.suffix = proposer if proposer.active else None
+        self.histories = Histories(4 * int(self.block_size))
+        install_verify_hook()
         logger.info("DSPINE worker ready: block=%d (1 anchor + %d drafts), top_k=%d, rank=%d, proposers=%s",
                     int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
                     self.draft_model.transfer_rank, proposer.mode)
@@ -167,15 +197,60 @@ class DSpineWorkerV2(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         self._batch = batch
+        _active.worker = self
         try:
             return super().forward_batch_generation(batch, *args, **kwargs)
         finally:
             self._batch = None
+            _active.worker = None
+            self._raw_logits = self._processed = None
+
+    def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
+        # DFlash looks for penalties where overlap scheduling no longer keeps them; ask the requests instead
+        if any(row_params(req, False) is not None for req in batch.reqs):
+            return False
+        return super()._can_skip_verify_logits(batch, sampling_info)
+
+    def _adjust_verify_logits(self, logits: torch.Tensor, sampling_info, block: int) -> None:
+        """Every verify slot's processed logits (``processing.py``): penalties and ``min_new_tokens`` with the slot's
+        own history (the committed tokens and the proposed tokens before it), ``logit_bias``; custom logit
+        processors as DFlash applies them. Keeps the raw logits when the batch returns logprobs."""
+        batch = self._batch
+        bs = logits.shape[0] // block
+        if batch.return_logprob:
+            self._raw_logits = logits.clone()
+        if sampling_info.has_custom_logit_processor:
+            apply_custom_logit_processor(logits, sampling_info, num_tokens_in_batch=block)
+        rep_prompt = prompt_repetition()
+        rows = [(b, req, rp) for b, req in enumerate(batch.reqs) if (rp := row_params(req, rep_prompt)) is not None]
+        bias = getattr(sampling_info, "logit_bias", None)
+        by_row = logits.view(bs, block, -1)
+        if rows:
+            idx = torch.tensor([b for b, _, _ in rows], device=batch.seq_lens.device)
+            chains = self._draft_block_tokens_buf[:bs][idx.to(self._draft_block_tokens_buf.device)].tolist()
+            for (b, req, rp), chain, seq_len in zip(rows, chains, batch.seq_lens[idx].tolist(), strict=True):
+                generated = self.histories.of(req, seq_len, chain[0])
+                process_block(by_row[b], generated, chain[1:], rp, None if bias is None else bias[b])
+            self._processed = [(b, req) for b, req, _ in rows]
+        if bias is not None:
+            done = {b for b, _, _ in rows}
+            rest = [b for b in range(bs) if b not in done]
+            if rest:
+                by_row[rest] += bias[rest].to(logits.dtype)[:, None, :]
 
     def _accept_block(self, **kwargs):
         out = super()._accept_block(**kwargs)
         if self.suffix is not None:
             self.suffix.record(out[0].view(-1).tolist())
+        if self._processed:
+            commit, tokens = out[1].view(-1).tolist(), out[3]
+            for b, req in self._processed:
+                self.histories.record(req, tokens[b, : commit[b]].tolist())
+            self.histories.prune()
+            self._processed = None
+        if self._raw_logits is not None:  # SGLang reads the chain's logprobs from these next: the model's own
+            kwargs["next_token_logits"].copy_(self._raw_logits)
+            self._raw_logits = None
         return out
 
     def _update_target_mamba_state_after_verify(self, *, batch, seq_lens_pre_verify, seq_lens_post_verify,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fake_sglang import FakeEngine, FakeTokenizer
 
-from dspine_batch.engines.base import Request, Result, SamplingParams
+from dspine_batch.engines.base import FEATURES, Request, Result, SamplingParams, Structure
 from dspine_batch.engines.sglang import engine as se
 from dspine_batch.engines.sglang import stats as sglang_stats
 from dspine_batch.errors import UsageError
@@ -131,7 +131,7 @@ def test_build_server_kwargs_precedence_and_types():
         "/m", "/d", {"server_flags": "--dtype bfloat16 --mem-fraction-static 0.8 --enable-linear-replayssm-spec",
                      "mem-fraction-static": "0.7", "block_size": "8", "poll_seconds": "0.5"}, parser=_mini_parser())
     assert kw["model_path"] == "/m" and kw["speculative_draft_model_path"] == "/d"
-    assert kw["speculative_algorithm"] == "DSPINE" and kw["skip_tokenizer_init"] is True
+    assert kw["speculative_algorithm"] == "DSPINE" and kw["skip_tokenizer_init"] is False  # grammars need it
     assert kw["dtype"] == "bfloat16" and kw["mem_fraction_static"] == 0.7  # single arg beats server_flags
     assert kw["speculative_num_draft_tokens"] == 8 and kw["enable_linear_replayssm_spec"] is True
     assert kw["custom_sigquit_handler"] is se.on_sigquit and opts["poll_seconds"] == 0.5
@@ -167,6 +167,42 @@ def test_sampling_params_mapping():
     assert sp["top_k"] == se.TOP_K_ALL and sp["stop_token_ids"] == [2, 7] and "sampling_seed" not in sp
     sp = se.sampling_params(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=123))
     assert (sp["top_k"], sp["top_p"], sp["sampling_seed"]) == (20, 0.9, 123)
+
+
+def test_request_features_reach_sglangs_sampling_params():
+    """Penalties, min_tokens and logit_bias under SGLang's names; each structure kind as SGLang's grammar field
+    (json_object as the schema the reference engine compiles, choice as an EBNF alternation)."""
+    sp = se.sampling_params(SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2,
+                                           min_tokens=3, logit_bias=((7, -5.0), (11, 2.5))))
+    assert (sp["presence_penalty"], sp["frequency_penalty"], sp["repetition_penalty"]) == (0.5, -0.25, 1.2)
+    assert sp["min_new_tokens"] == 3 and sp["logit_bias"] == {"7": -5.0, "11": 2.5}
+    plain = se.sampling_params(SamplingParams())
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_new_tokens", "logit_bias",
+                "json_schema", "regex", "ebnf"} & set(plain)
+    schema = '{"properties":{"a":{"type":"integer"}},"type":"object"}'
+    cases = {("json_schema", schema): ("json_schema", schema),
+             ("json_object", ""): ("json_schema", '{"type": "object"}'),
+             ("regex", "[a-z]+"): ("regex", "[a-z]+"),
+             ("choice", '["yes","no \\"maybe\\""]'): ("ebnf", 'root ::= "yes" | "no \\"maybe\\""'),
+             ("grammar", 'root ::= "x"'): ("ebnf", 'root ::= "x"')}
+    for (kind, spec), (field, value) in cases.items():
+        sp = se.sampling_params(SamplingParams(structure=Structure(kind, spec)))
+        assert sp[field] == value, kind
+    assert se.logprob_args(SamplingParams()) == {}
+    assert se.logprob_args(SamplingParams(logprobs=True, top_logprobs=3)) == {
+        "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": -1}
+
+
+def test_the_engine_declares_every_request_feature():
+    assert se.SGLangEngine.features == FEATURES
+
+
+def test_choice_ebnf_compiles_to_exactly_the_choices():
+    xgrammar = pytest.importorskip("xgrammar")
+    sp = se.sampling_params(SamplingParams(structure=Structure("choice", json.dumps(["yes", 'no "maybe"', "café"]))))
+    grammar = xgrammar.Grammar.from_ebnf(sp["ebnf"])
+    for text, ok in (("yes", True), ('no "maybe"', True), ("café", True), ("no", False), ("yesyes", False)):
+        assert xgrammar.testing._is_grammar_accept_string(grammar, text) is ok, text
 
 
 # -- the engine loop ----------------------------------------------------------------------------------------------
@@ -236,6 +272,32 @@ def test_stop_strings_are_applied_after_generation():
     req.params = SamplingParams(max_new_tokens=8, stop=(stop,))
     cut = next(eng.run([req], 1))
     assert cut.finish_reason == "stop" and stop not in cut.text and cut.text == full.text[: full.text.find(stop)]
+
+
+def test_logprobs_come_back_per_completion_token_and_follow_stop_cuts():
+    fake = FakeEngine()
+    eng = _engine(fake)
+    req = Request("k", 0, [5, 5, 5], SamplingParams(max_new_tokens=8, logprobs=True, top_logprobs=2))
+    full = next(eng.run([req], 1))
+    assert fake.calls[-1][0].startswith("k#") and full.error is None
+    assert len(full.logprobs) == len(full.token_ids) == 4
+    tid, lp, top = full.logprobs[1]
+    assert (tid, lp) == (full.token_ids[1], -0.5) and top == ((full.token_ids[1], -0.1), (full.token_ids[1] + 1, -0.2))
+    stop = full.text[2:4]
+    req.params = SamplingParams(max_new_tokens=8, logprobs=True, stop=(stop,))
+    cut = next(eng.run([req], 1))
+    assert len(cut.logprobs) == len(cut.token_ids) < len(full.token_ids)
+    assert all(t == () for _, _, t in cut.logprobs)
+    assert next(eng.run([Request("k", 0, [5, 5, 5], SamplingParams(max_new_tokens=8))], 1)).logprobs is None
+
+
+def test_unreadable_logprobs_are_a_row_error():
+    from dspine_batch.engines.sglang.logprobs import logprobs
+
+    with pytest.raises(ValueError, match="no output_token_logprobs"):
+        logprobs({}, 2)
+    with pytest.raises(ValueError, match="1 output_token_logprobs for 2 tokens"):
+        logprobs({"output_token_logprobs": [[-1.0, 3, None]]}, 2)
 
 
 def test_engine_death_raises_and_abandons_in_flight():
@@ -345,12 +407,17 @@ def test_sglang_available_reports_a_reason():
 
 def test_proposers_reach_the_dspine_worker_through_the_environment(tiny_pair, monkeypatch):
     """``--engine-arg proposers=...``: not a server argument; DSPINE_PROPOSERS while the engine starts."""
+    from dspine.sglang.sampling import engine_env
+
     model, draft = tiny_pair
     monkeypatch.delenv(se.PROPOSERS_ENV, raising=False)
+    for k in engine_env():
+        monkeypatch.delenv(k, raising=False)
     env = {}
 
     def factory(**kw):
         env["seen"] = os.environ.get(se.PROPOSERS_ENV)
+        env["sampling"] = {k: os.environ.get(k) for k in engine_env()}  # the request contract's semantics
         assert "proposers" not in kw
         return FakeEngine()
 
@@ -361,6 +428,9 @@ def test_proposers_reach_the_dspine_worker_through_the_environment(tiny_pair, mo
     eng = load({})
     assert env["seen"] == "auto" and eng.identity()["proposers"] == "auto"
     assert se.PROPOSERS_ENV not in os.environ  # restored after the start
+    for k in engine_env():
+        assert k not in os.environ
+    assert env["sampling"] == engine_env()
     eng.close()
     eng = load({"proposers": "dspine"})
     assert env["seen"] == "dspine" and "proposers" not in eng.identity()

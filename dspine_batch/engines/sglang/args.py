@@ -2,23 +2,30 @@
 ``ServerArgs`` keyword arguments (SGLang's own argument parser types them), and our sampling settings ->
 SGLang ``sampling_params``.
 
-Precedence: our defaults (``model_path``, ``DSPINE`` with the draft, ``skip_tokenizer_init``: we tokenize and
-render chat templates ourselves, as the reference engine does; on a machine without a GPU the CPU test path's
-settings, see ``dspine.sglang.cpu``), then ``--engine-arg server_flags="..."``, then single ``KEY=VALUE`` args.
+Precedence: our defaults (``model_path``, ``DSPINE`` with the draft; compact JSON under a schema,
+``constrained_json_disable_any_whitespace``, as the reference engine compiles schemas; on a machine without a GPU
+the CPU test path's settings, see ``dspine.sglang.cpu``), then ``--engine-arg server_flags="..."``, then single
+``KEY=VALUE`` args.
 
 ``proposers`` (``auto`` default, ``dspine``, ``suffix``; DSPINE only) is not a server argument: SGLang's
 ``ServerArgs`` has no field for it, so the engine passes it to the DSPINE worker through the
 ``DSPINE_PROPOSERS`` environment variable, set while the engine starts its processes (``dspine.sglang.suffix``).
+
+We tokenize and render chat templates ourselves and send token ids, as with the reference engine, but SGLang loads
+the tokenizer too (``skip_tokenizer_init`` off): its grammar backend (xgrammar over the vocabulary) and
+``min_new_tokens`` (the stop ids) refuse to run without one.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import shlex
 import sys
 from typing import Any
 
-from dspine_batch.engines.base import SamplingParams
+from dspine_batch.engines.base import SamplingParams, Structure
+from dspine_batch.engines.grammar import choice_ebnf
 from dspine_batch.engines.sglang.processes import on_sigquit
 from dspine_batch.errors import UsageError
 
@@ -35,6 +42,7 @@ OPERATIONAL_KEYS = frozenset({
     "max_total_tokens", "schedule_policy", "mamba_radix_cache_strategy",
 })
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k" (sampling_params.TOP_K_ALL)
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Refused on SGLang's CPU test path (docs/design.md, "The CPU test path"): the prefix cache's Mamba state
 # snapshots need GPU kernels (SGLang asserts platform support; its CPU prefill kernel returns no chunk states).
 CPU_REFUSED_MAMBA_STRATEGIES = ("extra_buffer", "extra_buffer_lazy")
@@ -112,7 +120,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
     parser = parser or _sglang_parser()
     args = {k.replace("-", "_"): v for k, v in engine_args.items()}
     opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None, "proposers": None}
-    kwargs: dict[str, Any] = {"model_path": str(model_path), "skip_tokenizer_init": True, "log_level": "error"}
+    kwargs: dict[str, Any] = {"model_path": str(model_path), "skip_tokenizer_init": False, "log_level": "error",
+                              "constrained_json_disable_any_whitespace": True}
     if on_cpu:
         kwargs.update(cpu_defaults(draft_path is not None))
     if draft_path is not None:
@@ -153,10 +162,44 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
 
 def sampling_params(p: SamplingParams) -> dict[str, Any]:
     """Our per-request sampling settings -> SGLang ``sampling_params`` (stop strings applied afterwards, as the
-    reference engine does: SGLang runs without a tokenizer here)."""
+    reference engine does). Structures become SGLang's grammar fields: ``json_object`` the schema
+    ``{"type": "object"}`` (as the reference engine compiles it; SGLang's own ``$$ANY$$`` also allows arrays),
+    ``choice`` an EBNF alternation of the strings (``engines.grammar.choice_ebnf``)."""
     sp: dict[str, Any] = {"max_new_tokens": int(p.max_new_tokens), "temperature": float(p.temperature),
                           "top_p": float(p.top_p), "top_k": int(p.top_k) if p.top_k > 0 else TOP_K_ALL,
                           "stop_token_ids": list(p.stop_token_ids), "skip_special_tokens": False}
     if p.temperature > 0:
         sp["sampling_seed"] = int(p.seed)
+    if p.presence_penalty:
+        sp["presence_penalty"] = float(p.presence_penalty)
+    if p.frequency_penalty:
+        sp["frequency_penalty"] = float(p.frequency_penalty)
+    if p.repetition_penalty != 1.0:
+        sp["repetition_penalty"] = float(p.repetition_penalty)
+    if p.min_tokens:
+        sp["min_new_tokens"] = int(p.min_tokens)
+    if p.logit_bias:
+        sp["logit_bias"] = {str(int(t)): float(b) for t, b in p.logit_bias}
+    if p.structure is not None:
+        sp.update(grammar_params(p.structure))
     return sp
+
+
+def grammar_params(structure: Structure) -> dict[str, str]:
+    kind, spec = structure.kind, structure.spec
+    if kind == "json_schema":
+        return {"json_schema": spec}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "regex":
+        return {"regex": spec}
+    if kind == "choice":
+        return {"ebnf": choice_ebnf(json.loads(spec))}
+    return {"ebnf": spec}
+
+
+def logprob_args(p: SamplingParams) -> dict[str, Any]:
+    """``generate`` arguments for a request's logprobs: the completion's only (``logprob_start_len=-1``)."""
+    if not p.logprobs:
+        return {}
+    return {"return_logprob": True, "top_logprobs_num": int(p.top_logprobs), "logprob_start_len": -1}

@@ -27,8 +27,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.base import FEATURES, Request, Result
 from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
+from dspine_batch.engines.sglang import logprobs as sglang_logprobs
 from dspine_batch.engines.sglang import stats as sglang_stats
 from dspine_batch.engines.sglang.args import (  # noqa: F401  (re-exported: the adapter's public names)
     ADAPTER_KEYS,
@@ -36,6 +37,7 @@ from dspine_batch.engines.sglang.args import (  # noqa: F401  (re-exported: the 
     PROPOSERS_ENV,
     TOP_K_ALL,
     build_server_kwargs,
+    logprob_args,
     parse_server_flags,
     sampling_params,
 )
@@ -80,7 +82,9 @@ def on_cpu() -> bool:
 
 class SGLangEngine:
     name = "sglang"
-    features: frozenset[str] = frozenset()  # request features beyond plain sampling (base.FEATURES): none yet
+    # every request feature (base.FEATURES), under DSPINE speculation too: the DSPINE worker processes each verify
+    # slot with its own history and reports the model's own logprobs (dspine.sglang.processing, .sampling)
+    features: frozenset[str] = FEATURES
 
     def __init__(self, engine: Any, tokenizer: Any, identity: dict[str, Any], block_size: int | None,
                  max_context: int | None, owned_pids: set[int], poll_seconds: float = 1.0,
@@ -152,9 +156,13 @@ class SGLangEngine:
         old = signal.getsignal(signal.SIGQUIT) if main else None
         ours = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGQUIT: on_sigquit} if main else {}
         before = _child_pids()
-        saved_env = os.environ.get(PROPOSERS_ENV)
+        from dspine.sglang.sampling import engine_env
+
+        env = engine_env()  # the request contract's semantics in SGLang's processes (dspine.sglang.sampling)
         if proposers is not None:  # read by the DSPINE worker in the scheduler processes started here
-            os.environ[PROPOSERS_ENV] = proposers
+            env[PROPOSERS_ENV] = proposers
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             engine = engine_factory(**kwargs)
         except (TypeError, ValueError) as e:  # bad ServerArgs / resolution errors (incl. DSPINE's checks)
@@ -166,11 +174,11 @@ class SGLangEngine:
             kill_owned(_child_pids() - before)
             raise FatalError(f"--engine sglang: the engine failed to start: {type(e).__name__}: {e}") from e
         finally:
-            if proposers is not None:
-                if saved_env is None:
-                    os.environ.pop(PROPOSERS_ENV, None)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
                 else:
-                    os.environ[PROPOSERS_ENV] = saved_env
+                    os.environ[k] = v
         self = cls(engine, tokenizer, identity, block, None if max_ctx is None else int(max_ctx) - (block or 1) - 1,
                    _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
@@ -234,7 +242,8 @@ class SGLangEngine:
     async def _one(self, req: Request, rid: str) -> dict[str, Any] | BaseException:
         try:
             return await self._engine.async_generate(input_ids=list(req.prompt_ids),
-                                                     sampling_params=sampling_params(req.params), rid=rid)
+                                                     sampling_params=sampling_params(req.params), rid=rid,
+                                                     **logprob_args(req.params))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # request-level failure (bad request, abort raised as an error, ...)
@@ -292,11 +301,18 @@ class SGLangEngine:
             sglang_stats.apply(meta, res, block_size=self.block_size)
         except ValueError as e:
             res.error = res.error or f"unreadable SGLang meta_info: {e}"
+        if req.params.logprobs:
+            try:
+                res.logprobs = sglang_logprobs.logprobs(meta, len(tokens))
+            except ValueError as e:
+                res.error = res.error or f"unreadable SGLang logprobs: {e}"
         text = self.tok.decode(tokens) if tokens else ""
         cut = cut_at_stop(text, tokens, req.params.stop, self.tok.decode)
         if cut is not None:
             (text, res.token_ids), res.finish_reason = cut, "stop"
             res.completion_tokens = len(res.token_ids)
+            if res.logprobs is not None:
+                res.logprobs = res.logprobs[: len(res.token_ids)]
         res.text = text
         return res
 

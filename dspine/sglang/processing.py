@@ -1,0 +1,141 @@
+"""Per-slot logits processing for the DSPINE verify: penalties, ``logit_bias`` and ``min_new_tokens`` with each
+slot's own history.
+
+SGLang 0.5.23's DFlash verify (``dflash_utils.apply_dflash_verify_logits_adjustments``) applies one penalty row,
+the committed history's, to every slot of a block, and under DFlash the penalizers never even see the generated
+tokens (its ``prepare_for_decode`` never feeds them), so a speculative run silently drops presence, frequency and
+repetition penalties and keeps stop tokens masked or unmasked regardless of ``min_new_tokens`` (checked on the
+CPU path: outputs equal the unpenalized ones). Plain decoding decides slot ``j`` of a block with the committed
+tokens *and the proposed tokens before it* as its history; this module gives every slot exactly that, so the
+distribution each proposal is verified against is the one plain decoding samples from: greedy outputs equal
+plain decoding's, sampled ones keep its distribution (the verify's rejection sampling is exact for any target).
+
+The order and arithmetic are those of plain SGLang with ``dspine.sglang.sampling`` (what the batch tool runs):
+the repetition penalty first (CTRL/HF: a seen token's logit divided by p where positive, multiplied where not;
+seen = the generated tokens, and the prompt's with the reference semantics), then the additive presence and
+frequency penalties over the generated tokens, then ``logit_bias``, then ``min_new_tokens`` (stop ids to -inf
+while fewer tokens were generated), then (SGLang's own step, after this) the grammar's mask.
+
+Pure torch and duck-typed requests (``Req``-like: ``rid``, ``origin_input_ids``, ``output_ids``,
+``sampling_params``, ``eos_token_ids``, ``tokenizer``), so it is tested without SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What a request asks of its verify slots beyond ``logit_bias`` (applied batch-wide from SGLang's tensor)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    prompt: tuple[int, ...] = ()  # ids the repetition penalty counts as seen before any output (may be empty)
+
+
+def row_params(req: Any, prompt_repetition: bool) -> RowParams | None:
+    """The request's per-slot processing, None when it needs none (the common case: no cost)."""
+    sp = req.sampling_params
+    presence = float(getattr(sp, "presence_penalty", 0.0) or 0.0)
+    frequency = float(getattr(sp, "frequency_penalty", 0.0) or 0.0)
+    repetition = float(getattr(sp, "repetition_penalty", 1.0) or 1.0)
+    min_tokens = int(getattr(sp, "min_new_tokens", 0) or 0)
+    if not (presence or frequency or repetition != 1.0 or min_tokens):
+        return None
+    prompt = tuple(int(t) for t in req.origin_input_ids) if repetition != 1.0 and prompt_repetition else ()
+    return RowParams(presence, frequency, repetition, min_tokens, stop_ids(req) if min_tokens else (), prompt)
+
+
+def stop_ids(req: Any) -> tuple[int, ...]:
+    """The ids ``min_new_tokens`` holds back: SGLang's set (``BatchedMinNewTokensPenalizer``): the request's stop
+    ids, the model's EOS ids, the tokenizer's EOS and additional stop ids."""
+    ids = set(getattr(req.sampling_params, "stop_token_ids", None) or ())
+    ids |= set(getattr(req, "eos_token_ids", None) or ())
+    tok = getattr(req, "tokenizer", None)
+    if tok is not None:
+        ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+        if getattr(tok, "eos_token_id", None) is not None:
+            ids.add(tok.eos_token_id)
+    return tuple(sorted(int(t) for t in ids if t is not None))
+
+
+def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int], rp: RowParams,
+                  bias: torch.Tensor | None = None) -> None:
+    """Process one row's verify logits ``[B, V]`` in place: slot ``j`` decides generated token ``len(generated) + j``
+    after ``generated`` (every token generated so far, the block's anchor last) and ``drafts[:j]`` (the block's
+    proposed tokens, ``B - 1`` of them). ``bias``: the row's ``logit_bias`` over the vocabulary, or None."""
+    B, V = logits.shape
+    dev = logits.device
+    pen = rp.presence or rp.frequency or rp.repetition != 1.0
+    if pen:
+        hist = torch.tensor(generated, dtype=torch.long, device=dev)
+        counts = torch.zeros(V, dtype=torch.float32, device=dev).index_add_(
+            0, hist, torch.ones(len(generated), device=dev))[None].repeat(B, 1)
+        if B > 1 and drafts:  # slot j also counts drafts[0..j-1]
+            rows, cols = torch.tril_indices(B, B - 1, offset=-1, device=dev)
+            ids = torch.tensor(drafts, dtype=torch.long, device=dev)[cols]
+            counts.index_put_((rows, ids), torch.ones(len(rows), device=dev), accumulate=True)
+        if rp.repetition != 1.0:
+            seen = counts > 0
+            if rp.prompt:
+                seen[:, torch.tensor(rp.prompt, dtype=torch.long, device=dev)] = True
+            p = rp.repetition
+            x = logits.float()
+            logits.copy_(torch.where(seen, torch.where(x < 0, x * p, x / p), x).to(logits.dtype))
+        if rp.presence or rp.frequency:
+            additive = -(counts * rp.frequency) - (counts > 0).float() * rp.presence
+            logits.add_(additive.to(logits.dtype))
+    if bias is not None:
+        logits.add_(bias.to(logits.dtype)[None])
+    if rp.min_tokens and rp.stop_ids:
+        early = rp.min_tokens - len(generated)  # slots 0..early-1 decide a token before min_tokens were generated
+        if early > 0:
+            stops = torch.tensor(rp.stop_ids, dtype=torch.long, device=dev)
+            stops = stops[stops < V]
+            logits[: min(early, B), stops] = NEG_INF
+
+
+class Histories:
+    """Every processed request's generated tokens, exactly, at the start of each verify round.
+
+    ``req.output_ids`` is exact with the scheduler's plain loop, but with overlap scheduling it lags one round
+    (a round's results are processed after the next round starts). The target's committed length is exact
+    (``seq_lens`` = prompt + generated - 1: the anchor has no KV yet), so the missing tail is read from what this
+    worker committed in its recent rounds (the first round's only token is the anchor itself)."""
+
+    def __init__(self, keep: int):
+        self.keep = max(2, int(keep))
+        self.recent: dict[str, tuple[Any, list[int]]] = {}
+
+    def of(self, req: Any, seq_len: int, anchor: int) -> list[int]:
+        n = int(seq_len) - len(req.origin_input_ids) + 1
+        out = [int(t) for t in req.output_ids[:n]]
+        need = n - len(out)
+        if need > 0:
+            rec = self.recent.get(str(req.rid))
+            tail = rec[1] if rec is not None and rec[0] is req else [int(anchor)]
+            if len(tail) < need or tail[-1] != int(anchor):
+                raise RuntimeError(
+                    f"DSPINE: request {req.rid}: cannot rebuild its generated tokens for penalties ({len(out)} "
+                    f"known, {n} committed, {len(tail)} recent)")
+            out += tail[len(tail) - need:]
+        return out
+
+    def record(self, req: Any, tokens: list[int]) -> None:
+        rid = str(req.rid)
+        rec = self.recent.get(rid)
+        old = rec[1] if rec is not None and rec[0] is req else []
+        self.recent[rid] = (req, (old + [int(t) for t in tokens])[-self.keep:])
+
+    def prune(self) -> None:
+        for rid in [r for r, (req, _) in self.recent.items() if req.finished()]:
+            del self.recent[rid]

@@ -1,0 +1,32 @@
+"""SGLang ``meta_info`` logprobs -> ``Result.logprobs`` (pure Python, no SGLang import).
+
+With ``return_logprob`` SGLang puts one ``[logprob, token_id, text]`` per completion token in
+``output_token_logprobs`` and, with ``top_logprobs_num`` k > 0, the k most likely ``[logprob, token_id, text]`` per
+position in ``output_top_logprobs`` (most likely first; ``text`` is None without a detokenized answer, and we never
+read it: the pipeline names the tokens). They are the raw logits' log-softmax in the engines dspine-batch starts
+(``dspine.sglang.sampling``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dspine_batch.engines.base import TokenLogprob
+
+
+def logprobs(meta: Mapping[str, Any], n_tokens: int) -> list[TokenLogprob]:
+    """One ``(token_id, logprob, top)`` per completion token; ValueError when SGLang's answer does not fit."""
+    chosen = meta.get("output_token_logprobs")
+    if chosen is None:
+        raise ValueError("no output_token_logprobs in meta_info")
+    if len(chosen) != n_tokens:
+        raise ValueError(f"{len(chosen)} output_token_logprobs for {n_tokens} tokens")
+    tops = meta.get("output_top_logprobs") or [None] * n_tokens
+    if len(tops) != n_tokens:
+        raise ValueError(f"{len(tops)} output_top_logprobs for {n_tokens} tokens")
+    out: list[TokenLogprob] = []
+    for entry, top in zip(chosen, tops, strict=True):
+        lp, tid = entry[0], entry[1]
+        out.append((int(tid), float(lp), tuple((int(t[1]), float(t[0])) for t in (top or ()))))
+    return out
