@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine.models.tokenizer import HFTokenizer
-from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.base import FEATURES, Request, Result
 from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import FatalError, UsageError
@@ -47,7 +47,10 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module
 
 class ReferenceEngine:
     name = "reference"
-    features: frozenset[str] = frozenset()  # request features beyond plain sampling (base.FEATURES): none yet
+    # request features beyond plain sampling (base.FEATURES): all of them, through the decoding loop's processing
+    # seam (``dspine.decoding.processors``: penalties, logit bias, min_tokens, logprobs) and xgrammar grammars
+    # (``dspine.decoding.grammar``), lossless under every proposer
+    features: frozenset[str] = FEATURES
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
@@ -91,6 +94,7 @@ class ReferenceEngine:
         if draft is not None:
             self._identity["verify"] = verify
         self._costs: dict[tuple[int, str | None], Any] = {}
+        self._grammars: Any = None  # dspine.decoding.grammar.Grammars, made on the first structured request
         # Prompt prefixes kept across rows (and runs of this engine). Only where a row's prefill is batch and
         # split invariant (our CPU kernels): there a hit never changes an output, so it is not part of the
         # identity; torch's GEMMs (bf16, quantized, no compiler) round differently for different token counts.
@@ -207,7 +211,11 @@ class ReferenceEngine:
                 p = r.params
                 try:
                     sp = SamplingParams(max(0, min(p.max_new_tokens, room - len(r.prompt_ids))), p.temperature,
-                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids))
+                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids),
+                                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+                                        logit_bias=p.logit_bias, logprobs=p.top_logprobs if p.logprobs else None,
+                                        grammar=self._constraint(p.structure))
                 except ValueError as e:  # the decoder refuses an empty prompt: the row gets this error instead
                     refused[i] = str(e)
                     yield [], SamplingParams(max_new_tokens=0)
@@ -230,6 +238,21 @@ class ReferenceEngine:
                     yield self._result(req, out)
         except RuntimeError as e:
             raise FatalError(f"reference engine failed: {e}") from e
+
+    def _constraint(self, structure: Any) -> Any:
+        """The compiled grammar of a request's ``Structure`` (each distinct one compiled once per engine), or
+        None. An invalid one raises ValueError (the row's error; the pipeline checks them before the model
+        loads)."""
+        if structure is None:
+            return None
+        if self._grammars is None:
+            from dspine.decoding.grammar import Grammars
+
+            raw = self.tok.tok  # forced strings are tokenized without special tokens
+            self._grammars = Grammars.for_hf_dir(str(self.model_path), int(self.target.vocab_size),
+                                                 list(self.tok.eos_ids()),
+                                                 lambda s: raw.encode(s, add_special_tokens=False).ids)
+        return self._grammars.get(structure.kind, structure.spec)
 
     def _cost(self, rows: int) -> Any:
         """The calibrated cost model for ``rows`` (cost-aware verification only; cached on disk per identity)."""
@@ -256,6 +279,8 @@ class ReferenceEngine:
         res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)),
                      cached_prompt_tokens=int(getattr(out, "cached_prompt_tokens", 0)))
+        if out.logprobs is not None:  # (id, logprob, top) per kept token (a stop string may have cut some)
+            res.logprobs = [(t, lp, tuple(top)) for t, lp, top in out.logprobs[: len(tokens)]]
         st = out.stats
         if self.proposers:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
             res.verify_steps = st.verify_steps
@@ -272,6 +297,8 @@ class ReferenceEngine:
                     st.dspine_steps, st.dspine_proposed, st.dspine_accepted)
                 res.suffix_verify_steps, res.suffix_tokens_proposed, res.suffix_tokens_accepted = (
                     st.suffix_steps, st.suffix_proposed, st.suffix_accepted)
+                res.forced_verify_steps, res.forced_tokens_proposed, res.forced_tokens_accepted = (
+                    st.forced_steps, st.forced_proposed, st.forced_accepted)
         return res
 
 

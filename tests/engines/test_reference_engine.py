@@ -7,6 +7,7 @@ the engine against direct ``dspine.generate`` calls. The embedded SmolLM2 run is
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from helpers import SMOL_TEMPLATE, chat_requests, read_output, reference_engine, tokenizer_dir, write_jsonl
@@ -353,3 +354,39 @@ def test_prefill_chunk_arg(tiny):
             reference_engine(tiny, prefill_chunk=bad)
     assert reference_engine(tiny, draft=False, quant="int8", prefill_chunk="3").prefill_chunk == 0
     assert "prefill_chunk" in CliRunner().invoke(cli, ["generate", "--help"]).output
+
+
+def test_structured_penalties_and_logprobs_through_the_engine(tiny):
+    """The request features the reference engine declares reach the decoding loop: a choice and a JSON schema are
+    obeyed (compiled against the model's own tokenizer), greedy outputs are the same with speculation on and off,
+    and logprobs come back, one per kept token."""
+    from dspine_batch.engines.base import FEATURES, Structure
+
+    schema = json.dumps({"type": "object", "properties": {"answer": {"enum": ["four", "two"]}},
+                         "required": ["answer"]}, separators=(",", ":"))
+    outs = {}
+    for draft in (False, True):
+        eng = reference_engine(tiny, draft=draft)
+        assert eng.features == FEATURES
+        groups = {"lp": dict(logprobs=True, top_logprobs=2, presence_penalty=0.4),
+                  "choice": dict(structure=Structure("choice", '["hello", "world"]'), max_new_tokens=24),
+                  "schema": dict(structure=Structure("json_schema", schema), min_tokens=2, max_new_tokens=24)}
+        reqs = []
+        for name, p in groups.items():
+            for r in chat_requests(eng, n=2):
+                r.row_id = f"{name}-{r.row_id}"
+                r.params = replace(r.params, **p)
+                reqs.append(r)
+        got = {r.row_id: r for r in eng.run(iter(reqs), 4)}
+        outs[draft] = {k: r.token_ids for k, r in got.items()}
+        assert all(r.error is None for r in got.values())
+        for rid, r in got.items():
+            if rid.startswith("lp-"):
+                assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids)
+                assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, _, top in r.logprobs)
+            elif rid.startswith("choice-") and r.finish_reason == "stop":
+                assert r.text in ("hello", "world")
+            elif rid.startswith("schema-") and r.finish_reason == "stop":
+                assert json.loads(r.text)["answer"] in ("four", "two")
+        assert sum(r.finish_reason == "stop" for rid, r in got.items() if not rid.startswith("lp-")) >= 2
+    assert outs[True] == outs[False]
