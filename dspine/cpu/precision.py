@@ -5,9 +5,9 @@ record it in the run's manifest; ``auto`` picks bfloat16 only where the CPU comp
 or AMX), since elsewhere bf16 is emulated and slower than fp32. The reference engine resolves ``auto`` per
 model first (``dspine.models.registry.auto_dtype``: bf16 only where our bf16 kernels run that target).
 
-``quant=q8`` is the integer policy of our kernels (``dspine.cpu.kernels.Q8_FORMATS``): the GGUF blocks times input
-rows quantised per block of 32 to int8, integer dot products; the rest as under bfloat16 (bf16 KV cache), so it
-implies ``dtype=bfloat16`` like the weight-only modes.
+``quant=q8`` / ``q16`` are the integer policies of our kernels (``dspine.cpu.kernels.INT_FORMATS``): the GGUF blocks
+times input rows quantised per block of 32 to int8 (q16: two int8 parts, ~16 bits), integer dot products; the rest as
+under bfloat16 (bf16 KV cache), so they imply ``dtype=bfloat16`` like the weight-only modes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from dspine.cpu.quant import MODES
 
 DTYPES = ("float32", "bfloat16", "auto")
-QUANTS = (*MODES, "q8")  # MODES: torch's weight-only int8/int4 (quant.py); q8: our integer dot products
+QUANTS = (*MODES, "q8", "q16")  # MODES: torch's weight-only int8/int4 (quant.py); q8, q16: our integer dot products
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -42,7 +42,7 @@ def native_bf16(flags: set[str] | None = None) -> bool:
 @dataclass(frozen=True)
 class Precision:
     dtype: str = "float32"  # resolved: float32 or bfloat16
-    quant: str = "none"  # none, int8, int4, q8
+    quant: str = "none"  # none, int8, int4, q8, q16
 
     @property
     def torch_dtype(self):

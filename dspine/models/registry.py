@@ -42,9 +42,9 @@ def load_target(
     # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
     # attention are torch modules, which keep their bf16 path
     bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
-    q8 = quant == "q8"
+    q8 = quant in ("q8", "q16")
     if q8 and not (cls is DenseTarget and kernels and _q8_tiles(device)):
-        raise ValueError(f"{path}: quant=q8 runs on our CPU kernels over a dense target (Llama, Qwen3); "
+        raise ValueError(f"{path}: quant={quant} runs on our CPU kernels over a dense target (Llama, Qwen3); "
                          f"use quant=none or int8 here")
     model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles or q8 else dtype, device=device)
     if fuse:
@@ -53,8 +53,8 @@ def load_target(
     if bf16_tiles or q8:
         from dspine.cpu import kernels as k
 
-        # q8: the GGUF-block weights on integer dot products, any other weight in the bf16 family where it runs
-        formats = (*k.Q8_FORMATS, *(k.BF16_FORMATS if k.bf16dp_ok() else ())) if q8 else k.BF16_FORMATS
+        # q8/q16: the GGUF-block weights on integer dot products, any other weight in the bf16 family where it runs
+        formats = (*k.INT_FORMATS[quant], *(k.BF16_FORMATS if k.bf16dp_ok() else ())) if q8 else k.BF16_FORMATS
         model.use_kernels(formats=formats, cache_key=checkpoint_key(path))
         # the bf16 policy's KV cache is bf16 too (half the memory; attention still computes in fp32)
         model.set_kv_dtype(torch.bfloat16 if kv_dtype is None else kv_dtype)
@@ -93,7 +93,7 @@ def _target_class(cfg: dict, path: Path) -> type[Target]:
 
 
 def _q8_tiles(device) -> bool:
-    """quant=q8 runs wherever our kernels build on the CPU (``csrc/gemm_q8.cpp``: AVX512-VNNI, AVX2 or portable
+    """quant=q8/q16 run wherever our kernels build on the CPU (``csrc/gemm_q8.cpp``: AVX512-VNNI, AVX2 or portable
     integer dot products, the same bits)."""
     if torch.device(device).type != "cpu":
         return False

@@ -55,16 +55,19 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 struct Act {
   const int8_t* q;    // [M][K]
-  const float* d;     // [M][KB]: max|x| / 127
-  const float* s;     // [M][KB]: d * sum(q)  (Q4_1's minimum term)
-  const int32_t* c;   // [M][KB]: 128 * sum(q) (the Q8_0 offset's correction)
+  const int8_t* q2;   // [M][K]: the second part (two-part activations), else null
+  const float* d;     // [M][KB]: the scale of an integer sum (max|x| / 127, / 256 with two parts)
+  const float* s;     // [M][KB]: d * (the sum of the block's integers)  (Q4_1's minimum term)
+  const int32_t* c;   // [M][KB]: 128 * (the sum of the block's integers) (the Q8_0 offset's correction)
   int64_t K, KB;
 };
 
-// One block: quants, scale, sums. Every build computes the same numbers (max and the products are exact IEEE
-// operations, rounding is to nearest even, the sum is an integer). A block with a NaN or infinity gets zero quants
-// and a NaN scale, so its rows' outputs are NaN, as the fp32 product would be.
-inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_t* c) {
+// One block: quants, scale, sums. Every build computes the same numbers (max, the products and the subtraction are
+// exact IEEE operations, rounding is to nearest even, the sums are integers). With two parts the block is
+// x = (max|x| / 127) (q + q2 / 256): q2 = round(256 (t - q)) where t = x 127 / max|x| and q = round(t) (t - q is
+// exact), i.e. ~16-bit activations. A block with a NaN or infinity gets zero quants and a NaN scale, so its rows'
+// outputs are NaN, as the fp32 product would be.
+inline void quantize_block(const float* x, int8_t* q, int8_t* q2, float* d, float* s, int32_t* c) {
   float amax = 0.f;
   bool finite = true;
   for (int j = 0; j < QK; ++j) {
@@ -73,6 +76,7 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_
   }
   if (!finite) {
     std::memset(q, 0, QK);
+    if (q2 != nullptr) std::memset(q2, 0, QK);
     *d = *s = std::numeric_limits<float>::quiet_NaN();
     *c = 0;
     return;
@@ -80,36 +84,52 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s, int32_
   const float id = amax > 0.f ? 127.f / amax : 0.f;
   int32_t sum = 0;
 #if defined(__AVX512F__)
-  const __m512 scale = _mm512_set1_ps(id);
-  const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), scale));  // nearest even (MXCSR default)
-  const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), scale));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(a));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(b));
-  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+  // the loop below, 16 lanes at a time (the same IEEE operations and nearest-even roundings, so the same numbers)
+  for (int h = 0; h < 2; ++h) {
+    const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * h), _mm512_set1_ps(id));
+    const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i v = _mm512_cvtps_epi32(r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(v));
+    if (q2 != nullptr) {
+      __m512i v2 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(t, r), _mm512_set1_ps(256.f)));
+      v2 = _mm512_max_epi32(_mm512_min_epi32(v2, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16 * h), _mm512_cvtepi32_epi8(v2));
+      v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), v2);
+    }
+    sum += _mm512_reduce_add_epi32(v);
+  }
 #else
   for (int j = 0; j < QK; ++j) {
-    const int v = static_cast<int>(std::nearbyint(x[j] * id));
-    q[j] = static_cast<int8_t>(v);
+    const float t = x[j] * id, r = std::nearbyint(t);
+    q[j] = static_cast<int8_t>(r);
+    int32_t v = static_cast<int32_t>(r);
+    if (q2 != nullptr) {
+      const int32_t v2 = std::clamp(static_cast<int32_t>(std::nearbyint((t - r) * 256.f)), -127, 127);
+      q2[j] = static_cast<int8_t>(v2);
+      v = 256 * v + v2;
+    }
     sum += v;
   }
 #endif
-  *d = amax / 127.f;
+  *d = q2 != nullptr ? amax / 127.f / 256.f : amax / 127.f;
   *s = *d * static_cast<float>(sum);
   *c = 128 * sum;
 }
 
-// x [M, K] -> the activations in buf (M * K quants, then M * KB scales, sums and corrections).
-Act quantize_rows(const float* x, int64_t M, int64_t K, std::vector<uint8_t>& buf) {
+// x [M, K] -> the activations in buf (M * K quants (twice with two parts), then M * KB scales, sums, corrections).
+Act quantize_rows(const float* x, int64_t M, int64_t K, int parts, std::vector<uint8_t>& buf) {
   const int64_t KB = K / QK;
-  buf.resize(M * K + M * KB * 12);
+  buf.resize(parts * M * K + M * KB * 12);
   int8_t* q = reinterpret_cast<int8_t*>(buf.data());
-  float* d = reinterpret_cast<float*>(buf.data() + M * K);
+  int8_t* q2 = parts == 2 ? q + M * K : nullptr;
+  float* d = reinterpret_cast<float*>(buf.data() + parts * M * K);
   float* s = d + M * KB;
   int32_t* c = reinterpret_cast<int32_t*>(s + M * KB);
   at::parallel_for(0, M * KB, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) quantize_block(x + i * QK, q + i * QK, d + i, s + i, c + i);
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_block(x + i * QK, q + i * QK, q2 ? q2 + i * QK : nullptr, d + i, s + i, c + i);
   });
-  return {q, d, s, c, K, KB};
+  return {q, q2, d, s, c, K, KB};
 }
 
 inline int32_t load4(const int8_t* p) {
@@ -185,6 +205,10 @@ struct Portable {  // plain loops over the same integers: the generic build (any
     for (int l = 0; l < L; ++l) a.v[l] -= b.v[l];
     return a;
   }
+  static I shl8(I a) {
+    for (int l = 0; l < L; ++l) a.v[l] *= 256;
+    return a;
+  }
   static I iset(int32_t a) {
     I r{};
     std::fill(r.v, r.v + L, a);
@@ -234,6 +258,7 @@ struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (s
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I shl8(I a) { return _mm256_slli_epi32(a, 8); }
   static I iset(int32_t a) { return _mm256_set1_epi32(a); }
   static void nibbles(const uint8_t* p, I& lo, I& hi) {
     const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), m = _mm256_set1_epi8(15);
@@ -281,6 +306,7 @@ struct Vnni512 {  // vpdpbusd: four u8 x s8 products per int32 lane in one instr
   static I izero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I shl8(I a) { return _mm512_slli_epi32(a, 8); }
   static I iset(int32_t a) { return _mm512_set1_epi32(a); }
   static void nibbles(const uint8_t* p, I& lo, I& hi) {
     const I v = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
@@ -298,7 +324,15 @@ struct Vnni512 {  // vpdpbusd: four u8 x s8 products per int32 lane in one instr
 
 // ---- the tile: rows [m0, m0 + R) of one panel, every block, in the order of the header --------------------------
 
-template <class P, bool Q4, int R>
+template <class P, bool Q4>
+inline typename P::I dot(typename P::I acc, const typename P::I& w, int32_t x4) {
+  if constexpr (Q4)
+    return P::dot_u(acc, w, x4);
+  else
+    return P::dot_q8(acc, w, x4);
+}
+
+template <class P, bool Q4, int PARTS, int R>
 inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, float* __restrict out, int64_t N,
                  int64_t n0, bool pf) {
   constexpr int64_t BYTES = Q4 ? Q4_BYTES : Q8_BYTES;
@@ -314,7 +348,9 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
         for (int64_t o = 0; o < BYTES; o += 64) dspine::prefetch(blk + PF_BLOCKS * BYTES + o);
       const typename P::F d = P::halves(blk + h * P::L * 2);
       const uint8_t* qd = blk + HEAD + h * P::L * 4;
-      typename P::I lo[R], hi[R];  // two partial sums per row (shorter dependency chains), added exactly
+      // two integer sums per row: the halves of the block's steps (shorter dependency chains), or the two parts of
+      // the activations (the first weighs 256 times the second); combined exactly
+      typename P::I lo[R], hi[R];
       for (int i = 0; i < R; ++i) lo[i] = hi[i] = P::izero();
       for (int p = 0; p < 4; ++p) {
         typename P::I wlo, whi;
@@ -325,13 +361,13 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
           whi = P::q8(qd + (p + 4) * 64);
         }
         for (int i = 0; i < R; ++i) {
-          const int8_t* xq = a.q + (m0 + i) * a.K + b * QK;
-          if constexpr (Q4) {
-            lo[i] = P::dot_u(lo[i], wlo, load4(xq + 4 * p));
-            hi[i] = P::dot_u(hi[i], whi, load4(xq + 4 * p + 16));
+          const int64_t at = (m0 + i) * a.K + b * QK + 4 * p;
+          if constexpr (PARTS == 1) {
+            lo[i] = dot<P, Q4>(lo[i], wlo, load4(a.q + at));
+            hi[i] = dot<P, Q4>(hi[i], whi, load4(a.q + at + 16));
           } else {
-            lo[i] = P::dot_q8(lo[i], wlo, load4(xq + 4 * p));
-            hi[i] = P::dot_q8(hi[i], whi, load4(xq + 4 * p + 16));
+            lo[i] = dot<P, Q4>(dot<P, Q4>(lo[i], wlo, load4(a.q + at)), whi, load4(a.q + at + 16));
+            hi[i] = dot<P, Q4>(dot<P, Q4>(hi[i], wlo, load4(a.q2 + at)), whi, load4(a.q2 + at + 16));
           }
         }
       }
@@ -339,7 +375,7 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
       if constexpr (Q4) mn = P::halves(blk + 32 + h * P::L * 2);
       for (int i = 0; i < R; ++i) {
         const int64_t rb = (m0 + i) * a.KB + b;
-        typename P::I sum = P::add(lo[i], hi[i]);
+        typename P::I sum = P::add(PARTS == 1 ? lo[i] : P::shl8(lo[i]), hi[i]);
         if constexpr (!Q4 && P::Q8_OFFSET) sum = P::sub(sum, P::iset(a.c[rb]));
         acc[i] = P::fma(P::cvt(sum), P::mul(d, P::fset(a.d[rb])), acc[i]);
         if constexpr (Q4) acc[i] = P::fma(mn, P::fset(a.s[rb]), acc[i]);
@@ -350,7 +386,7 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
 }
 
 // rows [m0, m1) of panel t: tiles of at most RMAX rows, heights balanced (a row's bits do not depend on its tile)
-template <class P, bool Q4>
+template <class P, bool Q4, int PARTS>
 void rows(const Act& a, int64_t m0, int64_t m1, const uint8_t* panel, float* out, int64_t N, int64_t n0) {
   const int64_t n = m1 - m0, tiles = (n + P::RMAX - 1) / P::RMAX;
   for (int64_t i = 0; i < tiles; ++i) {
@@ -358,7 +394,7 @@ void rows(const Act& a, int64_t m0, int64_t m1, const uint8_t* panel, float* out
     switch (r1 - r0) {
 #define DSPINE_Q8_TILE(r)                                                         \
   case r:                                                                         \
-    if constexpr (r <= P::RMAX) tile<P, Q4, r>(a, r0, panel, out, N, n0, i == 0); \
+    if constexpr (r <= P::RMAX) tile<P, Q4, PARTS, r>(a, r0, panel, out, N, n0, i == 0); \
     break;
       DSPINE_Q8_TILE(1)
       DSPINE_Q8_TILE(2)
@@ -375,13 +411,13 @@ void rows(const Act& a, int64_t m0, int64_t m1, const uint8_t* panel, float* out
   }
 }
 
-template <class P, bool Q4>
+template <class P, bool Q4, int PARTS>
 void run(const Act& a, int64_t M, const uint8_t* pp, float* op, int64_t N) {
   constexpr int64_t BYTES = Q4 ? Q4_BYTES : Q8_BYTES;
   const int64_t panels = round_up(N, NP) / NP, panel_bytes = a.KB * BYTES;
   if (M <= M_STATIC) {  // decode / verify: each thread one contiguous share of the panels (one stream to prefetch)
     at::parallel_for(0, panels, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) rows<P, Q4>(a, 0, M, pp + t * panel_bytes, op, N, t * NP);
+      for (int64_t t = t0; t < t1; ++t) rows<P, Q4, PARTS>(a, 0, M, pp + t * panel_bytes, op, N, t * NP);
     });
     return;
   }
@@ -389,7 +425,7 @@ void run(const Act& a, int64_t M, const uint8_t* pp, float* op, int64_t N) {
   dspine::parallel_pull(items, [&](auto& pull) {  // prompts: (row chunk, panel) items pulled one at a time (sched.h)
     for (int64_t i; (i = pull()) < items;) {
       const int64_t c = i / panels, t = i % panels;
-      rows<P, Q4>(a, c * MC, std::min(M, (c + 1) * MC), pp + t * panel_bytes, op, N, t * NP);
+      rows<P, Q4, PARTS>(a, c * MC, std::min(M, (c + 1) * MC), pp + t * panel_bytes, op, N, t * NP);
     }
   });
 }
@@ -413,7 +449,8 @@ std::string q8_dot() {
 }
 
 template <bool Q4>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t parts) {
+  TORCH_CHECK(parts == 1 || parts == 2, "linear_q8dp: parts is 1 (int8 activations) or 2 (two int8 parts)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_q8dp: expected a 2-D float32 input");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0, "linear_q8dp: K must be a multiple of 32");
@@ -423,26 +460,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   auto out = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return out;
   thread_local std::vector<uint8_t> buf;
-  const Act a = quantize_rows(xc.data_ptr<float>(), M, K, buf);
+  const Act a = quantize_rows(xc.data_ptr<float>(), M, K, parts, buf);
   const uint8_t* pp = static_cast<const uint8_t*>(packed.data_ptr());
   float* op = out.data_ptr<float>();
 #if defined(__AVX512F__)
   static const bool vnni = q8_dot() == "vnni512";
   if (vnni)
-    run<Vnni512, Q4>(a, M, pp, op, N);
+    parts == 2 ? run<Vnni512, Q4, 2>(a, M, pp, op, N) : run<Vnni512, Q4, 1>(a, M, pp, op, N);
   else
-    run<Avx2, Q4>(a, M, pp, op, N);
+    parts == 2 ? run<Avx2, Q4, 2>(a, M, pp, op, N) : run<Avx2, Q4, 1>(a, M, pp, op, N);
 #elif defined(__AVX2__)
-  run<Avx2, Q4>(a, M, pp, op, N);
+  parts == 2 ? run<Avx2, Q4, 2>(a, M, pp, op, N) : run<Avx2, Q4, 1>(a, M, pp, op, N);
 #else
-  run<Portable, Q4>(a, M, pp, op, N);
+  parts == 2 ? run<Portable, Q4, 2>(a, M, pp, op, N) : run<Portable, Q4, 1>(a, M, pp, op, N);
 #endif
   return out;
 }
 
-at::Tensor linear_q8dp_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t n) { return linear<true>(x, packed, n); }
-at::Tensor linear_q8dp_q8_0(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return linear<false>(x, packed, n);
+at::Tensor linear_q8dp_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t parts) {
+  return linear<true>(x, packed, n, parts);
+}
+at::Tensor linear_q8dp_q8_0(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t parts) {
+  return linear<false>(x, packed, n, parts);
 }
 
 // GGUF blocks -> panels. q [N, K/32, 16] bytes (Q4_1, byte l = q_l | q_{l+16} << 4) or [N, K/32, 32] int8 (Q8_0);
@@ -496,8 +535,8 @@ at::Tensor pack_q8dp_q8_0(const at::Tensor& q, const at::Tensor& d) { return pac
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("pack_q8dp_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("pack_q8dp_q8_0(Tensor q, Tensor d) -> Tensor");
-  m.def("linear_q8dp_q4_1(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("linear_q8dp_q8_0(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("linear_q8dp_q4_1(Tensor x, Tensor packed, int n, int parts=1) -> Tensor");
+  m.def("linear_q8dp_q8_0(Tensor x, Tensor packed, int n, int parts=1) -> Tensor");
   m.def("q8_dot() -> str", &q8_dot);
 }
 
