@@ -42,8 +42,8 @@ dtype = job["dtype"]
 if dtype == "auto":
     dtype = auto_dtype(path)
 kw = {"float32": {}, "bfloat16": {"dtype": torch.bfloat16}}.get(dtype)
-if kw is None:  # a policy this checkout names itself (e.g. q8)
-    kw = {"dtype": dtype}
+if kw is None:  # an integer policy (quant=q8 / q16)
+    kw = {"dtype": torch.bfloat16, "quant": dtype}
 t = load_target(path, **kw)
 g = torch.Generator().manual_seed(0)
 rows_all, most = job["rows"], job["tokens"]
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--checkout", action="append", default=[], metavar="NAME=PATH",
                     help="another source tree to time (``new`` is this one)")
     ap.add_argument("--column", action="append", metavar="CHECKOUT:DTYPE",
-                    help="a worker: checkout name and dtype (float32, bfloat16, auto, or a policy name); "
+                    help="a worker: checkout name and dtype (float32, bfloat16, auto) or integer policy (q8, q16); "
                          "default new:bfloat16")
     ap.add_argument("--shapes", nargs="+", default=SHAPES.split(), help="RxT, LRxT with logits of every token")
     ap.add_argument("--context", type=int, default=200)
