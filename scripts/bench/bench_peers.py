@@ -384,6 +384,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["cli", "hf", "llamacpp", "spec"])
     ap.add_argument("--llamacpp-python", help=f"python with llama_cpp importable (default: {LLAMACPP_PYTHON})")
     ap.add_argument("--llamacpp-server", help="a llama-server binary built for this machine (columns per concurrency)")
+    ap.add_argument("--llamacpp-threads", type=int, default=0,
+                    help="llama-server threads (0: ours; 1 keeps it off barrier waits beside busy neighbours)")
     ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--prompt-reading", type=int, default=0, metavar="N", help="also read N ~1,390-token prompts")
     ap.add_argument("--interleave", action="store_true", help="run the columns concurrency by concurrency")
@@ -421,6 +423,8 @@ def main() -> None:
 
     plain_at: dict[int, Column] = {}
     server = args.llamacpp_server if "llamacpp" not in args.skip else None
+    server_threads = args.llamacpp_threads or threads
+    header["llamacpp_threads"] = server_threads
 
     def ours_at(c: int) -> None:
         for setting in args.settings:
@@ -433,7 +437,7 @@ def main() -> None:
 
     def peers_at(c: int) -> None:
         if server:
-            add(run_llama_server(server, embedded_gguf_path(), prompt_ids, stops, new, threads, c))
+            add(run_llama_server(server, embedded_gguf_path(), prompt_ids, stops, new, server_threads, c))
         if "hf" not in args.skip and c in (1, 8):
             try:
                 add(run_hf(model_dir, prompt_ids, stops, new, c, args.hf_dtype))
@@ -457,7 +461,7 @@ def main() -> None:
         for setting in args.settings:
             plain_at.setdefault(0, add(read_ours(long_ids, setting)))
         if server:
-            add(read_server(server, embedded_gguf_path(), long_ids, threads))
+            add(read_server(server, embedded_gguf_path(), long_ids, server_threads))
         if "hf" not in args.skip:
             add(read_hf(model_dir, long_ids, args.hf_dtype))
     with tempfile.TemporaryDirectory() as tmp:

@@ -156,6 +156,18 @@ constexpr int64_t PF_BLOCKS = 8;  // tile_blocks<> prefetches the blocks this ma
 // whole-panel scratch of the prompt path measured 5-10 % faster on K = 1536)
 constexpr int64_t M_BLOCKWISE = 64;
 
+// out[m0 + i, n0 + c] = acc[i][c / 16] lane c % 16, for i < R and c < min(NR, N - n0)
+template <int R>
+inline void store_tile(const __m512 (&acc)[R][3], float* __restrict out, int64_t N, int64_t n0, int64_t m0) {
+  const int64_t cols = std::min<int64_t>(NR, N - n0);
+  for (int v = 0; v < 3; ++v) {
+    const int64_t left = cols - 16 * v;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * N + n0 + 16 * v, mask, acc[i][v]);
+  }
+}
+
 // out[m0 + i, n0 + c] for i < R, c < min(NR, N - n0), over all K: see the header for why the order is fixed.
 template <int R>
 inline void tile(const uint16_t* __restrict xb, int64_t Kp, const uint16_t* __restrict panel, float* __restrict out,
@@ -178,13 +190,7 @@ inline void tile(const uint16_t* __restrict xb, int64_t Kp, const uint16_t* __re
       acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, w2);
     }
   }
-  const int64_t cols = std::min<int64_t>(NR, N - n0);
-  for (int v = 0; v < 3; ++v) {
-    const int64_t left = cols - 16 * v;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * N + n0 + 16 * v, mask, acc[i][v]);
-  }
+  store_tile<R>(acc, out, N, n0, m0);
 }
 
 // x [M, K] float -> bf16 [M, Kp] (round to nearest even, K padded with zeros to Kp)
@@ -326,13 +332,7 @@ inline void tile_blocks(const uint16_t* __restrict xb, int64_t Kp, const uint8_t
       }
     }
   }
-  const int64_t cols = std::min<int64_t>(NR, N - n0);
-  for (int g = 0; g < GROUPS; ++g) {
-    const int64_t left = cols - 16 * g;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * N + n0 + 16 * g, mask, acc[i][g]);
-  }
+  store_tile<R>(acc, out, N, n0, m0);
 }
 
 // One block's R-row tile over its 16 expanded steps (wb: [16][NR][2] bf16 in L1), its accumulators carried from block
@@ -365,13 +365,7 @@ inline void block_tile(const uint16_t* __restrict xb, int64_t Kp, const uint16_t
       for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(acc_mem + i * NR + 16 * g, acc[i][g]);
     return;
   }
-  const int64_t cols = std::min<int64_t>(NR, N - n0);
-  for (int g = 0; g < GROUPS; ++g) {
-    const int64_t left = cols - 16 * g;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * N + n0 + 16 * g, mask, acc[i][g]);
-  }
+  store_tile<R>(acc, out, N, n0, m0);
 }
 
 // Rows [m0, m1) (more than one register tile) of one panel straight from its blocks: each block's 16 steps are
