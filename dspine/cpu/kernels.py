@@ -36,7 +36,7 @@ from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "attention_bf16.cpp", "ops.cpp")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h")]
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
@@ -49,9 +49,19 @@ BF16DP = "bf16dp"
 # (BENCHMARKS.md, "bf16 KV cache and bf16 decode": measured, it is not what makes 1-row bf16 steps slower than fp32).
 BF16DP_Q4_1, BF16DP_Q8_0 = "bf16dp_q4_1", "bf16dp_q8_0"
 BF16_FORMATS = (BF16DP_Q4_1, BF16DP_Q8_0, BF16DP)  # what the bf16 policy tries, in this order
+# The integer policies' formats (``csrc/gemm_q8.cpp``): a weight that is exactly Q4_1/Q8_0 blocks stays blocks (0.625 /
+# 1.0625 bytes a weight: GGUF's float16 scales) and multiplies input rows quantised per block of 32 on integer dot
+# products (AVX512-VNNI, AVX2 or portable: the same bits), int32 sums, the scales applied once per block. ``q8``
+# (``quant=q8``): one int8 part per input, as llama.cpp does; ``q16`` (``quant=q16``): two int8 parts (the input to
+# ~16 bits: x = d (q + q2 / 256)), twice the products, a hundredth of q8's error. They round the inputs, so each is a
+# policy of its own (``-q8`` / ``-q16`` in the kernel name). A weight on no grid takes the bf16 family where it runs,
+# else the exact fp32 formats.
+Q8DP_Q4_1, Q8DP_Q8_0 = "q8dp_q4_1", "q8dp_q8_0"
+Q16DP_Q4_1, Q16DP_Q8_0 = "q16dp_q4_1", "q16dp_q8_0"
+INT_FORMATS = {"q8": (Q8DP_Q4_1, Q8DP_Q8_0), "q16": (Q16DP_Q4_1, Q16DP_Q8_0)}  # per policy, in the order tried
 ISA_CFLAGS = {
-    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 
@@ -63,7 +73,7 @@ def cpu_isa(flags: set[str] | None = None) -> str:
     flags = cpu_flags() if flags is None else flags
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "generic"
 
@@ -291,6 +301,10 @@ class PackedLinear(nn.Module):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp_q8_0(*blocks)
             elif fmt == BF16DP:
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp(w.bfloat16())
+            elif fmt in (Q8DP_Q4_1, Q16DP_Q4_1) and (blocks := exact_q4_1(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8dp_q4_1(*blocks)
+            elif fmt in (Q8DP_Q8_0, Q16DP_Q8_0) and (blocks := exact_q8_0(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8dp_q8_0(*blocks)
             if packed is not None:
                 break
         if packed is None:
@@ -318,7 +332,10 @@ class PackedLinear(nn.Module):
         return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
                 "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
                 BF16DP: torch.ops.dspine_cpu.linear_bf16dp, BF16DP_Q4_1: torch.ops.dspine_cpu.linear_bf16dp_q4_1,
-                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0}
+                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0, Q8DP_Q4_1: torch.ops.dspine_cpu.linear_q8dp_q4_1,
+                Q8DP_Q8_0: torch.ops.dspine_cpu.linear_q8dp_q8_0,
+                Q16DP_Q4_1: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q4_1, parts=2),
+                Q16DP_Q8_0: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q8_0, parts=2)}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
