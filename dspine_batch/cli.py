@@ -364,6 +364,7 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
     args = [a for a in generate_args if a != "--"]
     r = render(job_file, output_dir, overrides, array, args)
     info: dict[str, Any] = {"array_script": str(r.array_script), "finalize_script": str(r.finalize_script),
+                            "prepare_script": str(r.prepare_script) if r.prepare_script else None,
                             "outdir": r.outdir, "log_dir": r.log_dir, "shards": r.shards, "array": r.array}
     if submit:
         info = do_submit(r, finalize=finalize)
@@ -371,11 +372,19 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"array script:    {r.array_script}\nfinalize script: {r.finalize_script}")
+    if r.prepare_script:
+        click.echo(f"prepare script:  {r.prepare_script}")
     if submit:
+        if info.get("prepare_job_id"):
+            click.echo(f"submitted prepare job {info['prepare_job_id']} (the array starts after it)")
         click.echo(f"submitted array job {info['array_job_id']} ({r.array}, {r.shards} shards) -> {r.outdir}")
         if info.get("finalize_job_id"):
             click.echo(f"submitted finalize job {info['finalize_job_id']} (afterok:{info['array_job_id']})")
         click.echo(f"logs: {r.log_dir}   progress: dspine-batch status {r.outdir}")
+    elif r.prepare_script:
+        click.echo(f"submit with:\n  pid=$(sbatch --parsable {r.prepare_script})\n"
+                   f"  jid=$(sbatch --parsable --dependency=afterok:$pid --kill-on-invalid-dep=yes {r.array_script})\n"
+                   f"  sbatch --dependency=afterok:$jid --kill-on-invalid-dep=yes {r.finalize_script}")
     else:
         click.echo(f"submit with:\n  jid=$(sbatch --parsable {r.array_script})\n"
                    f"  sbatch --dependency=afterok:$jid --kill-on-invalid-dep=yes {r.finalize_script}")

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"  # temporaries are ``.{name}.tmp-{host}-{pid}-{random}``: hidden, and attributable
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once (os.umask can only be read by setting it), at import, before any thread writes
 
 
 def cache_root() -> Path:
@@ -77,12 +79,14 @@ def _write_all(fd: int, data: bytes) -> None:
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path for a writer that needs a file name (e.g. safetensors); when the block ends
-    without an exception the file is fsynced and renamed over ``path``, else removed."""
+    without an exception the file gets the umask's permissions (writers like safetensors make 0600 files, which
+    other users of a shared cache cannot read), is fsynced and renamed over ``path``, else removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)
         _fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:

@@ -160,10 +160,14 @@ def _build(isa: str) -> str | None:
         name = build_name(isa)
         root = cache_root() / "kernels"
         so = root / name / f"{name}.so"
+        broken = None
         if so.is_file():  # published builds are complete (atomic rename): load, no compiler, no lock
-            torch.ops.load_library(str(so))
-        else:
-            _build_locked(isa, name, root)
+            try:
+                torch.ops.load_library(str(so))
+            except OSError as e:  # damaged on disk (a copy gone wrong, a full disk long ago): build it again
+                broken = " ".join(str(e).split())[:200]
+        if broken is not None or not so.is_file():
+            _build_locked(isa, name, root, broken)
         return str(torch.ops.dspine_cpu.isa())
     except Exception as e:  # no compiler / ninja, a read-only cache, a broken toolchain: torch still works
         text = str(e)
@@ -174,22 +178,24 @@ def _build(isa: str) -> str | None:
         return None
 
 
-def _build_locked(isa: str, name: str, root: Path) -> None:
+def _build_locked(isa: str, name: str, root: Path, broken: str | None = None) -> None:
     """Under ``root/<name>.lock``: build into a temporary folder holding copies of the sources, then publish it as
-    ``root/<name>`` in one rename; a process that waited for another's build loads that one. Loads the library."""
+    ``root/<name>`` in one rename; a process that waited for another's build loads that one. Loads the library.
+    ``broken``: why the published build did not load (it is replaced, unless another process already did)."""
     from torch.utils import cpp_extension
 
     final = root / name
+    seen = _stamp(final / f"{name}.so")
     with exclusive(root / f"{name}.lock", f"building the CPU kernels for {isa}") as held:
         so = final / f"{name}.so"
-        if so.is_file():  # built by the process we waited for
+        if so.is_file() and (broken is None or _stamp(so) != seen):  # built by the process we waited for
             if held.waited_for:
                 say(f"CPU kernels built by {held.waited_for.describe()} are ready (waited {held.waited_s:.0f} s)")
             torch.ops.load_library(str(so))
             return
         remove_temps(final)  # what a killed builder left (nobody else builds this key while we hold the lock)
-        say(f"building the CPU kernels for {isa} ({_why_build(root, name, isa, held)}; ~40 s, once per machine "
-            f"kind) in {final}")
+        why = f"the cached build does not load: {broken}" if broken else _why_build(root, name, isa, held)
+        say(f"building the CPU kernels for {isa} ({why}; ~40 s, once per machine kind) in {final}")
         tmp = temp_sibling(final)
         src = tmp / "src"
         src.mkdir(parents=True)
@@ -211,6 +217,15 @@ def _build_locked(isa: str, name: str, root: Path) -> None:
 
 
 KEY_FILE = "build.json"
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime) of a file, to tell a rebuilt library from the one that failed; None when absent."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _why_build(root: Path, name: str, isa: str, held: Any) -> str:

@@ -11,9 +11,10 @@ tokens from grammars); the counts are this engine's so far (verify rounds the so
 had accepted), ``ran`` whether it led any round, and ``why`` a short reason in the user's terms, None while the
 engine has none (e.g. "proposers=suffix", or from the scheduler, "its measured τ 1.5 is below the 1.7 a round
 costs on this CPU"). A ``why`` is a decision, not "nothing yet": the log prints the first one it sees for each
-source, so an engine gives none before it knows. Extra keys are allowed and kept. The pipeline records it with the shard's state at every
-commit and logs each source's ``why`` once, when it first appears (``dspine_batch.pipeline.decisions``);
-``dspine-batch report`` shows a line per source, "not run — <why>" for one that never ran.
+source, so an engine gives none before it knows. Extra keys are allowed and kept. The pipeline records it with
+the shard's state at every commit and logs each source's ``why`` once, when it first appears
+(``dspine_batch.pipeline.decisions``); ``dspine-batch report`` shows a line per source, "not run — <why>" for one
+that never ran.
 """
 
 from __future__ import annotations

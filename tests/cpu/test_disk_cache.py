@@ -85,6 +85,10 @@ def test_a_writer_killed_half_way_leaves_the_old_file_and_no_wedge(tmp_path):
     assert len(leftovers) == 1 and disk_cache.TEMP_MARK in leftovers[0].name and str(p.pid) in leftovers[0].name
     disk_cache.atomic_write(path, "newer")  # the next writer of this host removes the dead writer's temporary
     assert path.read_text() == "newer" and sorted(tmp_path.iterdir()) == [path]
+    with disk_cache.atomic_file(path) as tmp:  # a writer that makes private files (safetensors: 0600)
+        tmp.write_text("shared")
+        tmp.chmod(0o600)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~disk_cache._UMASK  # readable by the cache's other users
 
 
 HOLDER = """
