@@ -221,9 +221,10 @@ def exclusive(lock_path: Path, what: str, report: Callable[[str], None] = say,
               poll_s: float = 0.5) -> Iterator[Held]:
     """Hold ``lock_path`` (an flock) for the block; ``what`` (e.g. "building the CPU kernels for avx512") goes
     into the lock file for waiters to read. While another process holds it, says once whom it waits for (and
-    again when the holder changes), then waits; a holder that dies releases it by dying. A clean exit empties
-    the lock file (kept, never unlinked: unlinking races with a waiter that already opened it), so a record
-    found there on entry means its writer died holding the lock."""
+    again when the holder changes), then waits; a holder that dies releases it by dying. Leaving the block, even
+    by an exception, empties the lock file (kept, never unlinked: unlinking races with a waiter that already
+    opened it), so a record found there on entry means its writer died holding the lock (killed: no Python
+    cleanup ran)."""
     lock_path = Path(lock_path)
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)

@@ -122,6 +122,18 @@ def test_parquet_rows_agree_with_meta_info(uninterrupted):
         assert r["draft_tokens_proposed"] == meta["spec_num_proposed_drafts"]
         assert _trim(r["accept_histogram"]) == _trim(meta["spec_correct_drafts_histogram"])
         assert sum(r["accept_histogram"]) == r["verify_steps"]
+        # by source (proposers=auto: suffix matches on these greedy rows where they beat the draft)
+        assert r["dspine_verify_steps"] + r["suffix_verify_steps"] == r["verify_steps"]
+        assert r["dspine_tokens_accepted"] + r["suffix_tokens_accepted"] == r["draft_tokens_accepted"]
+        assert r["dspine_tokens_proposed"] + r["suffix_tokens_proposed"] == r["draft_tokens_proposed"]
+    # the engine's record: the same counts, and the report's line per source
+    from dspine_batch.ops.report import format_report, summarize
+
+    decided = json.loads((out / "_dspine" / "state-00000-of-00001.json").read_text())["decisions"]
+    for src in ("dspine", "suffix"):
+        assert decided[src]["rounds"] == sum(r[f"{src}_verify_steps"] for r in rows)
+    text = format_report(summarize(str(out)))
+    assert "  dspine draft " in text and "  suffix       " in text
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
