@@ -22,6 +22,9 @@ Modes (``DSPINE_PROPOSERS``, set by ``dspine-batch --engine sglang --engine-arg 
   keep the draft's block, so their tokens never depend on other rows (as in the reference engine, whose sampled
   rows under ``auto`` never mix the two sources either). Greedy outputs are plain decoding's whatever is proposed;
   only the speculative stats depend on the history (a resumed engine starts with an empty finished index).
+
+Each round's source and counts per request also go to the client: ``count_round`` adds them to the request's
+``customized_info`` (``SourceCounts``), which SGLang returns in ``meta_info["dspine_source_counts"]``.
 """
 
 from __future__ import annotations

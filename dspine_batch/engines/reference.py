@@ -18,6 +18,11 @@ Prompt prefixes (``prefix_cache_mb``, default 512): a radix tree over prompt tok
 so rows behind one system prompt or template and the ``--num-samples`` siblings of a row prefill only what is new
 (``dspine.decoding.prefix``); each row reports ``cached_prompt_tokens``. Outputs are identical with it off.
 
+Decisions (``explain()``, ``engines.explain``): per source, the rounds, tokens proposed and accepted summed from
+the results, and why a source cannot run with these settings; the cost model's own reasons under ``auto`` come
+from the decode loop through the ``decisions`` dict it is handed. ``prepare(max_in_flight)`` calibrates (and
+caches) the cost model a run with that window would measure at its start (``dspine-batch prepare``).
+
 Chunked prefill (``prefill_chunk``, default ``DEFAULT_PREFILL_CHUNK`` tokens; 0 = whole prompts): newcomers' prompts
 are computed at most that many tokens per forward, and the rows in flight run one round between two forwards, so
 a long prompt does not stall them and a prefill's activations stay bounded. Dense targets on the CPU kernels

@@ -49,8 +49,8 @@ class Precheck:
     manifest: dict[str, Any]
     done: DoneSet
     removed: int  # staging files a crash left, discarded
-    rows: int  # this shard's input rows
-    missing: int  # of which not committed yet (0: nothing left to do)
+    rows: int  # this shard's input rows (all of them only when none is missing: the scan stops at the first)
+    missing: int  # of which not committed yet, in the batches read (0: nothing left to do)
     seconds: float
 
 
@@ -85,7 +85,9 @@ def _canon(v: Any) -> str:
 def _count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns, shard: tuple[int, int],
                    done: KeySet) -> tuple[int, int]:
     """(this shard's input rows, those not in ``done``), from the row ids alone (``mapping.RowIds``: the same ids,
-    duplicates and fallbacks included, that a run assigns)."""
+    duplicates and fallbacks included, that a run assigns). Stops after the first batch with a missing row: one
+    is enough to load the engine, and a resumed run's committed rows come first, so a big JSONL input is not
+    parsed twice."""
     ids = RowIds(columns.id)
     index, count = shard
     read = [columns.id] if columns.id else columns.read_columns()[:1]
@@ -97,4 +99,6 @@ def _count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns
         rows += len(hashes)
         if len(hashes):
             missing += int(np.count_nonzero(~done.contains_many(hashes)))
+        if missing:
+            break
     return rows, missing

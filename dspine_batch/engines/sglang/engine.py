@@ -7,7 +7,9 @@
 * **Requests** go through ``async_generate`` (one ``input_ids`` request each) on the engine's own event loop,
   driven from ``run``'s thread (SGLang installs its signal handlers there); at most ``max_in_flight`` are open
   and the request iterator is pulled lazily, so stopping admission loses no finished work.
-* **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages).
+* **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages), the by-source
+  columns from the DSPINE worker's counts; ``explain()`` says per source what ran and why not
+  (``engines.explain``).
 * **Failures**: a request SGLang aborts becomes a row error (``finish_reason`` abort, the engine's message);
   engine death raises ``EngineDied`` (``processes``); the pipeline then commits finished rows and exits
   75 (run again to resume).
