@@ -87,13 +87,13 @@ def scripted_engine(model: str, draft: str, engine_args: dict[str, str]) -> Scri
     return ScriptedEngine.from_args(engine_args)
 
 
-def run_cli(args: list[str], env: dict[str, str] | None = None) -> int:
-    """Run ``dspine-batch`` in-process with the scripted engine behind ``auto``/``reference``; returns the exit
-    code."""
+def run_cli(args: list[str], env: dict[str, str] | None = None, loader: Callable = scripted_engine) -> int:
+    """Run ``dspine-batch`` in-process with the scripted engine (or ``loader``) behind ``auto``/``reference``;
+    returns the exit code."""
     old = dict(os.environ)
     os.environ.update({"DSPINE_BATCH_PROGRESS": "none", **(env or {})})
     try:
-        with engines_replaced(scripted_engine):
+        with engines_replaced(loader):
             main(args)
     except SystemExit as e:
         return int(e.code or 0)

@@ -18,6 +18,11 @@ Prompt prefixes (``prefix_cache_mb``, default 512): a radix tree over prompt tok
 so rows behind one system prompt or template and the ``--num-samples`` siblings of a row prefill only what is new
 (``dspine.decoding.prefix``); each row reports ``cached_prompt_tokens``. Outputs are identical with it off.
 
+Decisions (``explain()``, ``engines.explain``): per source, the rounds, tokens proposed and accepted summed from
+the results, and why a source cannot run with these settings; the cost model's own reasons under ``auto`` come
+from the decode loop through the ``decisions`` dict it is handed. ``prepare(max_in_flight)`` calibrates (and
+caches) the cost model a run with that window would measure at its start (``dspine-batch prepare``).
+
 Chunked prefill (``prefill_chunk``, default ``DEFAULT_PREFILL_CHUNK`` tokens; 0 = whole prompts): newcomers' prompts
 are computed at most that many tokens per forward, and the rows in flight run one round between two forwards, so
 a long prompt does not stall them and a prefill's activations stay bounded. Dense targets on the CPU kernels
@@ -33,6 +38,7 @@ from typing import Any
 
 from dspine.models.tokenizer import HFTokenizer
 from dspine_batch.engines.base import FEATURES, Request, Result
+from dspine_batch.engines.explain import SOURCES, SourceTally
 from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import FatalError, UsageError
@@ -106,6 +112,10 @@ class ReferenceEngine:
 
         chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         self.prefill_chunk = chunk if chunking_exact(target) else 0
+        # explain(): counts from the results yielded; ``decisions`` is handed to the decode loop, which may put a
+        # source's reasons there ({source: {"why": ..., ...}}: see dspine_batch.engines.explain)
+        self.tally = SourceTally()
+        self.decisions: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -196,6 +206,32 @@ class ReferenceEngine:
     def close(self) -> None:
         self.target = self.draft = None
 
+    def explain(self) -> dict[str, dict[str, Any]]:
+        """Per source: rounds, tokens proposed/accepted, whether it ran and why not (``engines.explain``)."""
+        chooser = (f"the cost model, per row and round (proposers={self.proposers})"
+                   if self.proposers and self.verify == "cost" else None)
+        # the decode loop's reasons (``dspine.decoding.explain``: its estimates against the live prices); its own
+        # counts are per stream, the tally's per result, so only the reason is taken
+        extra = {src: ({"chooser": chooser} if chooser else {})
+                 | ({"why": self.decisions[src]["why"]} if (self.decisions.get(src) or {}).get("why") else {})
+                 for src in SOURCES}
+        return self.tally.explain(self._why, extra)
+
+    def _why(self, source: str, ran: bool) -> str | None:
+        """The reasons the settings give; the cost model's own (under ``auto``) come from the decode loop."""
+        if ran:
+            return None
+        if self.proposers is None:
+            return "plain decoding, no speculation (no draft: --draft none, or none fits this model)"
+        if source == "dspine" and self.draft is None:
+            return "no DSpine draft for this model (suffix matches only)"
+        if source == "dspine" and self.proposers == "suffix":
+            return "--engine-arg proposers=suffix (suffix matches only)"
+        if source == "suffix" and self.proposers == "dspine":
+            return ("verify=fixed verifies the draft's whole block" if self.verify == "fixed"
+                    else "--engine-arg proposers=dspine (the draft only)")
+        return None
+
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
         from dspine.decoding.decode import decode_stream
         from dspine.decoding.sampling import SamplingParams
@@ -227,7 +263,7 @@ class ReferenceEngine:
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
                                suffix_max=self.suffix_max, prefix_cache=self.prefix,
-                               prefill_chunk=self.prefill_chunk)
+                               prefill_chunk=self.prefill_chunk, decisions=self.decisions)
         try:
             for i, out in stream:
                 req = pending.pop(i)
@@ -262,12 +298,35 @@ class ReferenceEngine:
         if key not in self._costs:
             from dspine.decoding.cost import load_or_calibrate
 
-            use_draft = self.draft is not None and self.proposers in ("dspine", "auto")
-            long = self.suffix_max + 1 if self.proposers in ("suffix", "auto") else None
-            ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
-            self._costs[key] = load_or_calibrate(self.target, self.draft if use_draft else None, rows,
-                                                 self.block_size if use_draft else 2, ident, long_tokens=long)
+            draft, block, ident, long = self._cost_args()
+            self._costs[key] = load_or_calibrate(self.target, draft, rows, block, ident, long_tokens=long)
         return self._costs[key]
+
+    def _cost_args(self) -> tuple[Any, int, dict[str, Any], int | None]:
+        """(draft, block size, identity, long verify) of this engine's calibration."""
+        use_draft = self.draft is not None and self.proposers in ("dspine", "auto")
+        long = self.suffix_max + 1 if self.proposers in ("suffix", "auto") else None
+        ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
+        return (self.draft if use_draft else None), (self.block_size if use_draft else 2), ident, long
+
+    def prepare(self, max_in_flight: int) -> str:
+        """Measure now, and cache, what a run with this in-flight window would measure at its start on this machine
+        (the cost model of its batch shape); says what it did (``dspine-batch prepare``)."""
+        rows = max(1, min(self.batch_size, max_in_flight))
+        if self.proposers is None or self.verify != "cost":
+            return "not needed (no cost-aware verification with these settings)"
+        from dspine.decoding.cost import cache_dir, cache_key
+
+        draft, block, ident, long = self._cost_args()
+        path = cache_dir() / f"{cache_key(ident, self.target, rows, block, long)}.json"
+        if path.is_file():
+            self._cost(rows)
+            return f"already calibrated for {rows} rows ({path})"
+        self._cost(rows)
+        if path.is_file():
+            return f"calibrated for {rows} rows, cached in {path}"
+        return (f"calibrated for {rows} rows but not cached: the machine was busy (load above its cores) or the "
+                "cache is not writable; each run calibrates at its start until one finds it quiet")
 
     def _result(self, req: Request, out: Any) -> Result:
         tokens = list(out.token_ids)
@@ -299,6 +358,6 @@ class ReferenceEngine:
                     st.suffix_steps, st.suffix_proposed, st.suffix_accepted)
                 res.forced_verify_steps, res.forced_tokens_proposed, res.forced_tokens_accepted = (
                     st.forced_steps, st.forced_proposed, st.forced_accepted)
-        return res
+        return self.tally.add(res)
 
 

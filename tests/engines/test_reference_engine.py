@@ -264,6 +264,15 @@ def test_proposers_auto_is_the_default_and_reports_stats_by_source(tiny):
     assert sum(r.suffix_tokens_accepted for r in got) > 0  # the tiny model repeats itself: suffix matches pay
     assert all(r.verify_steps is None and r.suffix_verify_steps is None for r in plain)
     assert reference_engine(tiny, draft=False).proposers is None
+    # explain(): the results' counts by source; under auto the cost model chooses (its reasons: the decode loop's)
+    why = eng.explain()
+    for src in ("dspine", "suffix"):
+        assert [why[src][k] for k in ("rounds", "proposed", "accepted")] == [
+            sum(getattr(r, f"{src}_{k}") for r in got) for k in ("verify_steps", "tokens_proposed", "tokens_accepted")]
+        assert why[src]["ran"] == (why[src]["rounds"] > 0) and "cost model" in why[src]["chooser"]
+    assert why["suffix"]["ran"] and why["suffix"]["why"] is None
+    plain_why = reference_engine(tiny, draft=False).explain()
+    assert not plain_why["dspine"]["ran"] and "plain decoding" in plain_why["dspine"]["why"]
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -291,6 +300,12 @@ def test_suffix_only_and_dspine_only(tiny):
     assert [r.token_ids for r in s] == [r.token_ids for r in d]
     assert all(r.dspine_verify_steps == 0 for r in s) and all(r.suffix_verify_steps == 0 for r in d)
     assert "proposers" not in eng_d.identity()  # the old loop's fingerprint is unchanged
+    assert eng_s.explain()["dspine"] | {"chooser": None} == {
+        "rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "chooser": None,
+        "why": "--engine-arg proposers=suffix (suffix matches only)"}
+    assert eng_d.explain()["suffix"]["why"] == "--engine-arg proposers=dspine (the draft only)"
+    d_why = eng_d.explain()["dspine"]  # it may still never run: the cost model may find plain steps cheaper
+    assert d_why["ran"] == (sum(r.dspine_verify_steps for r in d) > 0) and "proposers=dspine" in d_why["chooser"]
 
 
 def test_prefix_cache_serves_shared_system_prompts_and_siblings_without_changing_outputs(tiny):
