@@ -211,9 +211,11 @@ class ReferenceEngine:
         chooser = (f"the cost model, per row and round (proposers={self.proposers})"
                    if self.proposers and self.verify == "cost" else None)
         # the decode loop's reasons (``dspine.decoding.explain``: its estimates against the live prices); its own
-        # counts are per stream, the tally's per result, so only the reason is taken
+        # counts are per stream, the tally's per result, so only the reason is taken; the settings' reason
+        # (``_why``: the user switched the source off) comes first, it is the one the user can act on
         extra = {src: ({"chooser": chooser} if chooser else {})
-                 | ({"why": self.decisions[src]["why"]} if (self.decisions.get(src) or {}).get("why") else {})
+                 | ({"why": self.decisions[src]["why"]}
+                    if (self.decisions.get(src) or {}).get("why") and self._why(src, False) is None else {})
                  for src in SOURCES}
         return self.tally.explain(self._why, extra)
 
