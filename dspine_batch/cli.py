@@ -126,6 +126,7 @@ def cli() -> None:
 
     \b
     dspine-batch generate INPUT... -o OUTDIR   run (or resume) a job
+    dspine-batch prepare                       build kernels, convert the model, calibrate: ahead of jobs
     dspine-batch status OUTDIR                 done / failed / remaining
     dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
     dspine-batch export OUTDIR -o FILE         OpenAI batch results file (JSONL)
@@ -200,7 +201,8 @@ def cli() -> None:
                  "accept_prior (per-slot acceptance assumed before a row has evidence), "
                  "dtype (auto, the default: bfloat16 where our bf16 kernels run the target, i.e. a dense model on a "
                  "CPU with AVX512-BF16 or AMX, else float32; float32: the exact fp32 path; bfloat16; the resolved "
-                 "value is part of the run's identity, so a resume never mixes two), quant (none, int8, int4), "
+                 "value is part of the run's identity, so a resume never mixes two), quant (none, int8, int4; "
+                 "q8, q16: our integer dot products over GGUF blocks), "
                  "proposers (auto: per row and round the draft's block or a suffix match over the prompt, the "
                  "row's own output, its --num-samples siblings and finished rows; dspine: the draft only; "
                  "suffix: suffix matches only; --draft none: no speculation at all), suffix_max (tokens a suffix "
@@ -251,6 +253,50 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
     return run_generate(cfg)
+
+
+PREPARE_EXAMPLES = """
+\b
+Examples:
+  dspine-batch prepare                                   # the default job's engine, model and batch shape
+  dspine-batch prepare --config jobs/cpu-smoke.toml      # what that job file's generate will run
+  DSPINE_CACHE_DIR=/shared/dspine-cache dspine-batch prepare   # a cluster's shared cache, before an array
+"""
+
+
+@cli.command(epilog=PREPARE_EXAMPLES)
+@click.option("--config", "job_file", type=click.Path(dir_okay=False, exists=True),
+              help="A generate job file (TOML): its engine, model, draft, engine args and in-flight window.")
+@env_option("--engine", metavar="auto|reference|sglang", help="As for generate.")
+@env_option("-m", "--model", help="As for generate.")
+@env_option("--draft", help="As for generate.")
+@env_option("--engine-arg", "engine_arg", type=KeyValue(), multiple=True, help="As for generate (repeatable).")
+@env_option("--max-in-flight", type=click.IntRange(min=1), help="As for generate: the batch shape to calibrate.")
+@click.pass_context
+def prepare(ctx: click.Context, job_file: str | None, engine: str, model: str, draft: str,
+            engine_arg: tuple[tuple[str, str], ...], max_in_flight: int) -> None:
+    """Fill this machine's caches before a job needs them: build the CPU kernels, convert the embedded model,
+    load it and calibrate the cost model for the job's settings, saying what each step did and how long it took.
+
+    Idempotent (a second run takes seconds). The caches live under $DSPINE_CACHE_DIR (default
+    ~/.cache/dspine); on a cluster point it at a shared folder and run this once before the array job
+    (docs/slurm.md)."""
+    from click.core import ParameterSource
+
+    from dspine_batch.ops.prepare import prepare as run_prepare
+
+    given = {"engine": engine, "model": model, "draft": draft, "engine_args": dict(engine_arg),
+             "max_in_flight": max_in_flight}
+    if job_file:  # the job file's values where no flag or environment variable set one
+        job = load_toml(job_file)
+        if isinstance(job.get("engine_args"), dict):
+            job["engine_args"] = {k: str(v) for k, v in job["engine_args"].items()}
+        for key in given:
+            param = "engine_arg" if key == "engine_args" else key
+            if key in job and ctx.get_parameter_source(param) in (ParameterSource.DEFAULT, None):
+                given[key] = job[key]
+    run_prepare(given["engine"], given["model"], given["draft"], given["engine_args"], int(given["max_in_flight"]),
+                lambda line: click.echo(line))
 
 
 @cli.command()
@@ -380,6 +426,7 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
     args = [a for a in generate_args if a != "--"]
     r = render(job_file, output_dir, overrides, array, args)
     info: dict[str, Any] = {"array_script": str(r.array_script), "finalize_script": str(r.finalize_script),
+                            "prepare_script": str(r.prepare_script) if r.prepare_script else None,
                             "outdir": r.outdir, "log_dir": r.log_dir, "shards": r.shards, "array": r.array}
     if submit:
         info = do_submit(r, finalize=finalize)
@@ -387,11 +434,19 @@ def slurm(job_file: str, generate_args: tuple[str, ...], output_dir: str | None,
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"array script:    {r.array_script}\nfinalize script: {r.finalize_script}")
+    if r.prepare_script:
+        click.echo(f"prepare script:  {r.prepare_script}")
     if submit:
+        if info.get("prepare_job_id"):
+            click.echo(f"submitted prepare job {info['prepare_job_id']} (the array starts after it)")
         click.echo(f"submitted array job {info['array_job_id']} ({r.array}, {r.shards} shards) -> {r.outdir}")
         if info.get("finalize_job_id"):
             click.echo(f"submitted finalize job {info['finalize_job_id']} (afterok:{info['array_job_id']})")
         click.echo(f"logs: {r.log_dir}   progress: dspine-batch status {r.outdir}")
+    elif r.prepare_script:
+        click.echo(f"submit with:\n  pid=$(sbatch --parsable {r.prepare_script})\n"
+                   f"  jid=$(sbatch --parsable --dependency=afterok:$pid --kill-on-invalid-dep=yes {r.array_script})\n"
+                   f"  sbatch --dependency=afterok:$jid --kill-on-invalid-dep=yes {r.finalize_script}")
     else:
         click.echo(f"submit with:\n  jid=$(sbatch --parsable {r.array_script})\n"
                    f"  sbatch --dependency=afterok:$jid --kill-on-invalid-dep=yes {r.finalize_script}")

@@ -3,13 +3,15 @@
 # available), sglang==0.5.23 with its exact pins, then this package in editable mode without deps plus our light
 # deps and the test tools. ~11 GB, ~5 min on a cold pip cache; seconds when already set up.
 #
-#   DSPINE_SGLANG_VENV   where (default: .venv-sglang in the repository root)
+#   DSPINE_SGLANG_VENV   where (default: venv-sglang in the dspine cache, the one place scripts and CI look:
+#                        ${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/dspine}/venv-sglang)
 #   PYTHON               interpreter used to create the venv (default: python3; needs >= 3.11)
 #   DSPINE_SGLANG_FORCE=1  reinstall even when the versions already match
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV=${DSPINE_SGLANG_VENV:-.venv-sglang}
+VENV=${DSPINE_SGLANG_VENV:-${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine}/venv-sglang}
+mkdir -p "$(dirname "$VENV")"
 PY=${PYTHON:-python3}
 TORCH_VERSION=2.14.1
 SGLANG_VERSION=0.5.23

@@ -87,13 +87,13 @@ def scripted_engine(model: str, draft: str, engine_args: dict[str, str]) -> Scri
     return ScriptedEngine.from_args(engine_args)
 
 
-def run_cli(args: list[str], env: dict[str, str] | None = None) -> int:
-    """Run ``dspine-batch`` in-process with the scripted engine behind ``auto``/``reference``; returns the exit
-    code."""
+def run_cli(args: list[str], env: dict[str, str] | None = None, loader: Callable = scripted_engine) -> int:
+    """Run ``dspine-batch`` in-process with the scripted engine (or ``loader``) behind ``auto``/``reference``;
+    returns the exit code."""
     old = dict(os.environ)
     os.environ.update({"DSPINE_BATCH_PROGRESS": "none", **(env or {})})
     try:
-        with engines_replaced(scripted_engine):
+        with engines_replaced(loader):
             main(args)
     except SystemExit as e:
         return int(e.code or 0)
@@ -276,9 +276,11 @@ def save_tiny_hf(
     layers: int = 3,
     seed: int = 0,
     head_scale: float | None = None,
+    gguf: bool = False,
     **kw,
 ) -> str:
-    """Save a tiny random HF model (LlamaForCausalLM / Qwen3ForCausalLM) to ``path``; returns the path."""
+    """Save a tiny random HF model (LlamaForCausalLM / Qwen3ForCausalLM) to ``path``; returns the path. ``gguf``: its
+    weights on GGUF block grids (``to_gguf_grids``)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -303,8 +305,33 @@ def save_tiny_hf(
     # random init is small; scale the head so the distributions are peaked enough to be interesting
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale or (3.0 if family == "llama" else 25.0))
+        if gguf:
+            to_gguf_grids(model)
     model.save_pretrained(str(path))
     return str(path)
+
+
+def to_gguf_grids(model: torch.nn.Module) -> None:
+    """Every 2-D weight with a multiple of 32 columns moved onto the grid a GGUF converter gives it (in place): Q8_0
+    for embeddings and heads, Q4_1 for the rest, as the embedded SmolLM2 is (so our kernels keep them as blocks).
+    Q4_1: per 32 columns m = the block minimum and d = (max - min) / 15, both float16, q forced to 0 and 15 at the
+    block's first two columns; Q8_0: d = max|w| / 127 as float16, q = 127 at the first column."""
+    for name, w in model.named_parameters():
+        if w.dim() != 2 or w.shape[1] % 32:
+            continue
+        n, k = w.shape
+        b = w.detach().float().reshape(n, k // 32, 32)
+        if "embed" in name or "lm_head" in name:
+            d = (b.abs().amax(-1) / 127).clamp_min(1e-4).half().float()[..., None]
+            q = (b / d).round().clamp(-127, 127)
+            q[..., 0] = 127
+            w.copy_((d * q).reshape(n, k))
+        else:
+            m = b.amin(-1).half().float()[..., None]
+            d = ((b.amax(-1, keepdim=True) - m) / 15).clamp_min(1e-4).half().float()
+            q = ((b - m) / d).round().clamp(0, 15)
+            q[..., 0], q[..., 1] = 0, 15
+            w.copy_((d * q + m).reshape(n, k))
 
 
 # Qwen3.5 hybrid: 4 layers (GDN, full, GDN, full), hidden 64, vocab 256, 2 key / 4 value GDN heads (so the key-head

@@ -1,12 +1,42 @@
-"""Where dspine keeps what it computes once per machine: calibrated cost models, built CPU kernels.
+"""Where dspine keeps what it computes once per machine, and how a cache entry is written so it cannot wedge.
 
-``$DSPINE_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/dspine`` (default ``~/.cache/dspine``).
+``$DSPINE_CACHE_DIR`` when set, else ``$XDG_CACHE_HOME/dspine`` (default ``~/.cache/dspine``): built CPU kernels
+(``kernels/``), calibrated cost models (``cost/``), packed weights (``packed/``), the embedded model's conversion.
+
+Why the helpers: these caches are shared by every process of a machine, often by every task of a Slurm array on a
+shared home, and any writer may be killed half-way (preemption, the OOM killer, Ctrl-\\, a time limit). So:
+
+* an entry becomes visible only complete: files and folders are written under a temporary sibling name and
+  renamed into place (``atomic_file``, ``atomic_write``, ``publish_dir``); a reader sees the old entry or the new
+  one, never a torn one, and a killed writer leaves only a temporary that the next writer removes;
+* work done once (a 40 s kernel build, a model conversion) is done by one process while the others wait
+  (``exclusive``): an ``flock`` on an open file, which the kernel releases when its holder dies, even by
+  ``kill -9``, so a dead holder can never block the next run. The holder writes who it is into the lock file
+  (pid, host, since when, what); a waiter says whom it waits for, and a holder that finds a previous holder's
+  record there knows that one died before finishing. Where a filesystem has no ``flock`` (some Lustre mounts) the
+  lock is skipped with a note: atomic publishing alone still keeps every entry whole, the work is then merely
+  done more than once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import json
 import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+TEMP_MARK = ".tmp-"  # temporaries are ``.{name}.tmp-{host}-{pid}-{random}``: hidden, and attributable
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once (os.umask can only be read by setting it), at import, before any thread writes
 
 
 def cache_root() -> Path:
@@ -14,3 +44,223 @@ def cache_root() -> Path:
     if not root:
         root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspine")
     return Path(root).expanduser()
+
+
+def say(msg: str) -> None:
+    """One line on stderr, flushed (what every cache action reports)."""
+    print(f"dspine: {msg}", file=sys.stderr, flush=True)
+
+
+# -- atomic writes ------------------------------------------------------------------------------------------------
+
+
+def temp_sibling(path: Path) -> Path:
+    """A fresh temporary name beside ``path``, on the same filesystem (so a rename publishes it atomically)."""
+    host = socket.gethostname().split(".")[0].replace("-", "_")
+    return path.with_name(f".{path.name}{TEMP_MARK}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    """fsync a file or folder by name; best effort (some filesystems refuse a folder's fsync)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path for a writer that needs a file name (e.g. safetensors); when the block ends
+    without an exception the file gets the umask's permissions (writers like safetensors make 0600 files, which
+    other users of a shared cache cannot read), is fsynced and renamed over ``path``, else removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_path(path.parent, directory=True)
+    remove_dead_temps(path)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write ``path`` whole or not at all: readers, concurrent writers and a writer killed half-way see the old
+    file or a complete new one (the last rename wins)."""
+    with atomic_file(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _write_all(fd, data.encode() if isinstance(data, str) else data)
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temps(path: Path) -> int:
+    """Remove temporaries of ``path`` left by writers of this host that died (their pid is gone); how many.
+    Those of other hosts are left alone (their writer may be alive): ``remove_temps`` under a lock takes them."""
+    path = Path(path)
+    host = socket.gethostname().split(".")[0].replace("-", "_")
+    prefix = f".{path.name}{TEMP_MARK}{host}-"
+    n = 0
+    with contextlib.suppress(OSError):
+        for entry in path.parent.iterdir():
+            if entry.name.startswith(prefix):
+                pid = entry.name[len(prefix):].split("-", 1)[0]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    _remove(entry)
+                    n += 1
+    return n
+
+
+def remove_temps(path: Path) -> int:
+    """Remove every temporary of ``path`` (call with ``exclusive`` held: no live writer owns one then)."""
+    n = 0
+    with contextlib.suppress(OSError):
+        for entry in Path(path).parent.iterdir():
+            if entry.name.startswith(f".{Path(path).name}{TEMP_MARK}"):
+                _remove(entry)
+                n += 1
+    return n
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            entry.unlink()
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` visible as ``final`` in one rename (its files fsynced first). An existing
+    ``final`` (damaged, or from an older writer) is moved aside first, since a rename cannot replace a full
+    folder; call with ``exclusive`` held so no other writer publishes meanwhile."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync_path(f)
+    if final.exists():
+        old = temp_sibling(final)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final, old)
+        _remove(old)
+    os.rename(tmp, final)
+    _fsync_path(final.parent, directory=True)
+
+
+# -- one process does the work, the others wait -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds (or held) a lock, as its lock file says."""
+
+    pid: int
+    host: str
+    since: float
+    what: str
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+    @staticmethod
+    def parse(text: str) -> Holder | None:
+        try:
+            d = json.loads(text)
+            return Holder(int(d["pid"]), str(d["host"]), float(d["since"]), str(d.get("what", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _read_holder(fd: int) -> Holder | None:
+    try:
+        return Holder.parse(os.pread(fd, 4096, 0).decode(errors="replace"))
+    except OSError:
+        return None
+
+
+@dataclass
+class Held:
+    """What ``exclusive`` yields: ``died`` is the previous holder that left its record behind (it was killed or
+    crashed while holding the lock), ``waited_for`` whom this process waited for (None: the lock was free)."""
+
+    died: Holder | None = None
+    waited_for: Holder | None = None
+    waited_s: float = 0.0
+    locked: bool = True  # False where the filesystem has no flock (the work runs unlocked)
+
+
+def _no_flock(e: OSError) -> bool:
+    return e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path, what: str, report: Callable[[str], None] = say,
+              poll_s: float = 0.5) -> Iterator[Held]:
+    """Hold ``lock_path`` (an flock) for the block; ``what`` (e.g. "building the CPU kernels for avx512") goes
+    into the lock file for waiters to read. While another process holds it, says once whom it waits for (and
+    again when the holder changes), then waits; a holder that dies releases it by dying. Leaving the block, even
+    by an exception, empties the lock file (kept, never unlinked: unlinking races with a waiter that already
+    opened it), so a record found there on entry means its writer died holding the lock (killed: no Python
+    cleanup ran)."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    held = Held()
+    try:
+        t0, seen = time.monotonic(), None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                if holder != seen and holder is not None:
+                    ago = max(0.0, time.time() - holder.since)
+                    report(f"waiting for {holder.describe()}, which is {holder.what or 'working'} (for {ago:.0f} s "
+                           f"so far; lock {lock_path}); if that process is gone this run takes over")
+                    held.waited_for = seen = holder
+                time.sleep(poll_s)
+            except OSError as e:
+                if not _no_flock(e):
+                    raise
+                report(f"note: {lock_path.parent} has no file locks ({e.strerror}); working without one")
+                held.locked = False
+                break
+        held.waited_s = time.monotonic() - t0 if held.waited_for else 0.0
+        if held.locked:
+            held.died = _read_holder(fd)
+            record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "what": what}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+            os.fsync(fd)
+        try:
+            yield held
+        finally:
+            if held.locked:  # this process ends its turn (even by an exception): it did not die holding it
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the flock

@@ -9,8 +9,12 @@ are not. ``csrc/ops.cpp`` fuses the chains of tiny ops around them (RMSNorm, RoP
 the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast.
 
 The build is a JIT C++ extension (``torch.utils.cpp_extension``: a C++ compiler and ninja), once per machine
-kind, under ``$DSPINE_CACHE_DIR/kernels`` (default ``~/.cache/dspine/kernels``), keyed by torch version, the
-instruction set and the source, and locked against concurrent builds (Slurm array tasks on a shared home).
+kind, under ``$DSPINE_CACHE_DIR/kernels`` (default ``~/.cache/dspine/kernels``) in a folder named by the content of
+the sources, the instruction set, the compiler flags, torch and Python (``build_key``) — never by the sources' paths,
+so checkouts and virtualenvs share one build. One process builds while the others wait (``disk_cache.exclusive``: an
+flock its holder's death releases, so a build killed half-way never blocks the next run); it compiles copies of the
+sources inside a temporary folder and publishes the folder with one rename, so a build in the cache is complete and
+is loaded as it is (``torch.ops.load_library``: no compiler, no ninja, no torch lock). Every build says why on stderr.
 The instruction set is chosen from ``/proc/cpuinfo`` and passed as explicit flags, never ``-march=native``,
 so a build made on one node runs on every node with the same ISA. Where the build cannot run (no compiler),
 or with ``DSPINE_KERNELS=0``, everything falls back to torch with a one-line warning; which one ran is part
@@ -22,21 +26,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import shutil
+import socket
 import sys
 import sysconfig
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from dspine.cpu.disk_cache import cache_root
+from dspine.cpu.disk_cache import atomic_file, cache_root, exclusive, publish_dir, remove_temps, say, temp_sibling
 from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "attention_bf16.cpp", "ops.cpp")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h")]
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
@@ -49,9 +57,19 @@ BF16DP = "bf16dp"
 # (BENCHMARKS.md, "bf16 KV cache and bf16 decode": measured, it is not what makes 1-row bf16 steps slower than fp32).
 BF16DP_Q4_1, BF16DP_Q8_0 = "bf16dp_q4_1", "bf16dp_q8_0"
 BF16_FORMATS = (BF16DP_Q4_1, BF16DP_Q8_0, BF16DP)  # what the bf16 policy tries, in this order
+# The integer policies' formats (``csrc/gemm_q8.cpp``): a weight that is exactly Q4_1/Q8_0 blocks stays blocks (0.625 /
+# 1.0625 bytes a weight: GGUF's float16 scales) and multiplies input rows quantised per block of 32 on integer dot
+# products (AVX512-VNNI, AVX2 or portable: the same bits), int32 sums, the scales applied once per block. ``q8``
+# (``quant=q8``): one int8 part per input, as llama.cpp does; ``q16`` (``quant=q16``): two int8 parts (the input to
+# ~16 bits: x = d (q + q2 / 256)), twice the products, a hundredth of q8's error. They round the inputs, so each is a
+# policy of its own (``-q8`` / ``-q16`` in the kernel name). A weight on no grid takes the bf16 family where it runs,
+# else the exact fp32 formats.
+Q8DP_Q4_1, Q8DP_Q8_0 = "q8dp_q4_1", "q8dp_q8_0"
+Q16DP_Q4_1, Q16DP_Q8_0 = "q16dp_q4_1", "q16dp_q8_0"
+INT_FORMATS = {"q8": (Q8DP_Q4_1, Q8DP_Q8_0), "q16": (Q16DP_Q4_1, Q16DP_Q8_0)}  # per policy, in the order tried
 ISA_CFLAGS = {
-    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "generic": [],
 }
 
@@ -63,7 +81,7 @@ def cpu_isa(flags: set[str] | None = None) -> str:
     flags = cpu_flags() if flags is None else flags
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "generic"
 
@@ -84,8 +102,24 @@ def disabled(env: dict[str, str] | None = None) -> bool:
     return env.get(ENV, "").strip().lower() in ("0", "off", "torch", "false", "no")
 
 
+def cflags(isa: str) -> list[str]:
+    return ["-O3", "-fopenmp", *ISA_CFLAGS[isa]]
+
+
+def build_key(isa: str) -> dict[str, str]:
+    """Everything a build's machine code depends on: the sources' content (never their paths, so two checkouts
+    or virtualenvs share one build), the instruction set, the compiler flags, torch and Python."""
+    digest = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        digest.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return {"isa": isa, "sources": digest.hexdigest()[:16], "cflags": " ".join(cflags(isa)), "torch": torch.__version__,
+            "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+
+
 def build_name(isa: str) -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:10]
+    """The build's folder (and library) name: content-addressed by ``build_key``."""
+    key = build_key(isa)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     torch_tag = torch.__version__.split("+")[0].replace(".", "_")
     return f"dspine_cpu_{isa}_t{torch_tag}_py{sys.version_info[0]}{sys.version_info[1]}_{digest}"
 
@@ -108,9 +142,9 @@ def load() -> str | None:
 
 @contextlib.contextmanager
 def _ninja_on_path():
-    """PATH with a ``ninja`` on it, for the build: torch runs ``ninja`` from PATH (on every ``load``, a cached
-    build too), and the ``ninja`` pip package (our dependency) installs it beside this interpreter, which is not on
-    PATH when a virtualenv's python runs without activating the venv (``scripts/ci/ci_sglang.sh`` runs it so)."""
+    """PATH with a ``ninja`` on it, for the build: torch runs ``ninja`` from PATH, and the ``ninja`` pip package
+    (our dependency) installs it beside this interpreter, which is not on PATH when a virtualenv's python runs
+    without activating the venv (``scripts/ci/ci_sglang.sh`` runs it so)."""
     old = os.environ.get("PATH")
     if shutil.which("ninja") is None:
         dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
@@ -131,28 +165,100 @@ def _ninja_on_path():
 
 
 def _build(isa: str) -> str | None:
+    """Load the published build for this key, building it first (one process at a time) when there is none."""
     try:
-        from torch.utils import cpp_extension
-
         name = build_name(isa)
-        where = cache_root() / "kernels" / name
-        so = where / f"{name}.so"
-        if not so.exists():
-            print(f"dspine: building the CPU kernels for {isa} (once per machine kind, ~20 s) in {where}",
-                  file=sys.stderr, flush=True)
-        where.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path():
-            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(where),
-                               is_python_module=False,
-                               extra_cflags=["-O3", "-fopenmp", *ISA_CFLAGS[isa]], verbose=False)
+        root = cache_root() / "kernels"
+        so = root / name / f"{name}.so"
+        broken = None
+        if so.is_file():  # published builds are complete (atomic rename): load, no compiler, no lock
+            try:
+                torch.ops.load_library(str(so))
+            except OSError as e:  # damaged on disk (a copy gone wrong, a full disk long ago): build it again
+                broken = " ".join(str(e).split())[:200]
+        if broken is not None or not so.is_file():
+            _build_locked(isa, name, root, broken)
         return str(torch.ops.dspine_cpu.isa())
     except Exception as e:  # no compiler / ninja, a read-only cache, a broken toolchain: torch still works
         text = str(e)
         errors = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() and "Error building" not in ln]
         why = " ".join((errors[0] if errors else text).split())[:300]
         _state["why"] = why
-        print(f"dspine: warning: CPU kernels unavailable, using torch's ({why})", file=sys.stderr, flush=True)
+        say(f"warning: CPU kernels unavailable, using torch's ({why})")
         return None
+
+
+def _build_locked(isa: str, name: str, root: Path, broken: str | None = None) -> None:
+    """Under ``root/<name>.lock``: build into a temporary folder holding copies of the sources, then publish it as
+    ``root/<name>`` in one rename; a process that waited for another's build loads that one. Loads the library.
+    ``broken``: why the published build did not load (it is replaced, unless another process already did)."""
+    from torch.utils import cpp_extension
+
+    final = root / name
+    seen = _stamp(final / f"{name}.so")
+    with exclusive(root / f"{name}.lock", f"building the CPU kernels for {isa}") as held:
+        so = final / f"{name}.so"
+        if so.is_file() and (broken is None or _stamp(so) != seen):  # built by the process we waited for
+            if held.waited_for:
+                say(f"CPU kernels built by {held.waited_for.describe()} are ready (waited {held.waited_s:.0f} s)")
+            torch.ops.load_library(str(so))
+            return
+        remove_temps(final)  # what a killed builder left (nobody else builds this key while we hold the lock)
+        why = f"the cached build does not load: {broken}" if broken else _why_build(root, name, isa, held)
+        say(f"building the CPU kernels for {isa} ({why}; ~40 s, once per machine kind) in {final}")
+        tmp = temp_sibling(final)
+        src = tmp / "src"
+        src.mkdir(parents=True)
+        for p in SOURCES + HEADERS:  # compiled from here: the paths a build records are the same everywhere
+            shutil.copyfile(p, src / p.name)
+        (tmp / KEY_FILE).write_text(json.dumps(build_key(isa) | {"built_by": socket.gethostname(),
+                                                                 "built_at": time.time()}, indent=1) + "\n")
+        t0 = time.monotonic()
+        try:
+            with _ninja_on_path():
+                cpp_extension.load(name=name, sources=[str(src / p.name) for p in SOURCES],
+                                   build_directory=str(tmp), is_python_module=False, extra_cflags=cflags(isa),
+                                   verbose=False)
+            publish_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        say(f"built the CPU kernels for {isa} in {time.monotonic() - t0:.0f} s")
+
+
+KEY_FILE = "build.json"
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime) of a file, to tell a rebuilt library from the one that failed; None when absent."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _why_build(root: Path, name: str, isa: str, held: Any) -> str:
+    """Why this build runs, in a few words: a build that died, an empty cache, or what differs from the newest
+    build of the same instruction set (sources, torch, compiler flags, Python)."""
+    if held.died is not None:
+        return (f"the build by {held.died.describe()} did not finish: it was killed or crashed "
+                f"{max(0.0, time.time() - held.died.since):.0f} s after it started")
+    key = build_key(isa)
+    others = []
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if entry.name != name and entry.is_dir():
+                    others.append(json.loads((entry / KEY_FILE).read_text()))
+    same = sorted((o for o in others if o.get("isa") == isa), key=lambda o: o.get("built_at", 0))
+    if not same:
+        return f"no {isa} build in this cache yet" + (" (it has builds for other CPUs)" if others else "")
+    last = same[-1]
+    changed = [f"{k} {last.get(k)} -> {key[k]}" if k in ("torch", "python") else
+               ("the sources changed" if k == "sources" else f"compiler flags changed ({key[k]})")
+               for k in ("sources", "torch", "cflags", "python") if last.get(k) != key[k]]
+    return "; ".join(changed) or "the cached build is incomplete"
 
 
 def bf16dp_ok() -> bool:
@@ -291,6 +397,10 @@ class PackedLinear(nn.Module):
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp_q8_0(*blocks)
             elif fmt == BF16DP:
                 self.format, packed = fmt, torch.ops.dspine_cpu.pack_bf16dp(w.bfloat16())
+            elif fmt in (Q8DP_Q4_1, Q16DP_Q4_1) and (blocks := exact_q4_1(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8dp_q4_1(*blocks)
+            elif fmt in (Q8DP_Q8_0, Q16DP_Q8_0) and (blocks := exact_q8_0(w)) is not None:
+                self.format, packed = fmt, torch.ops.dspine_cpu.pack_q8dp_q8_0(*blocks)
             if packed is not None:
                 break
         if packed is None:
@@ -318,7 +428,10 @@ class PackedLinear(nn.Module):
         return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
                 "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
                 BF16DP: torch.ops.dspine_cpu.linear_bf16dp, BF16DP_Q4_1: torch.ops.dspine_cpu.linear_bf16dp_q4_1,
-                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0}
+                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0, Q8DP_Q4_1: torch.ops.dspine_cpu.linear_q8dp_q4_1,
+                Q8DP_Q8_0: torch.ops.dspine_cpu.linear_q8dp_q8_0,
+                Q16DP_Q4_1: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q4_1, parts=2),
+                Q16DP_Q8_0: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q8_0, parts=2)}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
@@ -421,10 +534,8 @@ def save_packed(module: nn.Module, path: Path) -> None:
                 tensors[f"{name}.bias"] = m.bias.contiguous()
             meta[name] = f"{m.format},{m.out_features},{m.in_features}"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        tmp.replace(path)
+        with atomic_file(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
     except OSError:
         pass
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.cpu.disk_cache import cache_root
+from dspine.cpu.disk_cache import atomic_write, cache_root
 
 CALIBRATION_CONTEXT = 32  # context tokens per row during calibration (short: attention is not what we rank)
 MAX_CALIBRATION_ROWS = 32  # beyond this the cost is extrapolated linearly in rows
@@ -250,11 +250,8 @@ def load_or_calibrate(target, draft, max_rows: int, block_size: int, identity: d
     model = calibrate(target, draft, max_rows, block_size, long_tokens=long_tokens)
     busy = busy or _busy()
     if path is not None and not busy:  # a calibration taken while others held the cores is used, not kept
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(model.to_json()))
-            tmp.replace(path)
+        try:  # whole or not at all: concurrent writers and a writer killed half-way leave a complete file
+            atomic_write(path, json.dumps(model.to_json()))
         except OSError:  # a read-only home must not stop generation
             pass
     return model

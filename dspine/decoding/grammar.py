@@ -23,6 +23,7 @@ differently.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -152,28 +153,54 @@ class Grammars:
         return self.cache[key]
 
     def _compile(self, kind: str, spec: str) -> Any:
-        import json
-
-        c = self.compiler
+        grammar = grammar_of(kind, spec)
         try:
-            if kind == "json_schema":
-                return c.compile_json_schema(spec, any_whitespace=False)
-            if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return c.compile_regex(spec)
-            if kind == "choice":
-                options = json.loads(spec)
-                if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
-                    raise ValueError("expected a non-empty list of strings")
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
-            if kind == "grammar":
-                return c.compile_grammar(spec)
+            return self.compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid {kind}: {_first_line(e)}") from e
-        raise ValueError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
+            raise ValueError(f"invalid {kind}: {short_reason(e)}") from e
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+def grammar_of(kind: str, spec: str) -> Any:
+    """The ``xgrammar.Grammar`` of a structure (no tokenizer needed: a batch tool checks every distinct one before
+    the model loads). ``json_schema`` / ``json_object`` in the compact layout (see ``Grammars``); ``choice`` an EBNF
+    alternation of JSON-escaped string literals (xgrammar's EBNF escapes are JSON's). Raises ValueError with
+    xgrammar's reason in one line."""
+    import json
+
+    import xgrammar
+
+    try:
+        if kind == "json_schema":
+            return xgrammar.Grammar.from_json_schema(spec, any_whitespace=False)
+        if kind == "json_object":
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(spec)
+        if kind == "choice":
+            options = json.loads(spec)
+            if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
+                raise ValueError("expected a non-empty list of strings")
+            return xgrammar.Grammar.from_ebnf(choice_ebnf(options))
+        if kind == "grammar":
+            return xgrammar.Grammar.from_ebnf(spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(short_reason(e)) from e
+    raise ValueError(f"unknown grammar kind {kind!r} (expected one of {', '.join(KINDS)})")
+
+
+def choice_ebnf(options: list[str]) -> str:
+    """The EBNF of "exactly one of these strings": an alternation of JSON-escaped string literals (xgrammar's EBNF
+    escapes are JSON's). Shared with engines that take EBNF text (SGLang's ``ebnf`` sampling parameter)."""
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(o) for o in options)
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[16:00:19] /project/cpp/regex_converter.cc:83: "
+
+
+def short_reason(e: BaseException) -> str:
+    """xgrammar's message without its log prefix (time, C++ file and line), first line only."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = _LOG_PREFIX.sub("", text).removeprefix("Check failed: (error.empty()) is false: ")
+    return text if len(text) <= 240 else text[:237] + "..."

@@ -20,18 +20,17 @@ What the conversion has to undo or rebuild:
   every digit on its own, then the GPT-2 byte-level regex); an unknown name is refused rather than
   guessed, because a wrong split gives plausible but different token ids.
 
-``convert_cached`` wraps the conversion for a cache: it writes into a temporary sibling directory and
-renames it into place, and records the source file's sha256 so a changed GGUF is converted again.
+``convert_cached`` wraps the conversion for a cache: one process converts while others wait
+(``dspine.cpu.disk_cache.exclusive``), into a temporary sibling directory renamed into place, and it records the
+source file's sha256 so a changed GGUF is converted again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
-import uuid
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from dspine.cpu.disk_cache import exclusive, publish_dir, remove_temps, say, temp_sibling
 
 # Bump when the output of ``convert_gguf`` changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 1
@@ -345,35 +346,25 @@ def convert_cached(gguf_path: str | Path, out_dir: str | Path, expected_sha256: 
         )
     if cache_is_valid(out_dir, digest):
         return out_dir
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A plain mkdir (not mkdtemp's 0700) so the cache gets the umask's permissions and can be shared.
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        convert_gguf(gguf_path, tmp)
-        (tmp / MARKER_NAME).write_text(json.dumps(_marker(gguf_path, digest), indent=2) + "\n")
-        file_mode = tmp.stat().st_mode & 0o666  # safetensors writes 0600 files; align them with the dir
-        for f in tmp.iterdir():
-            f.chmod(file_mode)
-        _replace_dir(tmp, out_dir, digest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
-
-
-def _replace_dir(new: Path, dest: Path, sha256: str) -> None:
-    """Move ``new`` to ``dest``, first moving a stale ``dest`` aside (a rename cannot replace a full dir)."""
-    if dest.exists():
-        stale = Path(tempfile.mkdtemp(prefix=f".{dest.name}.stale-", dir=dest.parent))
+    # One process converts while the others wait (an flock its holder's death releases); a converter killed
+    # half-way leaves only its temporary, which the next one removes.
+    with exclusive(out_dir.parent / f"{out_dir.name}.lock", f"converting {gguf_path.name}"):
+        if cache_is_valid(out_dir, digest):  # converted by the process we waited for
+            return out_dir
+        remove_temps(out_dir)
+        t0 = time.monotonic()
+        say(f"converting {gguf_path.name} to a Hugging Face model folder in {out_dir} (once per cache)")
+        # A plain mkdir (not mkdtemp's 0700) so the cache gets the umask's permissions and can be shared.
+        tmp = temp_sibling(out_dir)
+        tmp.mkdir(parents=True)
         try:
-            os.replace(dest, stale / dest.name)
-        except FileNotFoundError:
-            pass  # another process moved it first
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.rename(new, dest)
-    except OSError:
-        # Lost a race: another process renamed its own complete conversion into place in between.
-        if not cache_is_valid(dest, sha256):
-            raise
+            convert_gguf(gguf_path, tmp)
+            (tmp / MARKER_NAME).write_text(json.dumps(_marker(gguf_path, digest), indent=2) + "\n")
+            file_mode = tmp.stat().st_mode & 0o666  # safetensors writes 0600 files; align them with the dir
+            for f in tmp.iterdir():
+                f.chmod(file_mode)
+            publish_dir(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"converted in {time.monotonic() - t0:.1f} s")
+    return out_dir

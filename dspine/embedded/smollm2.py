@@ -16,9 +16,9 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import importlib.util
-import os
 from pathlib import Path
 
+from dspine.cpu.disk_cache import cache_root
 from dspine.embedded.gguf_convert import GGUFConversionError, GGUFPackageMissing, convert_cached
 from dspine.models.checkpoint import ModelLoadError
 
@@ -40,13 +40,10 @@ class EmbeddedModelMissing(ModelLoadError):
 def default_cache_dir() -> Path:
     """``$DSPINE_CACHE_DIR/smollm2-135m-instruct-f32``, else the same under ``~/.cache/dspine``.
 
-    ``$DSPINE_CACHE_DIR`` is the root of all dspine caches, not this model's directory; ``$XDG_CACHE_HOME``
-    replaces ``~/.cache`` as usual.
+    ``$DSPINE_CACHE_DIR`` is the root of all dspine caches (``dspine.cpu.disk_cache.cache_root``), not this model's
+    directory; ``$XDG_CACHE_HOME`` replaces ``~/.cache`` as usual.
     """
-    root = os.environ.get("DSPINE_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspine"
-    return Path(root).expanduser() / CACHE_SUBDIR
+    return cache_root() / CACHE_SUBDIR
 
 
 def embedded_gguf_path() -> Path:

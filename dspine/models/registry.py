@@ -42,14 +42,20 @@ def load_target(
     # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
     # attention are torch modules, which keep their bf16 path
     bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
-    model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles else dtype, device=device)
+    q8 = quant in ("q8", "q16")
+    if q8 and not (cls is DenseTarget and kernels and _q8_tiles(device)):
+        raise ValueError(f"{path}: quant={quant} runs on our CPU kernels over a dense target (Llama, Qwen3); "
+                         f"use quant=none or int8 here")
+    model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles or q8 else dtype, device=device)
     if fuse:
         model.fuse_projections()
-    model.quantize(quant)
-    if bf16_tiles:
-        from dspine.cpu.kernels import BF16_FORMATS
+    model.quantize("none" if q8 else quant)
+    if bf16_tiles or q8:
+        from dspine.cpu import kernels as k
 
-        model.use_kernels(formats=BF16_FORMATS, cache_key=checkpoint_key(path))
+        # q8/q16: the GGUF-block weights on integer dot products, any other weight in the bf16 family where it runs
+        formats = (*k.INT_FORMATS[quant], *(k.BF16_FORMATS if k.bf16dp_ok() else ())) if q8 else k.BF16_FORMATS
+        model.use_kernels(formats=formats, cache_key=checkpoint_key(path))
         # the bf16 policy's KV cache is bf16 too (half the memory; attention still computes in fp32)
         model.set_kv_dtype(torch.bfloat16 if kv_dtype is None else kv_dtype)
     else:
@@ -84,6 +90,16 @@ def _target_class(cfg: dict, path: Path) -> type[Target]:
         f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
         "supported: llama, qwen3, qwen3_5/qwen3_5_text"
     )
+
+
+def _q8_tiles(device) -> bool:
+    """quant=q8/q16 run wherever our kernels build on the CPU (``csrc/gemm_q8.cpp``: AVX512-VNNI, AVX2 or portable
+    integer dot products, the same bits)."""
+    if torch.device(device).type != "cpu":
+        return False
+    from dspine.cpu import kernels
+
+    return not kernels.disabled() and kernels.load() is not None
 
 
 def _bf16_tiles(device) -> bool:

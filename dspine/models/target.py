@@ -146,8 +146,8 @@ class Target(nn.Module):
     @property
     def kernel(self) -> str:
         """What computes this target's linears: ``dspine-<isa>`` (``use_kernels``), ``dspine-<isa>-bf16`` (the bf16
-        family), ``torch``, or a quant mode; ``-kvbf16`` when keys and values are stored in bf16 over fp32 weights
-        (``-kvbf16dp``: and attention runs on bf16 dot products)."""
+        family), ``dspine-<isa>-q8`` / ``-q16`` (the integer ones), ``torch``, or a quant mode; ``-kvbf16`` when keys
+        and values are stored in bf16 over fp32 weights (``-kvbf16dp``: and attention runs on bf16 dot products)."""
         return getattr(self, "_kernel", "torch")
 
     def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
@@ -183,12 +183,14 @@ class Target(nn.Module):
                 m.fast = True
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
-        from dspine.cpu.kernels import BF16DP
+        from dspine.cpu.kernels import BF16DP, INT_FORMATS
 
         # the bf16 family rounds (weights and linear inputs to bf16): it is a precision policy, so it is named (its
-        # block formats compute the same bits as its bf16 panels, so they share the name)
+        # block formats compute the same bits as its bf16 panels, so they share the name); so are the integer ones
+        # (inputs quantised to int8 parts; weights on no GGUF grid fall back to the bf16 family or fp32)
         bf16 = bool(formats) and all(f.startswith(BF16DP) for f in formats)
-        self._kernel = f"dspine-{isa}-bf16" if bf16 else f"dspine-{isa}"
+        integer = next((name for name, fmts in INT_FORMATS.items() if formats and formats[0] in fmts), None)
+        self._kernel = f"dspine-{isa}-{integer or 'bf16'}" if integer or bf16 else f"dspine-{isa}"
         return self
 
     def fuse_projections(self) -> Target:

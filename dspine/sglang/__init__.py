@@ -13,3 +13,6 @@ May import: ``dspine.draft``, ``dspine.decoding``, ``dspine.models``, ``dspine.c
 SGLANG_VERSION = "0.5.23"
 ALGORITHM_NAME = "DSPINE"
 ENTRY_POINT_NAME = "dspine"
+# ``meta_info`` key of a request's verify rounds and drafted tokens by source (``suffix.SourceCounts``), which
+# ``dspine_batch``'s SGLang engine turns into its ``dspine_*`` / ``suffix_*`` columns
+SOURCE_COUNTS_KEY = "dspine_source_counts"

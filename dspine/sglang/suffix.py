@@ -22,6 +22,9 @@ Modes (``DSPINE_PROPOSERS``, set by ``dspine-batch --engine sglang --engine-arg 
   keep the draft's block, so their tokens never depend on other rows (as in the reference engine, whose sampled
   rows under ``auto`` never mix the two sources either). Greedy outputs are plain decoding's whatever is proposed;
   only the speculative stats depend on the history (a resumed engine starts with an empty finished index).
+
+Each round's source and counts per request also go to the client: ``count_round`` adds them to the request's
+``customized_info`` (``SourceCounts``), which SGLang returns in ``meta_info["dspine_source_counts"]``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from typing import Any
 
 from dspine.decoding.acceptance import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, SuffixSource, Suggestion
+from dspine.sglang import SOURCE_COUNTS_KEY
 
 PROPOSERS_ENV = "DSPINE_PROPOSERS"  # auto | dspine | suffix (unset: dspine, SGLang launched by hand)
 # Test/audit aid: one JSON line per verify round: {"rid": [...], "source": ["suffix"|"dspine", ...],
 # "proposed": [...], "accepted": [...]} (suffix tokens proposed, accepted drafts excluding the bonus).
 ROUND_LOG_ENV = "DSPINE_SGLANG_ROUND_LOG"
 PROPOSERS = ("auto", "dspine", "suffix")
+
 DRAFT_PRIOR = 1.0  # accepted draft tokens per round assumed for a row before it has evidence
 DRAFT_PRIOR_WEIGHT = 4.0  # in pseudo-rounds
 PRUNE_ROUNDS = 4096  # a row absent from this many decode rounds and not finished is dropped (aborted elsewhere)
@@ -49,6 +54,49 @@ def parse_mode(value: str | None) -> str:
     if mode not in PROPOSERS:
         raise ValueError(f"{PROPOSERS_ENV}={value!r}: expected one of {', '.join(PROPOSERS)}")
     return mode
+
+
+class SourceCounts:
+    """One request's verify rounds and drafted tokens by source, carried to the client in ``meta_info``.
+
+    SGLang copies ``Req.customized_info[key]`` into ``meta_info[key]`` by slicing it per output token as each chunk
+    of output leaves the scheduler (``req_values[sent:len(output_ids)]``), and the tokenizer process concatenates
+    the chunks. So this object answers a slice with a per-token list whose first entry holds the counts added
+    since the previous chunk (``{source: [rounds, proposed, accepted]}``) and the rest None: the client sums the
+    entries (``dspine_batch.engines.sglang.stats``). Tokens are counted by who proposed them (the draft's tokens in
+    the slots after a shorter suffix match are the draft's); a round by the source that led it."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[int]] = {}
+
+    def add(self, source: str, rounds: int, proposed: int, accepted: int) -> None:
+        c = self.pending.setdefault(source, [0, 0, 0])
+        c[0] += rounds
+        c[1] += proposed
+        c[2] += accepted
+
+    def __getitem__(self, key: slice) -> list:
+        n = len(range(*key.indices(1 << 62)))
+        out: list = [None] * n
+        if n and self.pending:
+            out[0], self.pending = self.pending, {}
+        return out
+
+
+def count_round(req: Any, pick: int, width: int, accepted: int) -> None:
+    """Add one verify round of ``req`` to its ``SourceCounts``: ``pick`` suffix tokens over a block of ``width``
+    draft slots (0: the draft's block), ``accepted`` drafts accepted (bonus excluded)."""
+    info = getattr(req, "customized_info", None)
+    if info is None:
+        info = req.customized_info = {}
+    counts = info.get(SOURCE_COUNTS_KEY)
+    if not isinstance(counts, SourceCounts):
+        counts = info[SOURCE_COUNTS_KEY] = SourceCounts()
+    ours = min(accepted, pick)
+    if pick:
+        counts.add(SUFFIX, 1, pick, ours)
+    if width > pick:
+        counts.add(DSPINE, 0 if pick else 1, width - pick, accepted - ours)
 
 
 @dataclass
@@ -165,6 +213,7 @@ class SuffixProposer:
             row = self.rows.get(rid)
             if row is None:
                 continue
+            count_round(row.req, n, self.width, int(acc))
             if n:
                 hits = min(int(acc), n)
                 row.sfx_hits += hits

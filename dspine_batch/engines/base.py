@@ -27,7 +27,8 @@ class Structure:
     """A constraint on the output's text, as one canonical string, so equal constraints compare, hash and
     fingerprint equal however the user spelled them (``digest``; engines compile each distinct one once).
 
-    ``spec`` by ``kind``: ``json_schema`` the schema as sorted-keys compact JSON; ``json_object`` "" (any JSON
+    ``spec`` by ``kind``: ``json_schema`` the schema as compact JSON in the user's key order (the order of
+    ``properties`` is the order fields are generated in); ``json_object`` "" (any JSON
     object); ``regex`` the pattern; ``choice`` a JSON list of the allowed strings; ``grammar`` EBNF/GBNF text
     (xgrammar's dialect, root rule ``root``). No torch or xgrammar here: ``engines.grammar`` compiles them."""
 

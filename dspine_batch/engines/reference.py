@@ -18,6 +18,11 @@ Prompt prefixes (``prefix_cache_mb``, default 512): a radix tree over prompt tok
 so rows behind one system prompt or template and the ``--num-samples`` siblings of a row prefill only what is new
 (``dspine.decoding.prefix``); each row reports ``cached_prompt_tokens``. Outputs are identical with it off.
 
+Decisions (``explain()``, ``engines.explain``): per source, the rounds, tokens proposed and accepted summed from
+the results, and why a source cannot run with these settings; the cost model's own reasons under ``auto`` come
+from the decode loop through the ``decisions`` dict it is handed. ``prepare(max_in_flight)`` calibrates (and
+caches) the cost model a run with that window would measure at its start (``dspine-batch prepare``).
+
 Chunked prefill (``prefill_chunk``, default ``DEFAULT_PREFILL_CHUNK`` tokens; 0 = whole prompts): newcomers' prompts
 are computed at most that many tokens per forward, and the rows in flight run one round between two forwards, so
 a long prompt does not stall them and a prefill's activations stay bounded. Dense targets on the CPU kernels
@@ -32,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from dspine.models.tokenizer import HFTokenizer
-from dspine_batch.engines.base import Request, Result
+from dspine_batch.engines.base import FEATURES, Request, Result
+from dspine_batch.engines.explain import SOURCES, SourceTally
 from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import FatalError, UsageError
@@ -47,7 +53,10 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module
 
 class ReferenceEngine:
     name = "reference"
-    features: frozenset[str] = frozenset()  # request features beyond plain sampling (base.FEATURES): none yet
+    # request features beyond plain sampling (base.FEATURES): all of them, through the decoding loop's processing
+    # seam (``dspine.decoding.processors``: penalties, logit bias, min_tokens, logprobs) and xgrammar grammars
+    # (``dspine.decoding.grammar``), lossless under every proposer
+    features: frozenset[str] = FEATURES
 
     def __init__(self, target: Any, draft: Any, tokenizer: HFTokenizer, model_path: Path, draft_path: Path | None,
                  batch_size: int, block_size: int | None, dynamic_threshold: float | None = None,
@@ -91,6 +100,7 @@ class ReferenceEngine:
         if draft is not None:
             self._identity["verify"] = verify
         self._costs: dict[tuple[int, str | None], Any] = {}
+        self._grammars: Any = None  # dspine.decoding.grammar.Grammars, made on the first structured request
         # Prompt prefixes kept across rows (and runs of this engine). Only where a row's prefill is batch and
         # split invariant (our CPU kernels): there a hit never changes an output, so it is not part of the
         # identity; torch's GEMMs (bf16, quantized, no compiler) round differently for different token counts.
@@ -102,6 +112,10 @@ class ReferenceEngine:
 
         chunk = DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         self.prefill_chunk = chunk if chunking_exact(target) else 0
+        # explain(): counts from the results yielded; ``decisions`` is handed to the decode loop, which may put a
+        # source's reasons there ({source: {"why": ..., ...}}: see dspine_batch.engines.explain)
+        self.tally = SourceTally()
+        self.decisions: dict[str, dict[str, Any]] = {}
 
     @classmethod
     def load(cls, model: str, draft: str, args: dict[str, str]) -> ReferenceEngine:
@@ -192,6 +206,34 @@ class ReferenceEngine:
     def close(self) -> None:
         self.target = self.draft = None
 
+    def explain(self) -> dict[str, dict[str, Any]]:
+        """Per source: rounds, tokens proposed/accepted, whether it ran and why not (``engines.explain``)."""
+        chooser = (f"the cost model, per row and round (proposers={self.proposers})"
+                   if self.proposers and self.verify == "cost" else None)
+        # the decode loop's reasons (``dspine.decoding.explain``: its estimates against the live prices); its own
+        # counts are per stream, the tally's per result, so only the reason is taken; the settings' reason
+        # (``_why``: the user switched the source off) comes first, it is the one the user can act on
+        extra = {src: ({"chooser": chooser} if chooser else {})
+                 | ({"why": self.decisions[src]["why"]}
+                    if (self.decisions.get(src) or {}).get("why") and self._why(src, False) is None else {})
+                 for src in SOURCES}
+        return self.tally.explain(self._why, extra)
+
+    def _why(self, source: str, ran: bool) -> str | None:
+        """The reasons the settings give; the cost model's own (under ``auto``) come from the decode loop."""
+        if ran:
+            return None
+        if self.proposers is None:
+            return "plain decoding, no speculation (no draft: --draft none, or none fits this model)"
+        if source == "dspine" and self.draft is None:
+            return "no DSpine draft for this model (suffix matches only)"
+        if source == "dspine" and self.proposers == "suffix":
+            return "--engine-arg proposers=suffix (suffix matches only)"
+        if source == "suffix" and self.proposers == "dspine":
+            return ("verify=fixed verifies the draft's whole block" if self.verify == "fixed"
+                    else "--engine-arg proposers=dspine (the draft only)")
+        return None
+
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
         from dspine.decoding.decode import decode_stream
         from dspine.decoding.sampling import SamplingParams
@@ -207,7 +249,11 @@ class ReferenceEngine:
                 p = r.params
                 try:
                     sp = SamplingParams(max(0, min(p.max_new_tokens, room - len(r.prompt_ids))), p.temperature,
-                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids))
+                                        p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids),
+                                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+                                        logit_bias=p.logit_bias, logprobs=p.top_logprobs if p.logprobs else None,
+                                        grammar=self._constraint(p.structure))
                 except ValueError as e:  # the decoder refuses an empty prompt: the row gets this error instead
                     refused[i] = str(e)
                     yield [], SamplingParams(max_new_tokens=0)
@@ -219,7 +265,7 @@ class ReferenceEngine:
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
                                suffix_max=self.suffix_max, prefix_cache=self.prefix,
-                               prefill_chunk=self.prefill_chunk)
+                               prefill_chunk=self.prefill_chunk, decisions=self.decisions)
         try:
             for i, out in stream:
                 req = pending.pop(i)
@@ -231,6 +277,21 @@ class ReferenceEngine:
         except RuntimeError as e:
             raise FatalError(f"reference engine failed: {e}") from e
 
+    def _constraint(self, structure: Any) -> Any:
+        """The compiled grammar of a request's ``Structure`` (each distinct one compiled once per engine), or
+        None. An invalid one raises ValueError (the row's error; the pipeline checks them before the model
+        loads)."""
+        if structure is None:
+            return None
+        if self._grammars is None:
+            from dspine.decoding.grammar import Grammars
+
+            raw = self.tok.tok  # forced strings are tokenized without special tokens
+            self._grammars = Grammars.for_hf_dir(str(self.model_path), int(self.target.vocab_size),
+                                                 list(self.tok.eos_ids()),
+                                                 lambda s: raw.encode(s, add_special_tokens=False).ids)
+        return self._grammars.get(structure.kind, structure.spec)
+
     def _cost(self, rows: int) -> Any:
         """The calibrated cost model for ``rows`` (cost-aware verification only; cached on disk per identity)."""
         if self.proposers is None or self.verify != "cost":
@@ -239,12 +300,35 @@ class ReferenceEngine:
         if key not in self._costs:
             from dspine.decoding.cost import load_or_calibrate
 
-            use_draft = self.draft is not None and self.proposers in ("dspine", "auto")
-            long = self.suffix_max + 1 if self.proposers in ("suffix", "auto") else None
-            ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
-            self._costs[key] = load_or_calibrate(self.target, self.draft if use_draft else None, rows,
-                                                 self.block_size if use_draft else 2, ident, long_tokens=long)
+            draft, block, ident, long = self._cost_args()
+            self._costs[key] = load_or_calibrate(self.target, draft, rows, block, ident, long_tokens=long)
         return self._costs[key]
+
+    def _cost_args(self) -> tuple[Any, int, dict[str, Any], int | None]:
+        """(draft, block size, identity, long verify) of this engine's calibration."""
+        use_draft = self.draft is not None and self.proposers in ("dspine", "auto")
+        long = self.suffix_max + 1 if self.proposers in ("suffix", "auto") else None
+        ident = {k: self._identity.get(k) for k in ("model", "draft", "dtype")}
+        return (self.draft if use_draft else None), (self.block_size if use_draft else 2), ident, long
+
+    def prepare(self, max_in_flight: int) -> str:
+        """Measure now, and cache, what a run with this in-flight window would measure at its start on this machine
+        (the cost model of its batch shape); says what it did (``dspine-batch prepare``)."""
+        rows = max(1, min(self.batch_size, max_in_flight))
+        if self.proposers is None or self.verify != "cost":
+            return "not needed (no cost-aware verification with these settings)"
+        from dspine.decoding.cost import cache_dir, cache_key
+
+        draft, block, ident, long = self._cost_args()
+        path = cache_dir() / f"{cache_key(ident, self.target, rows, block, long)}.json"
+        if path.is_file():
+            self._cost(rows)
+            return f"already calibrated for {rows} rows ({path})"
+        self._cost(rows)
+        if path.is_file():
+            return f"calibrated for {rows} rows, cached in {path}"
+        return (f"calibrated for {rows} rows but not cached: the machine was busy (load above its cores) or the "
+                "cache is not writable; each run calibrates at its start until one finds it quiet")
 
     def _result(self, req: Request, out: Any) -> Result:
         tokens = list(out.token_ids)
@@ -256,6 +340,8 @@ class ReferenceEngine:
         res = Result(req.row_id, req.sample_index, tokens, text, finish, out.prompt_tokens, len(tokens),
                      latency_s=float(getattr(out, "latency_s", 0.0)),
                      cached_prompt_tokens=int(getattr(out, "cached_prompt_tokens", 0)))
+        if out.logprobs is not None:  # (id, logprob, top) per kept token (a stop string may have cut some)
+            res.logprobs = [(t, lp, tuple(top)) for t, lp, top in out.logprobs[: len(tokens)]]
         st = out.stats
         if self.proposers:  # plain steps (ℓ = 0) are not verify rounds: see dspine.decoding.decode.SpecStats
             res.verify_steps = st.verify_steps
@@ -272,6 +358,8 @@ class ReferenceEngine:
                     st.dspine_steps, st.dspine_proposed, st.dspine_accepted)
                 res.suffix_verify_steps, res.suffix_tokens_proposed, res.suffix_tokens_accepted = (
                     st.suffix_steps, st.suffix_proposed, st.suffix_accepted)
-        return res
+                res.forced_verify_steps, res.forced_tokens_proposed, res.forced_tokens_accepted = (
+                    st.forced_steps, st.forced_proposed, st.forced_accepted)
+        return self.tally.add(res)
 
 

@@ -70,12 +70,16 @@ def engines_replaced(loader: EngineLoader, names: Iterable[str] = ("auto", "refe
         ENGINES.update(saved)
 
 
-def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
-    """Build the engine the user asked for. ``auto`` is SGLang when it is installed and a GPU is present,
-    else the reference engine; it says which it picked and why on stderr."""
+def resolve_name(name: str) -> str:
+    """The engine ``--engine NAME`` means here: ``auto`` is SGLang when it is installed and a GPU is present,
+    else the reference engine (said on stderr, with why)."""
     if name == "auto" and "auto" not in ENGINES:
         name = _pick_auto()
-    loader = ENGINES.get(name)
-    if loader is None:
+    if name not in ENGINES:
         raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")
-    return loader(model, draft, engine_args)
+    return name
+
+
+def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
+    """Build the engine the user asked for (``resolve_name``)."""
+    return ENGINES[resolve_name(name)](model, draft, engine_args)

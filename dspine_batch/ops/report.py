@@ -4,6 +4,10 @@ tau (accept length) is reported request-weighted (mean/median over rows) and tok
 completion tokens / total verify steps); the two differ when long outputs accept better (see the design
 notes). "tau by position" is the fraction of verify steps whose draft was accepted at least up to position j.
 
+By source (the DSpine draft, suffix matches): verify steps, tokens proposed and accepted from the parts, and from
+the engine's own record in the shards' state files (``dspine_batch.pipeline.decisions``) whether a source ran and,
+when it never did, why ("dspine draft  not run — --engine-arg proposers=suffix").
+
 The prefix-cache hit rate is cached prompt tokens / prompt tokens over the ok rows whose engine reported a cache
 count (``cached_prompt_tokens`` not null): rows that do not say (an engine without the count, parts written
 before schema 3) are left out of both sums rather than counted as misses, and with none the rate is n/a.
@@ -20,7 +24,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
-from dspine_batch.pipeline.resume import list_parts, read_state
+from dspine_batch.pipeline.decisions import combine, label
+from dspine_batch.pipeline.resume import STATE_DIR, list_parts, read_state
 from dspine_batch.pipeline.schema import SOURCE_STATS
 
 COLUMNS = ["row_id", "status", "error", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
@@ -82,6 +87,7 @@ def summarize(outdir: str) -> dict[str, Any]:
     lats = np.concatenate(lat) if lat else np.zeros(0)
     shards = {p.shard for p in list_parts(outdir)}
     elapsed = max((read_state(outdir, tag).get("elapsed_s", 0.0) for tag in shards), default=0.0)
+    decided = combine([st["decisions"] for st in _states(outdir) if isinstance(st.get("decisions"), dict)])
     total_steps = int(hist.sum())
     by_pos = [float(hist[j:].sum() / total_steps) for j in range(1, len(hist))] if total_steps else []
     return {
@@ -95,19 +101,37 @@ def summarize(outdir: str) -> dict[str, Any]:
         "tau_token_weighted": _r(spec_toks / steps) if steps else None,  # = sum(tau_i * steps_i) / sum(steps_i)
         "accept_rate": _r(accepted / proposed) if proposed else None,
         "verify_steps": steps, "accept_histogram": hist.tolist(), "accept_rate_by_position": [_r(x) for x in by_pos],
-        "by_source": {src: _source_summary(by_source, src) for src in ("dspine", "suffix", "forced")},
+        "by_source": _by_source(by_source, decided),
         "answers": answers.summary(),
         "finish_reasons": dict(finish.most_common()),
         "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
     }
 
 
-def _source_summary(totals: dict[str, int], src: str) -> dict[str, Any]:
-    """Verify steps, drafted tokens and their accept rate for one source (``dspine`` or ``suffix``)."""
-    steps, prop, acc = (totals[f"{src}_{k}"] for k in ("verify_steps", "tokens_proposed", "tokens_accepted"))
-    return {"verify_steps": steps, "tokens_proposed": prop, "tokens_accepted": acc,
-            "accept_rate": _r(acc / prop) if prop else None,
-            "tau": _r((acc + steps) / steps) if steps else None}  # tokens a step commits, bonus included
+def _states(outdir: str) -> list[dict[str, Any]]:
+    """Every shard's state file (a shard with no part yet, or a no-op rerun, has one too)."""
+    d = os.path.join(outdir, STATE_DIR)
+    names = sorted(n for n in os.listdir(d) if n.startswith("state-") and n.endswith(".json")) \
+        if os.path.isdir(d) else []
+    return [read_state(outdir, n.removeprefix("state-").removesuffix(".json")) for n in names]
+
+
+def _by_source(totals: dict[str, int], decided: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per source: the parts' counts (the truth) and, from the engine's record (``pipeline.decisions``), whether it
+    ran and why not. A source only the record knows (a newer engine's) comes with the record's counts."""
+    out = {}
+    for src in dict.fromkeys(("dspine", "suffix", "forced", *decided)):
+        rec = decided.get(src, {})
+        if f"{src}_verify_steps" in totals:
+            steps, prop, acc = (totals[f"{src}_{k}"] for k in ("verify_steps", "tokens_proposed", "tokens_accepted"))
+        else:
+            steps, prop, acc = (int(rec.get(k) or 0) for k in ("rounds", "proposed", "accepted"))
+        out[src] = {"verify_steps": steps, "tokens_proposed": prop, "tokens_accepted": acc,
+                    "accept_rate": _r(acc / prop) if prop else None,
+                    "tau": _r((acc + steps) / steps) if steps else None,  # tokens a step commits, bonus included
+                    "ran": bool(steps) or bool(rec.get("ran")), "why": rec.get("why"),
+                    "chooser": rec.get("chooser"), "recorded": bool(rec)}
+    return out
 
 
 def _error_kind(msg: str) -> str:
@@ -153,11 +177,7 @@ def format_report(s: dict[str, Any]) -> str:
         "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
     lines += format_answers(s.get("answers"))
-    for src, v in s.get("by_source", {}).items():
-        if v["verify_steps"]:
-            lines.append(f"  {src:<11} {v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of "
-                         f"{v['tokens_proposed']:,} proposed tokens accepted ({f(v['accept_rate'])}); "
-                         f"tau {f(v['tau'])}")
+    lines += _source_lines(s)
     if s["latency_s"]:
         q = s["latency_s"]
         lines.append(f"  latency     p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")
@@ -166,6 +186,29 @@ def format_report(s: dict[str, Any]) -> str:
     for e in s["error_kinds"]:
         lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
     return "\n".join(lines)
+
+
+def _source_lines(s: dict[str, Any]) -> list[str]:
+    """A line per proposal source: what it did, or that it never ran and why (when the engine said). Nothing for
+    a run without speculation whose engine said nothing (older runs, engines without ``explain``)."""
+    by = s.get("by_source", {})
+    speculated = any(v["verify_steps"] or v.get("recorded") for v in by.values())
+    lines = []
+    for src, v in by.items() if speculated else ():
+        name = f"  {label(src):<12} "
+        if v["verify_steps"]:
+            rate = "-" if v["accept_rate"] is None else f"{v['accept_rate']:.3f}"
+            tau = "-" if v["tau"] is None else f"{v['tau']:.3f}"
+            line = (f"{name}{v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of {v['tokens_proposed']:,} "
+                    f"proposed tokens accepted ({rate}); tau {tau}")
+            lines.append(line + (f" — {v['why']}" if v.get("why") else ""))
+        elif v.get("why"):
+            lines.append(f"{name}not run — {v['why']}")
+        elif v.get("chooser"):
+            lines.append(f"{name}not run — never chosen by {v['chooser']}; no reason recorded")
+        else:
+            lines.append(f"{name}not run (no reason recorded)")
+    return lines
 
 
 def _prefix_cache_line(s: dict[str, Any]) -> str:

@@ -65,6 +65,9 @@ DEFAULTS: dict[str, Any] = {
     "finalize_args": [],  # e.g. ["--compact"]
     "finalize_time": "01:00:00",
     "extra_sbatch": [],  # raw "#SBATCH ..." lines (or bare options: "--constraint=a100")
+    "prepare": False,  # a one-task job before the array runs `dspine-batch prepare` (kernels, model, cost model)
+    "prepare_time": "00:30:00",
+    "cache_dir": None,  # DSPINE_CACHE_DIR of every script: a shared folder the prepare job fills for all tasks
 }
 
 
@@ -77,6 +80,7 @@ class Rendered:
     shards: int
     array: str
     values: dict[str, Any] = field(default_factory=dict)
+    prepare_script: Path | None = None  # ``[slurm] prepare``: submitted first, the array depends on it
 
 
 def template_dir() -> Path:
@@ -174,6 +178,9 @@ def render(job_file: str, outdir: str | None = None, overrides: dict[str, Any] |
         "generate_args": " ".join(_q(w) for w in [*_words(s["generate_args"]), *(extra_generate or [])]),
         "finalize_args": " ".join(_q(w) for w in _words(s["finalize_args"])),
         "finalize_time": str(s["finalize_time"]), "max_restarts": str(s["max_restarts"]),
+        "prepare_time": str(s["prepare_time"]),
+        "cache_env": f"export DSPINE_CACHE_DIR={_q(os.path.abspath(os.path.join(workdir, s['cache_dir'])))}"
+        if s["cache_dir"] else "",
     }
     if any(c.isspace() for c in log_dir + workdir):
         raise UsageError("slurm: log_dir and workdir must not contain whitespace (#SBATCH lines are not quoted)")
@@ -181,13 +188,15 @@ def render(job_file: str, outdir: str | None = None, overrides: dict[str, Any] |
     os.makedirs(script_dir, exist_ok=True)
     arr = Path(script_dir) / f"{name}.sbatch"
     fin = Path(script_dir) / f"{name}-finalize.sbatch"
-    for path, tpl in ((arr, find_template(tpl_name)), (fin, find_template("finalize"))):
+    prep = Path(script_dir) / f"{name}-prepare.sbatch" if s["prepare"] else None
+    scripts = [(arr, find_template(tpl_name)), (fin, find_template("finalize"))]
+    for path, tpl in scripts + ([(prep, find_template("prepare"))] if prep else []):
         text = render_text(tpl.read_text(), values)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
         tmp.chmod(0o755)
         os.replace(tmp, path)
-    return Rendered(arr, fin, outdir, log_dir, n, array, values)
+    return Rendered(arr, fin, outdir, log_dir, n, array, values, prep)
 
 
 def _words_lines(v: Any) -> list[str]:
@@ -220,9 +229,15 @@ def sbatch(script: Path, *args: str) -> str:
 
 
 def submit(r: Rendered, finalize: bool = True, dependency: str | None = None) -> dict[str, Any]:
-    args = [f"--dependency={dependency}"] if dependency else []
+    prepare_id = None
+    if r.prepare_script is not None:  # first; the array starts once it succeeded (and is cancelled if it failed)
+        prepare_id = sbatch(r.prepare_script, *([f"--dependency={dependency}"] if dependency else []))
+        dependency = f"afterok:{prepare_id}"
+    args = [f"--dependency={dependency}", "--kill-on-invalid-dep=yes"] if prepare_id else \
+        [f"--dependency={dependency}"] if dependency else []
     array_id = sbatch(r.array_script, *args)
-    out: dict[str, Any] = {"array_job_id": array_id, "finalize_job_id": None, "outdir": r.outdir,
+    out: dict[str, Any] = {"array_job_id": array_id, "finalize_job_id": None, "prepare_job_id": prepare_id,
+                           "prepare_script": str(r.prepare_script) if r.prepare_script else None, "outdir": r.outdir,
                            "log_dir": r.log_dir, "array": r.array, "shards": r.shards,
                            "array_script": str(r.array_script), "finalize_script": str(r.finalize_script),
                            "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -6,7 +6,9 @@ committed, as work items) -> ``schedule`` (bounded in-flight engine work) -> ``s
 The sink owns the statistics it writes; progress, the state file and the final summary read them there.
 
 Start-up order is chosen so mistakes fail fast and cheaply: check the inputs and their columns, take the
-lock, load the engine, check the fingerprint, build the done-set, then stream. Exit codes follow ``errors``:
+lock, end here when OUTDIR already holds every row of this run's shard (``rerun``: no engine is loaded for a
+no-op rerun), load the engine, check the fingerprint, build the done-set, then stream. The engine's decisions
+about its proposal sources (``decisions``) go into the shard's state file at every commit. Exit codes follow ``errors``:
 75 only for a stop signal or ``EngineDied``; a bug exits 1 (``cli.main``).
 """
 
@@ -17,7 +19,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,13 +43,14 @@ from dspine_batch.errors import (
 )
 from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
-from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
+from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.keyset import KeySet
-from dspine_batch.pipeline.manifest import build_manifest, create_or_check, describe_inputs, read_manifest
+from dspine_batch.pipeline.manifest import build_manifest, create_or_check, read_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
 from dspine_batch.pipeline.progress import Progress
 from dspine_batch.pipeline.requests import Defaults, RowOptions, RowRequest, job_request, merge
-from dspine_batch.pipeline.requests import identity as request_identity
+from dspine_batch.pipeline.rerun import Precheck, precheck, run_fields
 from dspine_batch.pipeline.resume import (
     DoneSet,
     Lock,
@@ -60,7 +63,7 @@ from dspine_batch.pipeline.resume import (
     write_state,
 )
 from dspine_batch.pipeline.scheduler import schedule
-from dspine_batch.pipeline.schema import SCHEMA_VERSION, output_schema
+from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
@@ -158,6 +161,7 @@ class ShardState:
     tag: str
     fields: dict[str, Any] = field(default_factory=dict)
     before: DoneSet | None = None
+    decisions: Callable[[], dict[str, Any] | None] | None = None  # the engine's record (``decisions.DecisionLog``)
 
     def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
         prev = read_state(self.outdir, self.tag)
@@ -167,6 +171,8 @@ class ShardState:
                        "pid": os.getpid(), "attempt": attempt, "starts": int(prev.get("starts", 0)) + 1,
                        "started_at": time.time(), "elapsed_before_s": float(prev.get("elapsed_s", 0.0)),
                        "rows_before": done.rows, "error_rows_before": done.error_rows}
+        if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
+            self.fields["decisions"] = prev["decisions"]
         if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
             job = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
@@ -184,6 +190,9 @@ class ShardState:
                  elapsed_s=f["elapsed_before_s"] + time.time() - f["started_at"], **extra)
         if state:
             f["state"] = state
+        record = self.decisions() if self.decisions else None
+        if record is not None:
+            f["decisions"] = record
         write_state(self.outdir, self.tag, f)
 
 
@@ -222,6 +231,9 @@ def generate(cfg: GenerateConfig) -> int:
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
         log(f"{found}; output -> {job.outdir}")
+        pre = precheck(cfg, files, columns, job.outdir, shard, job.tag, log, job.request)
+        if pre is not None and pre.missing == 0:
+            return _nothing_left(job, pre)
         _check_row_structures(job, base)  # every distinct grammar compiled once, before the model loads
         _check_free_space(job, total)
         t0 = time.monotonic()
@@ -229,7 +241,7 @@ def generate(cfg: GenerateConfig) -> int:
         engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
         log(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.name} engine)")
         try:
-            return _run(job, engine, shutdown, total)
+            return _run(job, engine, shutdown, total, pre)
         finally:
             engine.close()
     except Interrupted:
@@ -349,34 +361,35 @@ def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int |
     return min(total, limit) if limit is not None else total
 
 
-def _open_output(job: Job, engine: Engine, use_chat: bool) -> tuple[Any, dict[str, Any], DoneSet]:
-    """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set."""
+def _open_output(job: Job, engine: Engine, use_chat: bool,
+                 pre: Precheck | None) -> tuple[Any, dict[str, Any], DoneSet]:
+    """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set (or
+    take the one ``precheck`` loaded before the engine)."""
     cfg, columns, outdir = job.cfg, job.columns, job.outdir
     schema = output_schema(columns.keep_schema(), cfg.save_token_ids)
-    settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat,
-                                                                 "request": request_identity(job.request)}
-    fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(job.files), "settings": settings,
-              "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
-                          "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
-                          "row_params": list(columns.row_params)},
-              "engine": engine.identity()}
+    fields = run_fields(cfg, job.files, columns, use_chat, job.request) | {"engine": engine.identity()}
     manifest = create_or_check(outdir, build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": _manifest_meta(manifest)})
-    removed = remove_staging(outdir, job.tag)
-    t0 = time.monotonic()
-    done = load_done(outdir, job.tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=log)
+    if pre is not None:
+        removed, done, seconds = pre.removed, pre.done, pre.seconds
+    else:
+        removed = remove_staging(outdir, job.tag)
+        t0 = time.monotonic()
+        done = load_done(outdir, job.tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part,
+                         report=log)
+        seconds = time.monotonic() - t0
     if done.rows or removed or done.damaged:
         damaged = f"; {done.damaged} damaged part(s) moved aside, their rows are generated again" \
             if done.damaged else ""
         log(f"resuming: {done.rows:,} rows already committed in {done.next_seq} parts, checked "
-            f"({time.monotonic() - t0:.2f}s); {removed} unfinished staging file(s) discarded{damaged}")
+            f"({seconds:.2f}s); {removed} unfinished staging file(s) discarded{damaged}")
     return schema, manifest, done
 
 
-def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int:
+def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: Precheck | None) -> int:
     cfg, outdir, tokenizer = job.cfg, job.outdir, engine.tokenizer
     use_chat = _use_chat(cfg, job.columns, tokenizer)
-    schema, manifest, done = _open_output(job, engine, use_chat)
+    schema, manifest, done = _open_output(job, engine, use_chat, pre)
     defaults = job_defaults(job, SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p),
                                                 max(cfg.top_k, 0), cfg.seed, tokenizer.stop_token_ids(cfg.stop),
                                                 tuple(cfg.stop)))
@@ -395,6 +408,9 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     mapper = RowMapper(settings, tokenizer, engine.max_context, job.structures, warn=log)
     state = ShardState(outdir, job.tag)
     state.start(job.shard, manifest["fingerprint"], done)
+    decisions = DecisionLog(engine, state.fields.get("decisions"), log)
+    state.decisions = decisions.record
+    decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
                     attempt_from_env(), state.save)
     selector = RowSelector(mapper, job.shard, done.keys)
@@ -403,7 +419,7 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
     fail_fast = StopOnRowError(shutdown)
     interrupted = False
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown)
+        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions)
     except Interrupted:
         interrupted = True
     except DiskFull:
@@ -430,13 +446,13 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None) -> int
         log(f"stopped ({shutdown.reason or 'grace period over'}): {sink.stats.rows:,} rows committed this run; "
             "run the same command again to resume")
         return EXIT_INTERRUPTED
-    return _finish(job, done, selector, sink, state)
+    return _finish(job, done, sink.stats, selector.rows, selector.skipped, state)
 
 
 def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown) -> None:
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog) -> None:
     batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
-    finished = schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown)
+    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
@@ -460,12 +476,21 @@ def _stop_on_full_disk(state: ShardState, sink: PartSink, progress: Progress) ->
         pass  # advisory, and the disk is full
 
 
-def _finish(job: Job, done: DoneSet, selector: RowSelector, sink: PartSink, state: ShardState) -> int:
-    committed = sink.stats
+def _nothing_left(job: Job, pre: Precheck) -> int:
+    """Every input row of the shard is committed: finish as a run would, without an engine."""
+    shard = f" of shard {job.shard[0]}/{job.shard[1]}" if job.shard[1] > 1 else ""
+    log(f"nothing left to do: all {pre.rows:,} input rows{shard} are committed (checked in {pre.seconds:.2f}s); "
+        "the model was not loaded")
+    state = ShardState(job.outdir, job.tag)
+    state.start(job.shard, pre.manifest["fingerprint"], pre.done)
+    return _finish(job, pre.done, SinkStats(), pre.rows, pre.rows, state)
+
+
+def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: int, state: ShardState) -> int:
     rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
-    state.save(committed, "done", total_rows=selector.rows)
+    state.save(committed, "done", total_rows=read)
     tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
-    log(f"done: {rows:,} rows ({committed.rows:,} this run, {selector.skipped:,} were already committed), "
+    log(f"done: {rows:,} rows ({committed.rows:,} this run, {skipped:,} were already committed), "
         f"{errors:,} with errors, {committed.completion_tokens:,} tokens this run{tau} -> {job.outdir}")
     rate = errors / rows if rows else 0.0
     if rate > job.cfg.max_error_rate:

@@ -67,6 +67,12 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def schema_json(schema: Any) -> str:
+    """A JSON schema as compact JSON in the user's key order: the order of ``properties`` is the order the fields
+    are generated in (as OpenAI writes them), so it must not be sorted away."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -198,7 +204,7 @@ def structure_of(name: str, value: Any, fail: Fail, label: str) -> Structure | N
 
 def _schema(value: Any, fail: Fail, label: str) -> Structure:
     schema = _json_value(value, lambda m: fail(label, m), (dict,))
-    return Structure("json_schema", canonical_json(schema))
+    return Structure("json_schema", schema_json(schema))
 
 
 # -- tools ------------------------------------------------------------------------------------------------------------
@@ -251,7 +257,7 @@ def forced_tool_structure(tools: list[dict[str, Any]], choice: Any, fail: Fail, 
     options = [{"type": "object", "properties": {"name": {"const": fn["name"]},
                                                  "arguments": fn.get("parameters") or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False} for fn in picks]
-    return Structure("json_schema", canonical_json(options[0] if len(options) == 1 else {"anyOf": options}))
+    return Structure("json_schema", schema_json(options[0] if len(options) == 1 else {"anyOf": options}))
 
 
 def check_template_kwargs(value: Any, fail: Fail, label: str) -> dict[str, Any]:

@@ -7,9 +7,16 @@ Columns (each skipped with a note when its software is missing):
   through ``ReferenceEngine`` (``batch_size`` = concurrency, every request queued);
 - ``dspine-batch generate`` at its defaults (only ``--max-new-tokens`` and ``--save-token-ids`` given), timed
   end to end as a user runs it (model load included);
-- HF transformers fp32 ``generate``, one prompt at a time and in batches of 8 with left padding;
+- HF transformers ``generate`` (``--hf-dtype``, fp32 by default), one prompt at a time and in batches of 8 (or of
+  the concurrency) with left padding;
 - llama.cpp through ``llama-cpp-python`` with the shipped Q4_1 GGUF and an F32 GGUF written from it with the
-  ``gguf`` package, one prompt at a time, run by ``--llamacpp-python`` (its own virtualenv: see BENCHMARKS.md).
+  ``gguf`` package, one prompt at a time, run by ``--llamacpp-python`` (its own virtualenv: see BENCHMARKS.md);
+- llama.cpp's own ``llama-server`` (``--llamacpp-server BIN``, a build of llama.cpp for this machine) with the shipped
+  Q4_1 GGUF on a loopback port, ``concurrency`` parallel slots (continuous batching), the prompts as token ids.
+
+``--prompt-reading N``: also prompt tokens/s over N unique ~1,390-token chat prompts (``bench_prefill.prompts``), one
+new token each: ours per setting (plain, the engine's default batch), llama-server (one slot) and HF (one at a time).
+With ``--interleave`` the columns run concurrency by concurrency (ours, llama-server, HF at c=1, then at c=8, ...).
 
 For each column: tokens/s (generated tokens, up to and including the first stop token, over wall time, model
 load excluded except for the CLI column), the ratio to our plain fp32 engine at the same concurrency, and how
@@ -18,6 +25,8 @@ and load average are printed with the table, since absolute numbers depend on th
 
     python scripts/bench/bench_peers.py --quick
     python scripts/bench/bench_peers.py --n 16 --new-tokens 128 --concurrency 1 8 32 --json peers.json
+    python scripts/bench/bench_peers.py --settings bf16 q16 q8 --skip cli llamacpp --hf-dtype bfloat16 \
+        --llamacpp-server /tmp/llama.cpp/build/bin/llama-server --prompt-reading 8 --interleave
 """
 
 from __future__ import annotations
@@ -25,10 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,6 +60,7 @@ class Column:
     outputs: list[list[int]] = field(default_factory=list, repr=False)
     note: str = ""
     own_plain: Column | None = field(default=None, repr=False)  # speculative columns: plain at the same setting
+    kind: str = "decode"  # or "prompt": tokens are prompt tokens read (one new token each)
 
     @property
     def tok_s(self) -> float:
@@ -101,7 +114,8 @@ def run_ours(prompt_ids, stops, new, concurrency, draft, setting, label) -> Colu
 
     args = {"batch_size": str(concurrency)}
     if setting != "fp32":
-        args |= {"bf16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}, "int4": {"quant": "int4"}}[setting]
+        args |= {"bf16": {"dtype": "bfloat16"}, "int8": {"quant": "int8"}, "int4": {"quant": "int4"},
+                 "q8": {"quant": "q8"}, "q16": {"quant": "q16"}}[setting]
     engine = ReferenceEngine.load("embedded", "embedded" if draft else "none", args)
     params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_token_ids=tuple(sorted(stops)))
     reqs = [Request(f"p{i}", 0, list(ids), params) for i, ids in enumerate(prompt_ids)]
@@ -139,13 +153,14 @@ def run_cli_defaults(prompts: list[str], stops, new, tmp: Path) -> Column:
 # ---- HF transformers ----------------------------------------------------------------------------------------
 
 
-def run_hf(model_dir: Path, prompt_ids, stops, new, batch: int) -> Column:
+def run_hf(model_dir: Path, prompt_ids, stops, new, batch: int, dtype: str = "float32") -> Column:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     pad = min(stops)
-    name = "HF transformers fp32 generate" + (" (one at a time)" if batch == 1 else f" (batches of {batch})")
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    name = f"HF transformers {short} generate" + (" (one at a time)" if batch == 1 else f" (batches of {batch})")
     col = Column(name, batch)
 
     def gen(chunk):
@@ -235,24 +250,126 @@ def llamacpp_python(path: str | None) -> Path | None:
     return None
 
 
+# ---- llama.cpp's server ------------------------------------------------------------------------------------
+
+
+class LlamaServer:
+    """``llama-server`` on a free loopback port with ``slots`` parallel sequences (continuous batching); requests
+    carry token ids, so every system reads the same prompt tokens."""
+
+    def __init__(self, binary: str, gguf: Path, threads: int, slots: int, ctx_per_slot: int = 2048):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([binary, "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np",
+                                      str(slots), "-c", str(ctx_per_slot * slots), "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--no-webui"], stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("llama-server did not come up")
+
+    def complete(self, ids: list[int], new: int) -> dict:
+        body = json.dumps({"prompt": list(ids), "n_predict": new, "temperature": 0.0, "top_k": 1,
+                           "return_tokens": True, "cache_prompt": False}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_llama_server(binary: str, gguf: Path, prompt_ids, stops, new, threads: int, concurrency: int) -> Column:
+    col = Column(f"llama.cpp Q4_1 GGUF (llama-server, {concurrency} slots)", concurrency)
+    try:
+        server = LlamaServer(binary, gguf, threads, concurrency)
+    except (OSError, RuntimeError) as e:
+        col.note = f"failed: {e}"
+        return col
+    try:
+        server.complete(prompt_ids[0][:8], 4)  # warm-up
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            outs = list(pool.map(lambda ids: server.complete(ids, new)["tokens"], prompt_ids))
+        return finish(col, outs, time.perf_counter() - t0, stops, new)
+    finally:
+        server.close()
+
+
+# ---- prompt reading ------------------------------------------------------------------------------------------
+
+
+def read_ours(long_ids, setting: str) -> Column:
+    """Our engine, plain, the default batch, one new token per prompt: prompt tokens over wall time."""
+    col = run_ours(long_ids, set(), 1, 8, False, setting, f"ours {setting}: prompt reading")
+    col.tokens, col.kind = sum(map(len, long_ids)), "prompt"
+    return col
+
+
+def read_server(binary: str, gguf: Path, long_ids, threads: int) -> Column:
+    col = Column("llama.cpp Q4_1 (llama-server): prompt reading", 1, kind="prompt")
+    server = LlamaServer(binary, gguf, threads, 1, ctx_per_slot=4096)
+    try:
+        server.complete(long_ids[0][:64], 1)
+        t0 = time.perf_counter()
+        for ids in long_ids:
+            server.complete(ids, 1)
+        col.seconds, col.tokens = time.perf_counter() - t0, sum(map(len, long_ids))
+    finally:
+        server.close()
+    return col
+
+
+def read_hf(model_dir: Path, long_ids, dtype: str) -> Column:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    col = Column(f"HF transformers {dtype}: prompt reading", 1, kind="prompt")
+    with torch.no_grad():
+        model(torch.tensor([long_ids[0][:64]]), logits_to_keep=1)
+        t0 = time.perf_counter()
+        for ids in long_ids:
+            model(torch.tensor([ids]), logits_to_keep=1)
+    col.seconds, col.tokens = time.perf_counter() - t0, sum(map(len, long_ids))
+    return col
+
+
 # ---- report -------------------------------------------------------------------------------------------------
 
 
 def table(cols: list[Column], ref: Column, plain_at: dict[int, Column]) -> str:
-    lines = ["| system | concurrency | tok/s | vs our plain fp32 (same concurrency) | identical to our plain fp32 c=1 |"
+    """``plain_at``: our plain column of the first setting per concurrency (0: prompt reading), the ratios' base."""
+    base_name = ref.name.removeprefix("ours ")
+    lines = [f"| system | concurrency | tok/s | vs {base_name} (same concurrency) | identical to {base_name} c=1 |"
              " speculative = its plain | note |", "|---|---|---|---|---|---|---|"]
     for c in cols:
         if not c.seconds:
             lines.append(f"| {c.name} | {c.concurrency or '-'} | — | — | — | — | {c.note} |")
             continue
-        base = plain_at.get(c.concurrency) or plain_at.get(1)
+        base = plain_at.get(0 if c.kind == "prompt" else c.concurrency) or plain_at.get(1)
         ratio = f"{c.tok_s / base.tok_s:.2f}×" if base and base.tok_s else "—"
         same = sum(a == b for a, b in zip(c.outputs, ref.outputs))
+        same = "—" if c.kind == "prompt" else f"{same}/{len(ref.outputs)}"
         own = "—"
         if c.own_plain is not None:
             own = f"{sum(a == b for a, b in zip(c.outputs, c.own_plain.outputs))}/{len(c.outputs)}"
-        lines.append(f"| {c.name} | {c.concurrency or '-'} | {c.tok_s:.1f} | {ratio} | {same}/{len(ref.outputs)} |"
-                     f" {own} | {c.note} |")
+        tok_s = f"{c.tok_s:.1f}" + (" (prompt)" if c.kind == "prompt" else "")
+        lines.append(f"| {c.name} | {c.concurrency or '-'} | {tok_s} | {ratio} | {same} | {own} | {c.note} |")
     return "\n".join(lines)
 
 
@@ -262,10 +379,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16, help="number of prompts")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--settings", nargs="+", default=["fp32"], choices=["fp32", "bf16", "int8", "int4"],
-                    help="precisions of our engine (each gets plain and speculative columns)")
+    ap.add_argument("--settings", nargs="+", default=["fp32"], choices=["fp32", "bf16", "int8", "int4", "q8", "q16"],
+                    help="precisions of our engine (each gets plain and speculative columns); the first is the base")
     ap.add_argument("--skip", nargs="*", default=[], choices=["cli", "hf", "llamacpp", "spec"])
     ap.add_argument("--llamacpp-python", help=f"python with llama_cpp importable (default: {LLAMACPP_PYTHON})")
+    ap.add_argument("--llamacpp-server", help="a llama-server binary built for this machine (columns per concurrency)")
+    ap.add_argument("--llamacpp-threads", type=int, default=0,
+                    help="llama-server threads (0: ours; 1 keeps it off barrier waits beside busy neighbours)")
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt-reading", type=int, default=0, metavar="N", help="also read N ~1,390-token prompts")
+    ap.add_argument("--interleave", action="store_true", help="run the columns concurrency by concurrency")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 32 new tokens, concurrency 1 and 4")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
@@ -299,26 +422,52 @@ def main() -> None:
         return col
 
     plain_at: dict[int, Column] = {}
-    for setting in args.settings:
-        for c in args.concurrency:
+    server = args.llamacpp_server if "llamacpp" not in args.skip else None
+    server_threads = args.llamacpp_threads or threads
+    header["llamacpp_threads"] = server_threads
+
+    def ours_at(c: int) -> None:
+        for setting in args.settings:
             col = add(run_ours(prompt_ids, stops, new, c, False, setting, f"ours plain {setting}"))
-            if setting == "fp32":
-                plain_at[c] = col
+            plain_at.setdefault(c, col)
             if "spec" not in args.skip:
                 spec = run_ours(prompt_ids, stops, new, c, True, setting, f"ours speculative {setting}")
                 spec.own_plain = col
                 add(spec)
+
+    def peers_at(c: int) -> None:
+        if server:
+            add(run_llama_server(server, embedded_gguf_path(), prompt_ids, stops, new, server_threads, c))
+        if "hf" not in args.skip and c in (1, 8):
+            try:
+                add(run_hf(model_dir, prompt_ids, stops, new, c, args.hf_dtype))
+            except ImportError as e:
+                add(Column("HF transformers", 0, note=f"skipped: {e}"))
+
+    if args.interleave:
+        for c in args.concurrency:
+            ours_at(c)
+            peers_at(c)
+    else:
+        for c in args.concurrency:
+            ours_at(c)
+        for c in args.concurrency:
+            peers_at(c)
     ref = plain_at.get(1) or next(c for c in cols if c.name.startswith("ours plain"))
+    if args.prompt_reading:
+        from bench_prefill import prompts as long_prompts
+
+        long_ids = long_prompts(tok, args.prompt_reading, 1390)
+        for setting in args.settings:
+            plain_at.setdefault(0, add(read_ours(long_ids, setting)))
+        if server:
+            add(read_server(server, embedded_gguf_path(), long_ids, server_threads))
+        if "hf" not in args.skip:
+            add(read_hf(model_dir, long_ids, args.hf_dtype))
     with tempfile.TemporaryDirectory() as tmp:
         if "cli" not in args.skip:
             add(run_cli_defaults(prompts, stops, new, Path(tmp)))
-        if "hf" not in args.skip:
-            try:
-                add(run_hf(model_dir, prompt_ids, stops, new, 1))
-                add(run_hf(model_dir, prompt_ids, stops, new, 8))
-            except ImportError as e:
-                add(Column("HF transformers", 0, note=f"skipped: {e}"))
-        if "llamacpp" not in args.skip:
+        if "llamacpp" not in args.skip and not server:
             py = llamacpp_python(args.llamacpp_python)
             if py is None:
                 add(Column("llama.cpp (llama-cpp-python)", 1, note="skipped: llama_cpp not importable"))

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
-from machine import cpu_line, load_line  # noqa: E402
+from machine import cpu_line, load_line, write_json  # noqa: E402
 
 PEOPLE = [("Alice Martin", 34, "Lyon", "France", ["python", "cooking"]),
           ("Bob Stone", 51, "Denver", "USA", ["carpentry", "fishing"]),
@@ -163,9 +163,7 @@ def main() -> None:
             report["cells"].append({"concurrency": c, "grammar_cost_per_token": round(cost, 4)})
             print(f"c={c:<3} grammar bookkeeping: {ms['none']:.2f} vs {ms['plain']:.2f} ms a token "
                   f"({100 * cost:+.1f} %)", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
-from machine import cpu_line, load_line  # noqa: E402
+from machine import cpu_line, load_line, write_json  # noqa: E402
 
 
 def load_rows(path: Path, limit: int | None) -> list[dict]:
@@ -204,9 +204,7 @@ def main() -> None:
                       f"tau dspine {bs['dspine']['tau']} ({bs['dspine']['accepted']} acc) "
                       f"suffix {bs['suffix']['tau']} ({bs['suffix']['accepted']} acc)  "
                       f"loads {line['loads']}", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

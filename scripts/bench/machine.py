@@ -18,3 +18,12 @@ def cpu_line() -> str:
 
 def load_line() -> str:
     return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def write_json(path: str | None, report: dict) -> None:
+    """A benchmark's report as JSON at ``path`` (folders made), when one is asked for."""
+    import json
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2))

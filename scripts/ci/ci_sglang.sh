@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # CI for the SGLang backend: set up (or reuse) the sglang venv and run the `sglang`-marked tests in it.
 #
-# The venv (~11 GB: torch 2.14.1 CUDA build + sglang 0.5.23 pins) is cached between runs at
-# ${DSPINE_SGLANG_VENV:-$HOME/.cache/dspine/venv-sglang} when CI runs on a reused machine (a fresh clone each
-# run, so the default is outside the work tree); setup_sglang_venv.sh re-installs only what is missing and
-# re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
+# The venv (~11 GB: torch 2.14.1 CUDA build + sglang 0.5.23 pins) lives where setup_sglang_venv.sh puts it:
+# $DSPINE_SGLANG_VENV, default venv-sglang in the dspine cache (${DSPINE_CACHE_DIR:-~/.cache/dspine}), outside the
+# work tree, so CI on a reused machine (a fresh clone each run) keeps it; setup_sglang_venv.sh re-installs only what
+# is missing and re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
 #
 # The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
 # tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 9 engine starts of about a minute each
@@ -13,8 +13,7 @@
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export DSPINE_SGLANG_VENV=${DSPINE_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine/venv-sglang}
-mkdir -p "$(dirname "$DSPINE_SGLANG_VENV")"
+export DSPINE_SGLANG_VENV=${DSPINE_SGLANG_VENV:-${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine}/venv-sglang}
 t0=$(date +%s)
 bash scripts/setup_sglang_venv.sh
 echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV ($(du -sh "$DSPINE_SGLANG_VENV" 2>/dev/null | cut -f1))"

@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = "--sglang" ]; then
   shift
-  VENV=${DSPINE_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine/venv-sglang}
+  VENV=${DSPINE_SGLANG_VENV:-${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dspine}/venv-sglang}
   exec timeout --signal=INT --kill-after=15 "${GPU_CHECK_TIMEOUT:-1200}" "$VENV/bin/python" -m pytest -m sglang \
     -p no:cacheprovider -W ignore::DeprecationWarning -q "$@" tests/sglang_plugin/test_sglang_e2e.py tests/cli/test_sglang_cli.py
 fi

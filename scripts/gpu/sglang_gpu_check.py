@@ -4,7 +4,8 @@
 Not runnable on CPU; this is the prepared command for a GPU machine (docs/design.md, "The SGLang plugin"):
 
     bash scripts/setup_sglang_venv.sh
-    .venv-sglang/bin/python scripts/gpu/sglang_gpu_check.py --model /models/Qwen3.5-4B --make-draft /tmp/dspine-draft
+    ~/.cache/dspine/venv-sglang/bin/python scripts/gpu/sglang_gpu_check.py --model /models/Qwen3.5-4B \
+        --make-draft /tmp/dspine-draft
 
 1. greedy parity: DSPINE output_ids == no-speculation output_ids on fixed prompts (lossless);
 2. spec stats present: verify steps > 0, tau >= 1, histogram sums to the verify steps;

@@ -122,6 +122,18 @@ def test_parquet_rows_agree_with_meta_info(uninterrupted):
         assert r["draft_tokens_proposed"] == meta["spec_num_proposed_drafts"]
         assert _trim(r["accept_histogram"]) == _trim(meta["spec_correct_drafts_histogram"])
         assert sum(r["accept_histogram"]) == r["verify_steps"]
+        # by source (proposers=auto: suffix matches on these greedy rows where they beat the draft)
+        assert r["dspine_verify_steps"] + r["suffix_verify_steps"] == r["verify_steps"]
+        assert r["dspine_tokens_accepted"] + r["suffix_tokens_accepted"] == r["draft_tokens_accepted"]
+        assert r["dspine_tokens_proposed"] + r["suffix_tokens_proposed"] == r["draft_tokens_proposed"]
+    # the engine's record: the same counts, and the report's line per source
+    from dspine_batch.ops.report import format_report, summarize
+
+    decided = json.loads((out / "_dspine" / "state-00000-of-00001.json").read_text())["decisions"]
+    for src in ("dspine", "suffix"):
+        assert decided[src]["rounds"] == sum(r[f"{src}_verify_steps"] for r in rows)
+    text = format_report(summarize(str(out)))
+    assert "  dspine draft " in text and "  suffix       " in text
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -175,8 +187,10 @@ def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, 
     # proposers=auto (the default): suffix proposals read the finished outputs this engine has seen, which a
     # resumed engine starts without, so the speculative stats may differ; the rows themselves may not
     # likewise the radix cache: the resumed engine starts empty, so its first row's prefix is computed again
+    from dspine_batch.pipeline.schema import SOURCE_STATS  # the same stats by source
+
     stats = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram",
-             "cached_prompt_tokens")
+             "cached_prompt_tokens", *SOURCE_STATS)
     want = read_output(ref)
     assert [{k: v for k, v in r.items() if k not in stats} for r in got] == \
         [{k: v for k, v in r.items() if k not in stats} for r in want]

@@ -143,7 +143,7 @@ def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
 
 
 BLOCK_MAKERS = {kernels.BF16DP_Q4_1: (_q4_1_grid, 0.4), kernels.BF16DP_Q8_0: (_q8_0_grid, 0.6)}
-EVERY_M = (*range(1, 41), 47, 48, 96, 97, 191, 192, 193, 200, 1390)  # every decode / verify height, chunk edges
+EVERY_M = (*range(1, 41), 47, 48, 64, 65, 96, 97, 191, 192, 193, 200, 1390)  # every decode / verify height, chunk edges
 
 
 @needs_bf16

@@ -184,11 +184,12 @@ def test_lower_isa_builds_compute_the_same(isa):
 
 def test_isa_choice_from_cpu_flags():
     assert kernels.cpu_isa({"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma"}) == "avx512"
-    assert kernels.cpu_isa({"avx2", "fma", "avx512f"}) == "avx2"
+    assert kernels.cpu_isa({"avx2", "fma", "f16c", "avx512f"}) == "avx2"
+    assert kernels.cpu_isa({"avx2", "fma"}) == "generic"  # the integer family reads float16 scales (F16C)
     assert kernels.cpu_isa({"sse4_2"}) == "generic"
-    avx512 = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma"}
+    avx512 = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}
     assert kernels.wanted_isa({"DSPINE_KERNELS": "avx2"}, avx512) == "avx2"
-    assert kernels.wanted_isa({"DSPINE_KERNELS": "avx512"}, {"avx2", "fma"}) == "avx2"  # never above the CPU
+    assert kernels.wanted_isa({"DSPINE_KERNELS": "avx512"}, {"avx2", "fma", "f16c"}) == "avx2"  # never above the CPU
     assert kernels.wanted_isa({}, avx512) == "avx512"
 
 

@@ -80,3 +80,61 @@ def test_busy_calibration_is_used_but_not_cached(tmp_path, monkeypatch, llama_ta
     monkeypatch.setattr(cost_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     cost_mod.load_or_calibrate(llama_target, None, 2, 2, {"m": 1})
     assert len(list(tmp_path.rglob("*.json"))) == 1
+
+
+CALIBRATE = """
+import json, os, sys, time
+from types import SimpleNamespace
+from dspine.cpu import disk_cache
+from dspine.decoding import cost
+mode = sys.argv[1]
+cost._busy = lambda: False  # kept whatever else runs on the machine
+# the write path is under test, not the timing: a measurement per mode that tells the entries apart
+cost.calibrate = lambda *a, **k: cost.CostModel.flat(target_s=1.0 + len(mode))
+target = SimpleNamespace(dtype="torch.float32", device="cpu", kernel="torch")  # what the cache key reads
+if mode.startswith("half"):  # killed by the test half-way through writing the calibration
+    def half(fd, data):
+        os.write(fd, data[: len(data) // 2])
+        print("HALF", flush=True)
+        time.sleep(600)
+    disk_cache._write_all = half
+if mode == "half-over":  # an entry exists: calibrate and write again over it
+    cost.CostModel.from_json = staticmethod(lambda d: (_ for _ in ()).throw(ValueError("stale")))
+if mode == "cached":
+    cost.calibrate = lambda *a, **k: (_ for _ in ()).throw(AssertionError("recalibrated"))
+m = cost.load_or_calibrate(target, None, 2, 2, {"model": "tiny"})
+print(json.dumps(m.to_json()), flush=True)
+"""
+
+
+def test_a_killed_calibration_writer_leaves_a_usable_cache(tmp_path):
+    """kill -9 while the calibration is being written, on an empty cache and over an entry: the cache holds no
+    torn file, the next run calibrates or reads a whole one, and the dead writer's temporary is cleaned up."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    env = subprocess_env(DSPINE_CACHE_DIR=str(tmp_path))
+
+    def run(mode: str, kill: bool = False) -> str:
+        p = subprocess.Popen([sys.executable, "-c", CALIBRATE, mode], env=env, cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if kill:
+            assert p.stdout.readline().strip() == "HALF", p.communicate()[1][-2000:]
+            p.send_signal(signal.SIGKILL)
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == (-signal.SIGKILL if kill else 0), err[-2000:]
+        return out.strip()
+
+    entries = lambda: sorted(p.name for p in (tmp_path / "cost").iterdir())  # noqa: E731
+    run("half", kill=True)
+    assert all(name.startswith(".") for name in entries())  # only the dead writer's temporary, no torn entry
+    first = run("fresh")
+    (entry,) = [n for n in entries() if not n.startswith(".")]
+    assert entries() == [entry]  # the temporary is gone
+    assert json.loads((tmp_path / "cost" / entry).read_text()) == json.loads(first)
+    run("half-over", kill=True)
+    assert json.loads((tmp_path / "cost" / entry).read_text()) == json.loads(first)  # the old entry, whole
+    assert run("cached") == first  # read, not recalibrated

@@ -7,6 +7,7 @@ the engine against direct ``dspine.generate`` calls. The embedded SmolLM2 run is
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from helpers import SMOL_TEMPLATE, chat_requests, read_output, reference_engine, tokenizer_dir, write_jsonl
@@ -263,6 +264,15 @@ def test_proposers_auto_is_the_default_and_reports_stats_by_source(tiny):
     assert sum(r.suffix_tokens_accepted for r in got) > 0  # the tiny model repeats itself: suffix matches pay
     assert all(r.verify_steps is None and r.suffix_verify_steps is None for r in plain)
     assert reference_engine(tiny, draft=False).proposers is None
+    # explain(): the results' counts by source; under auto the cost model chooses (its reasons: the decode loop's)
+    why = eng.explain()
+    for src in ("dspine", "suffix"):
+        assert [why[src][k] for k in ("rounds", "proposed", "accepted")] == [
+            sum(getattr(r, f"{src}_{k}") for r in got) for k in ("verify_steps", "tokens_proposed", "tokens_accepted")]
+        assert why[src]["ran"] == (why[src]["rounds"] > 0) and "cost model" in why[src]["chooser"]
+    assert why["suffix"]["ran"] and why["suffix"]["why"] is None
+    plain_why = reference_engine(tiny, draft=False).explain()
+    assert not plain_why["dspine"]["ran"] and "plain decoding" in plain_why["dspine"]["why"]
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -290,6 +300,12 @@ def test_suffix_only_and_dspine_only(tiny):
     assert [r.token_ids for r in s] == [r.token_ids for r in d]
     assert all(r.dspine_verify_steps == 0 for r in s) and all(r.suffix_verify_steps == 0 for r in d)
     assert "proposers" not in eng_d.identity()  # the old loop's fingerprint is unchanged
+    assert eng_s.explain()["dspine"] | {"chooser": None} == {
+        "rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "chooser": None,
+        "why": "--engine-arg proposers=suffix (suffix matches only)"}
+    assert eng_d.explain()["suffix"]["why"] == "--engine-arg proposers=dspine (the draft only)"
+    d_why = eng_d.explain()["dspine"]  # it may still never run: the cost model may find plain steps cheaper
+    assert d_why["ran"] == (sum(r.dspine_verify_steps for r in d) > 0) and "proposers=dspine" in d_why["chooser"]
 
 
 def test_prefix_cache_serves_shared_system_prompts_and_siblings_without_changing_outputs(tiny):
@@ -353,3 +369,39 @@ def test_prefill_chunk_arg(tiny):
             reference_engine(tiny, prefill_chunk=bad)
     assert reference_engine(tiny, draft=False, quant="int8", prefill_chunk="3").prefill_chunk == 0
     assert "prefill_chunk" in CliRunner().invoke(cli, ["generate", "--help"]).output
+
+
+def test_structured_penalties_and_logprobs_through_the_engine(tiny):
+    """The request features the reference engine declares reach the decoding loop: a choice and a JSON schema are
+    obeyed (compiled against the model's own tokenizer), greedy outputs are the same with speculation on and off,
+    and logprobs come back, one per kept token."""
+    from dspine_batch.engines.base import FEATURES, Structure
+
+    schema = json.dumps({"type": "object", "properties": {"answer": {"enum": ["four", "two"]}},
+                         "required": ["answer"]}, separators=(",", ":"))
+    outs = {}
+    for draft in (False, True):
+        eng = reference_engine(tiny, draft=draft)
+        assert eng.features == FEATURES
+        groups = {"lp": dict(logprobs=True, top_logprobs=2, presence_penalty=0.4),
+                  "choice": dict(structure=Structure("choice", '["hello", "world"]'), max_new_tokens=24),
+                  "schema": dict(structure=Structure("json_schema", schema), min_tokens=2, max_new_tokens=24)}
+        reqs = []
+        for name, p in groups.items():
+            for r in chat_requests(eng, n=2):
+                r.row_id = f"{name}-{r.row_id}"
+                r.params = replace(r.params, **p)
+                reqs.append(r)
+        got = {r.row_id: r for r in eng.run(iter(reqs), 4)}
+        outs[draft] = {k: r.token_ids for k, r in got.items()}
+        assert all(r.error is None for r in got.values())
+        for rid, r in got.items():
+            if rid.startswith("lp-"):
+                assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids)
+                assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, _, top in r.logprobs)
+            elif rid.startswith("choice-") and r.finish_reason == "stop":
+                assert r.text in ("hello", "world")
+            elif rid.startswith("schema-") and r.finish_reason == "stop":
+                assert json.loads(r.text)["answer"] in ("four", "two")
+        assert sum(r.finish_reason == "stop" for rid, r in got.items() if not rid.startswith("lp-")) >= 2
+    assert outs[True] == outs[False]

@@ -90,6 +90,42 @@ def test_apply_fills_a_result():
     assert res.accept_length == pytest.approx(15 / 3) and res.latency_s == 0.25
 
 
+def test_counts_by_source_become_the_by_source_columns():
+    """The DSPINE worker's per-token counts (``dspine.sglang.suffix.SourceCounts``) are summed; rounds they do not
+    cover are the draft's whole blocks; another speculative algorithm fills no by-source column."""
+    from dspine.sglang import SOURCE_COUNTS_KEY
+    from dspine.sglang.suffix import SourceCounts, count_round
+
+    meta = RECORDED["stop_mid_round_b16"]["meta_info"]  # 3 verify rounds, B = 16
+    res = sglang_stats.apply(meta, Result("k", 0), block_size=16)
+    assert (res.dspine_verify_steps, res.dspine_tokens_proposed, res.dspine_tokens_accepted) == (
+        3, 45, res.draft_tokens_accepted)
+    assert (res.suffix_verify_steps, res.suffix_tokens_proposed, res.suffix_tokens_accepted) == (0, 0, 0)
+    # two suffix rounds (4 tokens proposed, 3 accepted; 15 proposed, 15 accepted) and one uncovered draft round,
+    # as the worker reports them: a per-token list, counts at each chunk's first token
+    req = type("Req", (), {"customized_info": None})()
+    count_round(req, 4, 15, 3)
+    chunk1 = req.customized_info[SOURCE_COUNTS_KEY][0:5]
+    count_round(req, 15, 15, 15)
+    chunk2 = req.customized_info[SOURCE_COUNTS_KEY][5:16]
+    assert len(chunk1) == 5 and len(chunk2) == 11 and chunk1[1:] == [None] * 4
+    assert isinstance(req.customized_info[SOURCE_COUNTS_KEY], SourceCounts)
+    hist = [0] * 17
+    hist[3], hist[15], hist[2] = 1, 1, 1  # the uncovered draft round accepted 2
+    meta2 = {**meta, "spec_verify_ct": 3, "spec_num_correct_drafts": 20, "spec_correct_drafts_histogram": hist,
+             "completion_tokens": 24, SOURCE_COUNTS_KEY: chunk1 + chunk2}
+    res = sglang_stats.apply(meta2, Result("k", 0), block_size=16)
+    assert (res.suffix_verify_steps, res.suffix_tokens_proposed, res.suffix_tokens_accepted) == (2, 19, 18)
+    # the draft's: its 11 slots after the 4-token match (0 accepted) and the uncovered round's 15 (2 accepted)
+    assert (res.dspine_verify_steps, res.dspine_tokens_proposed, res.dspine_tokens_accepted) == (1, 26, 2)
+    assert res.dspine_tokens_accepted + res.suffix_tokens_accepted == res.draft_tokens_accepted
+    other = sglang_stats.apply(meta2, Result("k", 0), block_size=16, dspine=False)
+    assert other.verify_steps == 3 and other.dspine_verify_steps is None and other.suffix_verify_steps is None
+    with pytest.raises(ValueError, match="more rounds"):
+        sglang_stats.apply({**meta2, "spec_verify_ct": 1, "spec_correct_drafts_histogram": None}, Result("k", 0),
+                           block_size=16)
+
+
 def test_cached_tokens_become_cached_prompt_tokens():
     """SGLang's per-request radix-cache hit count is copied as is; 0 is a real "no hit", not a missing value."""
     meta = RECORDED["stop_mid_round_b16"]["meta_info"]
@@ -241,6 +277,18 @@ def test_run_returns_every_request_with_stats_and_bounded_window():
             assert len(r.accept_histogram) == 5  # B + 1
         assert r.text == FakeTokenizer().decode(r.token_ids)
     assert all(c[2]["top_k"] == se.TOP_K_ALL for c in fake.calls)
+    assert eng.explain()["dspine"]["rounds"] == 0  # built without DSPINE proposers: no by-source columns
+    assert eng.explain()["dspine"]["why"].startswith("no DSPINE speculation")
+
+
+def test_explain_counts_the_rounds_by_source_and_says_why_suffix_did_not_run():
+    eng = _engine(FakeEngine(block=4), proposers="dspine")
+    out = list(eng.run(_requests(12), max_in_flight=4))
+    why = eng.explain()
+    assert why["dspine"]["rounds"] == sum(r.dspine_verify_steps or 0 for r in out) == sum(
+        r.verify_steps or 0 for r in out) > 0
+    assert why["dspine"]["ran"] and why["suffix"] == {"rounds": 0, "proposed": 0, "accepted": 0, "ran": False,
+                                                      "why": "--engine-arg proposers=dspine (the draft only)"}
 
 
 def test_admission_is_lazy():

@@ -94,6 +94,19 @@ def test_report_shows_the_speculation_by_source(tiny, tmp_path, capsys):
     assert main_report(str(out)) == 0
     text = capsys.readouterr().out
     assert "suffix " in text and "verify steps" in text
+    # proposers=suffix: the draft never runs, the log says why once, and so does the report
+    out2 = tmp_path / "out2"
+    with engines_replaced(tiny_engine):
+        try:
+            main(["generate", str(src), "-o", str(out2), "--max-new-tokens", "24", "--progress", "none",
+                  "--engine-arg", "proposers=suffix"])
+        except SystemExit as e:
+            assert not e.code
+    assert capsys.readouterr().err.count("dspine draft: not run — --engine-arg proposers=suffix") == 1
+    assert main_report(str(out2)) == 0
+    text = capsys.readouterr().out
+    assert "  dspine draft not run — --engine-arg proposers=suffix (suffix matches only)" in text
+    assert "  suffix       " in text and "verify steps" in text
 
 
 def main_report(outdir: str) -> int:

@@ -387,3 +387,35 @@ def test_finalize_lists_missing_shards_and_generate_ignores_slurm_table(tmp_path
     for i in (1, 3):
         assert run_cli(["generate", "--config", str(job), "-o", str(out), "--shard", f"{i}/4"]) == 0
     assert subprocess.run([*DSPINE, "finalize", str(out)], env=_env(), capture_output=True).returncode == 0
+
+
+def test_prepare_job_runs_first_and_the_array_waits_for_it(tmp_path, monkeypatch):
+    """``[slurm] prepare = true``: a prepare script with the array's node settings and cache, submitted first; the
+    array depends on it (afterok, cancelled if it fails), finalize on the array."""
+    from dspine_batch.ops.slurm import render
+    from dspine_batch.ops.slurm import submit as do_submit
+
+    job = make_job(tmp_path)
+    settings = {"prepare": True, "cache_dir": str(tmp_path / "shared"), "partition": "cpu",
+                "extra_sbatch": ["--constraint=zen4"]}
+    r = render(str(job), str(tmp_path / "out"), settings, None, [])
+    prep = r.prepare_script.read_text()
+    cache = f"export DSPINE_CACHE_DIR={tmp_path}/shared\n"
+    for want in ("#SBATCH --partition=cpu\n", "#SBATCH --cpus-per-task=1\n", "#SBATCH --constraint=zen4\n", cache,
+                 f"dspine-batch prepare --config {job} --engine scripted"):
+        assert want in prep, want
+    assert cache in r.array_script.read_text() and "{{" not in prep
+    assert subprocess.run(["bash", "-n", str(r.prepare_script)]).returncode == 0
+    calls = tmp_path / "sbatch.log"  # a stand-in sbatch: records its arguments, answers job ids 101, 102, ...
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {calls}\necho $((100 + $(wc -l < {calls})))\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    info = do_submit(r)
+    assert (info["prepare_job_id"], info["array_job_id"], info["finalize_job_id"]) == ("101", "102", "103")
+    lines = calls.read_text().splitlines()
+    assert lines[0].endswith(str(r.prepare_script)) and "--dependency" not in lines[0]
+    assert "--dependency=afterok:101 --kill-on-invalid-dep=yes" in lines[1] and lines[1].endswith(str(r.array_script))
+    assert "--dependency=afterok:102" in lines[2] and lines[2].endswith(str(r.finalize_script))
+    assert render(str(job), str(tmp_path / "o2"), {}, None, []).prepare_script is None  # off by default

@@ -332,6 +332,25 @@ def _check_suffix_greedy(target, run):
         mine = [(a, p) for r in run["rounds"] for x, a, p in zip(r["rid"], r["accepted"], r["proposed"]) if x == rid]
         assert len(mine) == meta["spec_verify_ct"]
         assert sum(a for a, _ in mine) == meta["spec_num_correct_drafts"]
+    # the same rounds reach the client in meta_info, and become the by-source columns of dspine-batch's results
+    from dspine_batch.engines.sglang.stats import by_source, spec_stats
+
+    for o in run["greedy"]:
+        meta, rid = o["meta_info"], o["meta_info"].get("id")
+        if rid is None:
+            continue
+        width = meta["spec_num_proposed_drafts"] // meta["spec_verify_ct"]
+        want = {"suffix": [0, 0, 0], "dspine": [0, 0, 0]}
+        for r in run["rounds"]:
+            for x, src, prop, acc in zip(r["rid"], r["source"], r["proposed"], r["accepted"], strict=True):
+                if x != rid:
+                    continue
+                lead = min(acc, prop)  # tokens by who proposed them: the draft's after a shorter suffix match
+                want[src] = [want[src][0] + 1, want[src][1] + prop, want[src][2] + lead]
+                if src == "suffix" and width > prop:
+                    want["dspine"][1:] = [want["dspine"][1] + width - prop, want["dspine"][2] + acc - lead]
+        got = by_source(meta, spec_stats(meta, block_size=width + 1), width + 1)
+        assert {k: list(v) for k, v in got.items()} == want, (got, want)
     # the repeated prompt's suffix rounds (its first run's output) are accepted whole
     rid = run["greedy"][-1]["meta_info"].get("id")
     if rid is not None:

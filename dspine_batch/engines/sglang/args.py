@@ -24,8 +24,8 @@ import shlex
 import sys
 from typing import Any
 
+from dspine.decoding.grammar import choice_ebnf
 from dspine_batch.engines.base import SamplingParams, Structure
-from dspine_batch.engines.grammar import choice_ebnf
 from dspine_batch.engines.sglang.processes import on_sigquit
 from dspine_batch.errors import UsageError
 
@@ -164,7 +164,8 @@ def sampling_params(p: SamplingParams) -> dict[str, Any]:
     """Our per-request sampling settings -> SGLang ``sampling_params`` (stop strings applied afterwards, as the
     reference engine does). Structures become SGLang's grammar fields: ``json_object`` the schema
     ``{"type": "object"}`` (as the reference engine compiles it; SGLang's own ``$$ANY$$`` also allows arrays),
-    ``choice`` an EBNF alternation of the strings (``engines.grammar.choice_ebnf``)."""
+    ``choice`` an EBNF alternation of the strings (``dspine.decoding.grammar.choice_ebnf``, the reference
+    engine's translation)."""
     sp: dict[str, Any] = {"max_new_tokens": int(p.max_new_tokens), "temperature": float(p.temperature),
                           "top_p": float(p.top_p), "top_k": int(p.top_k) if p.top_k > 0 else TOP_K_ALL,
                           "stop_token_ids": list(p.stop_token_ids), "skip_special_tokens": False}

@@ -7,7 +7,9 @@
 * **Requests** go through ``async_generate`` (one ``input_ids`` request each) on the engine's own event loop,
   driven from ``run``'s thread (SGLang installs its signal handlers there); at most ``max_in_flight`` are open
   and the request iterator is pulled lazily, so stopping admission loses no finished work.
-* **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages).
+* **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages), the by-source
+  columns from the DSPINE worker's counts; ``explain()`` says per source what ran and why not
+  (``engines.explain``).
 * **Failures**: a request SGLang aborts becomes a row error (``finish_reason`` abort, the engine's message);
   engine death raises ``EngineDied`` (``processes``); the pipeline then commits finished rows and exits
   75 (run again to resume).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dspine_batch.engines.base import FEATURES, Request, Result
+from dspine_batch.engines.explain import SourceTally
 from dspine_batch.engines.models import model_identity, open_tokenizer, resolve_draft, resolve_model
 from dspine_batch.engines.sglang import logprobs as sglang_logprobs
 from dspine_batch.engines.sglang import stats as sglang_stats
@@ -89,7 +92,7 @@ class SGLangEngine:
     def __init__(self, engine: Any, tokenizer: Any, identity: dict[str, Any], block_size: int | None,
                  max_context: int | None, owned_pids: set[int], poll_seconds: float = 1.0,
                  loop: asyncio.AbstractEventLoop | None = None, watch_pids: set[int] | None = None,
-                 meta_log: str | None = None):
+                 meta_log: str | None = None, proposers: str | None = None):
         self._engine = engine
         self.tok = tokenizer
         self._identity = identity
@@ -101,6 +104,8 @@ class SGLangEngine:
         self._meta_log = meta_log
         self._loop = loop or getattr(engine, "loop", None) or asyncio.new_event_loop()
         self._old_sigquit = None
+        self.proposers = proposers  # DSPINE's proposal sources (None: no DSPINE speculation)
+        self.tally = SourceTally()
 
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -180,7 +185,7 @@ class SGLangEngine:
                 else:
                     os.environ[k] = v
         self = cls(engine, tokenizer, identity, block, None if max_ctx is None else int(max_ctx) - (block or 1) - 1,
-                   _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"],
+                   _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"], proposers=proposers,
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
         self._old_sigquit = old
         reclaim_signals(engine, ours, self._loop)
@@ -227,6 +232,21 @@ class SGLangEngine:
         finally:
             if pending:
                 self._abandon(pending)
+
+    def explain(self) -> dict[str, dict[str, Any]]:
+        """Per source: rounds, tokens proposed/accepted, whether it ran and why not (``engines.explain``)."""
+        chooser = ("greedy rows, where a suffix match's estimate beats the draft's record (proposers=auto)"
+                   if self.proposers == "auto" else None)
+        return self.tally.explain(self._why, {"suffix": {"chooser": chooser}} if chooser else None)
+
+    def _why(self, source: str, ran: bool) -> str | None:
+        if ran:
+            return None
+        if self.proposers is None:
+            return "no DSPINE speculation (no draft, or another speculative algorithm)"
+        if source == "suffix" and self.proposers == "dspine":
+            return "--engine-arg proposers=dspine (the draft only)"
+        return None
 
     def close(self) -> None:
         engine, self._engine = self._engine, None
@@ -298,7 +318,7 @@ class SGLangEngine:
         res.token_ids, res.finish_reason, res.error = tokens, finish, err
         res.completion_tokens = len(tokens)
         try:
-            sglang_stats.apply(meta, res, block_size=self.block_size)
+            sglang_stats.apply(meta, res, block_size=self.block_size, dspine=self.proposers is not None)
         except ValueError as e:
             res.error = res.error or f"unreadable SGLang meta_info: {e}"
         if req.params.logprobs:
@@ -314,7 +334,7 @@ class SGLangEngine:
             if res.logprobs is not None:
                 res.logprobs = res.logprobs[: len(res.token_ids)]
         res.text = text
-        return res
+        return self.tally.add(res)
 
 
 def _block_size(kwargs: dict[str, Any], draft_path: Path | None) -> int | None:

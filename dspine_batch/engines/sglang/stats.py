@@ -12,6 +12,10 @@ was on and at least one verify round ran (``TokenizerManager._calculate_spec_dec
 ``spec_correct_drafts_histogram``     index j = rounds that accepted j drafts
 ====================================  =============================================================
 
+By source: the DSPINE worker adds each request's verify rounds and drafted tokens by source (the DSpine draft, a
+suffix match) to ``meta_info["dspine_source_counts"]`` (``dspine.sglang.suffix.SourceCounts``); ``by_source`` sums
+them into the ``dspine_*`` / ``suffix_*`` columns, the same columns the reference engine fills.
+
 ``cached_tokens`` (present for every finished request) is the part of ``prompt_tokens`` the radix cache served
 (``Req.cached_tokens``: the matched prefix length at the request's first prefill, ``ScheduleBatch.prepare_for_extend``
 in 0.5.23); it becomes ``cached_prompt_tokens``. ``cached_tokens_details`` (HiCache tiers) is not read.
@@ -32,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from dspine.sglang import SOURCE_COUNTS_KEY
 
 # Our name -> SGLang names, current (0.5.23) first, then older spellings.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -156,8 +162,9 @@ def finish(meta: Mapping[str, Any]) -> tuple[str, str | None]:
     return "error", f"unknown finish_reason {fr!r}"
 
 
-def apply(meta: Mapping[str, Any], result: Any, *, block_size: int | None = None) -> Any:
-    """Fill a ``dspine_batch.engines.base.Result`` (or anything with the same attributes) from ``meta``."""
+def apply(meta: Mapping[str, Any], result: Any, *, block_size: int | None = None, dspine: bool = True) -> Any:
+    """Fill a ``dspine_batch.engines.base.Result`` (or anything with the same attributes) from ``meta``; the
+    by-source columns only where the rounds are DSPINE's (``dspine``; not with another speculative algorithm)."""
     if meta.get("prompt_tokens") is not None:
         result.prompt_tokens = _int(meta["prompt_tokens"], "prompt_tokens")
     if meta.get("completion_tokens") is not None:
@@ -176,7 +183,47 @@ def apply(meta: Mapping[str, Any], result: Any, *, block_size: int | None = None
         result.draft_tokens_accepted = st.draft_tokens_accepted
         result.accept_length = st.accept_length
         result.accept_histogram = st.accept_histogram
+    if st is not None and dspine:
+        by = by_source(meta, st, block_size)
+        (result.dspine_verify_steps, result.dspine_tokens_proposed, result.dspine_tokens_accepted) = by[DSPINE]
+        (result.suffix_verify_steps, result.suffix_tokens_proposed, result.suffix_tokens_accepted) = by[SUFFIX]
     return result
+
+
+DSPINE, SUFFIX = "dspine", "suffix"
+
+
+def by_source(meta: Mapping[str, Any], st: SpecStats,
+              block_size: int | None) -> dict[str, tuple[int, int | None, int | None]]:
+    """(verify rounds, tokens proposed, tokens accepted) by source for one request: the DSPINE worker's counts
+    (``meta_info[SOURCE_COUNTS_KEY]``, a per-token list whose non-null entries each hold ``{source: [rounds,
+    proposed, accepted]}``: ``dspine.sglang.suffix.SourceCounts``), and the rounds they do not cover taken as the
+    draft's whole blocks (the worker counts only where suffix proposals are on; with ``proposers=dspine``, or on a
+    captured CUDA graph, every round is the draft's)."""
+    got = {DSPINE: [0, 0, 0], SUFFIX: [0, 0, 0]}
+    for entry in meta.get(SOURCE_COUNTS_KEY) or ():
+        if entry is None:
+            continue
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"meta_info {SOURCE_COUNTS_KEY}: expected per-token entries {{source: counts}}, "
+                             f"got {entry!r}")
+        for src, counts in entry.items():
+            if not isinstance(counts, list | tuple) or len(counts) != 3:
+                raise ValueError(f"meta_info {SOURCE_COUNTS_KEY}[{src!r}]: expected [rounds, proposed, accepted]")
+            acc = got.setdefault(str(src), [0, 0, 0])
+            for k, v in enumerate(counts):
+                acc[k] += _int(v, SOURCE_COUNTS_KEY)
+    rest = st.verify_steps - sum(c[0] for c in got.values())
+    if rest < 0:
+        raise ValueError(f"meta_info {SOURCE_COUNTS_KEY} counts more rounds than spec_verify_ct = {st.verify_steps}")
+    out: dict[str, tuple[int, int | None, int | None]] = {k: (v[0], v[1], v[2]) for k, v in got.items()}
+    if rest:  # the draft's whole blocks
+        rounds, proposed, accepted = got[DSPINE]
+        accepted_rest = None if st.draft_tokens_accepted is None else \
+            st.draft_tokens_accepted - sum(c[2] for c in got.values())
+        out[DSPINE] = (rounds + rest, None if block_size is None else proposed + rest * (block_size - 1),
+                       None if accepted_rest is None else accepted + accepted_rest)
+    return out
 
 
 def stats_from_sglang_meta(meta: Mapping[str, Any], result: Any, block_size: int | None = None) -> Any:

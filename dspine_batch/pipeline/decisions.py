@@ -1,0 +1,98 @@
+"""What the engine decided about its proposal sources, kept with the run and said once in the log.
+
+An engine may explain itself (``dspine_batch.engines.explain``: ``explain() -> {source: {rounds, proposed,
+accepted, ran, why, ...}}``). The job records it in the shard's state file (``_dspine/state-<shard>.json``,
+"decisions") at every commit and at the end, so a killed run keeps what its last commit saw; a resumed run adds its
+engine's counts to the record of the starts before it (``merge``), since a new engine counts from zero. Each
+source's ``why`` is logged once per start, when it first appears. ``dspine-batch report`` reads the records of all
+shards (``combine``). Advisory like the rest of the state file: the counts in the parts are the truth, this says
+why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+COUNTS = ("rounds", "proposed", "accepted")
+LABELS = {"dspine": "dspine draft", "suffix": "suffix", "forced": "forced"}
+T = TypeVar("T")
+
+
+def label(source: str) -> str:
+    return LABELS.get(source, source)
+
+
+def explain(engine: Any) -> dict[str, dict[str, Any]] | None:
+    """The engine's ``explain()`` checked and normalised, or None when it has none. A malformed answer or an
+    exception in it is an engine bug, but the record is advisory: it is dropped rather than failing the run."""
+    fn = getattr(engine, "explain", None)
+    if fn is None:
+        return None
+    try:
+        raw = fn()
+        out = {}
+        for src, d in raw.items():
+            entry = dict(d)
+            for k in COUNTS:
+                entry[k] = int(entry.get(k) or 0)
+            entry["ran"] = bool(entry.get("ran", entry["rounds"] > 0))
+            entry["why"] = None if entry.get("why") is None else " ".join(str(entry["why"]).split())
+            out[str(src)] = entry
+        return out
+    except Exception:
+        return None
+
+
+def merge(before: dict[str, dict[str, Any]] | None, now: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """This start's record on top of the earlier starts': counts added, ran if any start ran it, this start's
+    reason where it has one, else the earlier one."""
+    out = {src: dict(d) for src, d in (before or {}).items()}
+    for src, d in now.items():
+        old = out.get(src, {})
+        out[src] = {**old, **d, **{k: int(old.get(k) or 0) + d[k] for k in COUNTS},
+                    "ran": bool(old.get("ran")) or d["ran"], "why": d["why"] or old.get("why")}
+    return out
+
+
+def combine(records: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Several shards' records as one: counts added, ran if any shard ran it, the distinct reasons joined."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        for src, d in rec.items():
+            o = out.setdefault(src, {**{k: 0 for k in COUNTS}, "ran": False, "why": None})
+            for k in COUNTS:
+                o[k] += int(d.get(k) or 0)
+            o["ran"] = o["ran"] or bool(d.get("ran"))
+            why = d.get("why")
+            if why and why not in (o["why"] or "").split(" / "):
+                o["why"] = f"{o['why']} / {why}" if o["why"] else why
+            for k, v in d.items():
+                o.setdefault(k, v)
+    return out
+
+
+class DecisionLog:
+    """Records the engine's decisions for the state file and logs each source's reason once, when it first
+    appears (``watch`` asks after every finished row; ``note`` whenever)."""
+
+    def __init__(self, engine: Any, before: dict[str, dict[str, Any]] | None, log: Callable[[str], None]):
+        self.engine, self.before, self.log = engine, before, log
+        self.said: set[str] = set()
+
+    def record(self) -> dict[str, dict[str, Any]] | None:
+        """The merged record for the state file (None: the engine does not explain itself)."""
+        now = explain(self.engine)
+        return None if now is None else merge(self.before, now)
+
+    def note(self) -> None:
+        for src, d in (explain(self.engine) or {}).items():
+            why = d.get("why")
+            if why and src not in self.said:  # once: a reason may carry live numbers that change every row
+                self.said.add(src)
+                self.log(f"{label(src)}: {'' if d['ran'] else 'not run — '}{why}")
+
+    def watch(self, items: Iterator[T]) -> Iterator[T]:
+        for item in items:
+            self.note()
+            yield item

@@ -1,0 +1,111 @@
+"""A rerun with nothing left to do, found before any engine loads.
+
+Nightly cron pipelines and requeued array tasks rerun finished jobs by design, and loading a model (seconds on a
+CPU, minutes for SGLang on a GPU) only to find every row committed is waste. So before the engine loads, when OUTDIR
+holds this run, the shard's done-set is loaded and the shard's input rows are read for their ids only (the id
+column, or just the row indices) and looked up in it. If all are there the job says so and ends (exit 0, or 3 over
+``--max-error-rate`` as before) without opening the engine; otherwise the done-set is handed on, not loaded twice.
+
+"This run" is checked without an engine: the same inputs (content digests), settings, columns and shard count as
+the manifest's fingerprint, and the same engine request as the manifest's config (``--engine``, ``--model``,
+``--draft``, ``--engine-arg`` as given). What only a loaded engine can tell (the resolved model's digest, the dtype
+this CPU resolves) is checked when there is work to do: with none, nothing is generated, so nothing can mix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
+from dspine_batch.pipeline.keyset import KeySet
+from dspine_batch.pipeline.manifest import describe_inputs, read_manifest
+from dspine_batch.pipeline.mapping import Columns, RowIds
+from dspine_batch.pipeline.requests import RowRequest
+from dspine_batch.pipeline.requests import identity as request_identity
+from dspine_batch.pipeline.resume import DoneSet, load_done, remove_staging
+from dspine_batch.pipeline.schema import SCHEMA_VERSION
+from dspine_batch.pipeline.sources import InputFile, iter_inputs
+
+REQUEST = ("engine", "model", "draft", "engine_args")  # the engine as asked for, before it resolves anything
+
+
+def run_fields(cfg: GenerateConfig, files: list[InputFile], columns: Columns, use_chat: bool | None,
+               request: RowRequest) -> dict[str, Any]:
+    """The fingerprint's fields that do not need an engine (the job adds ``engine``); ``request``: the job-wide
+    request fields (``requests.job_request``), in their canonical form."""
+    settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat,
+                                                                 "request": request_identity(request)}
+    return {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(files), "settings": settings,
+            "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
+                        "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
+                        "row_params": list(columns.row_params)}}
+
+
+@dataclass
+class Precheck:
+    """The done-set of a run found in OUTDIR, and how many of the shard's input rows it lacks."""
+
+    manifest: dict[str, Any]
+    done: DoneSet
+    removed: int  # staging files a crash left, discarded
+    rows: int  # this shard's input rows (all of them only when none is missing: the scan stops at the first)
+    missing: int  # of which not committed yet, in the batches read (0: nothing left to do)
+    seconds: float
+
+
+def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdir: str, shard: tuple[int, int],
+             tag: str, report: Callable[[str], None], request: RowRequest) -> Precheck | None:
+    """None when OUTDIR holds no run or not this one (the normal start then says what changed). Call with the
+    shard's lock held: it discards staging files and moves damaged parts aside, as a normal start does."""
+    manifest = read_manifest(outdir)
+    if (manifest is None or manifest.get("num_shards") != shard[1]
+            or not _same_run(cfg, files, columns, manifest, request)):
+        return None
+    t0 = time.monotonic()
+    removed = remove_staging(outdir, tag)
+    done = load_done(outdir, tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=report)
+    rows, missing = _count_missing(cfg, files, columns, shard, done.keys)
+    return Precheck(manifest, done, removed, rows, missing, time.monotonic() - t0)
+
+
+def _same_run(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
+              request: RowRequest) -> bool:
+    old = manifest.get("fingerprint_fields") or {}
+    recorded_chat = (old.get("settings") or {}).get("chat_template")  # resolved from the model's tokenizer
+    new = run_fields(cfg, files, columns, recorded_chat if cfg.chat_template is None else cfg.chat_template, request)
+    if any(_canon(old.get(k)) != _canon(v) for k, v in new.items()):
+        return False
+    config = manifest.get("config") or {}
+    return all(_canon(config.get(k)) == _canon(getattr(cfg, k)) for k in REQUEST)
+
+
+def _canon(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def _count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns, shard: tuple[int, int],
+                   done: KeySet) -> tuple[int, int]:
+    """(this shard's input rows, those not in ``done``), from the row ids alone (``mapping.RowIds``: the same ids,
+    duplicates and fallbacks included, that a run assigns). Stops after the first batch with a missing row: one
+    is enough to load the engine, and a resumed run's committed rows come first, so a big JSONL input is not
+    parsed twice."""
+    ids = RowIds(columns.id)
+    index, count = shard
+    read = [columns.id] if columns.id else columns.read_columns()[:1]
+    rows = missing = 0
+    for batch in iter_inputs(files, read, cfg.limit):
+        hashes = ids.assign_ids(batch)[2]
+        if count > 1:
+            hashes = hashes[(hashes % np.uint64(count)) == np.uint64(index)]
+        rows += len(hashes)
+        if len(hashes):
+            missing += int(np.count_nonzero(~done.contains_many(hashes)))
+        if missing:
+            break
+    return rows, missing

@@ -1,0 +1,91 @@
+"""The engine's decisions about its proposal sources (``pipeline.decisions``): recorded in the shard's state at
+every commit, added up across a kill and a resume, said once in the log, shown by ``report``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from helpers import prompts, run_cli, write_jsonl
+
+from dspine_batch.engines.explain import SourceTally
+from dspine_batch.engines.scripted import ScriptedEngine
+from dspine_batch.ops.report import format_report, summarize
+from dspine_batch.pipeline import decisions
+from dspine_batch.pipeline.resume import read_state
+
+TAG = "00000-of-00001"
+
+
+@dataclass
+class ExplainingEngine(ScriptedEngine):
+    """The scripted engine with an ``explain()``: its rounds are all the draft's (stats.by_source), suffix
+    matches never run, for a reason."""
+
+    tally: SourceTally = field(default_factory=SourceTally)
+
+    def run(self, requests, max_in_flight):
+        for res in super().run(requests, max_in_flight):
+            yield self.tally.add(res)
+
+    def explain(self):
+        return self.tally.explain(lambda src, ran: "told not to (test)" if src == "suffix" else None,
+                                  {"dspine": {"chooser": "the test"}})
+
+
+def explaining(model, draft, args):
+    return ExplainingEngine.from_args(args)
+
+
+def test_the_record_survives_a_kill_adds_up_on_resume_and_the_report_says_why(tmp_path, capfd):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(40))
+    out = tmp_path / "out"
+    args = ["generate", str(src), "-o", str(out), "--commit-rows", "5", "--max-in-flight", "4"]
+    assert run_cli([*args, "--engine-arg", "crash_after=17"], loader=explaining) == 75  # a transient death
+    err = capfd.readouterr().err
+    assert err.count("suffix: not run — told not to (test)") == 1  # once, early
+    first = read_state(str(out), TAG)["decisions"]
+    assert first["suffix"] == {"rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "why": "told not to (test)"}
+    assert first["dspine"]["ran"] and first["dspine"]["rounds"] > 0 and first["dspine"]["chooser"] == "the test"
+
+    assert run_cli(args, loader=explaining) == 0  # resumed: a new engine counts from zero, the record adds up
+    assert capfd.readouterr().err.count("not run — told not to (test)") == 1
+    s = summarize(str(out))
+    final = read_state(str(out), TAG)["decisions"]
+    assert final["dspine"]["rounds"] >= s["by_source"]["dspine"]["verify_steps"] > first["dspine"]["rounds"]
+    text = format_report(s)
+    assert "  suffix       not run — told not to (test)" in text and "  dspine draft " in text
+
+    assert run_cli(args, loader=explaining) == 0  # a no-op rerun (no engine) keeps the record
+    assert read_state(str(out), TAG)["decisions"] == final
+
+
+def test_merge_and_combine():
+    a = {"dspine": {"rounds": 2, "proposed": 8, "accepted": 3, "ran": True, "why": None, "x": 1}}
+    b = {"dspine": {"rounds": 1, "proposed": 4, "accepted": 1, "ran": False, "why": "slow", "x": 2},
+         "suffix": {"rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "why": "off"}}
+    m = decisions.merge(a, b)
+    assert m["dspine"] == {"rounds": 3, "proposed": 12, "accepted": 4, "ran": True, "why": "slow", "x": 2}
+    assert m["suffix"]["why"] == "off"
+    c = decisions.combine([b, {"suffix": {"rounds": 0, "ran": False, "why": "other"}}, b])
+    assert c["suffix"]["why"] == "off / other" and c["dspine"]["rounds"] == 2
+
+
+def test_a_broken_explain_never_fails_the_run_and_reasons_are_logged_once():
+    class Broken:
+        def explain(self):
+            raise RuntimeError("bug")
+
+    class Moving:
+        n = 0
+
+        def explain(self):
+            self.n += 1
+            return {"forced": {"rounds": 0, "ran": False, "why": f"tau {self.n}\nchanges"}}
+
+    assert decisions.explain(Broken()) is None and decisions.explain(object()) is None
+    said: list[str] = []
+    log = decisions.DecisionLog(Moving(), None, said.append)
+    for _ in range(3):
+        log.note()
+    assert said == ["forced: not run — tau 1 changes"]
+    assert log.record()["forced"]["why"] == "tau 4 changes"
