@@ -72,27 +72,46 @@ def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int],
                   bias: torch.Tensor | None = None) -> None:
     """Process one row's verify logits ``[B, V]`` in place: slot ``j`` decides generated token ``len(generated) + j``
     after ``generated`` (every token generated so far, the block's anchor last) and ``drafts[:j]`` (the block's
-    proposed tokens, ``B - 1`` of them). ``bias``: the row's ``logit_bias`` over the vocabulary, or None."""
+    proposed tokens, ``B - 1`` of them). ``bias``: the row's ``logit_bias`` over the vocabulary, or None.
+
+    The arithmetic is SGLang's penalizers', operation for operation, so a slot's processed logits are bit-equal to
+    what a plain decode step computes from the same raw logits: a scaling tensor (1, or ``p`` where seen) applied as
+    ``where(x < 0, x * s, x / s)``; the frequency term a float32 sum of ``f`` once per occurrence (SGLang's
+    ``scatter_add_`` per step; a sum of equal addends does not depend on their order); ``additive = -F - P`` added
+    once; then ``logit_bias``; ``min_new_tokens`` is ``-inf`` on the stop ids (SGLang adds ``-inf``: the same)."""
     B, V = logits.shape
     dev = logits.device
-    pen = rp.presence or rp.frequency or rp.repetition != 1.0
-    if pen:
+    f32 = torch.float32
+    if rp.presence or rp.frequency or rp.repetition != 1.0:
         hist = torch.tensor(generated, dtype=torch.long, device=dev)
-        counts = torch.zeros(V, dtype=torch.float32, device=dev).index_add_(
-            0, hist, torch.ones(len(generated), device=dev))[None].repeat(B, 1)
-        if B > 1 and drafts:  # slot j also counts drafts[0..j-1]
-            rows, cols = torch.tril_indices(B, B - 1, offset=-1, device=dev)
-            ids = torch.tensor(drafts, dtype=torch.long, device=dev)[cols]
-            counts.index_put_((rows, ids), torch.ones(len(rows), device=dev), accumulate=True)
+        # occurrence counts per slot as float32 sums of `unit`: slot j counts generated + drafts[:j]
+        seen_any = torch.zeros(V, dtype=torch.bool, device=dev)
+        seen_any[hist] = True
+        seen = seen_any[None].repeat(B, 1)
+        freq = None
+        if rp.frequency:
+            unit = torch.tensor(float(rp.frequency), dtype=f32, device=dev)
+            freq = torch.zeros(V, dtype=f32, device=dev).index_add_(0, hist, unit.expand(len(generated)))
+            freq = freq[None].repeat(B, 1)
+        for j, d in enumerate(drafts[: B - 1], start=1):  # draft j-1 is in the history of slots j..B-1
+            seen[j:, d] = True
+            if freq is not None:
+                freq[j:, d] += unit
         if rp.repetition != 1.0:
-            seen = counts > 0
+            scale_seen = seen.clone()
             if rp.prompt:
-                seen[:, torch.tensor(rp.prompt, dtype=torch.long, device=dev)] = True
-            p = rp.repetition
+                scale_seen[:, torch.tensor(rp.prompt, dtype=torch.long, device=dev)] = True
+            one = torch.ones((), dtype=f32, device=dev)
+            scaling = torch.where(scale_seen, torch.tensor(float(rp.repetition), dtype=f32, device=dev), one)
             x = logits.float()
-            logits.copy_(torch.where(seen, torch.where(x < 0, x * p, x / p), x).to(logits.dtype))
+            logits.copy_(torch.where(x < 0, x * scaling, x / scaling).to(logits.dtype))
         if rp.presence or rp.frequency:
-            additive = -(counts * rp.frequency) - (counts > 0).float() * rp.presence
+            additive = torch.zeros((B, V), dtype=f32, device=dev)
+            if freq is not None:
+                additive -= freq
+            if rp.presence:
+                additive -= torch.where(seen, torch.tensor(float(rp.presence), dtype=f32, device=dev),
+                                        torch.zeros((), dtype=f32, device=dev))
             logits.add_(additive.to(logits.dtype))
     if bias is not None:
         logits.add_(bias.to(logits.dtype)[None])

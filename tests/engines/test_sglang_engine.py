@@ -331,7 +331,7 @@ def test_logprobs_come_back_per_completion_token_and_follow_stop_cuts():
     assert len(full.logprobs) == len(full.token_ids) == 4
     tid, lp, top = full.logprobs[1]
     assert (tid, lp) == (full.token_ids[1], -0.5) and top == ((full.token_ids[1], -0.1), (full.token_ids[1] + 1, -0.2))
-    stop = full.text[2:4]
+    stop = full.text[1:2]  # the tokens through the stop string stay (stop_strings.cut_at_stop): 2 of 4
     req.params = SamplingParams(max_new_tokens=8, logprobs=True, stop=(stop,))
     cut = next(eng.run([req], 1))
     assert len(cut.logprobs) == len(cut.token_ids) < len(full.token_ids)
