@@ -7,7 +7,7 @@
 # is missing and re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
 #
 # The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
-# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 9 engine starts of about a minute each
+# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 12 engine starts of about a minute each
 # on a small CPU.
 #
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
@@ -20,7 +20,8 @@ echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV 
 unset SGLANG_PLUGINS  # the tests set it where they need it
 set +e
 "$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning "$@" \
-  tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py tests/cli/test_sglang_cli.py
+  tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py \
+  tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

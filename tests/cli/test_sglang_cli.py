@@ -194,3 +194,53 @@ def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, 
     want = read_output(ref)
     assert [{k: v for k, v in r.items() if k not in stats} for r in got] == \
         [{k: v for k, v in r.items() if k not in stats} for r in want]
+
+
+# -- an OpenAI batch file using the request fields, through --engine sglang (one more engine start) --------------
+FIELD_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green"]}},
+                "required": ["ok", "tag"], "additionalProperties": False}
+
+
+def _batch_line(cid: str, body: dict) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": f"question {cid}"}], **body}}
+
+
+FIELD_LINES = [
+    _batch_line("schema", {"response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": FIELD_SCHEMA, "strict": True}},
+                           "temperature": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 32}),
+    _batch_line("object", {"response_format": {"type": "json_object"}, "max_tokens": 8}),
+    _batch_line("choice", {"guided_choice": ["two plus", "four"], "presence_penalty": 0.3, "frequency_penalty": 0.2,
+                           "repetition_penalty": 1.05, "min_tokens": 1, "logit_bias": {"17": -5}}),
+    _batch_line("regex", {"regex": "[a-z]{2,5}", "temperature": 0.7, "seed": 3}),
+    _batch_line("grammar", {"grammar": 'root ::= "yes" | "no"'}),
+    _batch_line("plain", {"max_tokens": 6, "logprobs": True}),
+]
+
+
+def test_an_openai_batch_file_with_every_request_field_runs_on_sglang(models, tmp_path):
+    """No row refused (the engine declares every feature), each structure holds, logprobs per token."""
+    import jsonschema
+
+    model, draft = models
+    src = write_jsonl(tmp_path / "batch.jsonl", FIELD_LINES)
+    out = tmp_path / "out"
+    p = _spawn(["generate", str(src), "-o", str(out), "--engine", "sglang", "--model", model, "--draft", draft,
+                "--max-new-tokens", "16", "--progress", "none"])
+    _, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err.decode()[-3000:]
+    rows = {r["row_id"]: r for r in read_output(out)}
+    assert set(rows) == {x["custom_id"] for x in FIELD_LINES}
+    assert all(r["status"] == "ok" for r in rows.values()), {k: r.get("error") for k, r in rows.items()}
+    schema = rows["schema"]
+    assert schema["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(schema["output"]), FIELD_SCHEMA)
+    assert len(schema["logprobs"]) == schema["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 2 for t in schema["logprobs"])
+    assert rows["choice"]["output"] in ("two plus", "four") and rows["grammar"]["output"] in ("yes", "no")
+    import re
+
+    assert re.fullmatch("[a-z]{2,5}", rows["regex"]["output"])
+    assert rows["object"]["output"].startswith("{")
+    assert len(rows["plain"]["logprobs"]) == rows["plain"]["completion_tokens"]

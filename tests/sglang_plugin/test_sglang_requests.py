@@ -1,0 +1,164 @@
+"""Request features through ``--engine sglang`` (``dspine_batch.engines.sglang``) on the real SGLang 0.5.23, CPU
+test path: a JSON schema, penalties with ``min_tokens`` and ``logit_bias``, logprobs. DSPINE speculation
+(``proposers=auto``: suffix matches overwrite the draft block where they win) must give plain SGLang's greedy
+tokens exactly, the grammar masking what is actually verified; logprobs are the model's own (the raw logits'
+log-softmax) in both, equal within ``LOGPROB_TOL``; the reference engine is the oracle for the tokens.
+
+Two engine starts (plain, DSPINE), each running the whole workload in a module fixture (see test_sglang_e2e.py).
+Every schema request runs twice, one after the other: the second run's suffix index holds the first one's output,
+so under ``auto`` its rounds verify a suffix match (checked: suffix tokens were proposed and accepted).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
+
+from helpers import SMOL_TEMPLATE, save_random_draft, save_tiny_hf, tokenizer_dir  # noqa: E402
+
+from dspine_batch.engines.base import Request, SamplingParams, Structure  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "tag": {"enum": ["red", "green", "blue", "two plus"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["ok", "tag", "n"], "additionalProperties": False}
+TEXTS = ["hello world", "what is two plus two?", "the answer is", "café ünïcode", "four"]
+# float32 on the CPU: a verify computes the block's logits in one forward, a plain step one row; the log-softmax
+# of the same position differs by rounding only (not bit-equal: other GEMM shapes). Against the reference engine
+# (another implementation of the model, float32 too) REFERENCE_TOL.
+LOGPROB_TOL = 1e-4
+REFERENCE_TOL = 1e-3
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_req_model")
+    vocab = tokenizer_dir(d, SMOL_TEMPLATE)
+    save_tiny_hf(d, "qwen3", vocab=vocab, layers=3, max_position_embeddings=4096)
+    draft = tmp_path_factory.mktemp("sglang_req_draft")
+    save_random_draft(str(d), draft, seed=3)
+    return str(d), str(draft)
+
+
+def _requests(tok) -> dict[str, list[Request]]:
+    stops = tuple(tok.stop_token_ids([]))
+
+    def chat(text: str) -> list[int]:
+        return tok.render_chat([{"role": "user", "content": text}])
+
+    def req(name: str, i: int, **p) -> Request:
+        p.setdefault("max_new_tokens", 24)
+        return Request(f"{name}{i}", 0, chat(TEXTS[i % len(TEXTS)]), SamplingParams(stop_token_ids=stops, **p))
+
+    schema = Structure("json_schema", json.dumps(SCHEMA, separators=(",", ":")))
+    eos = stops[0]
+    return {
+        # each twice in a row: the second one's rounds can verify suffix matches of the first's output
+        "schema": [req("schema", i, max_new_tokens=48, structure=schema) for i in (0, 0, 1, 1, 2, 2)],
+        "plain": [req("plain", i) for i in range(3)],
+        "penalized": [req("pen", i, **PENALTIES) for i in range(3)],
+        # EOS pushed up by logit_bias: it would end the row at once; min_tokens holds it back for 6 tokens
+        "min_tokens": [req("min", i, min_tokens=6, logit_bias=((eos, 30.0),)) for i in range(2)],
+        "logprobs": [req("lp", i, logprobs=True, top_logprobs=3) for i in range(2)],
+        # logprobs stay the model's own under penalties (what is sampled from is processed, what is reported is not)
+        "logprobs_penalized": [req("lpp", i, logprobs=True, top_logprobs=2, **PENALTIES) for i in range(2)],
+    }
+
+
+def _run(engine) -> dict:
+    out = {}
+    for name, reqs in _requests(engine.tokenizer).items():
+        out[name] = [next(engine.run([r], 1)) for r in reqs]  # one at a time: the order the suffix index sees
+    return out
+
+
+def _sglang(models, draft: bool) -> dict:
+    from dspine_batch.engines.sglang.engine import SGLangEngine
+
+    model, draft_dir = models
+    engine = SGLangEngine.load(model, draft_dir if draft else "none", {"proposers": "auto"} if draft else {})
+    try:
+        return _run(engine)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    return _sglang(models, draft=False)
+
+
+@pytest.fixture(scope="module")
+def dspine(models, plain):  # after the plain engine is closed: engines never overlap
+    return _sglang(models, draft=True)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    from dspine_batch.engines.reference import ReferenceEngine
+
+    engine = ReferenceEngine.load(models[0], "none", {"dtype": "float32"})  # SGLang runs it in float32 here
+    try:
+        return _run(engine)
+    finally:
+        engine.close()
+
+
+def _tokens(results) -> list[list[int]]:
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return [r.token_ids for r in results]
+
+
+def test_greedy_json_schema_dspine_equals_plain_sglang_and_validates(plain, dspine):
+    import jsonschema
+
+    assert _tokens(dspine["schema"]) == _tokens(plain["schema"])
+    for r in dspine["schema"]:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        assert r.finish_reason == "stop"
+    assert sum(r.verify_steps or 0 for r in dspine["schema"]) > 0
+    # the suffix proposer ran under the grammar and its matches were accepted
+    assert sum(r.suffix_tokens_proposed or 0 for r in dspine["schema"]) > 0
+    assert sum(r.suffix_tokens_accepted or 0 for r in dspine["schema"]) > 0
+
+
+def test_json_schema_tokens_equal_the_reference_engines(plain, reference):
+    assert _tokens(plain["schema"]) == _tokens(reference["schema"])
+
+
+def test_penalties_and_min_tokens_dspine_equals_plain_equals_reference(plain, dspine, reference):
+    for name in ("plain", "penalized", "min_tokens"):
+        assert _tokens(dspine[name]) == _tokens(plain[name]), name
+        assert _tokens(plain[name]) == _tokens(reference[name]), name
+    # the penalties changed the output (the same prompts without them), so the equality above tests them
+    assert _tokens(plain["penalized"]) != _tokens(plain["plain"])
+    for r in dspine["min_tokens"]:  # EOS held back for exactly 6 tokens, then taken
+        assert r.finish_reason == "stop" and len(r.token_ids) in (6, 7), r.token_ids
+    assert sum(r.verify_steps or 0 for name in ("penalized", "min_tokens") for r in dspine[name]) > 0
+
+
+def _close(a, b, tol: float) -> None:
+    assert len(a) == len(b)
+    for (ta, la, topa), (tb, lb, topb) in zip(a, b, strict=True):
+        assert ta == tb and abs(la - lb) <= tol, (ta, la, lb)
+        assert [t for t, _ in topa] == [t for t, _ in topb]
+        assert all(abs(x - y) <= tol for (_, x), (_, y) in zip(topa, topb, strict=True))
+
+
+def test_logprobs_are_the_models_own_under_dspine(plain, dspine, reference):
+    for name, k in (("logprobs", 3), ("logprobs_penalized", 2)):
+        for d, p, ref in zip(dspine[name], plain[name], reference[name], strict=True):
+            assert d.token_ids == p.token_ids == ref.token_ids
+            assert len(d.logprobs) == len(d.token_ids) and all(len(top) == k for _, _, top in d.logprobs)
+            _close(d.logprobs, p.logprobs, LOGPROB_TOL)
+            _close(p.logprobs, ref.logprobs, REFERENCE_TOL)
+    for r in dspine["logprobs"]:  # greedy and unprocessed: the chosen token is the most likely one
+        for tid, lp, top in r.logprobs:
+            assert top[0][0] == tid and top[0][1] == lp and top[0][1] >= top[1][1] >= top[2][1]
+    # under penalties the chosen token is sometimes not the model's own most likely one: raw logprobs show it
+    assert any(top[0][0] != tid for r in dspine["logprobs_penalized"] for tid, _, top in r.logprobs)
