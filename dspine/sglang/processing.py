@@ -4,8 +4,8 @@ slot's own history.
 SGLang 0.5.23's DFlash verify (``dflash_utils.apply_dflash_verify_logits_adjustments``) applies one penalty row,
 the committed history's, to every slot of a block, and under DFlash the penalizers never even see the generated
 tokens (its ``prepare_for_decode`` never feeds them), so a speculative run silently drops presence, frequency and
-repetition penalties and keeps stop tokens masked or unmasked regardless of ``min_new_tokens`` (checked on the
-CPU path: outputs equal the unpenalized ones). Plain decoding decides slot ``j`` of a block with the committed
+repetition penalties and keeps stop tokens masked or unmasked regardless of ``min_new_tokens`` (as read from
+SGLang's source; not measured without this module). Plain decoding decides slot ``j`` of a block with the committed
 tokens *and the proposed tokens before it* as its history; this module gives every slot exactly that, so the
 distribution each proposal is verified against is the one plain decoding samples from: greedy outputs equal
 plain decoding's, sampled ones keep its distribution (the verify's rejection sampling is exact for any target).
