@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dspine.decoding.grammar import forced
@@ -30,6 +31,8 @@ FORCED_PRIOR = 0.9  # per-token acceptance assumed for a forced string's canonic
 SUFFIX_DECAY = 0.9  # a row's suffix evidence kept per suffix verify it makes
 POOL_HALF_LIFE = 64.0  # rounds: pooled evidence halves after this many rounds that add to it
 POOL_WEIGHT = 8.0  # pseudo-trials behind the static prior in the pooled estimates
+CALIBRATION_WEIGHT = 4.0  # pseudo-tokens behind "the suffix estimates are right" (``suffix_scale`` = 1)
+CALIBRATION_RANGE = (0.25, 2.0)  # how far the job's evidence may scale the suffix survival estimates
 _POOL_DECAY = 0.5 ** (1.0 / POOL_HALF_LIFE)
 
 
@@ -49,6 +52,9 @@ class JobAcceptance:
     totals: dict[str, list[int]] = field(
         default_factory=lambda: {"dspine": [0, 0, 0], "suffix": [0, 0, 0], "forced": [0, 0, 0]})
     suggested: int = 0  # rounds in which some row had a suffix proposal at all
+    # the suffix survival estimates' calibration: tokens they expected kept, tokens kept (decayed as the pools)
+    suffix_expected: float = 0.0
+    suffix_kept: float = 0.0
 
     def __post_init__(self) -> None:
         if self.draft_trials is None:
@@ -90,6 +96,22 @@ class JobAcceptance:
         n[1] += proposed
         n[2] += accepted
 
+    def suffix_scale(self) -> float:
+        """What the job's suffix verifies say of the survival estimates: tokens kept over tokens expected kept
+        (Σ of the estimated survival over the verified tokens), shrunk towards 1 and bounded. The estimates come
+        from corpus agreement and a rate per row; on free text at several rows a proposal they call even odds is
+        kept less often than that, and a verify that does not pay is a loss the plan cannot see otherwise."""
+        lo, hi = CALIBRATION_RANGE
+        ratio = (self.suffix_kept + CALIBRATION_WEIGHT) / (self.suffix_expected + CALIBRATION_WEIGHT)
+        return min(hi, max(lo, ratio))
+
+    def observe_suffix_estimate(self, expected: float, kept: float) -> None:
+        """One round's suffix verifies: the survival estimates' expected kept tokens against the kept ones."""
+        if expected <= 0:
+            return
+        self.suffix_expected = self.suffix_expected * _POOL_DECAY + expected
+        self.suffix_kept = self.suffix_kept * _POOL_DECAY + kept
+
     def observe_suffix(self, trials: float, hits: float) -> None:
         if trials <= 0:
             return
@@ -111,6 +133,7 @@ def point_proposals(rows: list[Row], src: SuffixSource, width: int, job: JobAcce
     a, props = suffix_survival([r if r.state is None or r.state.matcher is None else None for r in rows], src,
                                width, job.suffix_rate())
     n_forced = [0] * len(rows)
+    a_np = a.numpy()  # the same memory, cheap element writes
     for b, r in enumerate(rows):
         st = r.state
         if st is None or st.matcher is None or r.finish is not None:
@@ -123,7 +146,7 @@ def point_proposals(rows: list[Row], src: SuffixSource, width: int, job: JobAcce
         rate = job.forced_rate()
         for j, t in enumerate(toks):
             surv *= 1.0 if j >= len(toks) - certain else rate
-            a[b, j] = surv
+            a_np[b, j] = surv
             out.append(t)
         n_forced[b] = len(out)
         if len(out) < room:
@@ -133,7 +156,7 @@ def point_proposals(rows: list[Row], src: SuffixSource, width: int, job: JobAcce
                 for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
                     agree = (same + AGREEMENT_WEIGHT * srate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
                     surv *= min(agree, srate + (1.0 - srate) * agree)
-                    a[b, len(out)] = surv
+                    a_np[b, len(out)] = surv
                     out.append(sug.tokens[j])
         props[b] = out
     return a, props, n_forced
@@ -144,7 +167,7 @@ def suffix_survival(rows: list[Row | None], src: SuffixSource, width: int, prior
     """Each running row's suffix proposal (tokens, capped by what the row may still generate) and its estimated
     survival a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the
     same token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal and for finished rows."""
-    a = torch.zeros(len(rows), width)
+    a_np = np.zeros((len(rows), width), dtype=np.float32)  # written element by element: numpy, not torch
     props: list[list[int]] = []
     for b, r in enumerate(rows):
         if r is None:  # a row that proposes otherwise (``point_proposals``)
@@ -160,7 +183,7 @@ def suffix_survival(rows: list[Row | None], src: SuffixSource, width: int, prior
         for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
             agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
             surv *= min(agree, rate + (1.0 - rate) * agree)
-            a[b, j] = surv
+            a_np[b, j] = surv
             out.append(sug.tokens[j])
         props.append(out)
-    return a, props
+    return torch.from_numpy(a_np), props

@@ -28,6 +28,9 @@ class StreamConfig:
     prices: LivePrices | StaticPrices | None = None  # what rounds cost, from the job's own rounds (``prices.py``)
     job: JobAcceptance | None = None  # acceptance pooled over the stream's rows (``acceptance.py``)
     keep_dead: bool = False  # finished rows stay in their slots until reused (the target packs: they cost nothing)
+    draft_idle: int = 0  # rounds in a row the planner could have run the draft and did not (``rounds.retire_draft``)
+    draft_retired: int | None = None  # the round the draft was retired at: no context kept, never proposed again
+    rounds: int = 0  # mixed rounds run so far
 
 
 def extra_slots(cfg: StreamConfig) -> int:

@@ -182,7 +182,7 @@ def _explain(cfg: StreamConfig, decisions: dict | None) -> None:
     if decisions is None or cfg.job is None:
         return
     decisions.update(explain(cfg.job, cfg.prices, cfg.draft is not None, cfg.nominal_rows,
-                             decisions.get("_row_rounds", 0)))
+                             decisions.get("_row_rounds", 0), cfg.draft_retired))
     summary = getattr(cfg.prices, "summary", None)
     if summary is not None:
         decisions["prices"] = summary()

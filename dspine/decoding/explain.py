@@ -28,17 +28,27 @@ def break_even(prices: LivePrices | StaticPrices, R: int, width: int, block: int
     return (prices.round_s(R, R * width) + prices.draft_s(R, block)) / plain
 
 
+def draft_outlook(job: JobAcceptance, prices: LivePrices | StaticPrices, R: int) -> tuple[float, float, int]:
+    """The draft's best block at ``R`` rows on this job: (its expected τ there, the τ a round of it must reach to
+    beat a plain step, the block)."""
+    surv = torch.cumprod(job.draft_rates(), 0)
+    best = max(range(2, job.slots + 2), key=lambda b: (1 + float(surv[: b - 1].sum()))
+               / break_even(prices, R, b - 1, b))
+    return 1 + float(surv[: best - 1].sum()), break_even(prices, R, best - 1, best), best
+
+
 def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: bool, rows: int,
-            row_rounds: int) -> dict[str, dict]:
+            row_rounds: int, retired: int | None = None) -> dict[str, dict]:
     """Per source (``dspine``, ``suffix``, ``forced``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
-    nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far."""
+    nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far; ``retired``: the
+    round the draft was retired at (``rounds.retire_draft``), if it was."""
     R = _typical_rows(prices, rows)
     out: dict[str, dict] = {}
     for name in ("dspine", "suffix", "forced"):
         rounds, proposed, accepted = job.totals[name]
         ran = rounds > 0 and rounds >= _SHARE * max(row_rounds, 1)
         out[name] = {"rounds": rounds, "proposed": proposed, "accepted": accepted, "ran": rounds > 0, "why": None}
-        if ran:
+        if ran and not (name == "dspine" and retired is not None):
             continue
         if name == "dspine":
             if not draft_on:
@@ -46,13 +56,12 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
             elif job.slots <= 0:
                 why = "the draft's block is 1 (nothing to propose)"
             else:
-                rates = job.draft_rates()
-                surv = torch.cumprod(rates, 0)
-                best = max(range(2, job.slots + 2), key=lambda b: (1 + float(surv[: b - 1].sum()))
-                           / break_even(prices, R, b - 1, b))
-                tau = 1 + float(surv[: best - 1].sum())
-                need = break_even(prices, R, best - 1, best)
-                if tau < need:
+                tau, need, best = draft_outlook(job, prices, R)
+                if retired is not None:
+                    why = (f"retired after round {retired}: its expected tau {tau:.2f} (acceptance pooled over "
+                           f"this job) at block {best} stayed below the {need:.2f} a round of it must reach to "
+                           f"beat a plain step at {R} rows on this CPU, so its context was no longer kept")
+                elif tau < need:
                     why = (f"its expected tau {tau:.2f} (acceptance pooled over this job) at block {best} is below "
                            f"the {need:.2f} a round of it must reach to beat a plain step at {R} rows on this CPU")
                 else:

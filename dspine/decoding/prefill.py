@@ -72,9 +72,10 @@ def prefill(target: Target, rows: list[Row], cfg: StreamConfig, pace: Pace | Non
     sample_first(target, last, rows)  # each row's first token, through the processing seam
     dcache = hist = None
     if cfg.draft is not None:
-        lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
-        dcache = cfg.draft.new_cache(len(rows), cap)
-        cfg.draft.extend_context(dcache, taps, lens)
+        if cfg.draft_retired is None:  # a retired draft (``rounds.retire_draft``) keeps no context
+            lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
+            dcache = cfg.draft.new_cache(len(rows), cap)
+            cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
     return RunningBatch(rows, cache, dcache, hist)
 

@@ -11,6 +11,7 @@ import torch
 from dspine.decoding.acceptance import point_proposals
 from dspine.decoding.commit import record, sample_first, verify_slots
 from dspine.decoding.config import StreamConfig
+from dspine.decoding.explain import draft_outlook
 from dspine.decoding.prices import Stopwatch
 from dspine.decoding.processors import grammar_masks
 from dspine.decoding.rows import Row, seeds_positions
@@ -103,20 +104,54 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
     batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
 
 
+RETIRE_ROUNDS = 64  # rounds in a row without the draft before retiring it is considered
+RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
+
+
+def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
+    """Whether to stop keeping the draft's context for the rest of the stream (``proposers=auto``): when the planner
+    has not chosen it for ``RETIRE_ROUNDS`` rounds in a row and its expected τ on this job, at the rows in flight,
+    is below ``RETIRE_MARGIN`` of the τ a round of it must reach to beat a plain step. Its upkeep (the context
+    forward over every committed token, the taps) is paid whichever source runs, so a draft that does not pay costs
+    a few per cent of every round (~3 % on free text at 8 rows, one thread); retired, the stream runs suffix
+    proposals and plain steps alone. Only greedy rows take the draft under ``auto``, so retiring it changes no
+    token (the choice reads live prices, which never decide a token: docs/design.md, "Live prices")."""
+    if ran:
+        cfg.draft_idle = 0
+        return False
+    cfg.draft_idle += 1
+    if cfg.draft_idle < RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
+        return False
+    cfg.draft_idle = 0  # looked at again RETIRE_ROUNDS later, if it was not retired now
+    tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
+    if tau >= RETIRE_MARGIN * need:
+        return False
+    cfg.draft_retired = cfg.rounds
+    return True
+
+
 def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: Stopwatch) -> tuple[int, int, int]:
     """A round with point proposals on (suffix matches, and the tokens a row's grammar forces): per row a plain
     step, the draft's block or its point proposal (``schedule.plan_packed`` / ``plan_sources`` with the live
     prices), verified together in one ragged forward (packed on targets that pack: each row computes its own
     ``1 + ℓ`` tokens). Finished rows kept in their slots (``cfg.keep_dead``) take no part. Returns what the round
     was, for its price: (live rows, verified tokens beyond one per row, the draft's block or 0)."""
-    draft, rows, dev, src, job = cfg.draft, batch.rows, target.device, cfg.suffix, cfg.job
+    draft = cfg.draft if cfg.draft_retired is None else None
+    if draft is None and batch.dcache is not None:  # rows prefilled before the draft was retired
+        batch.dcache, batch.pending = None, []
+    rows, dev, src, job = batch.rows, target.device, cfg.suffix, cfg.job
+    cfg.rounds += 1
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
     R = int(live.sum())
     params = [r.sp for r in rows]
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
     seeds, pos = seeds_positions(rows)
-    a_pt, pts, n_forced = point_proposals(rows, src, src.max_len, job)
+    a_raw, pts, n_forced = point_proposals(rows, src, src.max_len, job)
+    # the job's calibration of the suffix estimates (``JobAcceptance.suffix_scale``); forced tokens keep theirs
+    scale = job.suffix_scale()
+    plain_pts = torch.tensor([n == 0 for n in n_forced], dtype=torch.bool)
+    a_pt = torch.where(plain_pts[:, None], (a_raw * scale).clamp(max=1.0), a_raw) if scale != 1.0 else a_raw
     job.suggested += any(pts)
     a_draft = batch.hist.survival(job.draft_rates()) if draft is not None else None
     packed = cfg.prices.packed
@@ -126,7 +161,9 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         pl = plan_sources(a_draft, a_pt, greedy, cfg.prices)
     # the draft proposes for greedy rows only here: a batch of sampled rows (``--num-samples``) keeps no draft
     # context, so its rounds pay no taps and no upkeep (a greedy row admitted later brings its own from prefill)
-    upkeep = batch.dcache is not None and bool((greedy & live).any())
+    upkeep = draft is not None and batch.dcache is not None and bool((greedy & live).any())
+    if upkeep and retire_draft(cfg, bool(pl.draft_block), R):
+        batch.dcache, batch.pending, draft, upkeep = None, [], None, False
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
     source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
@@ -188,7 +225,12 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             draft.extend_context(batch.dcache, out.taps, n_commit)
         else:  # the draft did not run: its upkeep waits until it does (or until ``hold`` catches up)
             watch.upkeep_s += batch.hold(draft, out.taps, n_commit.cpu())
+    sfx = [b for b in torch.nonzero((source == SUFFIX) & (ell > 0) & live).flatten().tolist()]
+    before = sum(rows[b].stats.suffix_accepted for b in sfx)
     ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced)
+    if sfx:
+        job.observe_suffix_estimate(sum(float(a_raw[b, : int(ell[b])].sum()) for b in sfx),
+                                    sum(rows[b].stats.suffix_accepted for b in sfx) - before)
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
     return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

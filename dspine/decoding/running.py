@@ -85,7 +85,7 @@ class RunningBatch:
         return RunningBatch(
             self.rows + other.rows,
             ModelCache.concat([self.cache, other.cache]),
-            None if self.dcache is None else ModelCache.concat([self.dcache, other.dcache]),
+            None if self.dcache is None or other.dcache is None else ModelCache.concat([self.dcache, other.dcache]),
             None if self.hist is None else History.concat([self.hist, other.hist]),
             [(torch.cat([t, t.new_zeros(k, *t.shape[1:])]), torch.cat([n, n.new_zeros(k)])) for t, n in self.pending],
         )
@@ -93,6 +93,8 @@ class RunningBatch:
     def assign(self, slots: list[int], other: RunningBatch) -> bool:
         """Write ``other``'s rows into ``slots`` in place (copies only the newcomers); False if not possible."""
         assert not other.pending, "a fresh batch has no pending context"
+        if self.dcache is not None and other.dcache is None:  # the draft was retired (``rounds.retire_draft``)
+            self.dcache, self.pending = None, []
         if not can_assign(self.cache, other.cache) or (
             self.dcache is not None and not can_assign(self.dcache, other.dcache)
         ):

@@ -8,9 +8,10 @@ reason), ``list`` (a list of objects: the items a paragraph names, with quantiti
   none        ``--draft none`` under the schemas (the baseline)
   auto        the defaults under the schemas (draft, suffix matches, grammar-forced tokens; live prices)
 Each cell repeats ``--repeats`` times, the variants' order alternating; min and median wall seconds, tok/s, the
-ratio to ``none``, whether ``auto``'s outputs equal ``none``'s token for token, forced/suffix/draft tokens
+ratio to ``none`` (wall, and process CPU seconds: with ``--threads 1`` the one that holds on a shared
+machine), whether ``auto``'s outputs equal ``none``'s token for token, forced/suffix/draft tokens
 accepted, and the share of rows that end with ``stop`` whose output validates against its schema (``jsonschema``,
-not our code). Grammar cost: ms per generated token of ``none`` minus ``plain`` over ``plain``'s ms per token.
+not our code). Grammar cost: CPU ms per generated token of ``none`` minus ``plain`` over ``plain``'s ms per token.
 
     python scripts/bench/bench_structured.py --repeats 3 --concurrency 1 8
 """
@@ -93,11 +94,11 @@ def run_once(engine, variant: str, reqs, c: int) -> dict:
     engine.proposers = None if variant in ("none", "plain") else "auto"
     engine.batch_size = c
     engine._cost(c)  # calibrated (or read from the cache) outside the timing
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = list(engine.run(iter(reqs), c))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     acc = {k: sum(getattr(r, f"{k}_tokens_accepted") or 0 for r in res) for k in ("dspine", "suffix", "forced")}
-    return {"wall": wall, "tokens": sum(r.completion_tokens for r in res), "accepted": acc,
+    return {"wall": wall, "cpu": cpu, "tokens": sum(r.completion_tokens for r in res), "accepted": acc,
             "outputs": {r.row_id: r.token_ids for r in res}, "results": res, "load": os.getloadavg()[0]}
 
 
@@ -124,13 +125,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--variants", nargs="+", default=["plain", "none", "auto"])
+    ap.add_argument("--threads", type=int, default=None, help="the engine's threads (1: CPU seconds hold under load)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     from dspine_batch.engines.reference import ReferenceEngine
 
     print(f"cpu: {cpu_line()}, {load_line()}", flush=True)
-    engine = ReferenceEngine.load("embedded", "embedded", {})
+    engine = ReferenceEngine.load("embedded", "embedded", {} if args.threads is None else
+                                  {"threads": str(args.threads)})
     print(f"engine: dtype {engine.identity()['dtype']}, kernel {engine.target.kernel}", flush=True)
     rows = job()
     reqs = {v: requests(engine.tokenizer, rows, v != "plain", args.max_new_tokens) for v in args.variants}
@@ -141,6 +144,7 @@ def main() -> None:
             for v in (args.variants if rep % 2 == 0 else list(reversed(args.variants))):
                 runs[v].append(run_once(engine, v, reqs[v], c))
         med = {v: statistics.median(r["wall"] for r in rs) for v, rs in runs.items()}
+        cpu = {v: statistics.median(r["cpu"] for r in rs) for v, rs in runs.items()}
         for v, rs in runs.items():
             first = rs[0]
             ok, n = validates(first["results"], rows)
@@ -150,18 +154,21 @@ def main() -> None:
                     "median_s": round(med[v], 3), "tokens": first["tokens"],
                     "tok_s": round(first["tokens"] / med[v], 1),
                     "vs_none": round(med["none"] / med[v], 3) if "none" in med else None,
+                    "cpu_median_s": round(cpu[v], 3),
+                    "cpu_vs_none": round(cpu["none"] / cpu[v], 3) if "none" in cpu else None,
                     "identical_to_none": same, "accepted": first["accepted"], "stop_rows_valid": f"{ok}/{n}",
                     "loads": [round(r["load"], 2) for r in rs]}
             report["cells"].append(cell)
             print(f"c={c:<3} {v:<6} min {cell['min_s']:6.2f} s  median {cell['median_s']:6.2f} s  "
-                  f"{cell['tokens']:5d} tok {cell['tok_s']:7.1f} tok/s  x{cell['vs_none'] or 0:.3f} vs none  "
+                  f"{cell['tokens']:5d} tok {cell['tok_s']:7.1f} tok/s  x{cell['vs_none'] or 0:.3f} vs none "
+                  f"(cpu x{cell['cpu_vs_none'] or 0:.3f})  "
                   f"identical={same}  accepted {first['accepted']}  valid {ok}/{n}  loads {cell['loads']}",
                   flush=True)
         if "plain" in runs and "none" in runs:
-            ms = {v: 1e3 * med[v] / runs[v][0]["tokens"] for v in ("plain", "none")}
+            ms = {v: 1e3 * cpu[v] / runs[v][0]["tokens"] for v in ("plain", "none")}
             cost = (ms["none"] - ms["plain"]) / ms["plain"]
             report["cells"].append({"concurrency": c, "grammar_cost_per_token": round(cost, 4)})
-            print(f"c={c:<3} grammar bookkeeping: {ms['none']:.2f} vs {ms['plain']:.2f} ms a token "
+            print(f"c={c:<3} grammar bookkeeping: {ms['none']:.2f} vs {ms['plain']:.2f} CPU ms a token "
                   f"({100 * cost:+.1f} %)", flush=True)
     write_json(args.json, report)
 

@@ -9,7 +9,9 @@ repeat to the next (none, auto, then auto, none, ...), so a load that rises or f
 ``none`` (``--draft none``: plain decoding, the baseline), ``auto`` (the default: draft and suffix per row and
 round, priced live), and optionally ``dspine`` / ``suffix`` alone. Reported per variant: min and median wall
 seconds, tok/s at the median, the ratio to ``none`` (median over median, and the per-repeat pair ratios' median),
-whether greedy outputs equal ``none``'s, tau and accepted tokens by source, µs per suffix proposal, the suffix
+the same ratio in process CPU seconds (with ``--threads 1`` the figure that
+holds on a shared machine: another process's load stretches wall time, not this one's CPU time), whether greedy
+outputs equal ``none``'s, tau and accepted tokens by source, µs per suffix proposal, the suffix
 index's size. The CPU model and the load average are printed first and per cell. Cost models are calibrated
 before timing. ``--overhead`` also times what the live pricing adds to a round (observe + price lookups) next to
 the plain round it rides on.
@@ -91,9 +93,9 @@ def run_once(engine, variant: str, reqs, concurrency: int, timer: SuffixTimer) -
     engine.proposers = None if variant == "none" else variant
     engine.batch_size = concurrency
     engine._cost(concurrency)  # calibrated (or read from the cache) outside the timing
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     results = list(engine.run(iter(reqs), concurrency))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     toks = sum(r.completion_tokens for r in results)
     src = {}
     for name in ("dspine", "suffix"):
@@ -102,7 +104,8 @@ def run_once(engine, variant: str, reqs, concurrency: int, timer: SuffixTimer) -
         prop = sum(getattr(r, f"{name}_tokens_proposed") or 0 for r in results)
         src[name] = {"steps": steps, "proposed": prop, "accepted": acc,
                      "tau": round((acc + steps) / steps, 3) if steps else None}
-    return {"variant": variant, "wall_s": round(wall, 3), "tokens": toks, "tok_s": round(toks / wall, 2),
+    return {"variant": variant, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "tokens": toks,
+            "tok_s": round(toks / wall, 2),
             "outputs": {(r.row_id, r.sample_index): r.token_ids for r in results}, "by_source": src,
             "load": round(os.getloadavg()[0], 2), **timer.take()}
 
@@ -188,8 +191,11 @@ def main() -> None:
                 first = rs[0]
                 same = all(r["outputs"] == base[0]["outputs"] for r in rs) if base else None
                 pair = [b["wall_s"] / r["wall_s"] for b, r in zip(base, rs)] if base else []
+                cpus = [r["cpu_s"] for r in rs]
                 line = {"variant": v, "workload": name, "concurrency": c, "min_s": min(walls), "median_s": med,
-                        "walls": walls, "tokens": first["tokens"], "tok_s_median": round(first["tokens"] / med, 2),
+                        "walls": walls, "cpus": cpus,
+                        "cpu_vs_none_median": round(_median([b["cpu_s"] for b in base]) / _median(cpus), 3)
+                        if base else None, "tokens": first["tokens"], "tok_s_median": round(first["tokens"] / med, 2),
                         "vs_none_median": round(_median([b["wall_s"] for b in base]) / med, 3) if base else None,
                         "vs_none_pairs_median": round(_median(pair), 3) if pair else None,
                         "identical_to_none": same, "by_source": first["by_source"],
@@ -200,7 +206,8 @@ def main() -> None:
                 print(f"{name:<8} c={c:<3} {v:<7} min {min(walls):6.2f} s  median {med:6.2f} s  "
                       f"{first['tokens']:6d} tok {line['tok_s_median']:7.1f} tok/s  "
                       f"x{line['vs_none_median'] or 0:.3f} vs none (pairs "
-                      f"x{line['vs_none_pairs_median'] or 0:.3f})  identical={same}  "
+                      f"x{line['vs_none_pairs_median'] or 0:.3f}; cpu x{line['cpu_vs_none_median'] or 0:.3f})  "
+                      f"identical={same}  "
                       f"tau dspine {bs['dspine']['tau']} ({bs['dspine']['accepted']} acc) "
                       f"suffix {bs['suffix']['tau']} ({bs['suffix']['accepted']} acc)  "
                       f"loads {line['loads']}", flush=True)

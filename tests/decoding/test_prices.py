@@ -151,3 +151,44 @@ def test_no_price_changes_a_token(target_name, llama_target, hybrid_target):
                         prices=prices, **kw)
         assert [s.token_ids for s in spec] == want
         assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
+
+
+@pytest.mark.parametrize("target_name", ["llama", "hybrid"])
+def test_a_draft_that_never_pays_is_retired_and_changes_no_token(target_name, llama_target, hybrid_target,
+                                                                  monkeypatch):
+    """Priced out round after round, the draft is retired (its context no longer kept, rows admitted afterwards
+    prefilled without one); the stream goes on with suffix proposals and plain steps, every output plain
+    decoding's, and the decisions say when and why."""
+    from dspine.decoding import rounds
+    from dspine.decoding.decode import decode_stream
+    from dspine.decoding.sampling import SamplingParams
+
+    monkeypatch.setattr(rounds, "RETIRE_ROUNDS", 4)
+    target = {"llama": llama_target, "hybrid": hybrid_target}[target_name]
+    prompts = _repetitive_prompts(target, 4, seed=21) + token_prompts(4, target.vocab_size, seed=22)
+    temps = [0.0, 0.7, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0]
+    kw = dict(max_new_tokens=[18, 12, 25, 9, 16, 22, 11, 20], temperature=temps, seed=list(range(50, 58)))
+    want = [p.token_ids for p in generate(target, None, prompts, **kw)]
+    draft = _random_dspine(target, 4, seed=5)
+    dear = _static(1.0, 0.5, 50.0)  # a draft block costs 50 plain steps: it never pays
+    dear.packed = target.packs
+    params = [SamplingParams(n, t, seed=s) for n, t, s in zip(kw["max_new_tokens"], temps, kw["seed"])]
+    decisions: dict = {}
+    got = dict(decode_stream(target, draft, zip(prompts, params), batch_size=3, verify="cost", cost=CAL,
+                             proposers="auto", prices=dear, decisions=decisions))
+    assert [got[i].token_ids for i in range(len(prompts))] == want
+    assert decisions["dspine"]["why"].startswith("retired after round"), decisions["dspine"]
+    assert decisions["dspine"]["rounds"] == 0
+
+
+def test_suffix_estimates_are_calibrated_by_what_the_job_keeps():
+    from dspine.decoding.acceptance import CALIBRATION_RANGE, JobAcceptance
+
+    job = JobAcceptance(0.5, 3)
+    assert job.suffix_scale() == 1.0
+    for _ in range(40):  # estimates that expect 3 tokens kept where 1 is
+        job.observe_suffix_estimate(3.0, 1.0)
+    assert 0.3 < job.suffix_scale() < 0.4
+    for _ in range(400):  # and later twice what they expect: the scale follows, within its bounds
+        job.observe_suffix_estimate(1.0, 3.0)
+    assert job.suffix_scale() == CALIBRATION_RANGE[1]
