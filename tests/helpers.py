@@ -630,6 +630,15 @@ def save_random_draft(target_dir: str, out: Path, seed: int, damp: float | None 
     return target
 
 
+def chat_pair(target_dir: Path, draft_dir: Path) -> tuple[str, str]:
+    """A tiny Qwen3 target with a real tokenizer and SmolLM2's chat template (what the CLI renders prompts with),
+    and a random draft for it: the SGLang tests' model pair."""
+    vocab = tokenizer_dir(target_dir, SMOL_TEMPLATE)
+    save_tiny_hf(target_dir, "qwen3", vocab=vocab, layers=3, max_position_embeddings=4096)
+    save_random_draft(str(target_dir), draft_dir, seed=3)
+    return str(target_dir), str(draft_dir)
+
+
 def random_pair(root: Path) -> tuple[str, str]:
     tdir = save_tiny_hf(root / "target", "qwen3", vocab=256, layers=3, max_position_embeddings=4096)
     save_random_draft(tdir, root / "draft", seed=3)

@@ -31,6 +31,7 @@ class StreamConfig:
     draft_idle: int = 0  # rounds in a row the planner could have run the draft and did not (``rounds.retire_draft``)
     draft_retired: int | None = None  # the round the draft was retired at: no context kept, never proposed again
     rounds: int = 0  # mixed rounds run so far
+    quiet: int = 0  # rounds in a row that verified nothing (``rounds._quiet_round``)
 
 
 def extra_slots(cfg: StreamConfig) -> int:

@@ -73,9 +73,13 @@ def prefill(target: Target, rows: list[Row], cfg: StreamConfig, pace: Pace | Non
     dcache = hist = None
     if cfg.draft is not None:
         if cfg.draft_retired is None:  # a retired draft (``rounds.retire_draft``) keeps no context
-            lens = torch.tensor([len(q) for q in prompts], dtype=torch.long, device=dev)
+            # with suffix proposals on (``mixed_round``) the draft proposes for greedy rows only: a sampled row's
+            # draft context is never read, so its prompt is not run through the draft (``--num-samples`` jobs)
+            lens = torch.tensor([len(q) if cfg.suffix is None or r.sp.greedy else 0 for q, r in zip(prompts, rows)],
+                                dtype=torch.long, device=dev)
             dcache = cfg.draft.new_cache(len(rows), cap)
-            cfg.draft.extend_context(dcache, taps, lens)
+            if int(lens.max()) > 0:
+                cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
     return RunningBatch(rows, cache, dcache, hist)
 

@@ -104,7 +104,7 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
     batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
 
 
-RETIRE_ROUNDS = 64  # rounds in a row without the draft before retiring it is considered
+RETIRE_ROUNDS = 16  # rounds in a row without the draft before retiring it is considered
 RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
 
 
@@ -130,6 +130,25 @@ def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
     return True
 
 
+QUIET_AFTER = 8  # rounds in a row that verified nothing before the stream looks for proposals less often ...
+QUIET_EVERY = 4  # ... only every QUIET_EVERY-th round (the others plain steps, planned by no one)
+
+
+def _quiet_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> tuple[int, int, int]:
+    """A plain step for every live row with no proposals looked for and nothing planned: taken on three rounds in
+    four once ``QUIET_AFTER`` rounds in a row verified nothing, with no draft context to keep up (no draft, a
+    retired one, or no greedy row: the draft proposes for greedy rows only here) and no row under a grammar.
+    Looking for suffix matches and planning cost ~4 % of a plain step at 8 rows (two
+    threads: Python between parallel forwards) and buy nothing on text that does not repeat; a row that starts
+    repeating itself is still seen within ``QUIET_EVERY`` rounds (the suffix index is fed every round). A plain
+    step's tokens are every choice's tokens, so this changes none."""
+    live = [r for r in batch.rows if r.finish is None]
+    plain_round(target, batch)
+    for r in live:
+        r.stats.plain_steps += 1
+    return len(live), 0, 0
+
+
 def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: Stopwatch) -> tuple[int, int, int]:
     """A round with point proposals on (suffix matches, and the tokens a row's grammar forces): per row a plain
     step, the draft's block or its point proposal (``schedule.plan_packed`` / ``plan_sources`` with the live
@@ -141,6 +160,10 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         batch.dcache, batch.pending = None, []
     rows, dev, src, job = batch.rows, target.device, cfg.suffix, cfg.job
     cfg.rounds += 1
+    if (cfg.quiet >= QUIET_AFTER and cfg.rounds % QUIET_EVERY
+            and (draft is None or not any(r.finish is None and r.sp.greedy for r in rows))  # no upkeep to keep
+            and not any(r.state is not None and r.state.matcher is not None for r in rows)):
+        return _quiet_round(target, batch, cfg)
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
     R = int(live.sum())
@@ -203,6 +226,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             ell = cut
             W = int(ell.max())
             props = props[:, :W]
+    cfg.quiet = cfg.quiet + 1 if W == 0 else 0
     if W == 0:  # every row takes a plain step (same uniforms as plain decoding)
         got, n = plain_round(target, batch, taps)
         if upkeep:

@@ -21,12 +21,9 @@ pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sgla
 
 from helpers import (  # noqa: E402
     ROOT,
-    SMOL_TEMPLATE,
+    chat_pair,
     prompts,
     read_output,
-    save_random_draft,
-    save_tiny_hf,
-    tokenizer_dir,
     write_jsonl,
 )
 
@@ -43,12 +40,7 @@ def _prompts() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang_cli_model")
-    vocab = tokenizer_dir(d, SMOL_TEMPLATE)
-    save_tiny_hf(d, "qwen3", vocab=vocab, layers=3, max_position_embeddings=4096)
-    draft = tmp_path_factory.mktemp("sglang_cli_draft")
-    save_random_draft(str(d), draft, seed=3)
-    return str(d), str(draft)
+    return chat_pair(tmp_path_factory.mktemp("sglang_cli_model"), tmp_path_factory.mktemp("sglang_cli_draft"))
 
 
 def _args(models, src: Path, out: Path, meta_log: Path) -> list[str]:

@@ -192,3 +192,22 @@ def test_suffix_estimates_are_calibrated_by_what_the_job_keeps():
     for _ in range(400):  # and later twice what they expect: the scale follows, within its bounds
         job.observe_suffix_estimate(1.0, 3.0)
     assert job.suffix_scale() == CALIBRATION_RANGE[1]
+
+
+def test_quiet_stretches_skip_the_planning_and_change_no_token(llama_target, monkeypatch):
+    """Once rounds in a row verify nothing, most rounds are plain steps nobody plans (``rounds._quiet_round``);
+    greedy and sampled rows keep plain decoding's tokens."""
+    from dspine.decoding import rounds
+
+    calls = []
+    quiet = rounds._quiet_round
+    monkeypatch.setattr(rounds, "_quiet_round", lambda *a: calls.append(1) or quiet(*a))
+    prompts = token_prompts(5, llama_target.vocab_size, seed=31)
+    kw = dict(max_new_tokens=[30, 24, 28, 12, 30], temperature=[0.0, 0.8, 0.0, 1.0, 0.0], seed=list(range(5)))
+    want = [p.token_ids for p in generate(llama_target, None, prompts, **kw)]
+    dear = _static(1.0, 10.0)  # no proposal ever pays
+    dear.packed = llama_target.packs
+    got = generate(llama_target, None, prompts, verify="cost", cost=CAL, proposers="suffix", batch_size=3,
+                   prices=dear, **kw)
+    assert [g.token_ids for g in got] == want
+    assert len(calls) > 10

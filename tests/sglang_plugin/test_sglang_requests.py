@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.sglang
 pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
 
-from helpers import SMOL_TEMPLATE, save_random_draft, save_tiny_hf, tokenizer_dir  # noqa: E402
+from helpers import chat_pair  # noqa: E402
 
 from dspine_batch.engines.base import Request, SamplingParams, Structure  # noqa: E402
 
@@ -37,12 +37,7 @@ PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sglang_req_model")
-    vocab = tokenizer_dir(d, SMOL_TEMPLATE)
-    save_tiny_hf(d, "qwen3", vocab=vocab, layers=3, max_position_embeddings=4096)
-    draft = tmp_path_factory.mktemp("sglang_req_draft")
-    save_random_draft(str(d), draft, seed=3)
-    return str(d), str(draft)
+    return chat_pair(tmp_path_factory.mktemp("sglang_req_model"), tmp_path_factory.mktemp("sglang_req_draft"))
 
 
 def _requests(tok) -> dict[str, list[Request]]:
