@@ -94,13 +94,14 @@ def verify_slots(target: Target, hidden: torch.Tensor, rows: list[Row], props: t
 
 
 def record(rows: list[Row], verdict, ell: torch.Tensor, sources: list[int], live: list[bool] | None = None,
-           job: JobAcceptance | None = None, lp: Logprobs | None = None, forced: list[int] | None = None
-           ) -> tuple[list[int], list[int]]:
+           job: JobAcceptance | None = None, lp: Logprobs | None = None, forced: list[int] | None = None,
+           suffix_expected: float = 0.0) -> tuple[list[int], list[int]]:
     """Read the round's outcome (its one host read), push each live row's committed tokens (with their logprobs)
     and count its stats, by source, into the row and the job's pooled acceptance; returns the draft's (verified,
     accepted) per row for its history (0, 0 where the draft did not propose or the row is finished). ``forced``:
     per row, how many leading proposed tokens its grammar forced (the rest of a FORCED row's proposal is a suffix
-    match chained after them)."""
+    match chained after them). ``suffix_expected``: the tokens the suffix rows' survival estimates expected kept
+    (``JobAcceptance.observe_suffix_estimate`` compares them with the kept ones)."""
     dev = verdict.n_accepted.device
     host = torch.cat([verdict.n_accepted[:, None], verdict.invalid[:, None].long(), ell.to(dev)[:, None],
                       verdict.committed], dim=1).tolist()
@@ -160,5 +161,6 @@ def record(rows: list[Row], verdict, ell: torch.Tensor, sources: list[int], live
         acc_l.append(k if src == DRAFT else 0)
     if job is not None:
         job.observe_suffix(sfx_trials, sfx_hits)
+        job.observe_suffix_estimate(suffix_expected, sfx_hits)
         job.observe_draft(ell_l, acc_l)
     return ell_l, acc_l

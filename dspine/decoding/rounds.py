@@ -156,13 +156,13 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     ``1 + ℓ`` tokens). Finished rows kept in their slots (``cfg.keep_dead``) take no part. Returns what the round
     was, for its price: (live rows, verified tokens beyond one per row, the draft's block or 0)."""
     draft = cfg.draft if cfg.draft_retired is None else None
-    if draft is None and batch.dcache is not None:  # rows prefilled before the draft was retired
-        batch.dcache, batch.pending = None, []
+    if draft is None:  # rows prefilled before the draft was retired
+        batch.drop_draft()
     rows, dev, src, job = batch.rows, target.device, cfg.suffix, cfg.job
     cfg.rounds += 1
-    if (cfg.quiet >= QUIET_AFTER and cfg.rounds % QUIET_EVERY
-            and (draft is None or not any(r.finish is None and r.sp.greedy for r in rows))  # no upkeep to keep
-            and not any(r.state is not None and r.state.matcher is not None for r in rows)):
+    constrained = any(r.state is not None and r.state.matcher is not None for r in rows)
+    if (cfg.quiet >= QUIET_AFTER and cfg.rounds % QUIET_EVERY and not constrained
+            and (draft is None or not any(r.finish is None and r.sp.greedy for r in rows))):  # no upkeep to keep
         return _quiet_round(target, batch, cfg)
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
@@ -186,7 +186,8 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     # context, so its rounds pay no taps and no upkeep (a greedy row admitted later brings its own from prefill)
     upkeep = draft is not None and batch.dcache is not None and bool((greedy & live).any())
     if upkeep and retire_draft(cfg, bool(pl.draft_block), R):
-        batch.dcache, batch.pending, draft, upkeep = None, [], None, False
+        batch.drop_draft()
+        draft, upkeep = None, False
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
     source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
@@ -220,7 +221,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         elif source[b] == DRAFT:
             props[b, :e] = dprops[b, :e].cpu()
     masks = None
-    if any(r.state is not None and r.state.matcher is not None for r in rows):  # walked before the forward: a
+    if constrained:  # walked before the forward: a
         masks, cut = grammar_masks([r.state for r in rows], props, ell, live.tolist())  # refused token ends it
         if cut is not None:
             ell = cut
@@ -249,12 +250,9 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             draft.extend_context(batch.dcache, out.taps, n_commit)
         else:  # the draft did not run: its upkeep waits until it does (or until ``hold`` catches up)
             watch.upkeep_s += batch.hold(draft, out.taps, n_commit.cpu())
-    sfx = [b for b in torch.nonzero((source == SUFFIX) & (ell > 0) & live).flatten().tolist()]
-    before = sum(rows[b].stats.suffix_accepted for b in sfx)
-    ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced)
-    if sfx:
-        job.observe_suffix_estimate(sum(float(a_raw[b, : int(ell[b])].sum()) for b in sfx),
-                                    sum(rows[b].stats.suffix_accepted for b in sfx) - before)
+    sfx = (source == SUFFIX) & live  # the estimates' expected kept tokens, over the tokens verified
+    expected = float((a_raw * (torch.arange(a_raw.shape[1])[None, :] < ell[:, None]))[sfx].sum())
+    ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced, expected)
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
     return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

@@ -32,6 +32,11 @@ class RunningBatch:
     # would have paid one by one, in one forward).
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
+    def drop_draft(self) -> None:
+        """Forget the draft's context (its cache and what is pending for it): the draft was retired
+        (``rounds.retire_draft``)."""
+        self.dcache, self.pending = None, []
+
     def hold(self, draft, taps: torch.Tensor | None, n: torch.Tensor) -> float:
         """Keep a round's taps for the draft's context; returns the seconds a catch-up took (0 when none ran)."""
         if taps is None:
@@ -93,8 +98,8 @@ class RunningBatch:
     def assign(self, slots: list[int], other: RunningBatch) -> bool:
         """Write ``other``'s rows into ``slots`` in place (copies only the newcomers); False if not possible."""
         assert not other.pending, "a fresh batch has no pending context"
-        if self.dcache is not None and other.dcache is None:  # the draft was retired (``rounds.retire_draft``)
-            self.dcache, self.pending = None, []
+        if other.dcache is None:  # the draft was retired (``rounds.retire_draft``)
+            self.drop_draft()
         if not can_assign(self.cache, other.cache) or (
             self.dcache is not None and not can_assign(self.dcache, other.dcache)
         ):
