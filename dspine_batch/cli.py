@@ -47,6 +47,37 @@ class FiniteFloatRange(click.FloatRange):
         return super().convert(rv, param, ctx)
 
 
+class OutdirOrUrl(click.ParamType):
+    """An existing local directory, or a URL (``s3://bucket/prefix``): checked by the command that reads it."""
+
+    name = "OUTDIR"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from dspine_batch.storage.urls import is_url
+
+        if is_url(str(value)):
+            return str(value)
+        return click.Path(exists=True, file_okay=False).convert(value, param, ctx)
+
+
+def _set_storage_options(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    from dspine_batch.storage.fs import set_options
+    from dspine_batch.storage.urls import parse_options
+
+    set_options(parse_options(list(value)))
+
+
+def storage_option(f: Callable) -> Callable:
+    """``--storage-option KEY=VALUE`` (repeatable): settings of the fsspec filesystem behind URLs (s3fs:
+    ``endpoint_url``, ``profile``, ``anon``, ``client_kwargs.region_name``, ...); also
+    ``DSPINE_BATCH_STORAGE_OPTIONS`` (JSON or ``k=v,k=v``). Never printed or written anywhere."""
+    return click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+                        expose_value=False, callback=_set_storage_options, is_eager=True,
+                        help="A setting of the store behind URL inputs/outputs, e.g. endpoint_url=https://... or "
+                             "profile=NAME (repeatable; env DSPINE_BATCH_STORAGE_OPTIONS). Credentials come from "
+                             "the usual places (AWS_* env, profile, instance role).")(f)
+
+
 def env_option(*decls: str, **kw: Any) -> Callable:
     """An option with a DSPINE_BATCH_<OPTION> env var (shown in --help) and, when its setting has one, the
     default of ``GenerateConfig`` (so defaults have one copy)."""
@@ -233,6 +264,7 @@ def cli() -> None:
 @env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
+@storage_option
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
@@ -300,7 +332,8 @@ def prepare(ctx: click.Context, job_file: str | None, engine: str, model: str, d
 
 
 @cli.command()
-@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("outdir", type=OutdirOrUrl())
+@storage_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--verify", is_flag=True,
               help="Also compare every part's bytes with its commit record's checksum (reads all output).")
@@ -321,7 +354,8 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
 
 
 @cli.command()
-@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("outdir", type=OutdirOrUrl())
+@storage_option
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON summary instead of text.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG: acceptance histogram and tau by position.")
 def report(outdir: str, as_json: bool, plot: str | None) -> None:
@@ -345,7 +379,8 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
 
 
 @cli.command()
-@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("outdir", type=OutdirOrUrl())
+@storage_option
 @click.option("--format", "fmt", type=click.Choice(["openai"]), default="openai", show_default=True,
               help="openai: the OpenAI Batch API output shape (one line per input row, samples as choices).")
 @click.option("-o", "--output", "output", required=True, metavar="FILE", help="Results file, or - for stdout.")
@@ -366,7 +401,8 @@ def export(outdir: str, fmt: str, output: str) -> None:
 
 
 @cli.command()
-@click.argument("outdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("outdir", type=OutdirOrUrl())
+@storage_option
 @click.option("--compact", is_flag=True, help="Merge small parts into larger ones first.")
 @click.option("--target-rows", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Rows per compacted part.")
@@ -458,6 +494,12 @@ def _as_list(v: Any) -> list[str]:
     return [v] if isinstance(v, str) else list(v)
 
 
+def _redact(text: str) -> str:
+    from dspine_batch.storage.urls import redact
+
+    return redact(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every failure ends in one line on stderr and a documented exit code (tracebacks only
     with DSPINE_BATCH_DEBUG=1): usage 2, bugs and fatal errors 1, interrupted 75."""
@@ -474,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     except BatchError as e:
         if debug:
             raise
-        print(f"dspine-batch: error: {e}", file=sys.stderr)
+        print(f"dspine-batch: error: {_redact(str(e))}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("dspine-batch: interrupted", file=sys.stderr)
@@ -487,12 +529,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"dspine-batch: error: {where}{e.strerror}; free space (or raise the quota) and run the same "
                   "command again to resume", file=sys.stderr)
         else:
-            print(f"dspine-batch: error: {e}", file=sys.stderr)
+            print(f"dspine-batch: error: {_redact(str(e))}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
     except Exception as e:  # a bug, or a setting the code did not foresee: running again would not help
         if debug:
             raise
-        print(f"dspine-batch: error: {type(e).__name__}: {str(e)[:300]} (finished rows are committed; "
+        print(f"dspine-batch: error: {type(e).__name__}: {_redact(str(e))[:300]} (finished rows are committed; "
               "DSPINE_BATCH_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(EXIT_FATAL)
     sys.exit(rv if isinstance(rv, int) else 0)

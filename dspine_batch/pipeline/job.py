@@ -38,30 +38,19 @@ from dspine_batch.errors import (
     Interrupted,
     UsageError,
     disk_full_named,
-    free_bytes,
     human_bytes,
 )
-from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.keyset import KeySet
-from dspine_batch.pipeline.manifest import build_manifest, create_or_check, read_manifest
+from dspine_batch.pipeline.manifest import build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
+from dspine_batch.pipeline.outputs import LocalOutput, Output, open_output
 from dspine_batch.pipeline.progress import Progress
 from dspine_batch.pipeline.requests import Defaults, RowOptions, RowRequest, job_request, merge
 from dspine_batch.pipeline.rerun import Precheck, precheck, run_fields
-from dspine_batch.pipeline.resume import (
-    DoneSet,
-    Lock,
-    held_locks,
-    load_done,
-    prepare_outdir,
-    read_state,
-    remove_staging,
-    wipe,
-    write_state,
-)
+from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.scheduler import schedule
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
@@ -69,13 +58,15 @@ from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
+from dspine_batch.storage.fs import size as input_size
+from dspine_batch.storage.urls import is_url, redact
 
 SUCCESS = "_SUCCESS"
 Finished = tuple[WorkItem, list[Result] | None]
 
 
 def log(msg: str) -> None:
-    print(f"dspine-batch: {msg}", file=sys.stderr, flush=True)
+    print(f"dspine-batch: {redact(msg)}", file=sys.stderr, flush=True)
 
 
 def default_output(inputs: list[str]) -> str:
@@ -162,9 +153,13 @@ class ShardState:
     fields: dict[str, Any] = field(default_factory=dict)
     before: DoneSet | None = None
     decisions: Callable[[], dict[str, Any] | None] | None = None  # the engine's record (``decisions.DecisionLog``)
+    out: Output | None = None  # where the state file lives (None: the local directory ``outdir``)
+
+    def _out(self) -> Output:
+        return self.out if self.out is not None else LocalOutput(self.outdir)
 
     def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
-        prev = read_state(self.outdir, self.tag)
+        prev = self._out().read_state(self.tag)
         attempt = attempt_from_env()
         self.before = done
         self.fields = {"shard": f"{shard[0]}/{shard[1]}", "fingerprint": fingerprint, "state": "running",
@@ -193,7 +188,7 @@ class ShardState:
         record = self.decisions() if self.decisions else None
         if record is not None:
             f["decisions"] = record
-        write_state(self.outdir, self.tag, f)
+        self._out().write_state(self.tag, f)
 
 
 @dataclass
@@ -208,30 +203,38 @@ class Job:
     tag: str
     request: RowRequest = field(default_factory=RowRequest)  # the job-wide request fields, parsed
     structures: StructureCheck = field(default_factory=StructureCheck)
+    out: Output | None = None  # OUTDIR's storage (a local directory or an object-store prefix)
+
+    @property
+    def output(self) -> Output:
+        if self.out is None:
+            self.out = open_output(self.outdir)
+        return self.out
 
 
 def generate(cfg: GenerateConfig) -> int:
     shard = parse_shard(cfg.shard)
-    cfg.inputs = [os.path.abspath(p) for p in cfg.inputs]  # finalize re-reads them from the manifest
+    cfg.inputs = [p if is_url(p) else os.path.abspath(p) for p in cfg.inputs]  # finalize re-reads them
+    out = open_output(cfg.output)  # an output URL we cannot commit to is refused before inputs are read
     files = resolve_inputs(cfg.inputs, cfg.split)
     for inp in files:
-        if inp.kind in ("jsonl", "openai") and os.path.getsize(inp.path) == 0:
+        if inp.kind in ("jsonl", "openai") and input_size(inp.path) == 0:
             log(f"warning: {inp.name}: empty file (0 rows)")
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
                               cfg.row_params)  # before the model loads: a typo costs a second, not a minute
-    job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard), job_request(cfg.as_dict()))
+    job = Job(cfg, files, columns, out.display, shard, shard_tag(*shard), job_request(cfg.as_dict()), out=out)
     base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
-    prepare_outdir(job.outdir)
-    shutdown, lock = Shutdown(cfg.grace_seconds), Lock(job.outdir, job.tag)
+    out.prepare()
+    shutdown, lock = Shutdown(cfg.grace_seconds), out.lock(job.tag)
     try:
         lock.acquire()
         shutdown.install()
         _check_previous_run(job)
-        compact.recover(job.outdir)  # a crashed `finalize --compact` must not leave duplicates behind
+        out.recover()  # a crashed `finalize --compact` must not leave duplicates behind
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
         log(f"{found}; output -> {job.outdir}")
-        pre = precheck(cfg, files, columns, job.outdir, shard, job.tag, log, job.request)
+        pre = precheck(cfg, files, columns, out, shard, job.tag, log, job.request)
         if pre is not None and pre.missing == 0:
             return _nothing_left(job, pre)
         _check_row_structures(job, base)  # every distinct grammar compiled once, before the model loads
@@ -290,13 +293,14 @@ def job_defaults(job: Job, base: SamplingParams) -> Defaults:
 
 
 def _check_previous_run(job: Job) -> None:
-    if read_manifest(job.outdir) is None:
+    out = job.output
+    if out.read_manifest() is None:
         return
     if job.cfg.overwrite:
-        held = [h for h in held_locks(job.outdir) if h != f"lock-{job.tag}"]
+        held = [h for h in out.held_locks() if h not in (f"lock-{job.tag}", f"lease-{job.tag}")]
         if held:
             raise UsageError(f"--overwrite: other shards are running ({', '.join(held)})")
-        wipe(job.outdir)
+        out.wipe()
         log(f"--overwrite: removed the previous run in {job.outdir}")
     elif not job.cfg.resume:
         raise UsageError(f"{job.outdir} holds a run; use --resume to continue it or --overwrite to start over")
@@ -312,11 +316,11 @@ def _check_free_space(job: Job, total: int | None) -> None:
     subtracted (they are not known before the fingerprint check), so on a resume it errs on the safe side.
     Without a row count (JSONL, shards) only the input size is known: rows ~ input bytes / 200."""
     cfg = job.cfg
-    free = free_bytes(job.outdir)
+    free = job.output.free_bytes()
     if free is None:
         return
     if total is None:
-        rows = sum(os.path.getsize(p) for inp in job.files for p in inp.content_files()) // 200 // job.shard[1]
+        rows = sum(input_size(p) for inp in job.files for p in inp.content_files()) // 200 // job.shard[1]
     else:
         rows = total
     per_token = BYTES_PER_TOKEN + (4.0 if cfg.save_token_ids else 0.0)
@@ -365,18 +369,18 @@ def _open_output(job: Job, engine: Engine, use_chat: bool,
                  pre: Precheck | None) -> tuple[Any, dict[str, Any], DoneSet]:
     """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set (or
     take the one ``precheck`` loaded before the engine)."""
-    cfg, columns, outdir = job.cfg, job.columns, job.outdir
+    cfg, columns, out = job.cfg, job.columns, job.output
     schema = output_schema(columns.keep_schema(), cfg.save_token_ids)
     fields = run_fields(cfg, job.files, columns, use_chat, job.request) | {"engine": engine.identity()}
-    manifest = create_or_check(outdir, build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
+    manifest = out.create_or_check(build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": _manifest_meta(manifest)})
     if pre is not None:
         removed, done, seconds = pre.removed, pre.done, pre.seconds
     else:
-        removed = remove_staging(outdir, job.tag)
+        removed = out.remove_staging(job.tag)
         t0 = time.monotonic()
-        done = load_done(outdir, job.tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part,
-                         report=log)
+        done = out.load_done(job.tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part,
+                             report=log)
         seconds = time.monotonic() - t0
     if done.rows or removed or done.damaged:
         damaged = f"; {done.damaged} damaged part(s) moved aside, their rows are generated again" \
@@ -406,13 +410,13 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         raise UsageError("--tools / --chat-template-kwargs need a chat template (not --raw)")
     settings = MapSettings(job.columns, defaults, cfg.system_prompt, use_chat, engine.name, features)
     mapper = RowMapper(settings, tokenizer, engine.max_context, job.structures, warn=log)
-    state = ShardState(outdir, job.tag)
+    state = ShardState(outdir, job.tag, out=job.output)
     state.start(job.shard, manifest["fingerprint"], done)
     decisions = DecisionLog(engine, state.fields.get("decisions"), log)
     state.decisions = decisions.record
     decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
-                    attempt_from_env(), state.save)
+                    attempt_from_env(), state.save, commit=job.output.commit_part)
     selector = RowSelector(mapper, job.shard, done.keys)
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
                         read=lambda: selector.rows)
@@ -481,7 +485,7 @@ def _nothing_left(job: Job, pre: Precheck) -> int:
     shard = f" of shard {job.shard[0]}/{job.shard[1]}" if job.shard[1] > 1 else ""
     log(f"nothing left to do: all {pre.rows:,} input rows{shard} are committed (checked in {pre.seconds:.2f}s); "
         "the model was not loaded")
-    state = ShardState(job.outdir, job.tag)
+    state = ShardState(job.outdir, job.tag, out=job.output)
     state.start(job.shard, pre.manifest["fingerprint"], pre.done)
     return _finish(job, pre.done, SinkStats(), pre.rows, pre.rows, state)
 
@@ -497,7 +501,7 @@ def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: i
         log(f"error rate {rate:.1%} is over --max-error-rate {job.cfg.max_error_rate:.1%}; see `dspine-batch report`")
         return EXIT_ERROR_BUDGET
     if job.shard[1] == 1:
-        _write_success(job.outdir)
+        job.output.write_success()
     return EXIT_OK
 
 

@@ -22,15 +22,18 @@ from dspine_batch import __version__
 from dspine_batch.digest import content_digest
 from dspine_batch.errors import FingerprintMismatch, UsageError, disk_full_named
 from dspine_batch.pipeline.sources import InputFile
+from dspine_batch.storage import fs as store
+from dspine_batch.storage.urls import redact
 
 MANIFEST = "_manifest.json"
 def describe_inputs(files: list[InputFile]) -> list[dict[str, Any]]:
     out = []
     for inp in files:
         parts = inp.content_files()
-        out.append({"name": inp.name, "path": inp.path, "kind": inp.kind, "split": inp.split,
-                    "size": sum(os.path.getsize(p) for p in parts),
-                    "digest": hashlib.sha256("".join(content_digest(p) for p in parts).encode()).hexdigest()[:32]})
+        sizes = [store.size(p) for p in parts]
+        digests = [content_digest(p, store.open_file, n) for p, n in zip(parts, sizes, strict=True)]
+        out.append({"name": inp.name, "path": redact(inp.path), "kind": inp.kind, "split": inp.split,
+                    "size": sum(sizes), "digest": hashlib.sha256("".join(digests).encode()).hexdigest()[:32]})
     return out
 
 
@@ -87,9 +90,21 @@ def versions() -> dict[str, str]:
 def build_manifest(fields: dict[str, Any], config: dict[str, Any], num_shards: int,
                    schema: list[str]) -> dict[str, Any]:
     return {"schema_version": 1, "tool": "dspine-batch", "fingerprint": fingerprint(fields),
-            "fingerprint_fields": fields, "num_shards": num_shards, "config": config, "versions": versions(),
+            "fingerprint_fields": fields, "num_shards": num_shards, "config": _redacted(config), "versions": versions(),
             "output_columns": schema, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "created_by": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+def _redacted(v: Any) -> Any:
+    """``v`` with any secret in a URL string redacted: the manifest is read by anyone who can list OUTDIR
+    (credentials belong in the environment or ``--storage-option``, which are never written)."""
+    if isinstance(v, str):
+        return redact(v)
+    if isinstance(v, dict):
+        return {k: _redacted(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_redacted(x) for x in v]
+    return v
 
 
 def read_manifest(outdir: str) -> dict[str, Any] | None:
@@ -126,6 +141,11 @@ def create_or_check(outdir: str, manifest: dict[str, Any]) -> dict[str, Any]:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     assert existing is not None
+    return check_manifest(outdir, existing, manifest)
+
+
+def check_manifest(outdir: str, existing: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """``existing`` (the manifest in OUTDIR) if ``manifest`` is the same run, else ``FingerprintMismatch``."""
     old_schema = existing.get("fingerprint_fields", {}).get("schema_version")
     new_schema = manifest["fingerprint_fields"].get("schema_version")
     if existing.get("fingerprint") != manifest["fingerprint"] and old_schema != new_schema:

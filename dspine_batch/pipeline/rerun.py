@@ -24,11 +24,12 @@ import numpy as np
 
 from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.pipeline.keyset import KeySet
-from dspine_batch.pipeline.manifest import describe_inputs, read_manifest
+from dspine_batch.pipeline.manifest import describe_inputs
 from dspine_batch.pipeline.mapping import Columns, RowIds
+from dspine_batch.pipeline.outputs import LocalOutput, Output
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.requests import identity as request_identity
-from dspine_batch.pipeline.resume import DoneSet, load_done, remove_staging
+from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.schema import SCHEMA_VERSION
 from dspine_batch.pipeline.sources import InputFile, iter_inputs
 
@@ -59,17 +60,18 @@ class Precheck:
     seconds: float
 
 
-def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdir: str, shard: tuple[int, int],
-             tag: str, report: Callable[[str], None], request: RowRequest) -> Precheck | None:
+def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdir: str | Output,
+             shard: tuple[int, int], tag: str, report: Callable[[str], None], request: RowRequest) -> Precheck | None:
     """None when OUTDIR holds no run or not this one (the normal start then says what changed). Call with the
     shard's lock held: it discards staging files and moves damaged parts aside, as a normal start does."""
-    manifest = read_manifest(outdir)
+    out = LocalOutput(outdir) if isinstance(outdir, str) else outdir
+    manifest = out.read_manifest()
     if (manifest is None or manifest.get("num_shards") != shard[1]
             or not _same_run(cfg, files, columns, manifest, request)):
         return None
     t0 = time.monotonic()
-    removed = remove_staging(outdir, tag)
-    done = load_done(outdir, tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=report)
+    removed = out.remove_staging(tag)
+    done = out.load_done(tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=report)
     rows, missing = _count_missing(cfg, files, columns, shard, done.keys)
     return Precheck(manifest, done, removed, rows, missing, time.monotonic() - t0)
 

@@ -282,8 +282,12 @@ class PartSink:
     """Buffers finished rows and commits them as Parquet parts every ``commit_rows`` rows / ``commit_seconds``."""
 
     def __init__(self, outdir: str, schema: pa.Schema, shard_tag: str, next_seq: int, num_samples: int,
-                 commit_rows: int, commit_seconds: float, attempt: int, on_commit: Callable[[SinkStats], None]):
+                 commit_rows: int, commit_seconds: float, attempt: int, on_commit: Callable[[SinkStats], None],
+                 commit: Callable[..., dict[str, Any]] | None = None):
         self.outdir, self.schema, self.shard_tag, self.seq = outdir, schema, shard_tag, next_seq
+        # how a part is committed: the local protocol here, or an object store's (``outputs.Output.commit_part``)
+        self.commit_part = commit or (lambda name, table, keys, rows: write_part_atomically(outdir, name, table,
+                                                                                            keys, rows))
         self.num_samples, self.commit_rows, self.commit_seconds = num_samples, commit_rows, commit_seconds
         self.attempt, self.on_commit = attempt, on_commit
         self.save_ids = "output_token_ids" in schema.names
@@ -369,7 +373,7 @@ class PartSink:
         table = table.replace_schema_metadata(meta)
         name = part_name(self.shard_tag, self.seq)
         keys = np.fromiter((item.row_hash for item in self.items), dtype=np.uint64, count=len(self.items))
-        write_part_atomically(self.outdir, name, table, keys, rows=self.pending.rows)
+        self.commit_part(name, table, keys, self.pending.rows)
         self.stats.absorb(self.pending)
         self.stats.parts += 1
         self.stats.last_commit = time.time()

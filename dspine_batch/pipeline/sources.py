@@ -25,6 +25,8 @@ import pyarrow as pa
 
 from dspine_batch.errors import FatalError, RowError, UsageError
 from dspine_batch.pipeline.requests import IGNORED_BODY_KEYS
+from dspine_batch.storage import fs as store
+from dspine_batch.storage.urls import is_url, redact
 
 BATCH_ROWS = 4096
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".json", ".ndjson.gz", ".ndjson.zst")
@@ -48,6 +50,8 @@ class InputFile:
         """The files whose bytes define this input (for the fingerprint)."""
         if self.kind == "arrow":
             return list(self.arrow_files)
+        if is_url(self.path):
+            return [self.path]
         if os.path.isdir(self.path):
             return sorted(str(p) for p in Path(self.path).rglob("*") if p.is_file() and not _hidden(p))
         return [self.path]
@@ -106,6 +110,8 @@ def _hidden(p: Path) -> bool:
 def resolve_inputs(args: list[str], split: str | None = None) -> list[InputFile]:
     """Expand paths, directories and globs into ``InputFile``s with stable names; reject what we can't read."""
     found: list[tuple[str, str, str, tuple[str, ...]]] = []  # (path, kind, split, arrow files)
+    if any(is_url(a) for a in args):
+        return _resolve_urls(args, split)
     for arg in args:
         if any(ch in arg for ch in "*?["):
             matches = sorted(glob.glob(arg, recursive=True))
@@ -139,6 +145,61 @@ def resolve_inputs(args: list[str], split: str | None = None) -> list[InputFile]
                 kind = "openai"
         out.append(InputFile(rp, name, kind, sp or None, arrow_files))
     return out
+
+
+def _resolve_urls(args: list[str], split: str | None) -> list[InputFile]:
+    """``resolve_inputs`` for URLs (all inputs of a job are URLs, or all local): globs expanded on the store, a
+    "directory" read as the Parquet files under it, named relative to the inputs' common prefix like local
+    files are. The URL is kept whole in ``path`` (it is how the file is opened again); messages show ``name``."""
+    if not all(is_url(a) for a in args):
+        raise UsageError("mix of URLs and local paths as inputs; copy one side over, or run them as two jobs")
+    found: list[tuple[str, str]] = []
+    for arg in args:
+        store.need_library(arg)
+        if split:
+            raise UsageError(f"{redact(arg)}: --split (a Hugging Face dataset directory) is only read from a local "
+                             "path; point at the split's Parquet/JSONL files instead")
+        with store.store_errors(arg):
+            if any(ch in arg.split("://", 1)[1] for ch in "*?["):
+                matches = [m for m in store.glob(arg) if not m.rsplit("/", 1)[-1].startswith(("_", "."))]
+                if not matches:
+                    raise UsageError(f"{redact(arg)}: the pattern matches no files")
+                found.extend((m, _file_kind(redact(m))) for m in matches)
+            elif not store.exists(arg):
+                raise UsageError(f"{redact(arg)}: no such file or directory")
+            elif store.isdir(arg):
+                base = arg.rstrip("/")
+                files = [f for f in store.find(base, ".parquet")
+                         if not any(x.startswith((".", "_")) for x in f[len(base) + 1:].split("/"))]
+                if not files:
+                    raise UsageError(f"{redact(arg)}: no Parquet files under this prefix")
+                found.extend((f, "parquet") for f in files)
+            else:
+                found.append((arg, _file_kind(redact(arg))))
+    urls = [u for u, _ in found]
+    dupes = {u for u in urls if urls.count(u) > 1}
+    if dupes:
+        raise UsageError(f"{redact(sorted(dupes)[0])}: given more than once (rows would be duplicated)")
+    common = os.path.commonpath([u.split("://", 1)[1].rsplit("/", 1)[0] for u in urls])
+    out = []
+    for url, kind in found:
+        name = url.split("://", 1)[1][len(common):].lstrip("/")
+        if kind == "jsonl":
+            _check_jsonl(url)
+            if _is_openai_batch(url):
+                kind = "openai"
+        out.append(InputFile(url, name, kind))
+    return out
+
+
+def parquet_file(path: str) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` for a path or a URL (ranged reads through fsspec: only the footer and
+    the row groups read are fetched, never the whole file first)."""
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.ParquetFile(path)
+    return pq.ParquetFile(store.open_file(path, "rb"))
 
 
 def _file_kind(path: str) -> str:
@@ -183,8 +244,8 @@ def _arrow_files(p: Path) -> tuple[str, ...]:
 def _open_text_stream(path: str) -> io.BufferedIOBase:
     """The file's bytes, decompressed. A .zst is read frame by frame and a truncated last frame is an error
     (zstandard's own stream reader just stops there, silently dropping the rest of the rows)."""
-    low = path.lower()
-    raw = open(path, "rb")  # noqa: SIM115 - closed by the caller through the wrapper
+    low = path.lower().split("?", 1)[0]
+    raw = store.open_file(path, "rb")  # closed by the caller through the wrapper
     if low.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
     if low.endswith(".zst"):
@@ -257,7 +318,7 @@ def _check_jsonl(path: str) -> None:
     """Refuse, before any work, the JSON Lines inputs that cannot be read as such: a damaged .gz/.zst (found by
     decompressing it all once: failing half-way through a run would leave a partial output committed), UTF-16
     text, and a whole-file JSON array (a common mix-up: say so instead of reporting every line as malformed)."""
-    fmt = COMPRESSED_SUFFIXES.get(os.path.splitext(path.lower())[1])
+    fmt = COMPRESSED_SUFFIXES.get(os.path.splitext(path.lower().split("?", 1)[0])[1])
     try:
         with _open_text_stream(path) as f:
             head = f.read(4096)
@@ -265,14 +326,15 @@ def _check_jsonl(path: str) -> None:
                 pass
     except _stream_errors() as e:
         if not fmt:
-            raise UsageError(f"{path}: unreadable ({_short(e)})") from e
-        raise UsageError(f"{path}: damaged {fmt} data: {_short(e)} (the file is truncated or corrupt; nothing was "
-                         "read from it)") from e
+            raise UsageError(f"{redact(path)}: unreadable ({_short(e)})") from e
+        raise UsageError(f"{redact(path)}: damaged {fmt} data: {_short(e)} (the file is truncated or corrupt; "
+                         "nothing was read from it)") from e
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise UsageError(f"{path}: UTF-16 text (byte-order mark {head[:2].hex()}); dspine-batch reads UTF-8 JSON "
-                         "Lines: convert it (e.g. iconv -f UTF-16 -t UTF-8)")
+        raise UsageError(f"{redact(path)}: UTF-16 text (byte-order mark {head[:2].hex()}); dspine-batch reads UTF-8 "
+                         "JSON Lines: convert it (e.g. iconv -f UTF-16 -t UTF-8)")
     if head.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
-        raise UsageError(f"{path}: looks like a JSON array; dspine-batch reads JSON Lines (one object per line)")
+        raise UsageError(f"{redact(path)}: looks like a JSON array; dspine-batch reads JSON Lines (one object per "
+                         "line)")
 
 
 def mentions(inp: InputFile, pattern: re.Pattern[bytes], longest: int) -> bool:
@@ -333,9 +395,7 @@ def arrow_schema(inp: InputFile) -> pa.Schema | None:
     """The input's Arrow schema when the format has one (Parquet, Arrow datasets); None for JSONL/HF."""
     try:
         if inp.kind == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_schema(inp.path)
+            return parquet_file(inp.path).schema_arrow
         if inp.kind == "arrow":
             if not inp.arrow_files:
                 return None
@@ -447,11 +507,9 @@ def _rows_of(inp: InputFile, indices: Sequence[int], batch: pa.RecordBatch) -> l
 
 
 def _iter_parquet(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iterator[RowBatch]:
-    import pyarrow.parquet as pq
-
     start = 0
     try:
-        pf = pq.ParquetFile(inp.path)
+        pf = parquet_file(inp.path)
         cols = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
         for rg in range(pf.num_row_groups):
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=cols):
@@ -499,4 +557,4 @@ def _iter_hf(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iter
 
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text[:200]
+    return redact(text)[:200]

@@ -31,12 +31,15 @@ MAY_IMPORT: dict[str, set[str]] = {
     "dspine_batch": set(),
     "dspine_batch.errors": set(),
     "dspine_batch.digest": set(),
+    "dspine_batch.storage": {"dspine_batch.errors"},
     "dspine_batch.engines": {"dspine_batch.errors", "dspine_batch.digest", "dspine", "dspine.models",
                              "dspine.draft", "dspine.decoding", "dspine.cpu", "dspine.embedded", "dspine.sglang"},
-    "dspine_batch.pipeline": {"dspine_batch", "dspine_batch.engines", "dspine_batch.errors", "dspine_batch.digest"},
-    "dspine_batch.ops": {"dspine_batch.pipeline", "dspine_batch.engines", "dspine_batch.errors"},
+    "dspine_batch.pipeline": {"dspine_batch", "dspine_batch.engines", "dspine_batch.errors", "dspine_batch.digest",
+                              "dspine_batch.storage"},
+    "dspine_batch.ops": {"dspine_batch.pipeline", "dspine_batch.engines", "dspine_batch.errors",
+                         "dspine_batch.storage"},
     "dspine_batch.cli": {"dspine_batch", "dspine_batch.ops", "dspine_batch.pipeline", "dspine_batch.engines",
-                         "dspine_batch.errors"},
+                         "dspine_batch.errors", "dspine_batch.storage"},
 }
 
 

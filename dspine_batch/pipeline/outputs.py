@@ -1,0 +1,156 @@
+"""The storage interface of an OUTDIR: what ``generate``, ``status`` and ``finalize`` ask of where output lives.
+
+Two implementations: ``LocalOutput`` (a directory: POSIX rename, fsync and ``flock``, the protocol in ``sink`` and
+``resume``, unchanged in speed and guarantees) and ``remote.ObjectOutput`` (an ``s3://`` prefix: create-only
+commit records, server-side publish, leases). ``open_output`` picks one from the -o value; a URL whose store
+cannot hold an exactly-once output is refused there in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from dspine_batch.errors import disk_full_named, free_bytes
+from dspine_batch.pipeline import compact
+from dspine_batch.pipeline.manifest import create_or_check, read_manifest
+from dspine_batch.pipeline.resume import (
+    STATE_DIR,
+    DoneSet,
+    Lock,
+    PartCheck,
+    _warn,
+    check_parts,
+    held_locks,
+    list_parts,
+    load_done,
+    prepare_outdir,
+    read_state,
+    remove_staging,
+    verify_parts,
+    wipe,
+    write_state,
+)
+from dspine_batch.pipeline.sink import fsync_dir, write_part_atomically
+from dspine_batch.storage.urls import is_url, local_path
+
+SUCCESS = "_SUCCESS"
+
+
+class Output(Protocol):
+    """One OUTDIR, wherever it lives. ``display`` is what messages show (a URL's secrets redacted)."""
+
+    display: str
+    remote: bool
+
+    def prepare(self) -> None: ...
+    def lock(self, tag: str) -> Any: ...
+    def held_locks(self) -> list[str]: ...
+    def read_manifest(self) -> dict[str, Any] | None: ...
+    def create_or_check(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+    def wipe(self) -> None: ...
+    def recover(self) -> None: ...
+    def free_bytes(self) -> int | None: ...
+    def read_state(self, tag: str) -> dict[str, Any]: ...
+    def write_state(self, tag: str, state: dict[str, Any]) -> None: ...
+    def write_success(self) -> None: ...
+    def remove_staging(self, tag: str | None = None) -> int: ...
+    def load_done(self, tag: str, id_column: bool = True, on_damaged: str = "repair",
+                  report: Callable[[str], None] = _warn) -> DoneSet: ...
+    def verify_parts(self, tag: str | None, on_damaged: str, report: Callable[[str], None] = _warn) \
+        -> list[PartCheck]: ...
+    def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
+                    rows: int | None = None) -> dict[str, Any]: ...
+    def part_urls(self) -> list[str]: ...
+
+
+class LocalOutput:
+    """A local directory: today's protocol (``sink``/``resume``), wrapped."""
+
+    remote = False
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(local_path(path))
+        self.display = self.path
+
+    def prepare(self) -> None:
+        prepare_outdir(self.path)
+
+    def lock(self, tag: str) -> Lock:
+        return Lock(self.path, tag)
+
+    def held_locks(self) -> list[str]:
+        return held_locks(self.path)
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        return read_manifest(self.path)
+
+    def create_or_check(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        return create_or_check(self.path, manifest)
+
+    def wipe(self) -> None:
+        wipe(self.path)
+
+    def recover(self) -> None:
+        compact.recover(self.path)  # a crashed `finalize --compact` must not leave duplicates behind
+
+    def free_bytes(self) -> int | None:
+        return free_bytes(self.path)
+
+    def read_state(self, tag: str) -> dict[str, Any]:
+        return read_state(self.path, tag)
+
+    def write_state(self, tag: str, state: dict[str, Any]) -> None:
+        write_state(self.path, tag, state)
+
+    def states(self) -> list[tuple[str, dict[str, Any]]]:
+        d, out = os.path.join(self.path, STATE_DIR), []
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if name.startswith("state-") and name.endswith(".json"):
+                with open(os.path.join(d, name)) as f:
+                    out.append((name[len("state-"):-len(".json")], json.load(f)))
+        return out
+
+    def write_success(self) -> None:
+        path = os.path.join(self.path, SUCCESS)
+        with disk_full_named(path, then="every row is committed, only this marker is missing"):
+            with open(path, "w") as f:
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.path)
+
+    def remove_staging(self, tag: str | None = None) -> int:
+        return remove_staging(self.path, tag)
+
+    def load_done(self, tag: str, id_column: bool = True, on_damaged: str = "repair",
+                  report: Callable[[str], None] = _warn) -> DoneSet:
+        return load_done(self.path, tag, id_column=id_column, on_damaged=on_damaged, report=report)
+
+    def verify_parts(self, tag: str | None, on_damaged: str, report: Callable[[str], None] = _warn) \
+            -> list[PartCheck]:
+        return verify_parts(self.path, tag, on_damaged, report)
+
+    def check_parts(self, tag: str | None = None, checksum: bool = True) -> list[PartCheck]:
+        return check_parts(self.path, tag, checksum)
+
+    def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
+                    rows: int | None = None) -> dict[str, Any]:
+        return write_part_atomically(self.path, name, table, keys, rows)
+
+    def part_urls(self) -> list[str]:
+        return [p.path for p in list_parts(self.path)]
+
+
+def open_output(where: str) -> Output:
+    """The ``Output`` for a -o value: a local directory, or an object-store URL (refused in one line when its
+    store cannot create-if-absent, or its library is missing)."""
+    if is_url(where):
+        from dspine_batch.pipeline.remote import ObjectOutput
+
+        return ObjectOutput(where)
+    return LocalOutput(where)

@@ -1,0 +1,413 @@
+"""An OUTDIR on an object store (``s3://...``), exactly-once without rename, fsync or ``flock``.
+
+Layout under the OUTDIR prefix (readers glob ``OUTDIR/*.parquet`` and see committed parts only):
+  ``_manifest.json``                        created once, create-only (first shard wins, the others check it)
+  ``_dspine/lease-<shard>.json``             shard ownership (``storage.lease``)
+  ``_dspine/staging/<part>.<token>``         a part's bytes, uploaded under a unique name (never read by readers)
+  ``_dspine/keys/keys-<X>.<token>.npy``       its row-key hashes (what resume loads instead of row ids)
+  ``_dspine/keys/commit-<X>.json``           its **commit record**: rows, outputs, bytes, crc32, the token
+  ``train-<X>.parquet``                      the published part: a server-side copy of the staged one
+  ``_dspine/state-<shard>.json``             advisory progress for ``status``
+
+Commit of one part: 1. build it in a local temp file (counting and crc32-ing the bytes); 2. upload it to its
+staging name and upload its key file; 3. **create the commit record with a create-only write** (``If-None-Match:
+*``) - the linearisation point: the part is committed iff its record exists; 4. publish: copy the staged object
+to the final name, then delete the staged one. A crash before 3 leaves orphans that the next start of the shard
+deletes (staging and key objects whose token no record names); a crash after 3 leaves a record whose publish the
+next start (or ``finalize``) completes: a copy made idempotent by the record (same bytes, same name). A failure
+at 3 that is not a crash (403, the store gone) deletes what 2 uploaded and commits nothing.
+
+Resume trusts records only: each record is checked against its published part (size from one listing; the
+crc32 of the bytes under ``finalize`` and ``status --verify``), damaged or lost parts are moved aside to
+``_dspine/damaged/`` like on a local disk, and the done-set is loaded from the key objects. Two writers on one
+shard (a paused worker whose lease was taken over) cannot both commit: parts are numbered per shard and each
+record is created only if absent, so the loser of a number stops (see ``storage.lease``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dspine_batch.errors import FatalError, UsageError
+from dspine_batch.pipeline.keyset import KeySet, fallback_id_hashes, key_hashes
+from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
+from dspine_batch.pipeline.resume import OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
+from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter, keys_checksum
+from dspine_batch.storage.fs import store_errors
+from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
+from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
+
+STATE = "_dspine"
+STAGING = f"{STATE}/staging"
+KEYS = f"{STATE}/keys"
+DAMAGED = f"{STATE}/damaged"
+SUCCESS = "_SUCCESS"
+
+
+def stem(name: str) -> str:
+    """``train-X.parquet`` -> ``X``."""
+    return name.removeprefix(PART_PREFIX).removesuffix(".parquet")
+
+
+def record_rel(name: str) -> str:
+    return f"{KEYS}/commit-{stem(name)}.json"
+
+
+class ObjectOutput:
+    """The ``Output`` of an object-store OUTDIR (see ``outputs.LocalOutput`` for the local one)."""
+
+    remote = True
+
+    def __init__(self, url: str):
+        check_outdir_url(url)
+        self.store = ObjectStore(url)
+        self.display = self.store.display
+        self.lease: Lease | None = None
+
+    # -- setup ----------------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check the bucket answers (one line for 403 / no bucket, before any work) and that the prefix is empty
+        or ours (a typo in -o must not mix outputs)."""
+        self.store.check_bucket()
+        with store_errors(self.display):
+            names = self.store.fs.ls(self.store.root, detail=False, refresh=True) \
+                if self.store.fs.exists(self.store.root) else []
+        foreign = [n.rsplit("/", 1)[-1] for n in names if not OUTPUT_NAMES.match(n.rsplit("/", 1)[-1])]
+        if foreign and self.read_manifest() is None:
+            raise UsageError(f"{self.display}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
+                             "choose a new -o prefix")
+
+    def lock(self, tag: str) -> Lease:
+        self.lease = Lease(self.store, tag)
+        return self.lease
+
+    def held_locks(self) -> list[str]:
+        return [n.removeprefix(f"{STATE}/").removesuffix(".json") for n in self._leases() if live(self._lease_of(n))]
+
+    def _leases(self) -> list[str]:
+        return [f"{STATE}/{n}" for n in self.store.list(STATE) if n.startswith("lease-") and n.endswith(".json")]
+
+    def _lease_of(self, rel: str) -> dict[str, Any] | None:
+        tag = rel.removeprefix(f"{STATE}/lease-").removesuffix(".json")
+        return read_lease(self.store, tag)
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        data = self.store.get(MANIFEST)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise UsageError(f"{self.store.url_of(MANIFEST)}: unreadable manifest ({e}); use --overwrite to start "
+                             "over") from e
+
+    def create_or_check(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Create ``_manifest.json`` only if absent (first shard wins), else check it is this run's."""
+        body = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+        if self.store.create(MANIFEST, body):
+            return manifest
+        existing = self.read_manifest()
+        assert existing is not None
+        return check_manifest(self.display, existing, manifest)
+
+    def wipe(self) -> None:
+        """--overwrite: delete what dspine-batch wrote here (never ``_dspine/damaged/``, never leases)."""
+        top = [n for n in self.store.list("") if OUTPUT_NAMES.match(n)]
+        ours = [f"{KEYS}/{n}" for n in self.store.list(KEYS)] + [f"{STAGING}/{n}" for n in self.store.list(STAGING)]
+        ours += [f"{STATE}/{n}" for n in self.store.list(STATE) if not n.startswith("lease-")]
+        self.store.delete_many(ours + top)
+
+    def free_bytes(self) -> int | None:
+        return None
+
+    def recover(self) -> None:
+        """Nothing to do across shards (``finalize --compact`` is not offered on object stores)."""
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def read_state(self, tag: str) -> dict[str, Any]:
+        data = self.store.get(f"{STATE}/state-{tag}.json")
+        try:
+            return json.loads(data) if data else {}
+        except ValueError:
+            return {}
+
+    def write_state(self, tag: str, state: dict[str, Any]) -> None:
+        state["updated_at"] = time.time()
+        self.store.put(f"{STATE}/state-{tag}.json", json.dumps(state, indent=1, sort_keys=True).encode())
+
+    def states(self) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for n in sorted(self.store.list(STATE)):
+            if n.startswith("state-") and n.endswith(".json"):
+                tag = n[len("state-"):-len(".json")]
+                out.append((tag, self.read_state(tag)))
+        return out
+
+    def write_success(self) -> None:
+        """``_SUCCESS`` with a create-only write: exists at most once, never rewritten."""
+        self.store.create(SUCCESS, b"")
+
+    def has_success(self) -> bool:
+        return self.store.head(SUCCESS) is not None
+
+    def remove_success(self) -> None:
+        self.store.delete(SUCCESS)
+
+    # -- the commit -----------------------------------------------------------------------------------------------
+    def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
+                    rows: int | None = None) -> dict[str, Any]:
+        """Steps 1-4 of the module's protocol; returns the commit record. Nothing of a failed commit stays."""
+        token = uuid.uuid4().hex[:16]
+        staged = f"{STAGING}/{name}.{token}"
+        keys_rel = f"{KEYS}/keys-{stem(name)}.{token}.npy"
+        fd, tmp = tempfile.mkstemp(prefix=".dspine-part-", suffix=".parquet", dir=local_tmp_dir())
+        uploaded: list[str] = []
+        try:
+            with os.fdopen(fd, "wb") as f:
+                w = ChecksumWriter(f)
+                pq.write_table(table, w, compression="zstd", row_group_size=256 * 1024)
+            meta = json.loads((table.schema.metadata or {}).get(b"dspine_batch.part", b"{}"))
+            record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
+                      "error_rows": meta.get("error_rows", 0), "bytes": w.size, CHECKSUM: w.crc,
+                      "committed_at": time.time(), "token": token, "staged": staged}
+            uploaded.append(staged)
+            self.store.upload(tmp, staged)
+            if keys is not None:
+                buf = io.BytesIO()
+                np.save(buf, keys.astype("<u8"), allow_pickle=False)
+                uploaded.append(keys_rel)
+                self.store.put(keys_rel, buf.getvalue())
+                record["keys"] = keys_rel
+                record["keys_crc32"] = keys_checksum(keys)
+            if self.lease is not None:
+                self.lease.check()
+            if not self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode()):
+                theirs = self._record(name) or {}
+                if theirs.get("token") != token:  # not our own write whose answer was lost: another writer's
+                    raise FatalError(f"{self.store.url_of(record_rel(name))}: another worker committed this part "
+                                     "first (its lease was taken over); this worker stops, its uncommitted rows are "
+                                     "generated by the other")
+        except BaseException:
+            self.store.delete_many(uploaded)  # best effort: a crash leaves them to the next start's sweep
+            raise
+        finally:
+            os.unlink(tmp)
+        self.publish(record)
+        return record
+
+    def publish(self, record: dict[str, Any]) -> None:
+        """Make a committed part visible under its final name; idempotent (the record says what and from where)."""
+        self.store.copy(record["staged"], record["part"])
+        self.store.delete(record["staged"])
+
+    def _record(self, name: str) -> dict[str, Any] | None:
+        data = self.store.get(record_rel(name))
+        try:
+            rec = json.loads(data) if data else None
+        except ValueError:
+            return None
+        return rec if isinstance(rec, dict) and {"bytes", CHECKSUM, "outputs", "token"} <= rec.keys() else None
+
+    # -- resume ---------------------------------------------------------------------------------------------------
+    def records(self, tag: str | None = None) -> dict[str, dict[str, Any]]:
+        """Every commit record (of one shard), by part name: fetched concurrently (one GET each)."""
+        listed = self.store.list(KEYS)
+        names = []
+        for n in listed:
+            if n.startswith("commit-") and n.endswith(".json"):
+                part = PART_PREFIX + n.removeprefix("commit-").removesuffix(".json") + ".parquet"
+                m = PART_RE.match(part)
+                if m and (tag is None or m.group(1) == tag):
+                    names.append(part)
+        paths = [self.store.path(record_rel(n)) for n in names]
+        got = self.store.cat_many(paths)
+        out = {}
+        for name, path in zip(names, paths, strict=True):
+            data = got.get(path)
+            try:
+                rec = json.loads(data) if isinstance(data, bytes) else None
+            except ValueError:
+                rec = None
+            out[name] = rec if isinstance(rec, dict) else {"part": name, "unreadable": True}
+        return dict(sorted(out.items()))
+
+    def remove_staging(self, tag: str | None = None) -> int:
+        """Finish every interrupted publish and sweep orphans (uploads no record names) of one shard (all with
+        None). Call with the shard's lease held (all of them for None)."""
+        records = self.records(tag)
+        tokens = {r.get("token") for r in records.values()}
+        top = self.store.list("")
+        staged = self.store.list(STAGING)
+        for name, rec in records.items():
+            if rec.get("unreadable") or name in top:
+                continue
+            if rec["staged"].rsplit("/", 1)[-1] in staged:  # committed, publish interrupted: finish it
+                self.publish(rec)
+                top[name] = Listed(name, int(rec["bytes"]))
+        orphans = []
+        for n in staged:
+            part, _, token = n.rpartition(".")
+            m = PART_RE.match(part)
+            if m and (tag is None or m.group(1) == tag):
+                rec = records.get(part)
+                if token not in tokens or (rec is not None and part in top and rec.get("token") == token):
+                    orphans.append(f"{STAGING}/{n}")
+        keys = [n for n in self.store.list(KEYS) if n.startswith("keys-") and n.endswith(".npy")]
+        for n in keys:
+            body = n.removeprefix("keys-").removesuffix(".npy")
+            x, _, token = body.rpartition(".")
+            m = PART_RE.match(PART_PREFIX + x + ".parquet")
+            if m and (tag is None or m.group(1) == tag) and token not in tokens:
+                orphans.append(f"{KEYS}/{n}")
+        self.store.delete_many(orphans)
+        return sum(1 for o in orphans if o.startswith(STAGING))
+
+    def check_parts(self, tag: str | None = None, checksum: bool = False) -> list[PartCheck]:
+        """Each record against its published part: size (from one listing), and crc32 with ``checksum``."""
+        records = self.records(tag)
+        top = self.store.list("")
+        staged = self.store.list(STAGING)
+        checks = []
+        for name, rec in records.items():
+            url = self.store.url_of(name)
+            if rec.get("unreadable"):
+                checks.append(PartCheck(url, "unreadable (its commit record)"))
+                continue
+            info = {"rows": rec["rows"], "outputs": rec["outputs"], "error_rows": rec.get("error_rows", 0)}
+            if name not in top:
+                if rec["staged"].rsplit("/", 1)[-1] in staged:
+                    checks.append(PartCheck(url, None, info, verified=True))  # committed, publish pending
+                else:
+                    checks.append(PartCheck(url, "missing"))
+                continue
+            size, want = top[name].size, int(rec["bytes"])
+            if size != want:
+                what = "truncated" if size < want else "altered"
+                checks.append(PartCheck(url, f"{what} ({size:,} bytes, {want:,} committed)"))
+                continue
+            checks.append(PartCheck(url, None, info, verified=True))
+        if checksum:
+            good = [c for c in checks if c.problem is None]
+            with ThreadPoolExecutor(4) as pool:
+                for c, crc in zip(good, pool.map(lambda c: self._crc(c.path.rsplit("/", 1)[-1], records), good),
+                                  strict=True):
+                    want = int(records[c.path.rsplit("/", 1)[-1]][CHECKSUM])
+                    if crc is not None and crc != want:
+                        c.problem, c.info = f"altered ({CHECKSUM} {crc:08x}, {want:08x} committed)", None
+        return checks
+
+    def _crc(self, name: str, records: dict[str, dict[str, Any]]) -> int | None:
+        rec = records[name]
+        for rel in (name, rec["staged"]):
+            try:
+                with self.store.open(rel) as f:
+                    crc = 0
+                    while chunk := f.read(4 << 20):
+                        crc = zlib.crc32(chunk, crc)
+                    return crc
+            except FileNotFoundError:
+                continue
+        return None
+
+    def handle_damage(self, check: PartCheck, on_damaged: str, report: Callable[[str], None]) -> None:
+        """Like ``resume.handle_damage``: move the part and its record aside to ``_dspine/damaged/`` (copy, then
+        delete: the part first, so it is no longer visible before its record goes), or refuse with ``fail``."""
+        if on_damaged == "fail":
+            raise FatalError(f"{check.path}: committed part is {check.problem}; stopped (--on-damaged-part fail): "
+                             "rerun with --on-damaged-part repair to move it aside and regenerate its rows")
+        name = check.path.rsplit("/", 1)[-1]
+        dest = f"{DAMAGED}/part-{stem(name)}{time.strftime('.%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:6]}"
+        listed = self.store.list("")
+        if name in listed:
+            self.store.copy(name, dest + ".damaged")
+            self.store.delete(name)
+        if self.store.head(record_rel(name)) is not None:
+            self.store.copy(record_rel(name), dest + ".commit.json")
+            self.store.delete(record_rel(name))
+        self.remove_success()
+        report(f"{check.path}: committed part is {check.problem}; moved aside to {self.store.url_of(dest)}.*, its rows "
+               "will be generated again")
+
+    def verify_parts(self, tag: str | None, on_damaged: str, report: Callable[[str], None] = _warn,
+                     checksum: bool = True) -> list[PartCheck]:
+        good = []
+        for check in self.check_parts(tag, checksum):
+            if check.problem is None:
+                good.append(check)
+            else:
+                self.handle_damage(check, on_damaged, report)
+        return good
+
+    def load_done(self, tag: str, id_column: bool = True, on_damaged: str = "repair",
+                  report: Callable[[str], None] = _warn) -> DoneSet:
+        """The shard's done-set from its records' key objects (row ids read from the part when a key object
+        does not match its record)."""
+        records = self.records(tag)
+        checks = self.check_parts(tag)
+        keys = KeySet()
+        rows = errors = outputs = 0
+        damaged = 0
+        good = []
+        for c in checks:
+            if c.problem is not None:
+                self.handle_damage(c, on_damaged, report)
+                damaged += 1
+            else:
+                good.append((c, records[c.path.rsplit("/", 1)[-1]]))
+        paths = [self.store.path(r["keys"]) for _, r in good if r.get("keys")]
+        blobs = self.store.cat_many(paths)
+        for _c, rec in good:
+            hashes = None
+            blob = blobs.get(self.store.path(rec["keys"])) if rec.get("keys") else None
+            if isinstance(blob, bytes):
+                try:
+                    hashes = np.load(io.BytesIO(blob), allow_pickle=False)
+                except ValueError:
+                    hashes = None
+            if hashes is not None and (len(hashes) != rec["rows"] or keys_checksum(hashes) != rec.get("keys_crc32")):
+                hashes = None
+            if hashes is None:
+                hashes = self._row_hashes(rec, id_column)
+            keys.add_many(hashes)
+            rows += rec["rows"]
+            errors += rec.get("error_rows", 0)
+            outputs += rec["outputs"]
+        seqs = [int(PART_RE.match(n).group(2)) for n in records]  # type: ignore[union-attr]
+        return DoneSet(keys, rows, errors, outputs, max(seqs) + 1 if seqs else 0, damaged)
+
+    def _row_hashes(self, rec: dict[str, Any], id_column: bool) -> np.ndarray:
+        name = rec["part"]
+        rel = name if self.store.head(name) is not None else rec["staged"]
+        with self.store.open(rel) as f:
+            t = pq.read_table(f, columns=["row_id"])
+        ids = pc.unique(t.column("row_id")).to_pylist()
+        return (key_hashes if id_column else fallback_id_hashes)(ids)
+
+    def part_urls(self) -> list[str]:
+        """Published committed parts, in (shard, seq) order: what readers and the ops read."""
+        return [self.store.url_of(n) for n in sorted(self.store.list("")) if PART_RE.match(n)]
+
+    def lease_states(self) -> dict[str, bool]:
+        """shard tag -> whether a live lease holds it (``status``: running, or dead)."""
+        out = {}
+        for rel in self._leases():
+            tag = rel.removeprefix(f"{STATE}/lease-").removesuffix(".json")
+            out[tag] = live(read_lease(self.store, tag))
+        return out
+
+
+__all__ = ["ObjectOutput", "SUCCESS", "lease_name"]

@@ -1,0 +1,136 @@
+"""URLs versus local paths, secrets kept out of every line we print, and ``--storage-option`` values.
+
+A string is a URL when it starts with ``scheme://`` (two or more letters: ``C:\\`` stays a path). Anything we
+print or write (logs, manifest, state files, reports, errors) goes through ``redact`` first: a URL may carry a
+password (``s3://key:secret@bucket``) or a signed query string (``?X-Amz-Signature=...``, ``?sig=...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from urllib.parse import parse_qsl, urlsplit
+
+from dspine_batch.errors import UsageError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+# userinfo in any scheme://user:pass@host, anywhere in a line
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]+:[^/@\s]*@")
+# query parameters that carry a credential (presigned S3/GCS URLs, Azure SAS, plain tokens)
+_SECRET_PARAMS = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
+                            r"x-goog-credential|sig|signature|token|access_token|secret|password|key|sv|se|sp|skoid|"
+                            r"sktid|sks|skv|api_key|apikey)=)[^&\s#]*")
+
+# scheme -> (fsspec protocol package, the extra that installs it)
+EXTRAS: dict[str, tuple[str, str]] = {
+    "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"),
+    "hf": ("huggingface_hub", "hf"),
+}
+# schemes whose stores can create an object only if it is absent (If-None-Match: *): usable as an OUTDIR.
+# The commit protocol and the lease also use compare-and-swap on the ETag, implemented here for S3's API
+# (AWS, MinIO, R2, Ceph, moto), so only these are accepted as OUTDIR for now.
+OUTDIR_SCHEMES = ("s3", "s3a")
+# why a store cannot hold an OUTDIR, said in the one line that refuses it
+NO_CREATE_ONLY = {
+    "hf": "the Hugging Face Hub has no create-if-absent write, so two writers could both commit the same part",
+    "http": "plain HTTP has no create-if-absent write (and is read-only in fsspec)",
+    "https": "plain HTTP has no create-if-absent write (and is read-only in fsspec)",
+    "gs": "exactly-once commits on GCS are not implemented yet (inputs from gs:// work)",
+    "gcs": "exactly-once commits on GCS are not implemented yet (inputs from gcs:// work)",
+    "az": "exactly-once commits on Azure are not implemented yet (inputs from az:// work)",
+    "abfs": "exactly-once commits on Azure are not implemented yet (inputs from abfs:// work)",
+    "abfss": "exactly-once commits on Azure are not implemented yet (inputs from abfss:// work)",
+    "memory": "the memory:// store lives in one process only",
+}
+
+
+def scheme(path: str) -> str | None:
+    """The URL scheme (lower case), None for a local path (``file://`` counts as local)."""
+    m = _URL.match(path)
+    if not m or m.group(1).lower() == "file":
+        return None
+    return m.group(1).lower()
+
+
+def is_url(path: str) -> bool:
+    return scheme(path) is not None
+
+
+def local_path(path: str) -> str:
+    """``file:///x`` -> ``/x``; anything else unchanged."""
+    return path[len("file://"):] if path.lower().startswith("file://") else path
+
+
+def redact(text: str) -> str:
+    """``text`` with every URL password and secret-carrying query value replaced by ``***``. Cheap enough to run
+    on every line we print."""
+    if "://" not in text and "=" not in text:
+        return text
+    text = _USERINFO.sub(r"\1***@", text)
+    return _SECRET_PARAMS.sub(r"\1***", text)
+
+
+def join(base: str, *names: str) -> str:
+    """``base/name`` for URLs (always ``/``) and local paths alike."""
+    if not is_url(base):
+        return os.path.join(base, *names)
+    out = base.rstrip("/")
+    for n in names:
+        out += "/" + n.strip("/")
+    return out
+
+
+def strip_url(url: str) -> str:
+    """A URL without its trailing slash and with no query string (an OUTDIR URL names a prefix)."""
+    parts = urlsplit(url)
+    if parts.query:
+        raise UsageError(f"{redact(url)}: a query string is not allowed in an output URL; pass settings with "
+                         "--storage-option KEY=VALUE")
+    return url.rstrip("/")
+
+
+def parse_options(pairs: list[str] | tuple[str, ...], env: str | None = None) -> dict[str, object]:
+    """``--storage-option KEY=VALUE`` (repeatable) over ``DSPINE_BATCH_STORAGE_OPTIONS`` (a JSON object, or
+    ``k=v,k=v``). Values that read as JSON (numbers, true/false, objects) are decoded; dotted keys build nested
+    dicts (``client_kwargs.region_name=eu-west-1``), as fsspec filesystems take them."""
+    out: dict[str, object] = {}
+    env = os.environ.get("DSPINE_BATCH_STORAGE_OPTIONS") if env is None else env
+    items: list[str] = []
+    if env and env.strip():
+        text = env.strip()
+        if text.startswith("{"):
+            try:
+                loaded = json.loads(text)
+            except ValueError as e:
+                raise UsageError(f"DSPINE_BATCH_STORAGE_OPTIONS: not a JSON object ({e.msg})") from e
+            if not isinstance(loaded, dict):
+                raise UsageError("DSPINE_BATCH_STORAGE_OPTIONS: not a JSON object")
+            out.update(loaded)
+        else:
+            items.extend(p for p in text.split(",") if p.strip())
+    items.extend(pairs)
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--storage-option {key or item!r}: expected KEY=VALUE, e.g. endpoint_url=http://...")
+        try:
+            parsed: object = json.loads(value)
+        except ValueError:
+            parsed = value
+        node = out
+        *path, last = key.split(".")
+        for k in path:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--storage-option {key}: {k} is both a value and a group")
+            node = child
+        node[last] = parsed
+    return out
+
+
+def query_params(url: str) -> list[tuple[str, str]]:
+    return parse_qsl(urlsplit(url).query)
