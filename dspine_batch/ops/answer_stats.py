@@ -22,6 +22,8 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dspine_batch.pipeline.outputs import arrow_path
+
 CHECKED = ("json_schema", "json_object", "choice", "regex")
 MAX_VALIDATORS = 1024
 
@@ -40,7 +42,7 @@ class AnswerTally:
     def add_part(self, path: str, have: set[str]) -> None:
         if "structure_kind" not in have:  # written before schema 4
             return
-        t = pq.read_table(path, columns=["status", "finish_reason", "reasoning_content", "tool_calls",
+        t = pq.read_table(**arrow_path(path), columns=["status", "finish_reason", "reasoning_content", "tool_calls",
                                          "structure_kind", "logprobs"])
         ok = pc.equal(t["status"], "ok")
         self.reasoning += _count(pc.and_(ok, pc.is_valid(t["reasoning_content"])))
@@ -48,7 +50,8 @@ class AnswerTally:
         self.logprobs += _count(pc.and_(ok, pc.is_valid(t["logprobs"])))
         if t["structure_kind"].null_count == t.num_rows:
             return
-        rows = pq.read_table(path, columns=["status", "finish_reason", "structure_kind", "structure", "output"]) \
+        cols = ["status", "finish_reason", "structure_kind", "structure", "output"]
+        rows = pq.read_table(**arrow_path(path), columns=cols) \
             .filter(pc.and_(ok, pc.is_valid(t["structure_kind"]))).to_pylist()
         for r in rows:
             kind = r["structure_kind"]

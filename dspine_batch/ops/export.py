@@ -30,8 +30,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import UsageError
-from dspine_batch.pipeline.manifest import read_manifest
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
+from dspine_batch.storage.fs import filesystem, retrying
+from dspine_batch.storage.objects import local_tmp_dir
+from dspine_batch.storage.urls import is_url, redact
 
 COLUMNS = ["row_id", "sample_index", "output", "reasoning_content", "tool_calls", "finish_reason", "status", "error",
            "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "logprobs"]
@@ -47,13 +49,26 @@ class ExportStats:
 
 
 def export_openai(outdir: str, path: str) -> ExportStats:
-    """Write ``path`` (``-``: stdout); a file is written under a temporary name and renamed when complete."""
-    manifest = read_manifest(outdir)
+    """Write ``path`` (``-``: stdout); a file is written under a temporary name and renamed when complete (a URL:
+    uploaded once complete, so a reader never sees half a results file)."""
+    out = open_output(outdir)
+    manifest = out.read_manifest()
     if manifest is None:
-        raise UsageError(f"{outdir}: no _manifest.json (not a dspine-batch output)")
+        raise UsageError(f"{out.display}: no _manifest.json (not a dspine-batch output)")
     model = str(manifest.get("config", {}).get("model", "unknown"))
     if path == "-":
         return _write(outdir, model, sys.stdout)
+    if is_url(path):
+        fs, inner = filesystem(path)
+        tmp = os.path.join(local_tmp_dir(), f".dspine-export-{os.getpid()}.jsonl")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                stats = _write(outdir, model, f)
+            retrying(lambda: fs.put_file(tmp, inner), redact(path))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return stats
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -81,8 +96,8 @@ def _write(outdir: str, model: str, out: IO[str]) -> ExportStats:
 
 def rows(outdir: str) -> Iterator[tuple[list[dict[str, Any]], int]]:
     """Each row's output records (its samples, in sample order) and its part's commit time."""
-    for part in list_parts(outdir):
-        pf = pq.ParquetFile(part.path)
+    for part in committed_parts(outdir):
+        pf = pq.ParquetFile(**arrow_path(part.path))
         meta = json.loads((pf.metadata.metadata or {}).get(b"dspine_batch.part", b"{}"))
         created = int(meta.get("committed_at", 0))
         cols = [c for c in COLUMNS if c in pf.schema_arrow.names]  # parts from before schema 4 lack some

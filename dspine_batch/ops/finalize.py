@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
 from dspine_batch.pipeline import compact as compaction
-from dspine_batch.pipeline.job import _write_success, log
+from dspine_batch.pipeline.job import log
 from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
-from dspine_batch.pipeline.manifest import read_manifest
 from dspine_batch.pipeline.mapping import RowIds
-from dspine_batch.pipeline.resume import Lock, list_parts, read_state, remove_staging, verify_parts
+from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts, open_output
+from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.pipeline.shard import shard_tag
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
 
@@ -45,12 +45,13 @@ def missing_by_shard(row_ids: list[str], shards: int, id_column: bool) -> dict[i
     return {i: int(c) for i, c in enumerate(counts) if c}
 
 
-def shard_report(outdir: str, manifest: dict) -> tuple[list[str], list[str]]:
+def shard_report(outdir: str | Output, manifest: dict) -> tuple[list[str], list[str]]:
     """(shards that never started, shards whose last run did not finish) from the per-shard state files."""
+    out = open_output(outdir) if isinstance(outdir, str) else outdir
     shards = int(manifest.get("num_shards", 1))
     never, unfinished = [], []
     for i in range(shards):
-        st = read_state(outdir, shard_tag(i, shards))
+        st = out.read_state(shard_tag(i, shards))
         if not st:
             never.append(f"{i}/{shards}")
         elif st.get("state") != "done":
@@ -60,8 +61,9 @@ def shard_report(outdir: str, manifest: dict) -> tuple[list[str], list[str]]:
 
 def audit(outdir: str, manifest: dict) -> list[str]:
     """Problems with coverage; empty when every input row x sample is present exactly once."""
-    parts = list_parts(outdir)
-    got = pa.concat_tables([pq.read_table(p.path, columns=["row_id", "sample_index"]) for p in parts]) if parts \
+    parts = committed_parts(outdir)
+    got = pa.concat_tables([pq.read_table(**arrow_path(p.path), columns=["row_id", "sample_index"]) for p in parts]) \
+        if parts \
         else pa.table({"row_id": pa.array([], pa.string()), "sample_index": pa.array([], pa.int32())})
     problems = []
     counts = got.group_by(["row_id", "sample_index"]).aggregate([([], "count_all")])
@@ -97,23 +99,27 @@ def audit(outdir: str, manifest: dict) -> list[str]:
 
 
 def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "repair") -> int:
-    manifest = read_manifest(outdir)
+    out = open_output(outdir)
+    manifest = out.read_manifest()
     if manifest is None:
-        raise UsageError(f"{outdir}: no _manifest.json (not a dspine-batch output)")
+        raise UsageError(f"{out.display}: no _manifest.json (not a dspine-batch output)")
+    if compact and out.remote:
+        raise UsageError(f"{out.display}: --compact is not available on an object store yet (parts cannot be "
+                         "replaced atomically there); finalize without it")
     shards = int(manifest.get("num_shards", 1))
     locks = []
     try:
         for i in range(shards):
-            locks.append(Lock(outdir, shard_tag(i, shards)).acquire())  # no shard may run meanwhile
-        compaction.recover(outdir)
-        remove_staging(outdir)
-        good = verify_parts(outdir, None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
+            locks.append(out.lock(shard_tag(i, shards)).acquire())  # no shard may run meanwhile
+        out.recover()
+        out.remove_staging()  # on an object store this also finishes any publish a crash interrupted
+        good = out.verify_parts(None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
         log(f"checked {len(good)} part(s) against their commit records")
         if compact:
             merged = compaction.compact(outdir, target_rows)
             log(f"compacted {merged} parts into {len(list_parts(outdir))}")
         problems = audit(outdir, manifest)
-        never, unfinished = shard_report(outdir, manifest)
+        never, unfinished = shard_report(out, manifest)
         if problems:
             if never:
                 problems.append(f"shards never started: {', '.join(never)}")
@@ -125,7 +131,7 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
         for what, items in (("never started (they own no rows)", never), ("ended without a final 'done'", unfinished)):
             if items:
                 log(f"note: shards {what}: {', '.join(items)}; every row is present, so this is harmless")
-        _write_success(outdir)
+        out.write_success()
         log(f"complete: every input row x {manifest['config']['num_samples']} sample(s) (or its own n) present "
             "exactly once; _SUCCESS written")
         return EXIT_OK

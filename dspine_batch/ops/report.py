@@ -25,8 +25,10 @@ import pyarrow.parquet as pq
 
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
 from dspine_batch.pipeline.decisions import combine, label
-from dspine_batch.pipeline.resume import STATE_DIR, list_parts, read_state
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output, shard_states
 from dspine_batch.pipeline.schema import SOURCE_STATS
+from dspine_batch.storage.objects import ObjectStore
+from dspine_batch.storage.urls import is_url
 
 COLUMNS = ["row_id", "status", "error", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
            "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram", "latency_s"]
@@ -46,11 +48,13 @@ def summarize(outdir: str) -> dict[str, Any]:
     by_source = {name: 0 for name in SOURCE_STATS}  # dspine_ / suffix_ / forced_ (grammar-forced tokens)
     cached = cache_prompt = cache_rows = 0  # prefix cache: rows that report it, their cached and prompt tokens
     answers = AnswerTally()  # reasoning, tool calls, logprobs, structured outputs (schema 4)
-    for part in list_parts(outdir):
+    parts = committed_parts(outdir)
+    for part in parts:
         # parts written before schema 2 have no by-source columns, before schema 3 no cached_prompt_tokens
-        have = set(pq.read_schema(part.path).names)
+        src = arrow_path(part.path)
+        have = set(pq.read_schema(src["source"], filesystem=src.get("filesystem")).names)
         answers.add_part(part.path, have)
-        t = pq.read_table(part.path, columns=COLUMNS + [c for c in OPTIONAL if c in have]).to_pydict()
+        t = pq.read_table(**src, columns=COLUMNS + [c for c in OPTIONAL if c in have]).to_pydict()
         n += len(t["row_id"])
         rows.update(t["row_id"])
         for i, st in enumerate(t["status"]):
@@ -85,13 +89,14 @@ def summarize(outdir: str) -> dict[str, Any]:
         lat.append(np.array([x for x in t["latency_s"] if x is not None], dtype=np.float64))
     tau = np.concatenate(taus) if taus else np.zeros(0)
     lats = np.concatenate(lat) if lat else np.zeros(0)
-    shards = {p.shard for p in list_parts(outdir)}
-    elapsed = max((read_state(outdir, tag).get("elapsed_s", 0.0) for tag in shards), default=0.0)
-    decided = combine([st["decisions"] for st in _states(outdir) if isinstance(st.get("decisions"), dict)])
+    shards = {p.shard for p in parts}
+    states = dict(shard_states(outdir))
+    elapsed = max((states.get(tag, {}).get("elapsed_s", 0.0) for tag in shards), default=0.0)
+    decided = combine([st["decisions"] for st in states.values() if isinstance(st.get("decisions"), dict)])
     total_steps = int(hist.sum())
     by_pos = [float(hist[j:].sum() / total_steps) for j in range(1, len(hist))] if total_steps else []
     return {
-        "outdir": os.path.abspath(outdir), "input_rows": len(rows), "output_rows": n, "ok": ok, "errors": n - ok,
+        "outdir": open_output(outdir).display, "input_rows": len(rows), "output_rows": n, "ok": ok, "errors": n - ok,
         "prompt_tokens": prompt_toks, "completion_tokens": comp_toks, "elapsed_s": round(elapsed, 3),
         "prefix_cache": {"rows": cache_rows, "prompt_tokens": cache_prompt, "cached_prompt_tokens": cached,
                          "hit_rate": _r(cached / cache_prompt) if cache_prompt else None},
@@ -106,14 +111,6 @@ def summarize(outdir: str) -> dict[str, Any]:
         "finish_reasons": dict(finish.most_common()),
         "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
     }
-
-
-def _states(outdir: str) -> list[dict[str, Any]]:
-    """Every shard's state file (a shard with no part yet, or a no-op rerun, has one too)."""
-    d = os.path.join(outdir, STATE_DIR)
-    names = sorted(n for n in os.listdir(d) if n.startswith("state-") and n.endswith(".json")) \
-        if os.path.isdir(d) else []
-    return [read_state(outdir, n.removeprefix("state-").removesuffix(".json")) for n in names]
 
 
 def _by_source(totals: dict[str, int], decided: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -155,6 +152,9 @@ def _r(x: float) -> float:
 
 
 def write_report(outdir: str, summary: dict[str, Any]) -> None:
+    if is_url(outdir):  # advisory: a plain overwrite
+        ObjectStore(outdir).put("_report.json", json.dumps(summary, indent=2).encode())
+        return
     path = os.path.join(outdir, "_report.json")
     with open(path + ".tmp", "w") as f:
         json.dump(summary, f, indent=2)

@@ -154,3 +154,36 @@ def open_output(where: str) -> Output:
 
         return ObjectOutput(where)
     return LocalOutput(where)
+
+
+def committed_parts(outdir: str) -> list[Any]:
+    """``resume.Part``s of an OUTDIR's published committed parts, local or URL (``path`` is then a URL: read it
+    with ``arrow_path``)."""
+    from dspine_batch.pipeline.resume import PART_RE, Part
+
+    if not is_url(outdir):
+        return list_parts(outdir)
+    out = open_output(outdir)
+    parts = []
+    for url in out.part_urls():
+        m = PART_RE.match(url.rsplit("/", 1)[-1])
+        assert m is not None
+        parts.append(Part(url, m.group(1), int(m.group(2))))
+    return sorted(parts, key=lambda p: (p.shard, p.seq))
+
+
+def arrow_path(path: str) -> dict[str, Any]:
+    """Keyword arguments for pyarrow's readers (``pq.read_table(**arrow_path(p), columns=...)``): the path, and for a
+    URL the fsspec filesystem behind it (ranged reads, the job's storage options)."""
+    if not is_url(path):
+        return {"source": path}
+    from dspine_batch.storage.fs import arrow_filesystem
+
+    fs, inner = arrow_filesystem(path)
+    return {"source": inner, "filesystem": fs}
+
+
+def shard_states(outdir: str) -> list[tuple[str, dict[str, Any]]]:
+    """(shard tag, state file) of every shard that wrote one."""
+    out = open_output(outdir)
+    return out.states()  # type: ignore[attr-defined]
