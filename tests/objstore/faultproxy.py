@@ -1,0 +1,106 @@
+"""A TCP proxy on 127.0.0.1 between an S3 client and the test server that misbehaves like a real network and a
+busy store: it answers some connections with ``503 Slow Down`` without forwarding them, drops some at once,
+delays some, and cuts some connections in the middle of a response (the request reached the store; its answer
+is lost, so the client retries a write that already happened). ``mode="deny"`` answers every request with a
+403 instead. Faults are drawn from a seeded generator."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+DENY = (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: {n}\r\n\r\n")
+DENY_BODY = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
+             b"<Message>Access Denied</Message></Error>")
+SLOW = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: {n}\r\n\r\n")
+SLOW_BODY = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, mode: str = "faults", seed: int = 0, p503: float = 0.15, pdrop: float = 0.08,
+                 pdelay: float = 0.1, pcut: float = 0.01):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.mode, self.rng = mode, random.Random(seed)
+        self.p503, self.pdrop, self.pdelay, self.pcut = p503, pdrop, pdelay, pcut
+        self.counts = {"503": 0, "drop": 0, "delay": 0, "cut": 0, "ok": 0, "403": 0}
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._mu = threading.Lock()
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _draw(self) -> float:
+        with self._mu:
+            return self.rng.random()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _read_head(self, client: socket.socket) -> None:
+        data = b""
+        client.settimeout(5)
+        while b"\r\n\r\n" not in data:
+            chunk = client.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+
+    def _handle(self, client: socket.socket) -> None:
+        try:
+            if self.mode == "deny":
+                self._read_head(client)
+                client.sendall(DENY.replace(b"{n}", str(len(DENY_BODY)).encode()) + DENY_BODY)
+                self.counts["403"] += 1
+                return
+            r = self._draw()
+            if r < self.p503:
+                self._read_head(client)
+                client.sendall(SLOW.replace(b"{n}", str(len(SLOW_BODY)).encode()) + SLOW_BODY)
+                self.counts["503"] += 1
+                return
+            if r < self.p503 + self.pdrop:
+                self.counts["drop"] += 1
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                return  # closed with RST below
+            if r < self.p503 + self.pdrop + self.pdelay:
+                self.counts["delay"] += 1
+                time.sleep(0.3)
+            self.counts["ok"] += 1
+            upstream = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            self._pipe(upstream, client, True)
+        except OSError:
+            pass
+        finally:
+            client.close()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, may_cut: bool) -> None:
+        try:
+            src.settimeout(None)
+            while chunk := src.recv(65536):
+                if may_cut and self._draw() < self.pcut:  # the store did the work; its answer is lost
+                    self.counts["cut"] += 1
+                    break
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
