@@ -228,6 +228,8 @@ def generate(cfg: GenerateConfig) -> int:
     shutdown, lock = Shutdown(cfg.grace_seconds), out.lock(job.tag)
     try:
         lock.acquire()
+        if getattr(lock, "took_over", None):
+            log(f"shard {job.tag}: took over the expired lease of {lock.took_over.get('holder', 'a dead worker')}")
         shutdown.install()
         _check_previous_run(job)
         out.recover()  # a crashed `finalize --compact` must not leave duplicates behind

@@ -113,13 +113,24 @@ def _status(e: BaseException) -> int | None:
     return None
 
 
+def precondition_failed(e: BaseException) -> bool:
+    """A 412 answer to ``If-None-Match``/``If-Match`` (s3fs raises ``FileExistsError`` for some calls and a bare
+    ``OSError(EINVAL)`` for others): the condition is the answer, not an error."""
+    if isinstance(e, FileExistsError) or _status(e) == 412:
+        return True
+    text = f"{e} {e.__cause__ or ''}".lower()
+    return "precondition" in text or "pre-condition" in text
+
+
 def transient(e: BaseException) -> bool:
     """Worth retrying: throttling, 5xx, timeouts, dropped connections. A 4xx is an answer, not a hiccup."""
     if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
         return False
+    if precondition_failed(e):
+        return False
     status = _status(e)
-    if status is not None:
-        return status >= 500 or status in (408, 429)
+    if status is not None:  # 409: a conditional write racing another on the same key (S3 says: retry)
+        return status >= 500 or status in (408, 409, 429)
     text = f"{type(e).__name__} {e}".lower()
     return isinstance(e, (ConnectionError, TimeoutError)) or any(
         w in text for w in ("timeout", "timed out", "connection", "reset", "broken pipe", "throttl", "slowdown",
@@ -145,6 +156,8 @@ def permanent(e: BaseException, what: str) -> BaseException:
     ``FileExistsError``/``FileNotFoundError`` of a key pass through unchanged (callers branch on them)."""
     if isinstance(e, (FileExistsError, FatalError, UsageError)):
         return e
+    if precondition_failed(e):
+        return FileExistsError(str(e))
     text = redact(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
     status = _status(e)
     low = text.lower()

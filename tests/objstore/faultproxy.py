@@ -2,7 +2,8 @@
 busy store: it answers some connections with ``503 Slow Down`` without forwarding them, drops some at once,
 delays some, and cuts some connections in the middle of a response (the request reached the store; its answer
 is lost, so the client retries a write that already happened). ``mode="deny"`` answers every request with a
-403 instead. Faults are drawn from a seeded generator."""
+403 instead. Faults are drawn from a seeded generator. ``on_request`` sees the client's bytes before they are
+forwarded (the kill tests use it to kill -9 a worker at an exact step of a commit)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 DENY = (b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: {n}\r\n\r\n")
 DENY_BODY = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code>"
@@ -21,11 +23,12 @@ SLOW_BODY = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code
 
 class FaultProxy:
     def __init__(self, upstream: str, mode: str = "faults", seed: int = 0, p503: float = 0.15, pdrop: float = 0.08,
-                 pdelay: float = 0.1, pcut: float = 0.01):
+                 pdelay: float = 0.1, pcut: float = 0.01, on_request: Callable[[bytes], bool] | None = None):
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.mode, self.rng = mode, random.Random(seed)
         self.p503, self.pdrop, self.pdelay, self.pcut = p503, pdrop, pdelay, pcut
+        self.on_request = on_request  # sees client bytes first; True: swallow them and cut the connection
         self.counts = {"503": 0, "drop": 0, "delay": 0, "cut": 0, "ok": 0, "403": 0}
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -45,26 +48,30 @@ class FaultProxy:
                 return
             threading.Thread(target=self._handle, args=(client,), daemon=True).start()
 
-    def _read_head(self, client: socket.socket) -> None:
+    def _read_head(self, client: socket.socket) -> bool:
+        """Read a request's head; whether it is a HEAD request (answered without a body)."""
         data = b""
         client.settimeout(5)
         while b"\r\n\r\n" not in data:
             chunk = client.recv(65536)
             if not chunk:
-                return
+                break
             data += chunk
+        return data.startswith(b"HEAD ")
+
+    def _answer(self, client: socket.socket, head: bytes, body: bytes) -> None:
+        is_head = self._read_head(client)
+        client.sendall(head.replace(b"{n}", str(len(body)).encode()) + (b"" if is_head else body))
 
     def _handle(self, client: socket.socket) -> None:
         try:
             if self.mode == "deny":
-                self._read_head(client)
-                client.sendall(DENY.replace(b"{n}", str(len(DENY_BODY)).encode()) + DENY_BODY)
+                self._answer(client, DENY, DENY_BODY)
                 self.counts["403"] += 1
                 return
             r = self._draw()
             if r < self.p503:
-                self._read_head(client)
-                client.sendall(SLOW.replace(b"{n}", str(len(SLOW_BODY)).encode()) + SLOW_BODY)
+                self._answer(client, SLOW, SLOW_BODY)
                 self.counts["503"] += 1
                 return
             if r < self.p503 + self.pdrop:
@@ -76,17 +83,20 @@ class FaultProxy:
                 time.sleep(0.3)
             self.counts["ok"] += 1
             upstream = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, False, self.on_request), daemon=True).start()
             self._pipe(upstream, client, True)
         except OSError:
             pass
         finally:
             client.close()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, may_cut: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, may_cut: bool,
+              hook: Callable[[bytes], bool] | None = None) -> None:
         try:
             src.settimeout(None)
             while chunk := src.recv(65536):
+                if hook is not None and hook(chunk):
+                    break
                 if may_cut and self._draw() < self.pcut:  # the store did the work; its answer is lost
                     self.counts["cut"] += 1
                     break

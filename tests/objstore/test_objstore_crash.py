@@ -1,0 +1,199 @@
+"""Exactly-once on S3 under crashes, rivals and a bad network (issue 39), against a real S3 server on 127.0.0.1.
+
+kill -9 lands at exact steps of a commit (the worker's traffic goes through ``faultproxy``, which kills it when the
+commit record's create-only PUT, or the publishing copy, is about to reach the store) and at random moments; the
+resumed job has every input row exactly once, no orphan left, and ``finalize`` writes ``_SUCCESS``. Two workers on
+one shard: the second exits naming the holder; after the holder's kill -9 and its lease's expiry a new worker
+takes the shard over. Through a proxy that answers 503, drops and cuts connections, the job still finishes
+exactly once. No assertion depends on timing: waits poll the store for a state, with a generous upper bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from faultproxy import FaultProxy
+from helpers import prompts, read_output, run_cli, spawn, write_jsonl
+from test_objstore_generate import read_s3_output
+
+from dspine_batch.errors import FatalError
+from dspine_batch.storage.lease import Lease
+
+GEN = ["--num-samples", "2", "--temperature", "0.8", "--seed", "11", "--max-in-flight", "8", "--commit-rows", "5",
+       "--commit-seconds", "0.05", "--engine-arg", "latency=0.03", "--max-error-rate", "1"]
+
+
+def _wait(cond, what: str, limit: float = 120.0) -> None:
+    """Poll until ``cond()``; the limit only turns a hang into a failure, it measures nothing."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < limit, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def _expired(s3, lease: str) -> bool:
+    return not s3.exists(lease) or json.loads(s3.cat_file(lease))["expires_at"] < time.time()
+
+
+def _assert_clean(s3, prefix: str) -> None:
+    """No staging object left, and every key object is named by a commit record (orphans swept)."""
+    staging = f"{prefix}/_dspine/staging"
+    assert not (s3.exists(staging) and s3.ls(staging, detail=False)), s3.ls(staging, detail=False)
+    records = [json.loads(s3.cat_file(p)) for p in s3.glob(f"{prefix}/_dspine/keys/commit-*.json")]
+    named = {r["keys"].rsplit("/", 1)[-1] for r in records}
+    keys = {p.rsplit("/", 1)[-1] for p in s3.glob(f"{prefix}/_dspine/keys/keys-*.npy")}
+    assert keys == named
+    parts = {p.rsplit("/", 1)[-1] for p in s3.glob(f"{prefix}/*.parquet")}
+    assert parts == {r["part"] for r in records}
+
+
+def _exactly_once(s3, prefix: str, ref: Path, rows: int) -> None:
+    got = read_s3_output(s3, prefix)
+    keys = [(r["row_id"], r["sample_index"]) for r in got]
+    assert len(keys) == len(set(keys)) == 2 * rows
+    assert got == read_output(ref)
+
+
+def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, s3, s3env, s3_endpoint, bucket):
+    rows = 120
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
+    args = ["generate", str(src), *GEN]
+    assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
+    prefix = f"{bucket}/out"
+    out = f"s3://{prefix}"
+    worker: dict[str, int] = {}
+    seen = {"record": 0, "copy": 0}
+    plan: dict[str, int] = {}  # which request to kill at: {"record": k} or {"copy": k}
+    killed: list[str] = []
+
+    def hook(chunk: bytes) -> bool:
+        for step, marker in (("record", b"/_dspine/keys/commit-"), ("copy", b"x-amz-copy-source")):
+            if chunk.startswith(b"PUT ") and marker in chunk:
+                seen[step] += 1
+                if plan.get(step) == seen[step] and "pid" in worker:
+                    os.kill(worker.pop("pid"), signal.SIGKILL)  # before the store sees this request
+                    killed.append(step)
+                    return True
+        return False
+
+    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
+    rng = random.Random(7)
+    try:
+        # 1: killed when a part is uploaded but its record not yet created (an orphan); 2: record created, publish
+        # not done (the next start finishes it); 3 and 4: the same again later in the run; 5, 6: random moments
+        for step in ("record", "copy", "record", "copy", None, None):
+            seen.update(record=0, copy=0)
+            plan.clear()
+            if step:
+                plan[step] = rng.randint(1, 3)
+            p = spawn([*args, "-o", out], AWS_ENDPOINT_URL=proxy.url, DSPINE_BATCH_LEASE_SECONDS="2")
+            worker["pid"] = p.pid
+            if step is None:
+                _wait(lambda: s3.exists(f"{prefix}/_manifest.json"), "the worker started")
+                time.sleep(rng.uniform(0.1, 1.0))
+                if p.poll() is None:
+                    os.kill(worker.pop("pid"), signal.SIGKILL)
+                    killed.append("random")
+            _, err = p.communicate(timeout=300)
+            worker.pop("pid", None)
+            assert p.returncode in (0, -signal.SIGKILL), err.decode()
+            if p.returncode == 0:
+                break
+            # the next start must not meet the dead worker's lease: wait for it to expire (the rows are safe)
+            _wait(lambda: _expired(s3, f"{prefix}/_dspine/lease-00000-of-00001.json"), "the old lease expired")
+    finally:
+        proxy.close()
+    assert killed.count("record") >= 1 and killed.count("copy") >= 1 and len(killed) >= 3, killed
+    p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="2")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err.decode()
+    _exactly_once(s3, prefix, tmp_path / "ref", rows)
+    _assert_clean(s3, prefix)
+    assert run_cli(["finalize", out]) == 0
+    assert s3.exists(f"{prefix}/_SUCCESS")
+
+
+def test_second_worker_exits_naming_the_holder_and_takes_over_after_expiry(tmp_path, s3, s3env, bucket, capsys):
+    rows = 80
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
+    args = ["generate", str(src), *GEN[:-4], "--engine-arg", "latency=0.2"]
+    assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
+    prefix = f"{bucket}/out"
+    holder = spawn([*args, "-o", f"s3://{prefix}"], DSPINE_BATCH_LEASE_SECONDS="3")
+    try:
+        _wait(lambda: bool(s3.glob(f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
+        capsys.readouterr()
+        assert run_cli([*args, "-o", f"s3://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "3"}) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"held by pid {holder.pid} on" in err and len(err.splitlines()) == 1, err
+    finally:
+        holder.kill()
+        holder.communicate()
+    lease = f"{prefix}/_dspine/lease-00000-of-00001.json"
+    assert s3.exists(lease)  # kill -9: nobody released it
+    _wait(lambda: json.loads(s3.cat_file(lease))["expires_at"] < time.time(), "the dead holder's lease expired")
+    assert run_cli([*args, "-o", f"s3://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "3"}) == 0
+    assert f"took over the expired lease of pid {holder.pid}" in capsys.readouterr().err
+    _exactly_once(s3, prefix, tmp_path / "ref", rows)
+    _assert_clean(s3, prefix)
+    assert not s3.exists(lease)  # released at the end
+    assert run_cli(["finalize", f"s3://{prefix}"]) == 0
+
+
+def test_a_worker_whose_lease_was_taken_over_cannot_commit(s3env, bucket):
+    """The paused-worker case: A's lease expired and B took the shard; A wakes up and tries to commit. The lease
+    check stops it, and were it past that check, the create-only commit record would (of two writers racing
+    for one part number exactly one wins)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dspine_batch.pipeline.remote import ObjectOutput
+
+    url = f"s3://{bucket}/out"
+    a, b = ObjectOutput(url), ObjectOutput(url)
+    a.prepare()
+    tag = "00000-of-00001"
+    la = Lease(a.store, tag, seconds=1.0)
+    a.lease = la
+    la.acquire()
+    la._stop.set()  # A stops renewing (paused)
+    la._thread.join()
+    _wait(lambda: json.loads(a.store.get(f"_dspine/lease-{tag}.json"))["expires_at"] < time.time(), "A's lease expired")
+    lb = b.lock(tag).acquire()
+    assert lb.took_over and lb.took_over["token"] == la.token
+    table = pa.table({"row_id": ["x"], "sample_index": [0]})
+    name = "train-00000-of-00001-000000.parquet"
+    b.commit_part(name, table, np.array([1], dtype=np.uint64), 1)
+    la.renew()  # A's next renewal finds the lease changed: lost
+    with pytest.raises(FatalError, match="lease lost"):
+        a.commit_part(name, table, np.array([2], dtype=np.uint64), 1)
+    a.lease = None  # past the lease check: the record's create-only write still refuses
+    with pytest.raises(FatalError, match="another worker committed this part first"):
+        a.commit_part(name, table, np.array([2], dtype=np.uint64), 1)
+    assert not a.store.list("_dspine/staging")  # the loser's upload was removed
+    assert a.store.create("probe", b"1") and not a.store.create("probe", b"2")  # If-None-Match: * really holds
+    assert a.store.get("probe") == b"1"
+    lb.release()
+
+
+def test_faults_between_us_and_the_store_still_exactly_once(tmp_path, s3, s3env, s3_endpoint, bucket):
+    rows = 60
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
+    args = ["generate", str(src), *GEN]
+    assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
+    proxy = FaultProxy(s3_endpoint, seed=3, p503=0.2, pdrop=0.1, pdelay=0.1, pcut=0.02)
+    try:
+        p = spawn([*args, "-o", f"s3://{bucket}/out"], AWS_ENDPOINT_URL=proxy.url)
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err.decode()[-2000:]
+    finally:
+        proxy.close()
+    assert proxy.counts["503"] > 0 and proxy.counts["drop"] > 0, proxy.counts
+    _exactly_once(s3, f"{bucket}/out", tmp_path / "ref", rows)
+    _assert_clean(s3, f"{bucket}/out")
+    assert run_cli(["finalize", f"s3://{bucket}/out"]) == 0
