@@ -28,6 +28,7 @@ from typing import Any
 
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.config import load_toml_raw
+from dspine_batch.storage.urls import is_url
 
 TEMPLATE_DIR_ENV = "DSPINE_BATCH_SLURM_TEMPLATES"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -155,8 +156,13 @@ def render(job_file: str, outdir: str | None = None, overrides: dict[str, Any] |
     if not outdir:
         raise UsageError(f"{job_file}: no `output` in the job file; pass -o OUTDIR")
     workdir = os.path.abspath(s["workdir"] or os.getcwd())
-    outdir = os.path.abspath(os.path.join(workdir, outdir))
-    log_dir = os.path.abspath(os.path.join(workdir, s["log_dir"] or outdir.rstrip("/") + ".logs"))
+    if is_url(outdir):  # an object-store OUTDIR: logs stay on the cluster's file system, under workdir
+        outdir = outdir.rstrip("/")
+        default_logs = os.path.join(workdir, "dspine-batch-logs", outdir.split("://", 1)[1].replace("/", "_"))
+    else:
+        outdir = os.path.abspath(os.path.join(workdir, outdir))
+        default_logs = outdir.rstrip("/") + ".logs"
+    log_dir = os.path.abspath(os.path.join(workdir, s["log_dir"] or default_logs))
     script_dir = os.path.abspath(os.path.join(workdir, s["script_dir"] or log_dir))
     name = s["job_name"] or Path(job_file).stem
     n = s["shards"]

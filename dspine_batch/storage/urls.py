@@ -16,7 +16,7 @@ from dspine_batch.errors import UsageError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 # userinfo in any scheme://user:pass@host, anywhere in a line
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]+:[^/@\s]*@")
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]+:[^@\s]*@")  # a password may hold "/"
 # query parameters that carry a credential (presigned S3/GCS URLs, Azure SAS, plain tokens)
 _SECRET_PARAMS = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
                             r"x-goog-credential|sig|signature|token|access_token|secret|password|key|sv|se|sp|skoid|"
