@@ -56,7 +56,7 @@ from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
-from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
+from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, parquet_file, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
 from dspine_batch.storage.fs import size as input_size
 from dspine_batch.storage.urls import is_url, redact
@@ -351,11 +351,10 @@ def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int |
     total = 0
     try:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         for inp in files:
             if inp.kind == "parquet":
-                total += pq.ParquetFile(inp.path).metadata.num_rows
+                total += parquet_file(inp.path).metadata.num_rows
             elif inp.kind == "arrow":
                 for path in inp.arrow_files:
                     with pa.memory_map(path) as src:

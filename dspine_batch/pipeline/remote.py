@@ -47,7 +47,7 @@ from dspine_batch.pipeline.keyset import KeySet, fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
 from dspine_batch.pipeline.resume import OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
 from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter, keys_checksum
-from dspine_batch.storage.fs import store_errors
+from dspine_batch.storage.fs import retrying
 from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
 from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
 
@@ -83,9 +83,10 @@ class ObjectOutput:
         """Check the bucket answers (one line for 403 / no bucket, before any work) and that the prefix is empty
         or ours (a typo in -o must not mix outputs)."""
         self.store.check_bucket()
-        with store_errors(self.display):
-            names = self.store.fs.ls(self.store.root, detail=False, refresh=True) \
-                if self.store.fs.exists(self.store.root) else []
+        try:
+            names = retrying(lambda: self.store.fs.ls(self.store.root, detail=False, refresh=True), self.display)
+        except FileNotFoundError:
+            names = []
         foreign = [n.rsplit("/", 1)[-1] for n in names if not OUTPUT_NAMES.match(n.rsplit("/", 1)[-1])]
         if foreign and self.read_manifest() is None:
             raise UsageError(f"{self.display}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
