@@ -67,6 +67,7 @@ class Output(Protocol):
     def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
                     rows: int | None = None) -> dict[str, Any]: ...
     def part_urls(self) -> list[str]: ...
+    def flush(self) -> None: ...
 
 
 class LocalOutput:
@@ -144,6 +145,9 @@ class LocalOutput:
 
     def part_urls(self) -> list[str]:
         return [p.path for p in list_parts(self.path)]
+
+    def flush(self) -> None:
+        """Commits here are synchronous: nothing is ever queued."""
 
 
 def open_output(where: str) -> Output:

@@ -4,37 +4,40 @@ Layout under the OUTDIR prefix (readers glob ``OUTDIR/*.parquet`` and see commit
   ``_manifest.json``                        created once, create-only (first shard wins, the others check it)
   ``_dspine/lease-<shard>.json``             shard ownership (``storage.lease``)
   ``_dspine/staging/<part>.<token>``         a part's bytes, uploaded under a unique name (never read by readers)
-  ``_dspine/keys/keys-<X>.<token>.npy``       its row-key hashes (what resume loads instead of row ids)
-  ``_dspine/keys/commit-<X>.json``           its **commit record**: rows, outputs, bytes, crc32, the token
+  ``_dspine/keys/commit-<X>.json``           its **commit record**: rows, outputs, bytes, crc32, the token, and
+                                             the part's row-key hashes (what resume loads instead of row ids)
   ``train-<X>.parquet``                      the published part: a server-side copy of the staged one
   ``_dspine/state-<shard>.json``             advisory progress for ``status``
 
 Commit of one part: 1. build it in a local temp file (counting and crc32-ing the bytes); 2. upload it to its
-staging name and upload its key file; 3. **create the commit record with a create-only write** (``If-None-Match:
-*``) - the linearisation point: the part is committed iff its record exists; 4. publish: copy the staged object
-to the final name, then delete the staged one. A crash before 3 leaves orphans that the next start of the shard
-deletes (staging and key objects whose token no record names); a crash after 3 leaves a record whose publish the
-next start (or ``finalize``) completes: a copy made idempotent by the record (same bytes, same name). A failure
-at 3 that is not a crash (403, the store gone) deletes what 2 uploaded and commits nothing.
+staging name; 3. **create the commit record with a create-only write** (``If-None-Match: *``) - the
+linearisation point: the part is committed iff its record exists; 4. publish: copy the staged object to the
+final name, then delete the staged one (deletes are batched: one request per many parts). Steps 2-4 run on
+``Committer`` threads while the pipeline fills the next part. A crash before 3 leaves orphans that the next start
+of the shard deletes (staged objects whose token no record names); a crash after 3 leaves a record whose publish
+the next start (or ``finalize``) completes: a copy made idempotent by the record (same bytes, same name). A
+failure at 3 that is not a crash (403, the store gone) deletes what 2 uploaded and commits nothing.
 
 Resume trusts records only: each record is checked against its published part (size from one listing; the
 crc32 of the bytes under ``finalize`` and ``status --verify``), damaged or lost parts are moved aside to
-``_dspine/damaged/`` like on a local disk, and the done-set is loaded from the key objects. Two writers on one
+``_dspine/damaged/`` like on a local disk, and the done-set is loaded from the records' key hashes (one GET a
+part, concurrently). Requests per part: upload, record, copy, and a share of one batched delete. Two writers on one
 shard (a paused worker whose lease was taken over) cannot both commit: parts are numbered per shard and each
 record is created only if absent, so the loser of a number stops (see ``storage.lease``).
 """
 
 from __future__ import annotations
 
-import io
+import base64
 import json
 import os
 import tempfile
+import threading
 import time
 import uuid
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -77,6 +80,7 @@ class ObjectOutput:
         self.store = ObjectStore(url)
         self.display = self.store.display
         self.lease: Lease | None = None
+        self.committer: Committer | None = None
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -93,8 +97,16 @@ class ObjectOutput:
                              "choose a new -o prefix")
 
     def lock(self, tag: str) -> Lease:
-        self.lease = Lease(self.store, tag)
+        self.lease = Lease(self.store, tag, before_release=self._drain)
         return self.lease
+
+    def _drain(self) -> None:
+        """Before the lease goes: let queued commits land (or fail) while the shard is still ours."""
+        if self.committer is not None:
+            try:
+                self.committer.flush()
+            except BaseException:  # noqa: BLE001 - raised to the caller by the commit or flush that saw it
+                pass
 
     def held_locks(self) -> list[str]:
         return [n.removeprefix(f"{STATE}/").removesuffix(".json") for n in self._leases() if live(self._lease_of(n))]
@@ -147,8 +159,16 @@ class ObjectOutput:
             return {}
 
     def write_state(self, tag: str, state: dict[str, Any]) -> None:
+        """Advisory; written by the committer after the commits queued before it (a state file never counts rows
+        whose record is not there yet), at most every ``STATE_SECONDS`` while a run goes on."""
         state["updated_at"] = time.time()
-        self.store.put(f"{STATE}/state-{tag}.json", json.dumps(state, indent=1, sort_keys=True).encode())
+        body = json.dumps(state, indent=1, sort_keys=True).encode()
+        rel = f"{STATE}/state-{tag}.json"
+        if self.committer is None or state.get("state") != "running":
+            self.flush()
+            self.store.put(rel, body)
+        else:
+            self.committer.submit_state(rel, body)
 
     def states(self) -> list[tuple[str, dict[str, Any]]]:
         out = []
@@ -160,6 +180,7 @@ class ObjectOutput:
 
     def write_success(self) -> None:
         """``_SUCCESS`` with a create-only write: exists at most once, never rewritten."""
+        self.flush()
         self.store.create(SUCCESS, b"")
 
     def has_success(self) -> bool:
@@ -171,49 +192,65 @@ class ObjectOutput:
     # -- the commit -----------------------------------------------------------------------------------------------
     def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
                     rows: int | None = None) -> dict[str, Any]:
-        """Steps 1-4 of the module's protocol; returns the commit record. Nothing of a failed commit stays."""
+        """Step 1 here, steps 2-4 on the committer (``Committer``): returns once the part is built and queued,
+        so the pipeline fills the next part while this one travels. Returns the record it will commit."""
+        if self.committer is None:
+            self.committer = Committer(self)
+        self.committer.check()
         token = uuid.uuid4().hex[:16]
-        staged = f"{STAGING}/{name}.{token}"
-        keys_rel = f"{KEYS}/keys-{stem(name)}.{token}.npy"
         fd, tmp = tempfile.mkstemp(prefix=".dspine-part-", suffix=".parquet", dir=local_tmp_dir())
-        uploaded: list[str] = []
         try:
             with os.fdopen(fd, "wb") as f:
                 w = ChecksumWriter(f)
                 pq.write_table(table, w, compression="zstd", row_group_size=256 * 1024)
-            meta = json.loads((table.schema.metadata or {}).get(b"dspine_batch.part", b"{}"))
-            record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
-                      "error_rows": meta.get("error_rows", 0), "bytes": w.size, CHECKSUM: w.crc,
-                      "committed_at": time.time(), "token": token, "staged": staged}
-            uploaded.append(staged)
-            self.store.upload(tmp, staged)
-            if keys is not None:
-                buf = io.BytesIO()
-                np.save(buf, keys.astype("<u8"), allow_pickle=False)
-                uploaded.append(keys_rel)
-                self.store.put(keys_rel, buf.getvalue())
-                record["keys"] = keys_rel
-                record["keys_crc32"] = keys_checksum(keys)
-            if self.lease is not None:
-                self.lease.check()
-            if not self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode()):
-                theirs = self._record(name) or {}
-                if theirs.get("token") != token:  # not our own write whose answer was lost: another writer's
-                    raise FatalError(f"{self.store.url_of(record_rel(name))}: another worker committed this part "
-                                     "first (its lease was taken over); this worker stops, its uncommitted rows are "
-                                     "generated by the other")
         except BaseException:
-            self.store.delete_many(uploaded)  # best effort: a crash leaves them to the next start's sweep
-            raise
-        finally:
             os.unlink(tmp)
-        self.publish(record)
+            raise
+        meta = json.loads((table.schema.metadata or {}).get(b"dspine_batch.part", b"{}"))
+        record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
+                  "error_rows": meta.get("error_rows", 0), "bytes": w.size, CHECKSUM: w.crc,
+                  "committed_at": time.time(), "token": token, "staged": f"{STAGING}/{name}.{token}"}
+        if keys is not None:  # in the record itself: one request fewer per part, one GET a part on resume
+            keys = np.ascontiguousarray(keys, dtype="<u8")
+            record["keys_b64"] = base64.b64encode(keys.view(np.uint8)).decode()
+            record["keys_crc32"] = keys_checksum(keys)
+        self.committer.submit(record, tmp)
         return record
 
-    def publish(self, record: dict[str, Any]) -> None:
-        """Make a committed part visible under its final name; idempotent (the record says what and from where)."""
+    def upload(self, record: dict[str, Any], tmp: str) -> None:
+        """Step 2: the part's bytes to its unique staging name (never read by readers)."""
+        self.store.upload(tmp, record["staged"])
+
+    def create_record(self, record: dict[str, Any]) -> None:
+        """Step 3, the linearisation point: the create-only write of the commit record."""
+        if self.lease is not None:
+            self.lease.check()
+        name = record["part"]
+        if not self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode()):
+            theirs = self._record(name) or {}
+            if theirs.get("token") != record["token"]:  # not our own write whose answer was lost: another's
+                raise FatalError(f"{self.store.url_of(record_rel(name))}: another worker committed this part "
+                                 "first (its lease was taken over); this worker stops, its uncommitted rows are "
+                                 "generated by the other")
+
+    def discard(self, record: dict[str, Any]) -> None:
+        """Best effort removal of an uncommitted part's uploads (a crash leaves them to the next start's sweep)."""
+        try:
+            self.store.delete_many([record["staged"]])
+        except Exception:  # noqa: BLE001 - the sweep gets them
+            pass
+
+    def flush(self) -> None:
+        """Wait until every queued part is committed and published (raises what failed)."""
+        if self.committer is not None:
+            self.committer.flush()
+
+    def publish(self, record: dict[str, Any], delete: bool = True) -> None:
+        """Make a committed part visible under its final name; idempotent (the record says what and from where).
+        ``delete=False``: the staged object is left for a batched delete (or the next start's sweep)."""
         self.store.copy(record["staged"], record["part"])
-        self.store.delete(record["staged"])
+        if delete:
+            self.store.delete(record["staged"])
 
     def _record(self, name: str) -> dict[str, Any] | None:
         data = self.store.get(record_rel(name))
@@ -267,13 +304,6 @@ class ObjectOutput:
                 rec = records.get(part)
                 if token not in tokens or (rec is not None and part in top and rec.get("token") == token):
                     orphans.append(f"{STAGING}/{n}")
-        keys = [n for n in self.store.list(KEYS) if n.startswith("keys-") and n.endswith(".npy")]
-        for n in keys:
-            body = n.removeprefix("keys-").removesuffix(".npy")
-            x, _, token = body.rpartition(".")
-            m = PART_RE.match(PART_PREFIX + x + ".parquet")
-            if m and (tag is None or m.group(1) == tag) and token not in tokens:
-                orphans.append(f"{KEYS}/{n}")
         self.store.delete_many(orphans)
         return sum(1 for o in orphans if o.startswith(STAGING))
 
@@ -369,14 +399,11 @@ class ObjectOutput:
                 damaged += 1
             else:
                 good.append((c, records[c.path.rsplit("/", 1)[-1]]))
-        paths = [self.store.path(r["keys"]) for _, r in good if r.get("keys")]
-        blobs = self.store.cat_many(paths)
         for _c, rec in good:
             hashes = None
-            blob = blobs.get(self.store.path(rec["keys"])) if rec.get("keys") else None
-            if isinstance(blob, bytes):
+            if isinstance(rec.get("keys_b64"), str):
                 try:
-                    hashes = np.load(io.BytesIO(blob), allow_pickle=False)
+                    hashes = np.frombuffer(base64.b64decode(rec["keys_b64"]), dtype="<u8")
                 except ValueError:
                     hashes = None
             if hashes is not None and (len(hashes) != rec["rows"] or keys_checksum(hashes) != rec.get("keys_crc32")):
@@ -409,6 +436,118 @@ class ObjectOutput:
             tag = rel.removeprefix(f"{STATE}/lease-").removesuffix(".json")
             out[tag] = live(read_lease(self.store, tag))
         return out
+
+
+class Committer:
+    """Steps 2-4 of the commit off the pipeline's thread, with exactly-once kept: uploads run concurrently (a pool
+    of ``UPLOADS``), but the commit records are created strictly in part order, each only after the one before
+    it was created, by one thread. So one writer's parts are committed in sequence with no gap, which is what
+    makes the create-only record a fence between two writers (``storage.lease``); publishing runs on the pool
+    after its record. At most ``QUEUE`` parts wait (their local files bound the temp space); the first failure
+    stops everything queued after it (their uploads removed) and is raised by the next ``submit``/``flush``."""
+
+    UPLOADS = 4
+    QUEUE = 8
+    STATE_SECONDS = 1.0
+    DELETE_BATCH = 64  # staged copies of published parts removed per DeleteObjects request
+
+    def __init__(self, out: ObjectOutput):
+        self.out = out
+        self.pool = ThreadPoolExecutor(self.UPLOADS, thread_name_prefix="dspine-upload")
+        self.order = ThreadPoolExecutor(1, thread_name_prefix="dspine-commit")
+        self.slots = threading.BoundedSemaphore(self.QUEUE)
+        self.pending: list[Future[Any]] = []
+        self.error: BaseException | None = None
+        self._state_at = 0.0
+        self.published: list[str] = []  # staged names of published parts, awaiting their batched delete
+        self._mu = threading.Lock()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, record: dict[str, Any], tmp: str) -> None:
+        self.slots.acquire()
+        try:
+            upload = self.pool.submit(self._upload, record, tmp)
+        except BaseException:
+            self.slots.release()
+            os.unlink(tmp)
+            raise
+        self._track(self.order.submit(self._commit, record, upload))
+
+    def _track(self, fut: Future[Any]) -> None:
+        with self._mu:
+            self.pending = [f for f in self.pending if not f.done()] + [fut]
+
+    def _upload(self, record: dict[str, Any], tmp: str) -> None:
+        try:
+            if self.error is None:
+                self.out.upload(record, tmp)
+        finally:
+            os.unlink(tmp)
+
+    def _commit(self, record: dict[str, Any], upload: Future[Any]) -> None:
+        try:
+            upload.result()
+            if self.error is not None:
+                raise self.error
+            self.out.create_record(record)
+        except BaseException as e:
+            self.error = self.error or e
+            self.slots.release()
+            self.out.discard(record)
+            return
+        self.slots.release()
+        self._track(self.pool.submit(self._publish, record))
+
+    def _publish(self, record: dict[str, Any]) -> None:
+        try:
+            self.out.publish(record, delete=False)
+        except BaseException as e:  # committed: the next start (or finalize) publishes it
+            self.error = self.error or e
+            return
+        with self._mu:
+            self.published.append(record["staged"])
+            batch = self.published if len(self.published) >= self.DELETE_BATCH else []
+            if batch:
+                self.published = []
+        if batch:
+            self._delete(batch)
+
+    def _delete(self, staged: list[str]) -> None:
+        try:
+            self.out.store.delete_many(staged)
+        except Exception:  # noqa: BLE001 - leftovers of published parts: the next start's sweep removes them
+            pass
+
+    def submit_state(self, rel: str, body: bytes) -> None:
+        now = time.monotonic()
+        if now - self._state_at < self.STATE_SECONDS:
+            return
+        self._state_at = now
+        self._track(self.order.submit(self._put_state, rel, body))
+
+    def _put_state(self, rel: str, body: bytes) -> None:
+        if self.error is None:
+            try:
+                self.out.store.put(rel, body)
+            except Exception:  # noqa: BLE001 - advisory; a store that fails here fails the next commit too
+                pass
+
+    def flush(self) -> None:
+        """Every queued part committed and published (and its staged copy deleted), or the first failure raised."""
+        while True:
+            with self._mu:
+                waiting = [f for f in self.pending if not f.done()]
+            if not waiting:
+                break
+            for f in waiting:
+                f.exception()
+        with self._mu:
+            batch, self.published = self.published, []
+        self._delete(batch)
+        self.check()
 
 
 __all__ = ["ObjectOutput", "SUCCESS", "lease_name"]
