@@ -248,7 +248,7 @@ class ObjectOutput:
     def publish(self, record: dict[str, Any], delete: bool = True) -> None:
         """Make a committed part visible under its final name; idempotent (the record says what and from where).
         ``delete=False``: the staged object is left for a batched delete (or the next start's sweep)."""
-        self.store.copy(record["staged"], record["part"])
+        self.store.copy(record["staged"], record["part"], int(record["bytes"]))
         if delete:
             self.store.delete(record["staged"])
 
