@@ -183,12 +183,18 @@ def store_errors(what: str) -> Iterator[None]:
         raise permanent(e, what) from e
 
 
-def open_file(url: str, mode: str = "rb", **kw: Any) -> Any:
-    """A file object for a URL (fsspec, read-ahead buffered: streamed, never downloaded whole first) or a path."""
+def open_file(url: str, mode: str = "rb", block_size: int = 8 << 20) -> Any:
+    """A file object for a URL (fsspec, read-ahead buffered by ``block_size``: streamed, never downloaded whole
+    first) or a path."""
     if not is_url(url):
-        return open(local_path(url), mode, **kw)  # noqa: SIM115 - the caller closes it
+        return open(local_path(url), mode)  # noqa: SIM115 - the caller closes it
     fs, path = filesystem(url)
-    return retrying(lambda: fs.open(path, mode, block_size=8 << 20, **kw), url)
+    return retrying(lambda: fs.open(path, mode, block_size=block_size), url)
+
+
+def open_sampling(url: str, mode: str = "rb") -> Any:
+    """``open_file`` for a few scattered small reads (the input digest): 1 MiB blocks, not 8."""
+    return open_file(url, mode, block_size=1 << 20)
 
 
 def info(url: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -64,6 +65,7 @@ def generate(inputs: list[str], out: str, env: dict[str, str], commit_rows: int 
            "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--commit-rows", str(commit_rows),
            "--progress", "none"]
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     peak = 0.0
     while p.poll() is None:
@@ -73,7 +75,9 @@ def generate(inputs: list[str], out: str, env: dict[str, str], commit_rows: int 
     err = p.stderr.read()
     if p.returncode != 0:
         raise SystemExit(f"dspine-batch failed ({p.returncode}):\n{err}")
-    return {"wall_s": wall, "peak_rss_mb": round(peak), "log": err}
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the generate process only (moto is reaped at the end)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_mb": round(peak), "log": err}
 
 
 def commit_latency(url: str, parts: int) -> dict:
@@ -129,15 +133,18 @@ def main() -> None:
         src = tmp / "input.parquet"
         make_input(src, a.rows)
         runs: dict[str, list[float]] = {"local": [], "s3": []}
+        cpu: dict[str, list[float]] = {"local": [], "s3": []}  # rows per CPU-second of the generate process
         for r in range(a.repeats):
             for where in ("local", "s3"):  # alternating: drift in the machine's load hits both alike
                 out = str(tmp / f"out-{r}") if where == "local" else f"s3://{BUCKET}/out-{r}"
                 res = generate([str(src)], out, env)
                 runs[where].append(a.rows / res["wall_s"])
+                cpu[where].append(a.rows / res["cpu_s"])
                 print(f"{where} run {r}: {a.rows / res['wall_s']:,.0f} rows/s ({res['wall_s']:.1f}s)", file=sys.stderr)
         for where, rates in runs.items():
             report[f"{where}_rows_per_s"] = [round(x) for x in rates]
             report[f"{where}_rows_per_s_median"] = round(statistics.median(rates))
+            report[f"{where}_rows_per_cpu_s_median"] = round(statistics.median(cpu[where]))
         report["s3_cost_pct"] = round(100 * (1 - report["s3_rows_per_s_median"] / report["local_rows_per_s_median"]), 1)
         report["commit_latency_local"] = commit_latency(str(tmp / "latency"), a.commit_parts)
         report["commit_latency_s3"] = commit_latency(f"s3://{BUCKET}/latency", a.commit_parts)
