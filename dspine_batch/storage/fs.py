@@ -24,6 +24,7 @@ from dspine_batch.storage.urls import EXTRAS, is_url, local_path, redact, scheme
 T = TypeVar("T")
 _OPTIONS: dict[str, Any] = {}
 _CACHE: dict[str, Any] = {}
+_CONFIGURED: list[bool] = []  # set_options called (the CLI); else the environment's options are used
 RETRIES = 8  # our own attempts around each store call (the client retries too, see ``_defaults``)
 
 
@@ -32,6 +33,7 @@ def set_options(options: dict[str, Any]) -> None:
     _OPTIONS.clear()
     _OPTIONS.update(options)
     _CACHE.clear()
+    _CONFIGURED[:] = [True]
 
 
 def options() -> dict[str, Any]:
@@ -84,6 +86,10 @@ def filesystem(url: str) -> tuple[Any, str]:
     proto = scheme(url)
     assert proto is not None
     cls = fsspec.get_filesystem_class(proto)
+    if not _CONFIGURED:  # used as a library: DSPINE_BATCH_STORAGE_OPTIONS still applies
+        from dspine_batch.storage.urls import parse_options
+
+        set_options(parse_options([]))
     if proto not in _CACHE:
         opts = _defaults(proto)
         for k, v in _OPTIONS.items():
