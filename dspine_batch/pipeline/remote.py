@@ -81,6 +81,7 @@ class ObjectOutput:
         self.display = self.store.display
         self.lease: Lease | None = None
         self.committer: Committer | None = None
+        self._records: dict[str | None, dict[str, dict[str, Any]]] = {}  # ``records`` of this start
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -197,6 +198,7 @@ class ObjectOutput:
         if self.committer is None:
             self.committer = Committer(self)
         self.committer.check()
+        self._records.clear()
         token = uuid.uuid4().hex[:16]
         fd, tmp = tempfile.mkstemp(prefix=".dspine-part-", suffix=".parquet", dir=local_tmp_dir())
         try:
@@ -262,7 +264,13 @@ class ObjectOutput:
 
     # -- resume ---------------------------------------------------------------------------------------------------
     def records(self, tag: str | None = None) -> dict[str, dict[str, Any]]:
-        """Every commit record (of one shard), by part name: fetched concurrently (one GET each)."""
+        """Every commit record (of one shard), by part name: fetched concurrently (one GET each), once per start
+        (a start sweeps, checks and loads the same records; only this worker adds or moves them meanwhile)."""
+        if tag not in self._records:
+            self._records[tag] = self._fetch_records(tag)
+        return dict(self._records[tag])
+
+    def _fetch_records(self, tag: str | None) -> dict[str, dict[str, Any]]:
         listed = self.store.list(KEYS)
         names = []
         for n in listed:
@@ -296,7 +304,7 @@ class ObjectOutput:
             if rec["staged"].rsplit("/", 1)[-1] in staged:  # committed, publish interrupted: finish it
                 self.publish(rec)
                 top[name] = Listed(name, int(rec["bytes"]))
-        orphans = []
+        orphans, unknown = [], 0
         for n in staged:
             part, _, token = n.rpartition(".")
             m = PART_RE.match(part)
@@ -304,8 +312,9 @@ class ObjectOutput:
                 rec = records.get(part)
                 if token not in tokens or (rec is not None and part in top and rec.get("token") == token):
                     orphans.append(f"{STAGING}/{n}")
+                    unknown += token not in tokens  # uncommitted; the others are copies of published parts
         self.store.delete_many(orphans)
-        return sum(1 for o in orphans if o.startswith(STAGING))
+        return unknown
 
     def check_parts(self, tag: str | None = None, checksum: bool = False) -> list[PartCheck]:
         """Each record against its published part: size (from one listing), and crc32 with ``checksum``."""
@@ -361,6 +370,7 @@ class ObjectOutput:
             raise FatalError(f"{check.path}: committed part is {check.problem}; stopped (--on-damaged-part fail): "
                              "rerun with --on-damaged-part repair to move it aside and regenerate its rows")
         name = check.path.rsplit("/", 1)[-1]
+        self._records.clear()
         dest = f"{DAMAGED}/part-{stem(name)}{time.strftime('.%Y%m%dT%H%M%S')}.{uuid.uuid4().hex[:6]}"
         listed = self.store.list("")
         if name in listed:

@@ -90,7 +90,7 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, s3, s
             plan.clear()
             if step:
                 plan[step] = rng.randint(1, 3)
-            p = spawn([*args, "-o", out], AWS_ENDPOINT_URL=proxy.url, DSPINE_BATCH_LEASE_SECONDS="2")
+            p = spawn([*args, "-o", out], AWS_ENDPOINT_URL=proxy.url, DSPINE_BATCH_LEASE_SECONDS="3")
             worker["pid"] = p.pid
             if step is None:
                 _wait(lambda: s3.exists(f"{prefix}/_manifest.json"), "the worker started")
@@ -108,7 +108,7 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, s3, s
     finally:
         proxy.close()
     assert killed.count("record") >= 1 and killed.count("copy") >= 1 and len(killed) >= 3, killed
-    p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="2")
+    p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="3")
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err.decode()
     _exactly_once(s3, prefix, tmp_path / "ref", rows)
@@ -191,7 +191,8 @@ def test_faults_between_us_and_the_store_still_exactly_once(tmp_path, s3, s3env,
     assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
     proxy = FaultProxy(s3_endpoint, seed=3, p503=0.1, pdrop=0.05, pdelay=0.05, pcut=0.01)
     try:
-        p = spawn([*args, "-o", f"s3://{bucket}/out"], AWS_ENDPOINT_URL=proxy.url)
+        # a lease long enough that retries (503s back off for seconds) never outlast it: expiry is not under test
+        p = spawn([*args, "-o", f"s3://{bucket}/out"], AWS_ENDPOINT_URL=proxy.url, DSPINE_BATCH_LEASE_SECONDS="60")
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err.decode()[-2000:]
     finally:
