@@ -190,3 +190,61 @@ def test_sampled_joint_of_three_tokens_under_a_grammar_matches_the_exact_law(sma
     assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
     assert sum(o.stats.forced_accepted for o in outs[:n]) > n // 4  # the forced 'b' was proposed and kept
     assert all(o.token_ids[1] == 1 for o in outs)  # and the grammar holds on every row
+
+
+def _joint3_counts(outs, V: int) -> torch.Tensor:
+    counts = torch.zeros(V**3, dtype=torch.long)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    return counts
+
+
+def _drafted_under_grammar(target, grammar, prompt, pen, n: int):
+    """``n`` sampled rows (temperature 1) whose every round is the DSpine draft's block (``proposers="dspine"``,
+    fixed verify): the proposals are drawn from the draft's q, and the regex refuses most of what a random draft
+    proposes for the second token."""
+    return generate(target, _random_dspine(target, 4, seed=7), [prompt] * n, max_new_tokens=3,
+                    temperature=1.0, seed=list(range(n)), verify="fixed", proposers="dspine", batch_size=16,
+                    grammar=grammar, stop_token_ids=[15], presence_penalty=pen[0], frequency_penalty=pen[1],
+                    repetition_penalty=pen[2])
+
+
+DRAFT_GRAMMAR_CASES = [(0.0, 0.0, 1.0), (0.6, 0.4, 1.4)]
+
+
+@pytest.mark.parametrize("pen", DRAFT_GRAMMAR_CASES, ids=["grammar", "grammar+penalties"])
+def test_sampled_rows_verifying_the_drafts_q_under_a_grammar_match_the_exact_law(small_vocab_target, pen):
+    """A proposal drawn from the draft's q that the grammar refuses is a rejection at that slot (the next token
+    from the residual norm(max(p - q, 0))), not the end of the verify with a bonus drawn from p (issue 43: that
+    gives the slot the law p + q(refused)(p - residual)). The joint law of three sampled tokens under the regex
+    (and penalties) is the exact grammar-masked law computed here with xgrammar's own matcher."""
+    grammar = letter_grammars().get("regex", "[a-c][d-f][a-o]*")
+    prompt = [0, 3, 1, 4, 0, 3, 2, 5, 0, 3]
+    exact = _exact_joint3(small_vocab_target, prompt, grammar, *pen)
+    n = 12000
+    outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, pen, n)
+    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    support = exact > 0
+    assert int(counts[~support].sum()) == 0
+    assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
+    st = [o.stats for o in outs]
+    proposed, accepted = sum(s.dspine_proposed for s in st), sum(s.dspine_accepted for s in st)
+    assert sum(s.dspine_steps for s in st) >= n // 2  # the draft's blocks were verified ...
+    assert accepted < 0.8 * proposed  # ... and the grammar refused a good part of what it drew
+
+
+def test_the_old_grammar_cut_of_drawn_proposals_is_detected(small_vocab_target, monkeypatch):
+    """Negative control: ending a drawn row's verify at the refused token (the bonus from p, as before the fix)
+    biases the law, and the χ² test above sees it."""
+    import dspine.decoding.rounds as rounds
+
+    monkeypatch.setattr(rounds, "grammar_cut", lambda ell, cut, drawn: cut)
+    grammar = letter_grammars().get("regex", "[a-c][d-f][a-o]*")
+    prompt = [0, 3, 1, 4, 0, 3, 2, 5, 0, 3]
+    exact = _exact_joint3(small_vocab_target, prompt, grammar, 0.0, 0.0, 1.0)
+    outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, DRAFT_GRAMMAR_CASES[0], 12000)
+    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    support = exact > 0
+    assert int(counts[~support].sum()) == 0  # the grammar still holds: the bias is in the law, not the support
+    assert _chi2_pvalue(counts[support], exact[support]) < 1e-6
