@@ -118,7 +118,8 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
             rows.setdefault(b, []).append(n)
     if not rows:
         return logits
-    masked_rows, mask_list, early_rows = [], [], []
+    masked_rows, mask_list = [], []
+    held: dict[int, torch.Tensor] = {}  # slot -> its stop ids' logits before min_tokens (rows with a grammar)
     for b, ns in rows.items():
         st, sp = states[b], states[b].sp
         js = [j_idx[n] for n in ns]
@@ -148,8 +149,10 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
             early = [n for n, j in zip(ns, js) if st.generated + j < sp.min_tokens]
             if early:
                 stops = torch.tensor(sp.stop_token_ids, dtype=torch.long)
-                logits[torch.tensor(early)[:, None], stops[None, :]] = float("-inf")
-                early_rows += early
+                where = torch.tensor(early)[:, None], stops[None, :]
+                if st.matcher is not None:  # kept for a grammar that may allow nothing but a stop (below)
+                    held.update(zip(early, logits[where].clone()))
+                logits[where] = float("-inf")
         if st.matcher is not None:
             m = masks.get(b) if masks else None
             if m is None:
@@ -159,12 +162,27 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
                 mask_list.append(m[min(j, m.shape[0] - 1)])
     if masked_rows:
         apply_masks(logits, torch.stack(mask_list), masked_rows)
-    if early_rows and masked_rows:  # min_tokens against a grammar that only allows a stop: the grammar wins
-        idx = torch.tensor(early_rows, dtype=torch.long)
-        dead = (logits[idx] == float("-inf")).all(-1)
-        for n in idx[dead].tolist():
-            logits[n, torch.tensor(states[b_idx[n]].sp.stop_token_ids, dtype=torch.long)] = 0.0
+    if held:
+        grammar_wins(logits, held, dict(zip(masked_rows, mask_list)), states, b_idx)
     return logits
+
+
+def grammar_wins(logits: torch.Tensor, held: dict[int, torch.Tensor], masks: dict[int, torch.Tensor],
+                 states: list[RowState | None], b_idx: list[int]) -> None:
+    """``min_tokens`` against a grammar that allows nothing but a stop at this slot (a JSON record that has
+    closed before ``min_tokens`` tokens): the grammar's end wins. The stop ids the grammar allows get back the
+    logits ``min_tokens`` took from them (``held``: slot -> its stop ids' logits before), so the row ends with the
+    stop the model prefers among those the grammar allows, and never with a token the grammar refuses. The batch
+    tool refuses the combination up front instead (``dspine_batch.pipeline.requests``: both engines agree by
+    never running it); this keeps a library caller's job alive. In place."""
+    for n, before in held.items():
+        if not bool((logits[n] == float("-inf")).all()):
+            continue  # the grammar allows something else: min_tokens holds the stops back
+        stops = states[b_idx[n]].sp.stop_token_ids
+        words = masks[n]
+        allowed = [i for i, t in enumerate(stops) if (int(words[t // 32]) >> (t % 32)) & 1]
+        if allowed:
+            logits[n, torch.tensor([stops[i] for i in allowed], dtype=torch.long)] = before[allowed]
 
 
 @dataclass

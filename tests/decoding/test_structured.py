@@ -248,3 +248,25 @@ def test_the_old_grammar_cut_of_drawn_proposals_is_detected(small_vocab_target, 
     support = exact > 0
     assert int(counts[~support].sum()) == 0  # the grammar still holds: the bias is in the law, not the support
     assert _chi2_pvalue(counts[support], exact[support]) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_against_a_grammar_that_has_ended_lets_the_grammar_end(small_vocab_target, temperature):
+    """``min_tokens`` past the grammar's end, with a one-token stop string the grammar refuses (id 3, 'd') among
+    the stop ids: the grammar's end wins (the row stops with the grammar's stop, id 15, after two letters), plain
+    and speculative alike; before, every stop id got logit 0, greedy took id 3, the grammar refused it and the
+    commit raised (a job death in the batch tool)."""
+    grammar = letter_grammars().get("regex", "[a-c]{2}")
+    prompts = [[0, 1, 2, 0, 1], [2, 2, 1, 0, 4, 5]]
+    kw = dict(max_new_tokens=8, min_tokens=6, stop_token_ids=[15, 3], grammar=grammar, temperature=temperature,
+              seed=[1, 2])
+    plain = generate(small_vocab_target, None, prompts, **kw)
+    spec = generate(small_vocab_target, _random_dspine(small_vocab_target, 4, seed=8), prompts, verify="fixed",
+                    proposers="dspine", **kw)
+    for o in plain:
+        assert len(o.token_ids) == 3 and o.token_ids[-1] == 15 and o.finish_reason == "stop"
+        assert all(t in (0, 1, 2) for t in o.token_ids[:2])
+    if temperature == 0.0:
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    else:
+        assert all(s.token_ids[-1] == 15 and len(s.token_ids) == 3 for s in spec)
