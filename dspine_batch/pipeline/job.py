@@ -41,7 +41,7 @@ from dspine_batch.errors import (
     free_bytes,
     human_bytes,
 )
-from dspine_batch.pipeline import compact
+from dspine_batch.pipeline import compact, deaths
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
@@ -173,6 +173,8 @@ class ShardState:
                        "rows_before": done.rows, "error_rows_before": done.error_rows}
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
             self.fields["decisions"] = prev["decisions"]
+        if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)
+            self.fields[deaths.STATE_KEY] = prev[deaths.STATE_KEY]
         if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
             job = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
@@ -418,16 +420,25 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
                         read=lambda: selector.rows)
     fail_fast = StopOnRowError(shutdown)
     interrupted = False
+    death = deaths.Death.of(state.fields.get(deaths.STATE_KEY))
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions)
+        if death is not None:
+            _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions, fail_fast)
+        _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
+                fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight)
     except Interrupted:
         interrupted = True
     except DiskFull:
         _stop_on_full_disk(state, sink, progress)
         raise
+    except deaths.RepeatedDeath:
+        _stop_with(sink, state, progress, "interrupted")  # the row it died on is committed as an error row
+        return EXIT_INTERRUPTED
     except EngineDied as e:
+        died = deaths.after_death(death, e)
+        state.fields[deaths.STATE_KEY] = died.as_dict()
         _stop_with(sink, state, progress, "interrupted")
-        log(f"the engine died: {str(e)[:300]}; finished rows are committed; run the same command again to resume")
+        log(deaths.died_line(died))
         return EXIT_INTERRUPTED
     except Exception:
         _stop_with(sink, state, progress, "failed")
@@ -449,14 +460,42 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     return _finish(job, done, sink.stats, selector.rows, selector.skipped, state)
 
 
-def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown, decisions: DecisionLog) -> None:
-    batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
-    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown))
+def _stream(job: Job, engine: Engine, items: Iterator[WorkItem], fail_fast: StopOnRowError, sink: PartSink,
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, max_in_flight: int) -> None:
+    finished = decisions.watch(schedule(items, engine, max_in_flight, shutdown))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
     write_rows(finished, sink, progress, shutdown)
+
+
+def _isolate(job: Job, engine: Engine, death: deaths.Death, mapper: RowMapper, done: KeySet, state: ShardState,
+             sink: PartSink, progress: Progress, shutdown: Shutdown, decisions: DecisionLog,
+             fail_fast: StopOnRowError) -> None:
+    """The rows the last engine death left, each run alone and committed before any other row (``deaths``); each
+    one committed joins ``done`` so the run's own pass skips it. The inputs are read with a mapper of its own
+    (a mapper remembers the ids it has seen: a second reading would find every id a duplicate)."""
+    def run_alone(item: WorkItem) -> None:
+        _stream(job, engine, iter([item]), fail_fast, sink, progress, shutdown, decisions, 1)
+        sink.commit()
+        done.add(item.row_hash)
+
+    def mark_error(item: WorkItem, message: str) -> None:
+        sink.add(replace(item, requests=[], error=message, options=None), None)
+        progress.tick()
+        sink.commit()
+        done.add(item.row_hash)
+
+    def save(rest: deaths.Death | None) -> None:
+        if rest is None:
+            state.fields.pop(deaths.STATE_KEY, None)
+        else:
+            state.fields[deaths.STATE_KEY] = rest.as_dict()
+        state.save(sink.stats)
+
+    own = RowMapper(mapper.settings, mapper.tokenizer, mapper.max_context, mapper.structures, warn=lambda m: None)
+    rows = RowSelector(own, job.shard, done).run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit))
+    deaths.isolate(death, rows, run_alone, mark_error, save, log)
 
 
 def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: str) -> None:
