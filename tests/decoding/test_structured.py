@@ -12,13 +12,12 @@ import math
 
 import pytest
 import torch
+import xgrammar
 from helpers import JoiningScriptedDraft, random_mistakes, token_prompts
 from test_generate import CHEAP, WIDE, _chi2_pvalue, _random_dspine
 
 from dspine import generate
 from dspine.decoding.grammar import Grammars
-
-xgrammar = pytest.importorskip("xgrammar")
 
 SCHEMA = {
     "type": "object",
@@ -99,6 +98,51 @@ def test_penalties_bias_and_min_tokens_greedy_equals_plain(target):
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(s.stats.verify_steps for s in spec) > 0
     assert all(9 not in o.token_ids for o in plain[3:4])  # a -100 bias never lets the id through greedily
+
+
+def _oracle_greedy(target, prompt: list[int], n: int, stop: int, pres: float, freq: float, rep: float,
+                   bias: dict[int, float], min_tokens: int) -> list[int]:
+    """Greedy decoding written out here, one full forward per token (``target.score``), with the penalties,
+    the bias and min_tokens applied by their formulas (``_penalised``): an oracle that shares nothing with the
+    decoding loop's processing seam."""
+    out: list[int] = []
+    while len(out) < n:
+        x = _penalised(target.score(torch.tensor([prompt + out]))[0, -1].double(), prompt, out, pres, freq, rep)
+        for t, b in bias.items():
+            x[t] += b
+        if len(out) < min_tokens:
+            x[stop] = -math.inf
+        out.append(int(x.argmax()))
+        if out[-1] == stop:
+            break
+    return out
+
+
+def test_penalties_bias_and_min_tokens_follow_an_independent_oracle(llama_target):
+    """Plain and speculative decoding share the processing seam, so their agreement alone cannot show a setting is
+    honoured: each row here follows the oracle above, and each setting changes its row's output (a control: an
+    ignored setting fails)."""
+    target = llama_target
+    prompts = [p + p for p in token_prompts(3, target.vocab_size, seed=11)]
+    free = generate(target, None, prompts, max_new_tokens=16)
+    stop = free[2].token_ids[1]  # row 2 would stop at its second token: min_tokens must hold it back
+    rows = [dict(pres=0.8, freq=0.5, rep=1.4, bias={}, min_tokens=0),
+            dict(pres=0.0, freq=0.0, rep=1.0, bias={5: 12.0, free[1].token_ids[0]: -100.0}, min_tokens=0),
+            dict(pres=0.0, freq=0.0, rep=1.0, bias={}, min_tokens=9)]
+    kw = dict(max_new_tokens=16, stop_token_ids=[stop], presence_penalty=[r["pres"] for r in rows],
+              frequency_penalty=[r["freq"] for r in rows], repetition_penalty=[r["rep"] for r in rows],
+              logit_bias=[r["bias"] for r in rows], min_tokens=[r["min_tokens"] for r in rows])
+    plain = generate(target, None, prompts, **kw)
+    bare = generate(target, None, prompts, max_new_tokens=16, stop_token_ids=[stop])
+    for o, b, r, prompt in zip(plain, bare, rows, prompts):
+        assert o.token_ids == _oracle_greedy(target, prompt, 16, stop, **r)
+        assert o.token_ids != b.token_ids  # the control: the row's setting changed its output
+    assert len(bare[2].token_ids) <= 2 and len(plain[2].token_ids) >= 9
+    assert plain[1].token_ids.count(5) >= 4 and free[1].token_ids[0] not in plain[1].token_ids
+    spec = generate(target, _random_dspine(target, 4, seed=4), prompts, verify="cost", cost=CHEAP, prices="static",
+                    proposers="auto", batch_size=2, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.verify_steps for s in spec) > 0
 
 
 def test_logprobs_of_a_speculative_run_are_a_plain_runs(llama_target):
