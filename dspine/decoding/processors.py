@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dspine.decoding.grammar import apply_masks, walk
+from dspine.decoding.history import slot_history
 from dspine.decoding.sampling import SamplingParams
 
 
@@ -124,21 +125,14 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
         st, sp = states[b], states[b].sp
         js = [j_idx[n] for n in ns]
         idx = torch.tensor(ns, dtype=torch.long)
-        extra = [props[b, :j].tolist() if j and props is not None else [] for j in js]
         if st.seen is not None or st.counts is not None:
             x = logits[idx]
-            if st.seen is not None:  # repetition: prompt + output ids, the proposals before each slot included
-                seen = st.seen[None].repeat(len(ns), 1)
-                for i, e in enumerate(extra):
-                    if e:
-                        seen[i, e] = True
+            drafts = props[b, : max(js)].tolist() if props is not None and max(js) else []
+            seen, c = slot_history(st.seen, st.counts, drafts, js)  # slot j: the proposals before it included
+            if seen is not None:  # repetition: prompt + output ids
                 p = sp.repetition_penalty
                 x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
-            if st.counts is not None:  # presence / frequency over the generated ids
-                c = st.counts[None].repeat(len(ns), 1)
-                for i, e in enumerate(extra):
-                    if e:
-                        c[i].index_add_(0, torch.tensor(e, dtype=torch.long), torch.ones(len(e)))
+            if c is not None:  # presence / frequency over the generated ids
                 x = x - sp.presence_penalty * (c > 0).float() - sp.frequency_penalty * c
             logits[idx] = x
         if sp.logit_bias:
