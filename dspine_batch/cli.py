@@ -63,6 +63,11 @@ def env_option(*decls: str, **kw: Any) -> Callable:
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
         data = load_toml(value)
+        template = data.pop("template", None)  # `template = "..."`, or a table {system = "...", user = "..."}
+        if isinstance(template, dict):
+            data["prompt_template"], data["system_template"] = template.get("user"), template.get("system")
+        elif template is not None:
+            data["prompt_template"] = template
         known = sorted({p.name for p in ctx.command.params if p.name and p.name not in ("config", "output_dir")} |
                        {"inputs", "input", "output", "engine_args"})
         for key in data:
@@ -148,6 +153,12 @@ def cli() -> None:
 @env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
 @env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")
 @env_option("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@env_option("--prompt-template", metavar="TEXT|FILE",
+            help="Build each prompt from the row's columns with a Jinja2 template (sandboxed; a column the template "
+                 "names and a row lacks makes that row an error), e.g. 'Write a {{ level }} question about "
+                 "{{ topic }}.'; nested fields read as {{ judge.score }}. Job file: `template`.")
+@env_option("--system-template", metavar="TEXT|FILE",
+            help="A Jinja2 template for the system turn, over the same columns (with --prompt-template).")
 @env_option("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
 @env_option("-s", "--system-prompt", help="System message added to every row.")
 @env_option("--chat-template/--raw", "chat_template", show_default=False,

@@ -69,6 +69,7 @@ from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
+from dspine_batch.pipeline.templates import job_templates
 
 SUCCESS = "_SUCCESS"
 Finished = tuple[WorkItem, list[Result] | None]
@@ -219,8 +220,11 @@ def generate(cfg: GenerateConfig) -> int:
     for inp in files:
         if inp.kind in ("jsonl", "openai") and os.path.getsize(inp.path) == 0:
             log(f"warning: {inp.name}: empty file (0 rows)")
+    templates = job_templates(cfg.prompt_template, cfg.system_template)
+    if templates is not None and templates.system is not None and cfg.system_prompt:
+        raise UsageError("--system-prompt and --system-template are exclusive: pick one")
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
-                              cfg.row_params)  # before the model loads: a typo costs a second, not a minute
+                              cfg.row_params, templates)  # before the model loads: a typo costs a second, not a minute
     job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard), job_request(cfg.as_dict()))
     base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
     prepare_outdir(job.outdir)
@@ -337,6 +341,8 @@ def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bo
         raise UsageError(f"--raw cannot render the messages column {columns.messages!r}; it needs a chat template")
     if not use_chat and cfg.system_prompt:
         raise UsageError("--system-prompt needs a chat template (not --raw)")
+    if not use_chat and columns.templates is not None and columns.templates.system is not None:
+        raise UsageError("--system-template needs a chat template (not --raw)")
     return use_chat
 
 
