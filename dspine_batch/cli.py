@@ -102,6 +102,7 @@ Examples:
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
   dspine-batch generate requests.jsonl -o out/           # OpenAI batch JSONL (custom_id + body)
   dspine-batch generate facts.jsonl -o out/ --json-schema person.schema.json   # every output a valid record
+  dspine-batch generate topics.parquet -o out/ --prompt-template 'One {{ level }} question about {{ topic }}.'
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
@@ -117,7 +118,8 @@ tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
+duplicated. Exit codes: 0 done, 75 interrupted by a signal or an engine death (run again: the rows in
+flight then run alone first, and one the engine dies on again becomes an error row),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
 or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
 part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
