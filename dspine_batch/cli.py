@@ -63,6 +63,8 @@ def env_option(*decls: str, **kw: Any) -> Callable:
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
         data = load_toml(value)
+        if "stages" in data:  # [[stages]]: a job of several stages (dspine_batch.stages)
+            ctx.meta["stages"] = data.pop("stages")
         template = data.pop("template", None)  # `template = "..."`, or a table {system = "...", user = "..."}
         if isinstance(template, dict):
             data["prompt_template"], data["system_template"] = template.get("user"), template.get("system")
@@ -265,6 +267,10 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
+    if ctx.meta.get("stages") is not None:
+        from dspine_batch.stages.run import run_stages
+
+        return run_stages(cfg, ctx.meta["stages"])
     return run_generate(cfg)
 
 
