@@ -334,9 +334,12 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
       dspine-batch status out/
     """
     from dspine_batch.ops.status import format_status, read_status
+    from dspine_batch.pipeline.manifest import stage_names
 
-    st = read_status(outdir, verify=verify)
-    click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
+    stages = stage_names(outdir)  # a job of several stages: each stage's status, in order
+    for path in [os.path.join(outdir, name) for name in stages] if stages else [outdir]:
+        st = read_status(path, verify=verify)
+        click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
 
 @cli.command()
@@ -352,9 +355,16 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     Examples:
       dspine-batch report out/
       dspine-batch report out/ --plot accept.png
+      dspine-batch report out/qa            # a job of several stages: its funnel, then the final stage
     """
+    from dspine_batch.ops.funnel import format_funnel, funnel
     from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
 
+    stages = funnel(outdir)
+    if stages is not None:  # a job of several stages: its funnel, then the last stage's report
+        click.echo(json.dumps(stages, indent=2) if as_json else format_funnel(stages))
+        outdir = os.path.join(outdir, stages[-1]["stage"])
+        click.echo(f"\nthe final stage ({stages[-1]['stage']}); `dspine-batch report {outdir}` for any stage:")
     summary = summarize(outdir)
     write_report(outdir, summary)
     click.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))

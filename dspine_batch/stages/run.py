@@ -44,7 +44,7 @@ from dspine_batch.pipeline.job import (
     log,
 )
 from dspine_batch.pipeline.keyset import key_hash
-from dspine_batch.pipeline.manifest import build_manifest, create_or_check
+from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest, create_or_check
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
 from dspine_batch.pipeline.requests import job_request
 from dspine_batch.pipeline.rerun import run_fields
@@ -57,8 +57,6 @@ from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
 from dspine_batch.stages.rows import LINEAGE_FIELDS, LINEAGE_TYPES, Judge, Parent, carried, children
 from dspine_batch.stages.spec import StageSpec, parse_stages
-
-STAGES_FILE = "_stages.json"
 
 
 class FirstStageMapper(RowMapper):
@@ -381,13 +379,3 @@ def _finish(stages: list[Stage], selector: RowSelector) -> int:
             "OUTDIR/<stage>`")
         return EXIT_ERROR_BUDGET
     return EXIT_OK
-
-
-def stage_names(outdir: str) -> list[str] | None:
-    """The stages of a staged OUTDIR, in order (None for an ordinary one)."""
-    try:
-        with open(os.path.join(outdir, STAGES_FILE)) as f:
-            return list(json.load(f)["stages"])
-    except (OSError, ValueError, KeyError):
-        return None
-

@@ -9,6 +9,7 @@ import json
 import random
 import signal
 import time
+from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
@@ -17,6 +18,8 @@ from helpers import read_output, run_cli, scripted_engine, spawn, write_jsonl
 from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.stages.where import parse_where
 
+ROOT = Path(__file__).resolve().parents[2]
+DOCS, RECIPE = str(ROOT / "examples" / "docs.jsonl"), str(ROOT / "jobs" / "recipes" / "qa-from-docs.toml")
 QUESTIONS = {"type": "object", "properties": {"questions": {"type": "array", "items": {"type": "string"},
                                                             "minItems": 1, "maxItems": 3}},
              "required": ["questions"]}
@@ -199,3 +202,43 @@ def test_where_is_a_safe_predicate():
                 "open('f')", "a := 1", "eval('1')"):
         with pytest.raises(ValueError):
             parse_where(bad)
+
+
+def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
+    """jobs/recipes/qa-from-docs.toml on the shipped example documents (scripted engine: the recipe's stages,
+    schemas, explode, where and dedup all parse and run), then `report` and `status` on the staged OUTDIR."""
+    out = tmp_path / "qa"
+    assert run_cli(["generate", DOCS, "--config", RECIPE, "-o", str(out)]) in (0, 3)
+    capsys.readouterr()
+    assert run_cli(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[1].split() == ["stage", "rows", "ok", "errors", "filtered", "duplicates", "kept",
+                                            "tokens"]
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:5]}
+    assert list(rows) == ["questions", "answers", "judge"] and rows["questions"][0] == "6"
+    assert int(rows["answers"][0]) == sum(len(json.loads(r["output"])["questions"])
+                                          for r in read_output(out / "questions"))
+    assert run_cli(["status", str(out)]) == 0
+    status = capsys.readouterr().out
+    assert all(f"{out / name}  fingerprint" in status for name in ("questions", "answers", "judge"))
+
+
+@pytest.mark.slow
+def test_the_recipe_on_the_embedded_model(tmp_path):
+    """The recipe on the embedded default (SmolLM2 + the shipped draft): every stage's rows valid, one model."""
+    import jsonschema
+
+    from dspine_batch.cli import main
+
+    out = tmp_path / "qa"
+    with pytest.raises(SystemExit) as e:
+        main(["generate", DOCS, "--config", RECIPE, "-o", str(out),
+              "--limit", "3", "--max-new-tokens", "48", "--progress", "none"])
+    assert e.value.code in (0, 3)
+    for r in read_output(out / "questions"):
+        assert r["status"] == "ok"
+        if r["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(r["output"]), json.loads(r["structure"]))
+    answers = read_output(out / "answers")
+    assert answers and all(r["root_id"] in ("resume", "speculation", "suffix") for r in answers)
+    assert {r["row_id"] for r in read_output(out / "judge")} <= {r["row_id"] for r in answers}
