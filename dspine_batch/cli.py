@@ -414,7 +414,13 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str)
       dspine-batch finalize out/ --compact
     """
     from dspine_batch.ops.finalize import finalize as run_finalize
+    from dspine_batch.pipeline.manifest import stage_names
 
+    stages = stage_names(outdir)
+    if stages:  # a job of several stages: each audited in order
+        from dspine_batch.stages.finalize import finalize_stages
+
+        return finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
     return run_finalize(outdir, compact, target_rows, on_damaged_part)
 
 

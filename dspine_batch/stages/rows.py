@@ -65,6 +65,15 @@ def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
     return {**p.context, stage: dict(fields), **fields, "root_id": p.root_id, "lineage": p.lineage}
 
 
+def child_ids(p: Parent, explode: str | None) -> list[str]:
+    """The ids of a parent's children (what ``children`` makes, without building rows): for ``finalize``."""
+    base = p.row_id if p.samples == 1 else f"{p.row_id}#{p.sample_index}"
+    if explode is None:
+        return [base]
+    items = parent_fields(p, "").get(explode)
+    return [f"{base}/{i}" for i in range(len(items))] if isinstance(items, list) else [base]
+
+
 def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[str, dict[str, Any] | RowError]]:
     """(child id, row) of a parent for stage ``spec``: one child (the parent's id; ``#s`` per sample when the
     parent stage drew several), or with ``explode`` one per item of the named list field (``<id>/<i>``, stable

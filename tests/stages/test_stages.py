@@ -6,6 +6,7 @@ the same filter and dedup decisions as an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import time
@@ -169,6 +170,11 @@ def test_kill9_in_every_stage_resumes_each_exactly_once(tmp_path):
         keys = [(r["row_id"], r["sample_index"]) for r in rows]
         assert len(keys) == len(set(keys)), name  # nothing duplicated
     assert _decisions(out) == _decisions(ref)  # nothing lost, the same outputs, filters and dedup decisions
+    assert run_cli(["finalize", str(out)]) == 0 and (out / "_SUCCESS").exists()
+    # finalize sees a lost child: remove one answer row's part and the audit fails naming the stage's rows
+    victim = sorted(list_parts(str(out / "answers")), key=lambda p: p.seq)[0].path
+    os.remove(victim)
+    assert run_cli(["finalize", str(out)]) == 1
 
 
 @pytest.mark.parametrize("stage, why", [
