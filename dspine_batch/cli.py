@@ -357,12 +357,16 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
       dspine-batch report out/ --plot accept.png
       dspine-batch report out/qa            # a job of several stages: its funnel, then the final stage
     """
-    from dspine_batch.ops.funnel import format_funnel, funnel
+    from dspine_batch.ops.funnel import format_funnel, funnel, plot_funnel
     from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
 
     stages = funnel(outdir)
     if stages is not None:  # a job of several stages: its funnel, then the last stage's report
         click.echo(json.dumps(stages, indent=2) if as_json else format_funnel(stages))
+        if plot:
+            plot_funnel(stages, plot, os.path.basename(os.path.abspath(outdir)))
+            click.echo(f"stage funnel written to {plot}", err=True)
+            plot = None
         outdir = os.path.join(outdir, stages[-1]["stage"])
         click.echo(f"\nthe final stage ({stages[-1]['stage']}); `dspine-batch report {outdir}` for any stage:")
     summary = summarize(outdir)

@@ -48,3 +48,33 @@ def format_funnel(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['stage']:<16} {r['rows']:>8,} {r['ok']:>8,} {r['errors']:>8,} {r['filtered']:>9,} "
                      f"{r['duplicates']:>10,} {r['kept']:>8,} {r['completion_tokens']:>10,}")
     return "\n".join(lines)
+
+
+def plot_funnel(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """The funnel as a PNG: per stage, its rows split into kept, filtered, duplicates and errors (a count axis with
+    integer ticks), titled with the job."""
+    from dspine_batch.errors import UsageError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
+    names = [r["stage"] for r in rows]
+    bottom = [0] * len(rows)
+    for key, label in (("kept", "kept (go on)"), ("filtered", "filtered (where)"), ("duplicates", "duplicates"),
+                       ("errors", "errors")):
+        values = [r[key] for r in rows]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("rows")
+    ax.set_title(f"stages of {title}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -224,6 +224,10 @@ def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
     assert list(rows) == ["questions", "answers", "judge"] and rows["questions"][0] == "6"
     assert int(rows["answers"][0]) == sum(len(json.loads(r["output"])["questions"])
                                           for r in read_output(out / "questions"))
+    png = tmp_path / "funnel.png"
+    assert run_cli(["report", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
     assert run_cli(["status", str(out)]) == 0
     status = capsys.readouterr().out
     assert all(f"{out / name}  fingerprint" in status for name in ("questions", "answers", "judge"))
