@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dspine_batch.errors import error_kind
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
 from dspine_batch.pipeline.decisions import combine, label
 from dspine_batch.pipeline.resume import STATE_DIR, list_parts, read_state
@@ -42,6 +43,7 @@ def summarize(outdir: str) -> dict[str, Any]:
     finish: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    errored: set[tuple[str, str]] = set()
     rows: set[str] = set()
     by_source = {name: 0 for name in SOURCE_STATS}  # dspine_ / suffix_ / forced_ (grammar-forced tokens)
     cached = cache_prompt = cache_rows = 0  # prefix cache: rows that report it, their cached and prompt tokens
@@ -56,8 +58,10 @@ def summarize(outdir: str) -> dict[str, Any]:
         for i, st in enumerate(t["status"]):
             finish[t["finish_reason"][i]] += 1
             if st != "ok":
-                key = _error_kind(t["error"][i] or "")
-                errors[key] += 1
+                key = error_kind(t["error"][i] or "failed")
+                if (t["row_id"][i], key) not in errored:  # rows, as the run log counts them, not samples
+                    errored.add((t["row_id"][i], key))
+                    errors[key] += 1
                 examples.setdefault(key, t["error"][i] or "")
                 continue
             ok += 1
@@ -134,16 +138,6 @@ def _by_source(totals: dict[str, int], decided: dict[str, dict[str, Any]]) -> di
     return out
 
 
-def _error_kind(msg: str) -> str:
-    """Group errors by what went wrong, not where: drop the 'file: row N' prefix."""
-    head, sep, tail = msg.partition(": row ")
-    if sep:
-        _, _, rest = tail.partition(": ")
-        field = tail.split(", field ", 1)[1].split(":", 1)[0] if ", field " in tail else ""
-        return (f"field {field}: " if field else "") + rest.split(" (")[0][:120]
-    return msg[:120]
-
-
 def _quantiles(x: np.ndarray) -> dict[str, float] | None:
     if not len(x):
         return None
@@ -183,8 +177,8 @@ def format_report(s: dict[str, Any]) -> str:
         lines.append(f"  latency     p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")
     if s["accept_rate_by_position"]:
         lines.append("  by position " + " ".join(f"{x:.2f}" for x in s["accept_rate_by_position"]))
-    for e in s["error_kinds"]:
-        lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
+    for e in s["error_kinds"]:  # the kinds (``errors.error_kind``) the run log counted, in rows
+        lines.append(f"  error rows  {e['count']:,} x {e['error']}; first: {e['example'][:200]}")
     return "\n".join(lines)
 
 

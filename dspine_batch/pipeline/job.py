@@ -45,6 +45,7 @@ from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
+from dspine_batch.pipeline.errorlog import ErrorLog, committed_kinds, part_paths, top_kinds
 from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.manifest import build_manifest, create_or_check, read_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
@@ -417,9 +418,10 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
                         read=lambda: selector.rows)
     fail_fast = StopOnRowError(shutdown)
+    errors = ErrorLog(log)
     interrupted = False
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions)
+        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions, errors)
     except Interrupted:
         interrupted = True
     except DiskFull:
@@ -443,20 +445,22 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")
     if interrupted or (shutdown.requested and not selector.finished):
         state.save(sink.stats, "interrupted")
+        for line in errors.summary():
+            log(line)
         log(f"stopped ({shutdown.reason or 'grace period over'}): {sink.stats.rows:,} rows committed this run; "
             "run the same command again to resume")
         return EXIT_INTERRUPTED
-    return _finish(job, done, sink.stats, selector.rows, selector.skipped, state)
+    return _finish(job, done, sink.stats, selector.rows, selector.skipped, state, errors)
 
 
 def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown, decisions: DecisionLog) -> None:
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, errors: ErrorLog) -> None:
     batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
     finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
-    write_rows(finished, sink, progress, shutdown)
+    write_rows(errors.run(finished), sink, progress, shutdown)
 
 
 def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: str) -> None:
@@ -486,15 +490,21 @@ def _nothing_left(job: Job, pre: Precheck) -> int:
     return _finish(job, pre.done, SinkStats(), pre.rows, pre.rows, state)
 
 
-def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: int, state: ShardState) -> int:
+def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: int, state: ShardState,
+            errlog: ErrorLog | None = None) -> int:
     rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
     state.save(committed, "done", total_rows=read)
     tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
     log(f"done: {rows:,} rows ({committed.rows:,} this run, {skipped:,} were already committed), "
         f"{errors:,} with errors, {committed.completion_tokens:,} tokens this run{tau} -> {job.outdir}")
+    for line in errlog.summary() if errlog else ():
+        log(line)
     rate = errors / rows if rows else 0.0
     if rate > job.cfg.max_error_rate:
-        log(f"error rate {rate:.1%} is over --max-error-rate {job.cfg.max_error_rate:.1%}; see `dspine-batch report`")
+        counts = errlog.counts if errlog and sum(errlog.counts.values()) == errors else \
+            committed_kinds(part_paths(job.outdir, job.tag))  # errors of earlier starts too: count them all
+        log(f"error rate {rate:.1%} ({errors:,} of {rows:,} rows) is over --max-error-rate "
+            f"{job.cfg.max_error_rate:.1%}; top kinds: {top_kinds(counts)}; see `dspine-batch report`")
         return EXIT_ERROR_BUDGET
     if job.shard[1] == 1:
         _write_success(job.outdir)

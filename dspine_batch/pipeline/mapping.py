@@ -205,9 +205,8 @@ class RowMapper:
         if isinstance(row, RowError):
             return WorkItem(row_id, [], None, str(row), row_hash)
         keep, problem = self._keep(file, index, row) if self._has_keep else (None, None)
-        problem = id_problem or problem
-        if problem:
-            return WorkItem(row_id, [], keep, problem, row_hash)
+        if id_problem or problem:
+            return WorkItem(row_id, [], keep, id_problem or self._named(problem, file, index, row_id), row_hash)
         defaults = self.settings.defaults
         params, options = defaults.params, defaults.options
         try:
@@ -219,7 +218,7 @@ class RowMapper:
                 params, options = self._request(file, index, row)
             ids = self._prompt_ids(file, index, row, options)
         except RowError as e:
-            return WorkItem(row_id, [], keep, str(e), row_hash)
+            return WorkItem(row_id, [], keep, self._named(e, file, index, row_id), row_hash)
         n = options.n
         if params.temperature > 0:  # greedy output does not depend on the seed: skip the hashing
             reqs = [Request(row_id, s, ids, replace(params, seed=derive_seed(params.seed, row_id, s)))
@@ -230,7 +229,8 @@ class RowMapper:
             reqs = [Request(row_id, s, ids, params) for s in range(n)]
         return WorkItem(row_id, reqs, keep, None, row_hash, options)
 
-    def _keep(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
+    def _keep(self, file: InputFile, index: int,
+              row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, RowError | None]:
         cols = self.settings.columns.keep
         if not cols:
             return None, None
@@ -239,9 +239,14 @@ class RowMapper:
             return values, None  # already typed by the schema
         for c, v, t in zip(cols, values, self._keep_types, strict=True):
             if v is not None and not _fits(v, t):
-                problem = RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
-                return tuple(None for _ in cols), str(problem)
+                return tuple(None for _ in cols), RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
         return values, None
+
+    def _named(self, e: RowError | None, file: InputFile, index: int, row_id: str) -> str:
+        """The error's one line, naming the row's id when it has one of its own (not ``<file>:<index>``)."""
+        assert e is not None
+        col = self.settings.columns.id
+        return str(e.with_id(col, row_id) if col and row_id != f"{file.name}:{index}" else e)
 
     def _request(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[Any, RowOptions]:
         """The row's request fields over the job's: its SamplingParams and options, every field checked, the

@@ -321,8 +321,7 @@ def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
                 all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
     if first_bad is None:
         return []
-    field = f", field {first_bad.field!r}:" if first_bad.field else ","
-    where = f"first: row {first_bad.row}{field} {first_bad.message}"
+    where = f"first: {first_bad}"
     if all_utf8:
         raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
                          "e.g. iconv -f LATIN1 -t UTF-8")

@@ -36,8 +36,8 @@ def test_summary_matches_the_parts(outdir):
     assert sum(s["accept_histogram"]) == steps
     pos = s["accept_rate_by_position"]
     assert pos == sorted(pos, reverse=True) and 0 <= pos[-1] <= pos[0] <= 1
-    assert s["finish_reasons"]["error"] == 4
-    assert s["error_kinds"][0]["count"] == 4 and "empty prompt" in s["error_kinds"][0]["error"]
+    assert s["finish_reasons"]["error"] == 4  # outputs; the error kinds count rows (2 rows x 2 samples)
+    assert s["error_kinds"][0]["count"] == 2 and "empty prompt" in s["error_kinds"][0]["error"]
 
 
 def test_report_cli_text_json_and_plot(outdir, tmp_path, capsys):

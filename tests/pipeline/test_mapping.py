@@ -53,7 +53,7 @@ def test_ids_samples_seeds_and_row_params(tmp_path):
 def test_row_level_bad_input(tmp_path, row, field, text):
     (item,) = _map(tmp_path, [{"id": "first", "prompt": "ok"}, row], max_context_len=64)[1:]
     assert item.error and not item.requests
-    assert "in.jsonl: row 1" in item.error and f"field {field!r}" in item.error and text in item.error
+    assert "in.jsonl: line 2" in item.error and f"field {field!r}" in item.error and text in item.error
 
 
 def test_duplicate_ids_get_fallback_ids(tmp_path):
