@@ -440,6 +440,8 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         _stop_on_full_disk(state, sink, progress)
         raise
     progress.close()
+    for line in decisions.summary():  # the final record, in the words of `dspine-batch report`
+        log(line)
     if fail_fast.failure:
         state.save(sink.stats, "failed")
         raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")

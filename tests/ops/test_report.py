@@ -102,11 +102,29 @@ def test_report_shows_the_speculation_by_source(tiny, tmp_path, capsys):
                   "--engine-arg", "proposers=suffix"])
         except SystemExit as e:
             assert not e.code
-    assert capsys.readouterr().err.count("dspine draft: not run — --engine-arg proposers=suffix") == 1
+    err = capsys.readouterr().err
+    assert err.count("dspine draft, so far: not run — --engine-arg proposers=suffix") == 1
+    assert err.count("  dspine draft not run — --engine-arg proposers=suffix (suffix matches only)") == 1  # the end
     assert main_report(str(out2)) == 0
     text = capsys.readouterr().out
     assert "  dspine draft not run — --engine-arg proposers=suffix (suffix matches only)" in text
     assert "  suffix       " in text and "verify steps" in text
+
+
+def test_the_plot_counts_in_whole_numbers_under_the_job_s_name(outdir):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from dspine_batch.ops.report import plot_figure
+
+    s = summarize(str(outdir)) | {"accept_histogram": [1, 3], "accept_rate_by_position": [0.75]}  # small counts
+    fig = plot_figure(s)
+    fig.canvas.draw()
+    hist = fig.axes[0]
+    for ticks in (hist.get_xticks(), hist.get_yticks()):
+        assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)
+    assert fig._suptitle.get_text().startswith(f"{outdir.name}: 42 rows")
+    plt.close(fig)
 
 
 def main_report(outdir: str) -> int:
