@@ -70,6 +70,7 @@ from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
+from dspine_batch.pipeline.totals import ReadPosition, exact_rows
 
 SUCCESS = "_SUCCESS"
 Finished = tuple[WorkItem, list[Result] | None]
@@ -103,11 +104,13 @@ class RowSelector:
     rows: int = 0  # rows of this shard read from the inputs
     skipped: int = 0  # of which already committed
     finished: bool = False
+    position: ReadPosition = field(default_factory=ReadPosition)  # how far into the inputs' bytes (progress)
 
     def run(self, batches: Iterator[RowBatch]) -> Iterator[WorkItem]:
         index, count = self.shard
         check_done = len(self.done) > 0
         for batch in batches:
+            self.position.see(batch)
             ids, problems, hashes = self.mapper.assign_ids(batch)
             mask = (hashes % np.uint64(count)) == np.uint64(index) if count > 1 else None
             mine = len(ids) if mask is None else int(mask.sum())
@@ -230,7 +233,8 @@ def generate(cfg: GenerateConfig) -> int:
         _check_previous_run(job)
         compact.recover(job.outdir)  # a crashed `finalize --compact` must not leave duplicates behind
         total = _total_rows(files, cfg.limit, shard[1])
-        found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
+        found = f"{len(files)} input file(s)" if total is None else \
+            f"{'~' if shard[1] > 1 else ''}{total:,} input rows{' in this shard' if shard[1] > 1 else ''}"
         log(f"{found}; output -> {job.outdir}")
         pre = precheck(cfg, files, columns, job.outdir, shard, job.tag, log, job.request)
         if pre is not None and pre.missing == 0:
@@ -340,26 +344,10 @@ def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bo
 
 
 def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int | None:
-    """Input rows when the formats know their length (Parquet/Arrow metadata), for the progress bar."""
-    if shards > 1:
-        return None
-    total = 0
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        for inp in files:
-            if inp.kind == "parquet":
-                total += pq.ParquetFile(inp.path).metadata.num_rows
-            elif inp.kind == "arrow":
-                for path in inp.arrow_files:
-                    with pa.memory_map(path) as src:
-                        total += pa.ipc.open_stream(src).read_all().num_rows
-            else:
-                return None
-    except Exception:  # only a progress hint
-        return None
-    return min(total, limit) if limit is not None else total
+    """Input rows of this shard when the formats know their length (``totals.exact_rows``); with --shard about
+    its share (rows are split by a hash of their id), for the progress bar."""
+    total = exact_rows(files, limit)
+    return total if total is None or shards == 1 else -(-total // shards)
 
 
 def _open_output(job: Job, engine: Engine, use_chat: bool,
@@ -414,9 +402,9 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
                     attempt_from_env(), state.save)
-    selector = RowSelector(mapper, job.shard, done.keys)
+    selector = RowSelector(mapper, job.shard, done.keys, position=ReadPosition.of(job.files))
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
-                        read=lambda: selector.rows)
+                        read=lambda: selector.rows, share=selector.position.share, approx=job.shard[1] > 1)
     fail_fast = StopOnRowError(shutdown)
     errors = ErrorLog(log)
     interrupted = False

@@ -57,6 +57,8 @@ class RowBatch:
     """A batch of input rows. Tabular sources keep the Arrow batch and build Python rows only on demand, so
     rows that resume skips (already committed) or another shard owns are never converted."""
 
+    consumed: int | None = None  # JSON Lines: bytes of the file (compressed, as on disk) read up to this batch
+
     def __init__(self, file: InputFile, indices: Sequence[int], rows: list[dict[str, Any] | RowError] | None = None,
                  record: pa.RecordBatch | None = None):
         self.file = file
@@ -395,13 +397,24 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
                 if len(rows) >= batch_rows:
-                    yield RowBatch(inp, indices, rows)
+                    yield _at(RowBatch(inp, indices, rows), f)
                     rows, indices = [], []
     except _stream_errors() as e:
         # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
-        yield RowBatch(inp, indices, rows)
+        yield _at(RowBatch(inp, indices, rows), None)
+
+
+def _at(batch: RowBatch, f: io.BufferedIOBase | None) -> RowBatch:
+    """The batch with how far into its file (bytes on disk) the reader is: the progress's share of a JSONL read
+    (``totals.ReadPosition``); None for the end of the file."""
+    raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
+    try:
+        batch.consumed = raw.tell() if raw is not None else os.path.getsize(batch.file.path)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return batch
 
 
 def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, Any] | RowError:
