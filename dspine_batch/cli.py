@@ -230,6 +230,13 @@ def cli() -> None:
 @env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
 @env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@env_option("--stall-seconds", type=FiniteFloatRange(min=0),
+            help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "
+                 "engine), say what was in flight, commit the finished rows and exit 75 so a requeue resumes "
+                 "(0 = off). E.g. --stall-seconds 600.")
+@env_option("--request-timeout", type=FiniteFloatRange(min=0),
+            help="A request in the engine longer than this many seconds ends its row as an error row instead of "
+                 "holding the job (0 = off; retry such rows with --retry-errors). E.g. --request-timeout 900.")
 @env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")

@@ -98,6 +98,11 @@ class EngineDied(Exception):
     and exits 1 so a requeue loop does not repeat a deterministic failure."""
 
 
+def request_timed_out(seconds: float) -> str:
+    """The error of a row whose request outlived --request-timeout: one wording for every engine."""
+    return f"request timed out after {seconds:g}s (--request-timeout); the engine's answer, if any, was dropped"
+
+
 class Interrupted(BaseException):
     """Raised when the grace budget after a stop signal runs out; BaseException so no handler swallows it."""
 

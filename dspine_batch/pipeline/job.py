@@ -71,6 +71,7 @@ from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
 from dspine_batch.pipeline.totals import ReadPosition, exact_rows
+from dspine_batch.pipeline.watchdog import InFlight, Watchdog
 
 SUCCESS = "_SUCCESS"
 Finished = tuple[WorkItem, list[Result] | None]
@@ -407,9 +408,13 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
                         read=lambda: selector.rows, share=selector.position.share, approx=job.shard[1] > 1)
     fail_fast = StopOnRowError(shutdown)
     errors = ErrorLog(log)
+    inflight = InFlight(cfg.request_timeout or None)
+    if cfg.request_timeout and hasattr(engine, "request_timeout"):  # engines that can end a request themselves
+        engine.request_timeout = cfg.request_timeout
+    watchdog = Watchdog(inflight, cfg.stall_seconds, shutdown, engine, log).start()
     interrupted = False
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions, errors)
+        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions, errors, inflight)
     except Interrupted:
         interrupted = True
     except DiskFull:
@@ -422,6 +427,12 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     except Exception:
         _stop_with(sink, state, progress, "failed")
         raise
+    finally:
+        watchdog.stop()
+    if watchdog.fired:  # rows past --request-timeout are error rows now, not the next start's stall
+        for item, results in inflight.expire():
+            errors.note(item.row_id, next(r.error for r in results if r.error))
+            sink.add(item, results)
     try:
         sink.commit()
     except DiskFull:
@@ -434,7 +445,7 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         state.save(sink.stats, "failed")
         raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")
     if interrupted or (shutdown.requested and not selector.finished):
-        state.save(sink.stats, "interrupted")
+        state.save(sink.stats, "interrupted", **({"stalled": watchdog.fired} if watchdog.fired else {}))
         for line in errors.summary():
             log(line)
         log(f"stopped ({shutdown.reason or 'grace period over'}): {sink.stats.rows:,} rows committed this run; "
@@ -444,9 +455,10 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
 
 
 def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, errors: ErrorLog) -> None:
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, errors: ErrorLog,
+            inflight: InFlight) -> None:
     batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
-    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown))
+    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown, inflight))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
