@@ -112,7 +112,10 @@ tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
+duplicated. Failed rows: the same command plus --retry-errors generates them again (the input's failed lines may
+be fixed first). A hang: --stall-seconds ends a run whose engine produces nothing (exit 75, run again), and
+--request-timeout makes one stuck request an error row. Exit codes: 0 done, 75 interrupted by a signal, a
+transient engine death or a stall (run again),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
 or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
 part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
@@ -230,6 +233,13 @@ def cli() -> None:
 @env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
 @env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@env_option("--retry-errors", is_flag=True,
+            help="Generate again the rows whose status is error (same command plus this flag): they are taken out of "
+                 "the committed parts first, so readers see each row once. The input may have its failed lines "
+                 "fixed (every other line unchanged). E.g. dspine-batch generate batch.jsonl -o out/ --retry-errors.")
+@env_option("--retry-length", is_flag=True,
+            help="With --retry-errors (or alone): also the rows cut at --max-new-tokens (finish_reason length); "
+                 "--max-new-tokens may be raised for them. E.g. --retry-length --max-new-tokens 4096.")
 @env_option("--stall-seconds", type=FiniteFloatRange(min=0),
             help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "
                  "engine), say what was in flight, commit the finished rows and exit 75 so a requeue resumes "

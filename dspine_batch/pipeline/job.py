@@ -41,7 +41,7 @@ from dspine_batch.errors import (
     free_bytes,
     human_bytes,
 )
-from dspine_batch.pipeline import compact
+from dspine_batch.pipeline import compact, retry, supersede
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
@@ -63,6 +63,7 @@ from dspine_batch.pipeline.resume import (
     wipe,
     write_state,
 )
+from dspine_batch.pipeline.rowrecord import RowRecorder
 from dspine_batch.pipeline.scheduler import schedule
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
@@ -106,6 +107,7 @@ class RowSelector:
     skipped: int = 0  # of which already committed
     finished: bool = False
     position: ReadPosition = field(default_factory=ReadPosition)  # how far into the inputs' bytes (progress)
+    recorder: RowRecorder | None = None  # each JSON Lines row's line and id, for --retry-errors (``rowrecord``)
 
     def run(self, batches: Iterator[RowBatch]) -> Iterator[WorkItem]:
         index, count = self.shard
@@ -113,6 +115,8 @@ class RowSelector:
         for batch in batches:
             self.position.see(batch)
             ids, problems, hashes = self.mapper.assign_ids(batch)
+            if self.recorder is not None:
+                self.recorder.see(batch, hashes)
             mask = (hashes % np.uint64(count)) == np.uint64(index) if count > 1 else None
             mine = len(ids) if mask is None else int(mask.sum())
             if check_done:
@@ -127,6 +131,8 @@ class RowSelector:
             for k, row in zip(picks, rows, strict=True):
                 yield self.mapper.build(ids[k], batch.file, batch.indices[k], row, problems[k], int(hashes[k]))
         self.finished = True
+        if self.recorder is not None:
+            self.recorder.finish(complete=True)
 
 
 @dataclass
@@ -233,6 +239,10 @@ def generate(cfg: GenerateConfig) -> int:
         shutdown.install()
         _check_previous_run(job)
         compact.recover(job.outdir)  # a crashed `finalize --compact` must not leave duplicates behind
+        if (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed --retry-errors
+            log(f"--retry-errors interrupted: {said}")
+        if cfg.retry_errors or cfg.retry_length:
+            retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{len(files)} input file(s)" if total is None else \
             f"{'~' if shard[1] > 1 else ''}{total:,} input rows{' in this shard' if shard[1] > 1 else ''}"
@@ -403,7 +413,8 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
                     attempt_from_env(), state.save)
-    selector = RowSelector(mapper, job.shard, done.keys, position=ReadPosition.of(job.files))
+    selector = RowSelector(mapper, job.shard, done.keys, position=ReadPosition.of(job.files),
+                           recorder=RowRecorder(outdir, job.files, job.tag))
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
                         read=lambda: selector.rows, share=selector.position.share, approx=job.shard[1] > 1)
     fail_fast = StopOnRowError(shutdown)
@@ -429,6 +440,8 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         raise
     finally:
         watchdog.stop()
+        if not selector.finished and selector.recorder is not None:
+            selector.recorder.finish(complete=False)
     if watchdog.fired:  # rows past --request-timeout are error rows now, not the next start's stall
         for item, results in inflight.expire():
             errors.note(item.row_id, next(r.error for r in results if r.error))

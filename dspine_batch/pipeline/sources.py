@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -58,6 +59,7 @@ class RowBatch:
     rows that resume skips (already committed) or another shard owns are never converted."""
 
     consumed: int | None = None  # JSON Lines: bytes of the file (compressed, as on disk) read up to this batch
+    digests: list[int] | None = None  # JSON Lines: a 64-bit digest of each row's line (``line_digest``)
 
     def __init__(self, file: InputFile, indices: Sequence[int], rows: list[dict[str, Any] | RowError] | None = None,
                  record: pa.RecordBatch | None = None):
@@ -386,6 +388,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
+    digests: list[int] = []
     index = -1
     try:
         with _open_text_stream(inp.path) as f:
@@ -396,19 +399,26 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
                     continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
+                digests.append(line_digest(line))
                 if len(rows) >= batch_rows:
-                    yield _at(RowBatch(inp, indices, rows), f)
-                    rows, indices = [], []
+                    yield _at(RowBatch(inp, indices, rows), f, digests)
+                    rows, indices, digests = [], [], []
     except _stream_errors() as e:
         # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
-        yield _at(RowBatch(inp, indices, rows), None)
+        yield _at(RowBatch(inp, indices, rows), None, digests)
 
 
-def _at(batch: RowBatch, f: io.BufferedIOBase | None) -> RowBatch:
+def line_digest(line: bytes) -> int:
+    """A line's identity, for ``--retry-errors`` to prove which lines of a fixed input changed (line ending aside)."""
+    return int.from_bytes(hashlib.blake2b(line.rstrip(b"\r\n"), digest_size=8).digest(), "little")
+
+
+def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int]) -> RowBatch:
     """The batch with how far into its file (bytes on disk) the reader is: the progress's share of a JSONL read
-    (``totals.ReadPosition``); None for the end of the file."""
+    (``totals.ReadPosition``); None for the end of the file. And its lines' digests."""
+    batch.digests = digests
     raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
     try:
         batch.consumed = raw.tell() if raw is not None else os.path.getsize(batch.file.path)
