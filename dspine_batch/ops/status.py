@@ -108,6 +108,8 @@ def format_status(st: dict[str, Any]) -> str:
         slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
         lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
                      f"{slurm}")
+        if s.get("stalled") and what == "interrupted":  # the watchdog ended its last start (``watchdog``)
+            lines.append(f"    {s['stalled']}")
     for d in st.get("damaged_parts") or ():
         lines.append(f"  damaged: {d['path']}: {d['problem']}; the next generate (or finalize) of this output moves "
                      "it aside and generates its rows again")

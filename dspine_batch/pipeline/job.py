@@ -239,14 +239,14 @@ def generate(cfg: GenerateConfig) -> int:
         shutdown.install()
         _check_previous_run(job)
         compact.recover(job.outdir)  # a crashed `finalize --compact` must not leave duplicates behind
-        if (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed --retry-errors
-            log(f"--retry-errors interrupted: {said}")
-        if cfg.retry_errors or cfg.retry_length:
-            retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
         total = _total_rows(files, cfg.limit, shard[1])
         found = f"{len(files)} input file(s)" if total is None else \
             f"{'~' if shard[1] > 1 else ''}{total:,} input rows{' in this shard' if shard[1] > 1 else ''}"
         log(f"{found}; output -> {job.outdir}")
+        if (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed --retry-errors
+            log(f"--retry-errors interrupted: {said}")
+        if cfg.retry_errors or cfg.retry_length:
+            retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
         pre = precheck(cfg, files, columns, job.outdir, shard, job.tag, log, job.request)
         if pre is not None and pre.missing == 0:
             return _nothing_left(job, pre)
@@ -519,7 +519,8 @@ def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: i
         counts = errlog.counts if errlog and sum(errlog.counts.values()) == errors else \
             committed_kinds(part_paths(job.outdir, job.tag))  # errors of earlier starts too: count them all
         log(f"error rate {rate:.1%} ({errors:,} of {rows:,} rows) is over --max-error-rate "
-            f"{job.cfg.max_error_rate:.1%}; top kinds: {top_kinds(counts)}; see `dspine-batch report`")
+            f"{job.cfg.max_error_rate:.1%}; top kinds: {top_kinds(counts)}; see `dspine-batch report`, and to "
+            "generate them again (after fixing their lines), the same command with --retry-errors")
         return EXIT_ERROR_BUDGET
     if job.shard[1] == 1:
         _write_success(job.outdir)

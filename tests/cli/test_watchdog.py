@@ -8,6 +8,7 @@ from __future__ import annotations
 import pyarrow.dataset as ds
 from helpers import prompts, read_output, run_cli, write_jsonl
 
+from dspine_batch.ops.status import format_status, read_status
 from dspine_batch.pipeline.resume import read_state
 
 TAG = "00000-of-00001"
@@ -27,6 +28,7 @@ def test_a_stalled_engine_is_stopped_with_its_rows_committed_and_the_resume_fini
     assert "engine: scripted engine, 1 request(s) held" in err and "exiting 75" in err
     assert len(_ids(out)) == 9  # every finished row committed, nothing else
     assert read_state(str(out), TAG)["stalled"].startswith("stalled: nothing produced")
+    assert "    stalled: nothing produced for" in format_status(read_status(str(out)))
     assert run_cli(args) == 0
     assert _ids(out) == sorted(r["id"] for r in prompts(30))
 
