@@ -160,6 +160,8 @@ def error_kind(text: str) -> str:
     final over-budget line and ``report`` (one function, so they count the same kinds). "field 'body.temperature':
     expected a number >= 0" for every row whose temperature is not a number, whatever it held."""
     _, field, message = split_error(text)
-    message = message.split(", got ", 1)[0].split(" (", 1)[0]
+    message = message.split(", got ", 1)[0]
+    if message.endswith(")"):  # a trailing explanation ("malformed JSON (Expecting ',' ...)"), not "in (0, 1]"
+        message = message.split(" (", 1)[0]
     message = _NUMBER.sub("N", _QUOTED.sub("'…'", message)).strip()[:120]
     return f"field {field!r}: {message}" if field else message

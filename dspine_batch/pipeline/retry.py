@@ -99,6 +99,9 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdi
     if not failed.rows:
         log("--retry-errors: no failed rows in this shard's committed parts")
         return
+    success = os.path.join(outdir, "_SUCCESS")
+    if os.path.exists(success):  # no longer true once rows are taken out; the run that finishes writes it again
+        os.unlink(success)
     for path, ids in failed.parts.items():
         supersede.drop_rows(outdir, tag, path, ids)
     what = f"{failed.errors:,} error rows" + (f" and {failed.lengths:,} cut by length" if cfg.retry_length else "")

@@ -102,7 +102,7 @@ def test_a_change_to_a_good_line_is_refused_before_the_model_loads(tmp_path, cap
     _write(src, [BAD.get(i, r) for i, r in enumerate(GOOD)])
     out = tmp_path / "out"
     args = ["generate", str(src), "-o", str(out), "--max-error-rate", "1"]
-    assert run_cli(args) == 0
+    assert run_cli(args) == 0 and (out / "_SUCCESS").exists()
     parts = sorted(p.path for p in list_parts(str(out)))
     fixed = [GOOD[i] if i in BAD else r for i, r in enumerate(GOOD)]
     fixed[4] = _line("req-4", temperature=0.3)  # a good row's line changed too
@@ -154,7 +154,7 @@ def test_a_kill_during_the_retry_resumes_exactly_once(tmp_path):
     assert run_cli([*args, "--request-timeout", "0.2", "--engine-arg", "hang_every=3",
                     "--engine-arg", "latency=0.001"]) == 0
     failed = {r["row_id"] for r in read_output(out) if r["status"] == "error"}
-    assert len(failed) > 5
+    assert len(failed) > 5 and (out / "_SUCCESS").exists()
     first_new = max(p.seq for p in list_parts(str(out))) + 1
     p = spawn([*args, "--retry-errors", "--engine-arg", "latency=0.3"])
     deadline = time.monotonic() + 60
@@ -165,6 +165,7 @@ def test_a_kill_during_the_retry_resumes_exactly_once(tmp_path):
     rows = read_output(out)
     ids = [r["row_id"] for r in rows]
     assert len(ids) == len(set(ids)) < 40  # mid-retry: each row at most once, the rest not committed yet
+    assert not (out / "_SUCCESS").exists()  # not complete while failed rows are out
     assert run_cli([*args, "--engine-arg", "latency=0.001"]) == 0  # the same command resumes the retry
     rows = read_output(out)
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in prompts(40))

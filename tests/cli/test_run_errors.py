@@ -74,7 +74,8 @@ def test_error_kind_drops_where_and_value_and_engine_errors_are_their_own_kind()
     a = str(RowError("x.jsonl", 0, "body.top_p", "expected a number in (0, 1], got 7").with_id("custom_id", "q"))
     b = str(RowError("y.jsonl", 41, "body.top_p", "expected a number in (0, 1], got 'x'"))
     assert a.startswith("x.jsonl: line 1 (custom_id 'q'), field 'body.top_p'")
-    assert error_kind(a) == error_kind(b) == "field 'body.top_p': expected a number in"
+    assert error_kind(a) == error_kind(b) == "field 'body.top_p': expected a number in (0, 1]"
+    assert error_kind("x.jsonl: line 3: malformed JSON (Expecting ',' (char 9))") == "malformed JSON"
     assert split_error(b) == ("y.jsonl: line 42", "body.top_p", "expected a number in (0, 1], got 'x'")
     assert str(RowError("t.parquet", 41, None, "undecodable value")) == "t.parquet: row 41: undecodable value"
     assert error_kind("scripted engine error") == "scripted engine error"
