@@ -238,7 +238,7 @@ def cli() -> None:
                  "the committed parts first, so readers see each row once. The input may have its failed lines "
                  "fixed (every other line unchanged). E.g. dspine-batch generate batch.jsonl -o out/ --retry-errors.")
 @env_option("--retry-length", is_flag=True,
-            help="With --retry-errors (or alone): also the rows cut at --max-new-tokens (finish_reason length); "
+            help="--retry-errors, and also the rows cut at --max-new-tokens (finish_reason length); "
                  "--max-new-tokens may be raised for them. E.g. --retry-length --max-new-tokens 4096.")
 @env_option("--stall-seconds", type=FiniteFloatRange(min=0),
             help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "

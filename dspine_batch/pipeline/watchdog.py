@@ -143,6 +143,8 @@ class Watchdog:
         self.log(f"{self.fired}; committing the finished rows and exiting {EXIT_INTERRUPTED} (run the same command "
                  "again to resume)")
         self.shutdown.request("stalled")
+        if self._stop.is_set() or not self.shutdown.in_engine:  # the run ended meanwhile: the stop request is enough
+            return
         os.kill(os.getpid(), signal.SIGALRM)  # Shutdown's handler: Interrupted in the main thread, in the engine
         if not self._stop.wait(HARD_EXIT_S):
             print(f"dspine-batch: the engine did not return within {HARD_EXIT_S:g}s of the stall; exiting "
