@@ -143,9 +143,9 @@ class Watchdog:
         self.log(f"{self.fired}; committing the finished rows and exiting {EXIT_INTERRUPTED} (run the same command "
                  "again to resume)")
         self.shutdown.request("stalled")
-        if self._stop.is_set() or not self.shutdown.in_engine:  # the run ended meanwhile: the stop request is enough
+        if self._stop.is_set():  # the run ended meanwhile (its signal handlers may be gone): nothing to stop
             return
-        os.kill(os.getpid(), signal.SIGALRM)  # Shutdown's handler: Interrupted in the main thread, in the engine
+        os.kill(os.getpid(), signal.SIGALRM)  # Shutdown's handler: Interrupted if in the engine, else a flag
         if not self._stop.wait(HARD_EXIT_S):
             print(f"dspine-batch: the engine did not return within {HARD_EXIT_S:g}s of the stall; exiting "
                   f"{EXIT_INTERRUPTED} now (committed parts are safe; the rest is generated again on resume)",
