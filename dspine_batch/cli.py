@@ -63,6 +63,13 @@ def env_option(*decls: str, **kw: Any) -> Callable:
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
         data = load_toml(value)
+        if "stages" in data:  # [[stages]]: a job of several stages (dspine_batch.stages)
+            ctx.meta["stages"] = data.pop("stages")
+        template = data.pop("template", None)  # `template = "..."`, or a table {system = "...", user = "..."}
+        if isinstance(template, dict):
+            data["prompt_template"], data["system_template"] = template.get("user"), template.get("system")
+        elif template is not None:
+            data["prompt_template"] = template
         known = sorted({p.name for p in ctx.command.params if p.name and p.name not in ("config", "output_dir")} |
                        {"inputs", "input", "output", "engine_args"})
         for key in data:
@@ -97,6 +104,7 @@ Examples:
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
   dspine-batch generate requests.jsonl -o out/           # OpenAI batch JSONL (custom_id + body)
   dspine-batch generate facts.jsonl -o out/ --json-schema person.schema.json   # every output a valid record
+  dspine-batch generate topics.parquet -o out/ --prompt-template 'One {{ level }} question about {{ topic }}.'
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
@@ -114,8 +122,9 @@ tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
 duplicated. Failed rows: the same command plus --retry-errors generates them again (the input's failed lines may
 be fixed first). A hang: --stall-seconds ends a run whose engine produces nothing (exit 75, run again), and
---request-timeout makes one stuck request an error row. Exit codes: 0 done, 75 interrupted by a signal, a
-transient engine death or a stall (run again),
+--request-timeout makes one stuck request an error row. Exit codes: 0 done, 75 interrupted by a signal, a stall
+or an engine death (run again: the rows in flight then run alone first, and one the engine dies on again
+becomes an error row),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
 or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
 part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
@@ -151,6 +160,12 @@ def cli() -> None:
 @env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
 @env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")
 @env_option("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@env_option("--prompt-template", metavar="TEXT|FILE",
+            help="Build each prompt from the row's columns with a Jinja2 template (sandboxed; a column the template "
+                 "names and a row lacks makes that row an error), e.g. 'Write a {{ level }} question about "
+                 "{{ topic }}.'; nested fields read as {{ judge.score }}. Job file: `template`.")
+@env_option("--system-template", metavar="TEXT|FILE",
+            help="A Jinja2 template for the system turn, over the same columns (with --prompt-template).")
 @env_option("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
 @env_option("-s", "--system-prompt", help="System message added to every row.")
 @env_option("--chat-template/--raw", "chat_template", show_default=False,
@@ -269,6 +284,10 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
+    if ctx.meta.get("stages") is not None:
+        from dspine_batch.stages.run import run_stages
+
+        return run_stages(cfg, ctx.meta["stages"])
     return run_generate(cfg)
 
 

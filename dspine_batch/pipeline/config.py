@@ -24,6 +24,8 @@ class GenerateConfig:
     draft: str = "embedded"
     split: str | None = None
     prompt_column: str | None = None
+    prompt_template: str | None = None  # Jinja2 over the row's columns (text, or a file), the user turn
+    system_template: str | None = None  # ... and the system turn
     messages_column: str | None = None
     id_column: str | None = None
     system_prompt: str | None = None

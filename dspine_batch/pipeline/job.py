@@ -41,7 +41,7 @@ from dspine_batch.errors import (
     free_bytes,
     human_bytes,
 )
-from dspine_batch.pipeline import compact, retry, supersede
+from dspine_batch.pipeline import compact, deaths, retry, supersede
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
@@ -71,6 +71,7 @@ from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
 from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
+from dspine_batch.pipeline.templates import job_templates
 from dspine_batch.pipeline.totals import ReadPosition, exact_rows
 from dspine_batch.pipeline.watchdog import InFlight, Watchdog
 
@@ -184,6 +185,8 @@ class ShardState:
                        "rows_before": done.rows, "error_rows_before": done.error_rows}
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
             self.fields["decisions"] = prev["decisions"]
+        if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)
+            self.fields[deaths.STATE_KEY] = prev[deaths.STATE_KEY]
         if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
             job = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
@@ -228,8 +231,11 @@ def generate(cfg: GenerateConfig) -> int:
     for inp in files:
         if inp.kind in ("jsonl", "openai") and os.path.getsize(inp.path) == 0:
             log(f"warning: {inp.name}: empty file (0 rows)")
+    templates = job_templates(cfg.prompt_template, cfg.system_template)
+    if templates is not None and templates.system is not None and cfg.system_prompt:
+        raise UsageError("--system-prompt and --system-template are exclusive: pick one")
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
-                              cfg.row_params)  # before the model loads: a typo costs a second, not a minute
+                              cfg.row_params, templates)  # before the model loads: a typo costs a second, not a minute
     job = Job(cfg, files, columns, os.path.abspath(cfg.output), shard, shard_tag(*shard), job_request(cfg.as_dict()))
     base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
     prepare_outdir(job.outdir)
@@ -351,6 +357,8 @@ def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bo
         raise UsageError(f"--raw cannot render the messages column {columns.messages!r}; it needs a chat template")
     if not use_chat and cfg.system_prompt:
         raise UsageError("--system-prompt needs a chat template (not --raw)")
+    if not use_chat and columns.templates is not None and columns.templates.system is not None:
+        raise UsageError("--system-template needs a chat template (not --raw)")
     return use_chat
 
 
@@ -424,16 +432,25 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         engine.request_timeout = cfg.request_timeout
     watchdog = Watchdog(inflight, cfg.stall_seconds, shutdown, engine, log).start()
     interrupted = False
+    death = deaths.Death.of(state.fields.get(deaths.STATE_KEY))
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions, errors, inflight)
+        if death is not None:
+            _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions, fail_fast)
+        _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
+                fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight, errors, inflight)
     except Interrupted:
         interrupted = True
     except DiskFull:
         _stop_on_full_disk(state, sink, progress)
         raise
+    except deaths.RepeatedDeath:
+        _stop_with(sink, state, progress, "interrupted")  # the row it died on is committed as an error row
+        return EXIT_INTERRUPTED
     except EngineDied as e:
+        died = deaths.after_death(death, e)
+        state.fields[deaths.STATE_KEY] = died.as_dict()
         _stop_with(sink, state, progress, "interrupted")
-        log(f"the engine died: {str(e)[:300]}; finished rows are committed; run the same command again to resume")
+        log(deaths.died_line(died))
         return EXIT_INTERRUPTED
     except Exception:
         _stop_with(sink, state, progress, "failed")
@@ -467,15 +484,43 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     return _finish(job, done, sink.stats, selector.rows, selector.skipped, state, errors)
 
 
-def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, errors: ErrorLog,
-            inflight: InFlight) -> None:
-    batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
-    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown, inflight))
+def _stream(job: Job, engine: Engine, items: Iterator[WorkItem], fail_fast: StopOnRowError, sink: PartSink,
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, max_in_flight: int,
+            errors: ErrorLog | None = None, inflight: InFlight | None = None) -> None:
+    finished = decisions.watch(schedule(items, engine, max_in_flight, shutdown, inflight))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
-    write_rows(errors.run(finished), sink, progress, shutdown)
+    write_rows(errors.run(finished) if errors is not None else finished, sink, progress, shutdown)
+
+
+def _isolate(job: Job, engine: Engine, death: deaths.Death, mapper: RowMapper, done: KeySet, state: ShardState,
+             sink: PartSink, progress: Progress, shutdown: Shutdown, decisions: DecisionLog,
+             fail_fast: StopOnRowError) -> None:
+    """The rows the last engine death left, each run alone and committed before any other row (``deaths``); each
+    one committed joins ``done`` so the run's own pass skips it. The inputs are read with a mapper of its own
+    (a mapper remembers the ids it has seen: a second reading would find every id a duplicate)."""
+    def run_alone(item: WorkItem) -> None:
+        _stream(job, engine, iter([item]), fail_fast, sink, progress, shutdown, decisions, 1)
+        sink.commit()
+        done.add(item.row_hash)
+
+    def mark_error(item: WorkItem, message: str) -> None:
+        sink.add(replace(item, requests=[], error=message, options=None), None)
+        progress.tick()
+        sink.commit()
+        done.add(item.row_hash)
+
+    def save(rest: deaths.Death | None) -> None:
+        if rest is None:
+            state.fields.pop(deaths.STATE_KEY, None)
+        else:
+            state.fields[deaths.STATE_KEY] = rest.as_dict()
+        state.save(sink.stats)
+
+    own = RowMapper(mapper.settings, mapper.tokenizer, mapper.max_context, mapper.structures, warn=lambda m: None)
+    rows = RowSelector(own, job.shard, done).run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit))
+    deaths.isolate(death, rows, run_alone, mark_error, save, log)
 
 
 def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: str) -> None:

@@ -25,6 +25,7 @@ from dspine_batch.pipeline.requests import ROW_FIELDS, Defaults, RowOptions, mer
 from dspine_batch.pipeline.schema import BASE_NAMES, TOKEN_IDS_FIELD
 from dspine_batch.pipeline.sources import InputFile, RowBatch, arrow_schema, peek_rows
 from dspine_batch.pipeline.structures import StructureCheck
+from dspine_batch.pipeline.templates import PromptTemplates
 
 OUTPUT_NAMES = frozenset([*BASE_NAMES, TOKEN_IDS_FIELD.name])
 
@@ -44,10 +45,12 @@ class Columns:
     keep: tuple[str, ...]
     keep_types: tuple[pa.DataType, ...]  # typed up front: the output schema must not drift between parts
     row_params: tuple[str, ...]
+    templates: PromptTemplates | None = None  # the prompt built from columns (``templates``) instead of ``prompt``
     id_kept: bool = False  # keep[0] is the id column, added for the user (not asked for with --keep-columns)
 
     def read_columns(self) -> list[str]:
         cols = [c for c in (self.prompt, self.messages, self.id) if c]
+        cols += list(self.templates.columns) if self.templates else []
         return list(dict.fromkeys(cols + list(self.keep) + list(self.row_params)))
 
     def keep_schema(self) -> list[pa.Field]:
@@ -55,10 +58,13 @@ class Columns:
 
 
 def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | None, id_column: str | None,
-                    keep: Sequence[str], row_params: bool) -> Columns:
+                    keep: Sequence[str], row_params: bool, templates: PromptTemplates | None = None) -> Columns:
     """Decide column roles from flags and the first input's columns; check every input that has a schema."""
     if prompt and messages:
         raise UsageError("--prompt-column and --messages-column are exclusive: pick one")
+    if templates is not None and (prompt or messages):
+        raise UsageError(f"--prompt-template and {'--prompt-column' if prompt else '--messages-column'} are "
+                         "exclusive: the template builds the prompt")
     first, schema, sample, names = files[0], None, [], []
     for first in files:  # the first input with rows decides; empty inputs are skipped (and reported)
         schema = arrow_schema(first)
@@ -69,7 +75,9 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     else:
         which = files[0].name if len(files) == 1 else "any input"
         raise UsageError(f"{which}: no rows (empty file)" if len(files) == 1 else f"no rows in {which}")
-    if not prompt and not messages:
+    if templates is not None:
+        pass  # the prompt comes from the template's columns
+    elif not prompt and not messages:
         if "messages" in names and "prompt" not in names:
             messages = "messages"
         else:
@@ -97,8 +105,13 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
                 (k, "--keep-columns") for k in keep]:
             if col and col not in have:
                 raise UsageError(f"{inp.name}: no column {col!r} for {flag} (columns: {', '.join(have) or 'none'})")
+        if templates is not None and sch is not None:  # JSON Lines: a row without one is that row's error
+            for col in templates.columns:
+                if col not in have:
+                    raise UsageError(f"{inp.name}: no column {col!r} for the template {templates.label_of(col)} "
+                                     f"(columns: {', '.join(have) or 'none'})")
     keep_types = tuple(_keep_type(first, schema, sample, k, files) for k in keep)
-    return Columns(prompt, messages, id_column, keep, keep_types, params, id_kept)
+    return Columns(prompt, messages, id_column, keep, keep_types, params, templates, id_kept)
 
 
 def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], col: str,
@@ -331,6 +344,8 @@ class RowMapper:
             if self.settings.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.settings.system_prompt}, *messages]
             field = cols.messages
+        elif cols.templates is not None:
+            messages, text, field = self._templated(file, index, row, cols.templates)
         else:
             field = cols.prompt or "prompt"
             text = row.get(field, _MISSING)
@@ -362,6 +377,21 @@ class RowMapper:
             raise RowError(file.name, index, field,
                            f"prompt is {len(ids)} tokens; the model's context is {self.max_context}")
         return ids
+
+
+    def _templated(self, file: InputFile, index: int, row: dict[str, Any],
+                   templates: PromptTemplates) -> tuple[list[dict[str, Any]] | None, str, str]:
+        """(messages or None for --raw, the user text, the field to name in errors) of a templated row."""
+        text = templates.prompt.render(row, file.name, index)
+        if not text.strip():
+            raise RowError(file.name, index, None, f"the template {templates.prompt.label} rendered an empty prompt")
+        if not self.settings.use_chat:
+            return None, text, templates.prompt.label
+        messages = [{"role": "user", "content": text}]
+        system = templates.system.render(row, file.name, index) if templates.system else self.settings.system_prompt
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        return messages, text, templates.prompt.label
 
 
 def _warn(msg: str) -> None:

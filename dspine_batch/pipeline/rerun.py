@@ -42,10 +42,13 @@ def run_fields(cfg: GenerateConfig, files: list[InputFile], columns: Columns, us
     request fields (``requests.job_request``), in their canonical form."""
     settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat,
                                                                  "request": request_identity(request)}
-    return {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(files), "settings": settings,
-            "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
-                        "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
-                        "row_params": list(columns.row_params)}}
+    fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(files), "settings": settings,
+              "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
+                          "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
+                          "row_params": list(columns.row_params)}}
+    if columns.templates is not None:  # only when set: runs without a template keep their fingerprint
+        fields["template"] = columns.templates.identity()
+    return fields
 
 
 @dataclass

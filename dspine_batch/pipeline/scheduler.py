@@ -4,9 +4,10 @@ The engine pulls requests lazily from ``feed``; at most ``max_in_flight`` are op
 bounded by in-flight work, never by input size. Samples of a row are gathered until the row is complete
 (a row commits whole). Rows that need no engine work (input errors) bypass the engine; if many pile up, the
 current ``engine.run`` is drained and restarted so they can flow out without unbounded buffering.
-Setting ``stop.requested`` stops admission: in-flight requests finish, then the schedule ends.
-``inflight`` (``watchdog.InFlight``) holds the rows in the engine, so the watchdog can see them and rows past
---request-timeout end as error rows when the engine next yields.
+Setting ``stop.requested`` stops admission: in-flight requests finish, then the schedule ends. An engine death
+(``EngineDied``) leaves with the ids of the rows in flight (``in_flight``): ``deaths.py`` tells a crash that
+repeats on them from a transient one. ``inflight`` (``watchdog.InFlight``) holds the rows in the engine, so the
+watchdog can see them and rows past --request-timeout end as error rows when the engine next yields.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from dspine_batch.engines.base import Engine, Request, Result
+from dspine_batch.errors import EngineDied
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.watchdog import InFlight
 
@@ -72,6 +74,9 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
                     while bypass:
                         yield bypass.popleft(), None
                     stop.in_engine = True
+        except EngineDied as e:  # the rows it died with: a rerun runs them alone first (``deaths``)
+            e.in_flight = list(pending)
+            raise
         finally:
             stop.in_engine = False
         while bypass:
