@@ -120,8 +120,11 @@ tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted by a signal or an engine death (run again: the rows in
-flight then run alone first, and one the engine dies on again becomes an error row),
+duplicated. Failed rows: the same command plus --retry-errors generates them again (the input's failed lines may
+be fixed first). A hang: --stall-seconds ends a run whose engine produces nothing (exit 75, run again), and
+--request-timeout makes one stuck request an error row. Exit codes: 0 done, 75 interrupted by a signal, a stall
+or an engine death (run again: the rows in flight then run alone first, and one the engine dies on again
+becomes an error row),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
 or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
 part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
@@ -245,6 +248,20 @@ def cli() -> None:
 @env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
 @env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@env_option("--retry-errors", is_flag=True,
+            help="Generate again the rows whose status is error (same command plus this flag): they are taken out of "
+                 "the committed parts first, so readers see each row once. The input may have its failed lines "
+                 "fixed (every other line unchanged). E.g. dspine-batch generate batch.jsonl -o out/ --retry-errors.")
+@env_option("--retry-length", is_flag=True,
+            help="--retry-errors, and also the rows cut at --max-new-tokens (finish_reason length); "
+                 "--max-new-tokens may be raised for them. E.g. --retry-length --max-new-tokens 4096.")
+@env_option("--stall-seconds", type=FiniteFloatRange(min=0),
+            help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "
+                 "engine), say what was in flight, commit the finished rows and exit 75 so a requeue resumes "
+                 "(0 = off). E.g. --stall-seconds 600.")
+@env_option("--request-timeout", type=FiniteFloatRange(min=0),
+            help="A request in the engine longer than this many seconds ends its row as an error row instead of "
+                 "holding the job (0 = off; retry such rows with --retry-errors). E.g. --request-timeout 900.")
 @env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")

@@ -22,14 +22,22 @@ from dspine_batch.errors import RowError, UsageError
 from dspine_batch.pipeline.keyset import KeySet, index_hashes, key_hash, key_hashes
 from dspine_batch.pipeline.prompts import PromptRenderer, check_messages
 from dspine_batch.pipeline.requests import ROW_FIELDS, Defaults, RowOptions, merge, parse_fields
+from dspine_batch.pipeline.schema import BASE_NAMES, TOKEN_IDS_FIELD
 from dspine_batch.pipeline.sources import InputFile, RowBatch, arrow_schema, peek_rows
 from dspine_batch.pipeline.structures import StructureCheck
 from dspine_batch.pipeline.templates import PromptTemplates
 
+OUTPUT_NAMES = frozenset([*BASE_NAMES, TOKEN_IDS_FIELD.name])
+
 
 @dataclass(frozen=True)
 class Columns:
-    """Resolved column roles; part of the fingerprint."""
+    """Resolved column roles; part of the fingerprint.
+
+    The id column is kept in the output under its own name (``qid``, ``custom_id``, ``id``), typed as in the input,
+    beside ``row_id`` (its value as a string, or ``<file>:<index>`` for a row without a usable id): readers join on
+    the name they know, and dspine-batch's own bookkeeping (resume, finalize, export) keeps reading ``row_id``. It is
+    the first of ``keep`` (``id_kept``), unless the user kept it already or its name is an output column's."""
 
     prompt: str | None
     messages: str | None
@@ -38,6 +46,7 @@ class Columns:
     keep_types: tuple[pa.DataType, ...]  # typed up front: the output schema must not drift between parts
     row_params: tuple[str, ...]
     templates: PromptTemplates | None = None  # the prompt built from columns (``templates``) instead of ``prompt``
+    id_kept: bool = False  # keep[0] is the id column, added for the user (not asked for with --keep-columns)
 
     def read_columns(self) -> list[str]:
         cols = [c for c in (self.prompt, self.messages, self.id) if c]
@@ -82,6 +91,9 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     schemaless = all(inp.kind in ("jsonl", "openai") for inp in files)
     params = tuple(p for p in ROW_FIELDS if row_params and (schemaless or p in names) and p not in role_cols)
     keep = tuple(dict.fromkeys(keep))
+    id_kept = bool(id_column) and id_column not in keep and id_column not in OUTPUT_NAMES
+    if id_kept:
+        keep = (id_column, *keep)
     for inp in files:
         sch = schema if inp is first else arrow_schema(inp)
         if sch is not None and not sch.names:
@@ -99,7 +111,7 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
                     raise UsageError(f"{inp.name}: no column {col!r} for the template {templates.label_of(col)} "
                                      f"(columns: {', '.join(have) or 'none'})")
     keep_types = tuple(_keep_type(first, schema, sample, k, files) for k in keep)
-    return Columns(prompt, messages, id_column, keep, keep_types, params, templates)
+    return Columns(prompt, messages, id_column, keep, keep_types, params, templates, id_kept)
 
 
 def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], col: str,
@@ -218,9 +230,8 @@ class RowMapper:
         if isinstance(row, RowError):
             return WorkItem(row_id, [], None, str(row), row_hash)
         keep, problem = self._keep(file, index, row) if self._has_keep else (None, None)
-        problem = id_problem or problem
-        if problem:
-            return WorkItem(row_id, [], keep, problem, row_hash)
+        if id_problem or problem:
+            return WorkItem(row_id, [], keep, id_problem or self._named(problem, file, index, row_id), row_hash)
         defaults = self.settings.defaults
         params, options = defaults.params, defaults.options
         try:
@@ -232,7 +243,7 @@ class RowMapper:
                 params, options = self._request(file, index, row)
             ids = self._prompt_ids(file, index, row, options)
         except RowError as e:
-            return WorkItem(row_id, [], keep, str(e), row_hash)
+            return WorkItem(row_id, [], keep, self._named(e, file, index, row_id), row_hash)
         n = options.n
         if params.temperature > 0:  # greedy output does not depend on the seed: skip the hashing
             reqs = [Request(row_id, s, ids, replace(params, seed=derive_seed(params.seed, row_id, s)))
@@ -243,18 +254,28 @@ class RowMapper:
             reqs = [Request(row_id, s, ids, params) for s in range(n)]
         return WorkItem(row_id, reqs, keep, None, row_hash, options)
 
-    def _keep(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
+    def _keep(self, file: InputFile, index: int,
+              row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, RowError | None]:
         cols = self.settings.columns.keep
         if not cols:
             return None, None
         values = tuple(row.get(c) for c in cols)
         if file.kind in ("parquet", "arrow"):
             return values, None  # already typed by the schema
-        for c, v, t in zip(cols, values, self._keep_types, strict=True):
+        for k, (c, v, t) in enumerate(zip(cols, values, self._keep_types, strict=True)):
             if v is not None and not _fits(v, t):
-                problem = RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
-                return tuple(None for _ in cols), str(problem)
+                if k == 0 and self.settings.columns.id_kept:  # JSON Lines ids may mix str and int: row_id has it
+                    values = (None, *values[1:])
+                    continue
+                kept = tuple(x if j == 0 and self.settings.columns.id_kept else None for j, x in enumerate(values))
+                return kept, RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
         return values, None
+
+    def _named(self, e: RowError | None, file: InputFile, index: int, row_id: str) -> str:
+        """The error's one line, naming the row's id when it has one of its own (not ``<file>:<index>``)."""
+        assert e is not None
+        col = self.settings.columns.id
+        return str(e.with_id(col, row_id) if col and row_id != f"{file.name}:{index}" else e)
 
     def _request(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[Any, RowOptions]:
         """The row's request fields over the job's: its SamplingParams and options, every field checked, the

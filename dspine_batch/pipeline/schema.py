@@ -10,8 +10,9 @@ import pyarrow as pa
 
 from dspine_batch.errors import UsageError
 
-SCHEMA_VERSION = 4  # 2: speculative stats by source (dspine / suffix); 3: cached_prompt_tokens (prefix cache hits);
-# 4: the whole answer (reasoning_content, tool_calls, logprobs), grammar-forced proposal stats, the row's structure
+SCHEMA_VERSION = 5  # 2: speculative stats by source (dspine / suffix); 3: cached_prompt_tokens (prefix cache hits);
+# 4: the whole answer (reasoning_content, tool_calls, logprobs), grammar-forced proposal stats, the row's structure;
+# 5: the input's id column under its own name beside row_id (``mapping.Columns``)
 
 TOKEN_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("token", pa.string()),
                            pa.field("logprob", pa.float32())])

@@ -172,7 +172,7 @@ def test_bad_structures_are_refused_before_the_model_loads(tmp_path, capsys):
     batch = write_jsonl(tmp_path / "batch.jsonl", rows)
     assert run_cli(["generate", str(batch), "-o", str(tmp_path / "b"), "--on-error", "fail"]) == 2
     err = capsys.readouterr().err
-    assert "batch.jsonl: row 1, field 'body.grammar': xgrammar cannot compile this grammar" in err
+    assert "batch.jsonl: line 2, field 'body.grammar': xgrammar cannot compile this grammar" in err
     assert "loading the model" not in err
     assert run_cli(["generate", str(batch), "-o", str(tmp_path / "c"), "--max-error-rate", "1"]) == 0
     err = capsys.readouterr().err

@@ -125,7 +125,7 @@ def test_each_bad_body_field_is_one_line_naming_file_row_and_field(tmp_path, bod
     good, bad = _map(tmp_path, [{}, body], openai=True)
     assert good.error is None
     assert bad.error and not bad.requests and bad.row_id == "c1"  # the custom_id survives the refusal
-    assert "in.jsonl: row 1" in bad.error and f"field {field!r}" in bad.error and text in bad.error, bad.error
+    assert "in.jsonl: line 2" in bad.error and f"field {field!r}" in bad.error and text in bad.error, bad.error
     assert "\n" not in bad.error and "Traceback" not in bad.error
 
 
@@ -200,4 +200,4 @@ def test_prescan_checks_each_distinct_structure_once_and_names_the_first_bad_row
     check = StructureCheck()
     found = prescan(files, cols.row_params, None, Defaults(SamplingParams(), RowOptions(), {}), check)
     assert (found.rows, found.problems, check.compiled) == (50, 1, 2)
-    assert found.first.startswith("b.jsonl: row 30, field 'body.regex': xgrammar cannot compile this regex")
+    assert found.first.startswith("b.jsonl: line 31, field 'body.regex': xgrammar cannot compile this regex")

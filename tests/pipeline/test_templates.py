@@ -61,7 +61,7 @@ def test_a_row_missing_a_column_is_an_error_row_naming_row_column_and_template(t
     rows = {r["row_id"]: r for r in read_output(out)}
     assert rows["a"]["status"] == rows["c"]["status"] == "ok"
     assert rows["b"]["status"] == "error"
-    want = f"in.jsonl: row 1, field 'audience': missing (the template --prompt-template {tfile} names it)"
+    want = f"in.jsonl: line 2 (id 'b'), field 'audience': missing (the template --prompt-template {tfile} names it)"
     assert rows["b"]["error"] == want
 
 
