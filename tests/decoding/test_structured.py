@@ -12,13 +12,12 @@ import math
 
 import pytest
 import torch
+import xgrammar
 from helpers import JoiningScriptedDraft, random_mistakes, token_prompts
 from test_generate import CHEAP, WIDE, _chi2_pvalue, _random_dspine
 
 from dspine import generate
 from dspine.decoding.grammar import Grammars
-
-xgrammar = pytest.importorskip("xgrammar")
 
 SCHEMA = {
     "type": "object",
