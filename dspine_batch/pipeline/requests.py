@@ -413,8 +413,8 @@ def _file_or_inline(path: str, name: str, as_json: bool) -> Any:
         return text
     try:
         return json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{flag(name)} {path}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise UsageError(f"{flag(name)} {path}: not valid JSON ({str(e)[:200]})") from e
 
 
 def _file_label(flag_name: str, value: str) -> str:

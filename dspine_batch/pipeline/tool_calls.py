@@ -50,8 +50,12 @@ def _finite(text: str) -> float:
 
 def strict_loads(text: str) -> Any:
     """``json.loads`` refusing what strict JSON has not (``NotStrictJSON``, a ValueError), so that what is read can
-    be written back as JSON any parser takes."""
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    be written back as JSON any parser takes. Nesting deeper than the interpreter's stack (a model can write a
+    thousand ``[``) is a ValueError too, not a RecursionError that would end the job."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError as e:
+        raise ValueError("nested too deeply") from e
 
 
 def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None,

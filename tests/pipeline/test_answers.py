@@ -209,3 +209,17 @@ def test_a_forced_call_beyond_a_doubles_range_stays_text_with_a_warning():
         answers.apply(RowOptions(tools=TOOLS, tool_choice="required"), r)
         assert r.tool_calls is None and r.text == text and r.finish_reason == "stop"
     assert len(warnings) == 1 and "row 'row' (sample 1)" in warnings[0] and "1e400" in warnings[0]
+
+
+def test_a_completion_nested_beyond_the_stack_stays_text():
+    """A model can write a thousand ``[``: Python's json then raises RecursionError, which must not escape."""
+    deep = "[" * 100_000
+    answers = Answers(ScriptedTokenizer(), None, "hermes", warn=pytest.fail)
+    call = '<tool_call>{"name": "get_time", "arguments": %s}</tool_call>'
+    for options, text in ((RowOptions(tools=TOOLS, tool_choice="required"), deep),
+                          (RowOptions(tools=TOOLS), call % deep), (RowOptions(tools=TOOLS), call % f'"{deep}"')):
+        r = _result(text)
+        answers.apply(options, r)
+        assert r.tool_calls is None and r.text == text
+    coder = f"<tool_call><function=get_weather><parameter=options>{deep}</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(coder, "qwen3_coder", TOOLS)[1][0]["arguments"]) == {"options": deep}
