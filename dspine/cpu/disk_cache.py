@@ -149,7 +149,8 @@ def _pid_alive(pid: int) -> bool:
 def _writer_alive(entry: Path, host: str, pid: str) -> bool:
     """Whether the writer of the temporary ``entry`` (named with ``host`` and ``pid``) is alive: it holds a lock
     on the file (``atomic_file``), so if this process can take it, nobody holds it. Where that cannot be asked
-    (a folder, a filesystem without ``flock``) only a writer of this host whose pid is gone counts as dead."""
+    (a folder, a filesystem without ``flock``) only a writer of this host whose pid is gone counts as dead. (A
+    temporary of an older version, which did not lock its temporaries, counts as dead even while it writes.)"""
     if host == _host() and pid == str(os.getpid()):
         return True  # this process's own (another thread's; on NFS its locks would not exclude ours)
     try:
@@ -176,16 +177,18 @@ def _host() -> str:
 
 
 def remove_dead_temps(path: Path) -> int:
-    """Remove the temporaries of ``path`` whose writer died (``_writer_alive``: its lock is free); how many.
-    Any host's: the lock lives on the shared filesystem, whereas a pid means something only in its own pid
-    namespace."""
+    """Remove the temporaries of ``path`` left by writers of this host name that died (``_writer_alive``: the
+    lock they held is free, whatever their pid says); how many. Those of other hosts are left alone (a network
+    filesystem mounted with local locks could not tell their writers' locks): ``remove_temps`` under a lock
+    takes them."""
     path = Path(path)
-    prefix = f".{path.name}{TEMP_MARK}"
+    host = _host()
+    prefix = f".{path.name}{TEMP_MARK}{host}-"
     n = 0
     with contextlib.suppress(OSError):
         for entry in path.parent.iterdir():
             if entry.name.startswith(prefix):
-                host, _, pid = entry.name[len(prefix):].rpartition("-")[0].rpartition("-")  # host-pid-random
+                pid = entry.name[len(prefix):].split("-", 1)[0]
                 if not _writer_alive(entry, host, pid):
                     _remove(entry)
                     n += 1
