@@ -113,12 +113,12 @@ def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
         if not _is_int(value) or not SEED_RANGE[0] <= value < SEED_RANGE[1]:
             raise fail(f"expected a 64-bit integer, got {_show(value)}")
     elif name == "stop":
-        if isinstance(value, str):
+        if isinstance(value, str) and value:  # ("": a stop found at once, which would cut every answer to nothing)
             value = (value,)
         elif isinstance(value, list | tuple) and all(isinstance(s, str) and s for s in value):
             value = tuple(value)
         else:
-            raise fail(f"expected a string or a list of non-empty strings, got {_show(value)}")
+            raise fail(f"expected a non-empty string or a list of them, got {_show(value)}")
     elif name == "logprobs":
         if not isinstance(value, bool):
             raise fail(f"expected true or false, got {_show(value)}")

@@ -171,7 +171,7 @@ def test_the_two_hidden_inputs_are_one_error_each_naming_the_field(openai_mapper
                         ({"logit_bias": {"5": BIG}}, "body.logit_bias"), ({"top_p": -BIG}, "body.top_p"),
                         ({"seed": BIG}, "body.seed"), ({"logit_bias": {"9" * 5000: 1}}, "body.logit_bias"),
                         ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
-                        ({"response_format": "[" * 100_000}, "body.response_format")):
+                        ({"response_format": "[" * 100_000}, "body.response_format"), ({"stop": ""}, "body.stop")):
         item = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, **body}})
         assert item.error and f"row 3, field {field!r}" in item.error and len(item.error) < 400, (body, item.error)
     ok = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "logit_bias": {" 7 ": 2}}})
