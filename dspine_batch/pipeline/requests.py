@@ -90,6 +90,9 @@ def _is_num(v: Any) -> bool:
 
 
 SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit seed holds (int64 or uint64): engines take the seed as one
+# Token counts reach engines as 32-bit integers (SGLang's sampling tensors): a JSON integer has no bound. Beyond
+# this, max_tokens means "until the context is full" and top_k "every token", which is what these are made.
+INT32_MAX = 2**31 - 1
 
 
 def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
@@ -97,6 +100,7 @@ def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
     if name == "max_new_tokens":
         if not _is_int(value) or value < 1:
             raise fail(f"expected an integer >= 1, got {_show(value)}")
+        value = min(value, INT32_MAX)
     elif name == "temperature":
         if not _is_num(value) or value < 0:
             raise fail(f"expected a number >= 0, got {_show(value)}")
@@ -108,7 +112,7 @@ def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
     elif name == "top_k":
         if not _is_int(value) or value < -1:
             raise fail(f"expected an integer >= 0 (0 or -1: off), got {_show(value)}")
-        value = max(value, 0)
+        value = max(value, 0) if value <= INT32_MAX else 0
     elif name == "seed":
         if not _is_int(value) or not SEED_RANGE[0] <= value < SEED_RANGE[1]:
             raise fail(f"expected a 64-bit integer, got {_show(value)}")
@@ -136,6 +140,8 @@ def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
     elif name == "min_tokens":
         if not _is_int(value) or value < 0:
             raise fail(f"expected an integer >= 0, got {_show(value)}")
+        if value > INT32_MAX:
+            raise fail(f"expected at most {INT32_MAX}, got {_show(value)}")
     elif name == "logit_bias":
         value = _logit_bias(value, fail)
     elif name == "n":

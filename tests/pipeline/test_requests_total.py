@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dspine_batch.engines.base import SamplingParams
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.pipeline.mapping import MapSettings, RowMapper, WorkItem, resolve_columns
-from dspine_batch.pipeline.requests import ROW_FIELDS, SEED_RANGE, Defaults, RowOptions
+from dspine_batch.pipeline.requests import INT32_MAX, ROW_FIELDS, SEED_RANGE, Defaults, RowOptions
 from dspine_batch.pipeline.sources import _parse_line, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck
 
@@ -143,7 +143,8 @@ def _check(item: WorkItem, name: str, vocab: int) -> None:
         for v in (p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty):
             assert isinstance(v, float) and math.isfinite(v)
         assert all(-100 <= b <= 100 and 0 <= t < vocab for t, b in p.logit_bias)
-        assert SEED_RANGE[0] <= p.seed < SEED_RANGE[1] and 1 <= p.max_new_tokens and 0 <= p.top_logprobs <= 20
+        assert SEED_RANGE[0] <= p.seed < SEED_RANGE[1] and 0 <= p.top_logprobs <= 20
+        assert 1 <= p.max_new_tokens <= INT32_MAX and 0 <= p.top_k <= INT32_MAX and 0 <= p.min_tokens <= INT32_MAX
         assert all(isinstance(s, str) and s for s in p.stop)
         if p.structure is not None:
             assert StructureCheck().problem(p.structure) is None
@@ -176,6 +177,10 @@ def test_the_two_hidden_inputs_are_one_error_each_naming_the_field(openai_mapper
         assert item.error and f"row 3, field {field!r}" in item.error and len(item.error) < 400, (body, item.error)
     ok = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "logit_bias": {" 7 ": 2}}})
     assert ok.error is None and ok.requests[0].params.logit_bias == ((7, 2.0),)
+    # integers beyond what engines hold (SGLang's int32 tensors) mean what they say: no limit, every token
+    huge = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "max_tokens": BIG, "top_k": BIG}})
+    assert huge.error is None and (huge.requests[0].params.max_new_tokens, huge.requests[0].params.top_k) == (
+        INT32_MAX, 0)
 
 
 def test_the_reader_turns_what_json_cannot_hold_into_row_errors(tmp_path):
