@@ -122,7 +122,7 @@ def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
         elif isinstance(value, list | tuple) and all(isinstance(s, str) and s for s in value):
             value = tuple(value)
         else:
-            raise fail(f"expected a non-empty string or a list of them, got {_show(value)}")
+            raise fail(f"expected a non-empty string or a list of non-empty strings, got {_show(value)}")
     elif name == "logprobs":
         if not isinstance(value, bool):
             raise fail(f"expected true or false, got {_show(value)}")

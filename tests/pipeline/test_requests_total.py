@@ -134,7 +134,7 @@ def _check(item: WorkItem, name: str, vocab: int) -> None:
     event("error" if item.error else "requests")  # (hypothesis --hypothesis-show-statistics: both kinds occur)
     if item.error is not None:
         assert not item.requests
-        assert item.error.startswith(f"{name}: row ") and ", field '" in item.error, item.error
+        assert item.error.startswith(f"{name}: row ") and ", field " in item.error, item.error
         assert "\n" not in item.error and len(item.error) < 2000, item.error
         return
     assert item.requests
