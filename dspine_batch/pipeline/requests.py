@@ -394,7 +394,19 @@ def merge(job: Defaults, row: RowRequest, fail: Fail) -> tuple[dict[str, Any], R
     if low > high and ("min_tokens" in over or "max_new_tokens" in over):
         raise fail(labels.get("min_tokens") or labels["max_new_tokens"], f"min_tokens {low} is more than "
                    f"max_new_tokens {high}")
+    structure = over.get("structure", job.params.structure)
+    if low and structure is not None and ("min_tokens" in over or "structure" in over):
+        raise fail(labels.get("min_tokens") or flag("min_tokens"), f"cannot be combined with "
+                   f"{labels.get('structure') or 'a structure'}: {MIN_TOKENS_WITH_GRAMMAR}")
     return over, options, labels
+
+
+# Why ``min_tokens`` and a structure are refused together (issue 43): a grammar decides where its output ends, and
+# where it allows nothing but a stop before ``min_tokens`` tokens the two cannot both hold. The reference engine
+# would let the grammar end the row (``dspine.decoding.processors.grammar_wins``); SGLang masks the stops after its
+# penalizers and leaves no token at all. Refusing the pair keeps both engines in agreement and no row half-honoured.
+MIN_TOKENS_WITH_GRAMMAR = ("a structured output ends where its grammar ends; use max_tokens, or a schema that "
+                           "asks for the length (minLength, minItems)")
 
 
 # -- the job's flags --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -56,6 +57,9 @@ class InputFile:
 class RowBatch:
     """A batch of input rows. Tabular sources keep the Arrow batch and build Python rows only on demand, so
     rows that resume skips (already committed) or another shard owns are never converted."""
+
+    consumed: int | None = None  # JSON Lines: bytes of the file (compressed, as on disk) read up to this batch
+    digests: list[int] | None = None  # JSON Lines: a 64-bit digest of each row's line (``line_digest``)
 
     def __init__(self, file: InputFile, indices: Sequence[int], rows: list[dict[str, Any] | RowError] | None = None,
                  record: pa.RecordBatch | None = None):
@@ -321,8 +325,7 @@ def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
                 all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
     if first_bad is None:
         return []
-    field = f", field {first_bad.field!r}:" if first_bad.field else ","
-    where = f"first: row {first_bad.row}{field} {first_bad.message}"
+    where = f"first: {first_bad}"
     if all_utf8:
         raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
                          "e.g. iconv -f LATIN1 -t UTF-8")
@@ -385,6 +388,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
+    digests: list[int] = []
     index = -1
     try:
         with _open_text_stream(inp.path) as f:
@@ -395,14 +399,32 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
                     continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
+                digests.append(line_digest(line))
                 if len(rows) >= batch_rows:
-                    yield RowBatch(inp, indices, rows)
-                    rows, indices = [], []
+                    yield _at(RowBatch(inp, indices, rows), f, digests)
+                    rows, indices, digests = [], [], []
     except _stream_errors() as e:
         # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
-        yield RowBatch(inp, indices, rows)
+        yield _at(RowBatch(inp, indices, rows), None, digests)
+
+
+def line_digest(line: bytes) -> int:
+    """A line's identity, for ``--retry-errors`` to prove which lines of a fixed input changed (line ending aside)."""
+    return int.from_bytes(hashlib.blake2b(line.rstrip(b"\r\n"), digest_size=8).digest(), "little")
+
+
+def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int]) -> RowBatch:
+    """The batch with how far into its file (bytes on disk) the reader is: the progress's share of a JSONL read
+    (``totals.ReadPosition``); None for the end of the file. And its lines' digests."""
+    batch.digests = digests
+    raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
+    try:
+        batch.consumed = raw.tell() if raw is not None else os.path.getsize(batch.file.path)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return batch
 
 
 def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, Any] | RowError:

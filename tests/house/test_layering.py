@@ -35,8 +35,10 @@ MAY_IMPORT: dict[str, set[str]] = {
                              "dspine.draft", "dspine.decoding", "dspine.cpu", "dspine.embedded", "dspine.sglang"},
     "dspine_batch.pipeline": {"dspine_batch", "dspine_batch.engines", "dspine_batch.errors", "dspine_batch.digest"},
     "dspine_batch.ops": {"dspine_batch.pipeline", "dspine_batch.engines", "dspine_batch.errors"},
+    "dspine_batch.stages": {"dspine_batch", "dspine_batch.pipeline", "dspine_batch.engines", "dspine_batch.errors",
+                            "dspine_batch.digest", "dspine_batch.ops"},
     "dspine_batch.cli": {"dspine_batch", "dspine_batch.ops", "dspine_batch.pipeline", "dspine_batch.engines",
-                         "dspine_batch.errors"},
+                         "dspine_batch.errors", "dspine_batch.stages"},
 }
 
 
