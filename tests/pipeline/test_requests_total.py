@@ -134,7 +134,7 @@ def _check(item: WorkItem, name: str, vocab: int) -> None:
     event("error" if item.error else "requests")  # (hypothesis --hypothesis-show-statistics: both kinds occur)
     if item.error is not None:
         assert not item.requests
-        assert item.error.startswith(f"{name}: row ") and ", field " in item.error, item.error
+        assert item.error.startswith(f"{name}: line 4 ") and ", field " in item.error, item.error  # (index 3)
         assert "\n" not in item.error and len(item.error) < 2000, item.error
         return
     assert item.requests
@@ -174,7 +174,9 @@ def test_the_two_hidden_inputs_are_one_error_each_naming_the_field(openai_mapper
                         ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
                         ({"response_format": "[" * 100_000}, "body.response_format"), ({"stop": ""}, "body.stop")):
         item = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, **body}})
-        assert item.error and f"row 3, field {field!r}" in item.error and len(item.error) < 400, (body, item.error)
+        err = item.error
+        assert err and err.startswith(f"{file.name}: line 4 (custom_id ") and f", field {field!r}: " in err, (body, err)
+        assert len(err) < 400, err
     ok = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "logit_bias": {" 7 ": 2}}})
     assert ok.error is None and ok.requests[0].params.logit_bias == ((7, 2.0),)
     # integers beyond what engines hold (SGLang's int32 tensors) mean what they say: no limit, every token
@@ -200,8 +202,8 @@ def test_the_reader_turns_what_json_cannot_hold_into_row_errors(tmp_path):
     assert rows[0] == {"id": "ok", "prompt": "hi"} and rows[7]["prompt"] == "hi \U0001f600"
     assert rows[1]["temperature"] == math.inf and rows[2]["temperature"] == BIG
     assert "malformed JSON" in str(rows[3]) and "malformed JSON" in str(rows[4])
-    assert "row 5, field 'prompt': holds a lone UTF-16 surrogate" in str(rows[5])
-    assert "row 6, field 'chat_template_kwargs.\\\\ud800'" in str(rows[6]), str(rows[6])
+    assert "in.jsonl: line 6, field 'prompt': holds a lone UTF-16 surrogate" in str(rows[5])
+    assert "line 7, field 'chat_template_kwargs.\\\\ud800'" in str(rows[6]), str(rows[6])
     for row in rows.values():  # what becomes an error line must be writable text
         str(row).encode("utf-8")
 
@@ -224,8 +226,10 @@ def test_a_batch_with_the_hidden_bad_inputs_answers_the_good_rows(tmp_path):
         assert all(rows[f"g{i}"]["status"] == "ok" and rows[f"g{i}"]["output"] for i in range(good))
         name = src.name
         assert rows["sq"]["status"] == "error" and rows["big"]["status"] == "error"
-        assert rows["sq"]["error"].startswith(f"{name}: row {good // 2}, field 'body.logit_bias': token id '²'")
-        assert rows["big"]["error"].startswith(f"{name}: row {good // 2 + 1}, field 'body.temperature': expected")
+        assert rows["sq"]["error"].startswith(
+            f"{name}: line {good // 2 + 1} (custom_id 'sq'), field 'body.logit_bias': token id '²'")
+        assert rows["big"]["error"].startswith(
+            f"{name}: line {good // 2 + 2} (custom_id 'big'), field 'body.temperature': expected")
         assert len(rows["big"]["error"]) < 300  # the 401-digit value is quoted cut
 
 
