@@ -127,7 +127,7 @@ def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], c
     first_value = next((r[col] for r in sample if r.get(col) is not None), None)
     try:
         t = pa.array([first_value]).type
-    except (pa.ArrowException, TypeError, ValueError) as e:
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"{first.name}: column {col!r} cannot be stored ({e})") from e
     return pa.string() if pa.types.is_null(t) else t
 
@@ -406,14 +406,14 @@ def _fits(v: Any, t: pa.DataType) -> bool:
         return isinstance(v, str)
     if pa.types.is_boolean(t):
         return isinstance(v, bool)
-    if pa.types.is_integer(t):
-        return isinstance(v, int) and not isinstance(v, bool)
-    if pa.types.is_floating(t):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    try:
+    if isinstance(v, bool) or (pa.types.is_integer(t) and not isinstance(v, int)):
+        return False
+    if pa.types.is_floating(t) and not isinstance(v, (int, float)):
+        return False
+    try:  # (an integer out of the column's range, e.g. a JSON 10**400, is refused here, not when the part is written)
         pa.scalar(v, type=t)
         return True
-    except (pa.ArrowException, TypeError, ValueError):
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return False
 
 

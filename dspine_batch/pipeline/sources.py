@@ -302,7 +302,7 @@ def _is_openai_batch(path: str) -> bool:
                 if line.strip():
                     obj = json.loads(line)
                     return isinstance(obj, dict) and "custom_id" in obj and isinstance(obj.get("body"), dict)
-    except (ValueError, *_stream_errors()):
+    except (ValueError, RecursionError, *_stream_errors()):
         return False
     return False
 
@@ -434,11 +434,43 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
         return RowError(name, index, None, f"{_NOT_UTF8} (byte 0x{line[e.start]:02x} at offset {e.start})")
     try:
         obj = json.loads(text)
-    except ValueError as e:
-        return RowError(name, index, None, f"malformed JSON ({e})")
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the interpreter's stack
+        return RowError(name, index, None, f"malformed JSON ({str(e)[:200]})")
     if not isinstance(obj, dict):
         return RowError(name, index, None, f"expected a JSON object, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(line) and (where := _lone_surrogate(obj)) is not None:
+        return RowError(name, index, where, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                        "pair): not Unicode text")
     return _openai_row(name, index, obj) if openai else obj
+
+
+# A JSON escape of a UTF-16 surrogate: ``json.loads`` turns an unpaired one into a str that cannot be encoded as
+# UTF-8, which would fail far from the row (hashing a structure, tokenizing, writing Parquet). Rows whose bytes
+# hold such an escape (rare: only text beyond the BMP written with ASCII-only JSON) are checked string by string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``body.messages[0].content``) of the first string or key in ``value`` that is not encodable
+    as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if _lone_surrogate(k, where) is not None:
+                return where.encode("utf-8", "backslashreplace").decode("utf-8")
+            if (found := _lone_surrogate(v, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _lone_surrogate(v, f"{path}[{i}]")) is not None:
+                return found
+    return None
 
 
 def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | RowError:
