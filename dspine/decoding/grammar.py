@@ -133,9 +133,10 @@ class Grammars:
     them), ``grammar`` (EBNF / GBNF text, rule ``root``). An invalid or unsupported grammar raises ValueError
     with xgrammar's first line."""
 
-    def __init__(self, info: Any, encode: Callable[[str], list[int]], vocab_size: int):
+    def __init__(self, info: Any, encode: Callable[[str], list[int]], vocab_size: int, info_key: str | None = None):
         import xgrammar
 
+        self.info, self.info_key = info, info_key  # info_key: compiled grammars kept on disk (``grammar_cache``)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.encode = encode
         self.vocab_size = vocab_size
@@ -147,13 +148,12 @@ class Grammars:
 
     @staticmethod
     def for_hf_dir(path: str, vocab_size: int, stop_ids: list[int], encode: Callable[[str], list[int]]) -> Grammars:
-        """For a HF tokenizer dir (transformers reads it; xgrammar takes its vocabulary and kind from there)."""
-        import transformers
-        import xgrammar
+        """For a HF tokenizer dir (transformers reads it; xgrammar takes its vocabulary and kind from there), the
+        tokenizer's info and every compiled grammar kept in the per-machine cache (``grammar_cache``)."""
+        from dspine.decoding.grammar_cache import tokenizer_info
 
-        hf = transformers.AutoTokenizer.from_pretrained(str(path))
-        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        return Grammars(info, encode, vocab_size)
+        info, key = tokenizer_info(path, vocab_size, list(stop_ids))
+        return Grammars(info, encode, vocab_size, key)
 
     def get(self, kind: str, spec: str) -> Constraint:
         key = (kind, spec)
@@ -168,11 +168,18 @@ class Grammars:
         return constraint
 
     def _compile(self, kind: str, spec: str) -> Any:
-        grammar = grammar_of(kind, spec)
-        try:
-            return self.compiler.compile_grammar(grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid {kind}: {short_reason(e)}") from e
+        def compile() -> Any:
+            grammar = grammar_of(kind, spec)
+            try:
+                return self.compiler.compile_grammar(grammar)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise ValueError(f"invalid {kind}: {short_reason(e)}") from e
+
+        if self.info_key is None:
+            return compile()
+        from dspine.decoding.grammar_cache import compiled_grammar
+
+        return compiled_grammar(self.info, self.info_key, kind, spec, compile)
 
 
 def grammar_of(kind: str, spec: str) -> Any:
