@@ -94,6 +94,13 @@ def env_option(*decls: str, **kw: Any) -> Callable:
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value:
         data = load_toml(value)
+        if "stages" in data:  # [[stages]]: a job of several stages (dspine_batch.stages)
+            ctx.meta["stages"] = data.pop("stages")
+        template = data.pop("template", None)  # `template = "..."`, or a table {system = "...", user = "..."}
+        if isinstance(template, dict):
+            data["prompt_template"], data["system_template"] = template.get("user"), template.get("system")
+        elif template is not None:
+            data["prompt_template"] = template
         known = sorted({p.name for p in ctx.command.params if p.name and p.name not in ("config", "output_dir")} |
                        {"inputs", "input", "output", "engine_args"})
         for key in data:
@@ -128,6 +135,7 @@ Examples:
       --max-new-tokens 512 --temperature 0.7 --num-samples 4 --seed 1
   dspine-batch generate requests.jsonl -o out/           # OpenAI batch JSONL (custom_id + body)
   dspine-batch generate facts.jsonl -o out/ --json-schema person.schema.json   # every output a valid record
+  dspine-batch generate topics.parquet -o out/ --prompt-template 'One {{ level }} question about {{ topic }}.'
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
@@ -143,7 +151,11 @@ tools, tool_choice, parallel_tool_calls, chat_template_kwargs. README, "Requests
 
 \b
 Resume: the same command again continues where a crash, kill or preemption stopped: no row is lost or
-duplicated. Exit codes: 0 done, 75 interrupted by a signal or a transient engine death (run again),
+duplicated. Failed rows: the same command plus --retry-errors generates them again (the input's failed lines may
+be fixed first). A hang: --stall-seconds ends a run whose engine produces nothing (exit 75, run again), and
+--request-timeout makes one stuck request an error row. Exit codes: 0 done, 75 interrupted by a signal, a stall
+or an engine death (run again: the rows in flight then run alone first, and one the engine dies on again
+becomes an error row),
 3 done but over --max-error-rate, 2 usage error or different settings than the run in OUTDIR, 1 fatal (a bug
 or bad data: running again would fail the same way; a full disk: free space, then run it again). A committed
 part found missing, truncated or damaged is moved aside to OUTDIR/_dspine/damaged/ and its rows generated again.
@@ -179,6 +191,12 @@ def cli() -> None:
 @env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
 @env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")
 @env_option("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@env_option("--prompt-template", metavar="TEXT|FILE",
+            help="Build each prompt from the row's columns with a Jinja2 template (sandboxed; a column the template "
+                 "names and a row lacks makes that row an error), e.g. 'Write a {{ level }} question about "
+                 "{{ topic }}.'; nested fields read as {{ judge.score }}. Job file: `template`.")
+@env_option("--system-template", metavar="TEXT|FILE",
+            help="A Jinja2 template for the system turn, over the same columns (with --prompt-template).")
 @env_option("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
 @env_option("-s", "--system-prompt", help="System message added to every row.")
 @env_option("--chat-template/--raw", "chat_template", show_default=False,
@@ -261,6 +279,20 @@ def cli() -> None:
 @env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
 @env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@env_option("--retry-errors", is_flag=True,
+            help="Generate again the rows whose status is error (same command plus this flag): they are taken out of "
+                 "the committed parts first, so readers see each row once. The input may have its failed lines "
+                 "fixed (every other line unchanged). E.g. dspine-batch generate batch.jsonl -o out/ --retry-errors.")
+@env_option("--retry-length", is_flag=True,
+            help="--retry-errors, and also the rows cut at --max-new-tokens (finish_reason length); "
+                 "--max-new-tokens may be raised for them. E.g. --retry-length --max-new-tokens 4096.")
+@env_option("--stall-seconds", type=FiniteFloatRange(min=0),
+            help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "
+                 "engine), say what was in flight, commit the finished rows and exit 75 so a requeue resumes "
+                 "(0 = off). E.g. --stall-seconds 600.")
+@env_option("--request-timeout", type=FiniteFloatRange(min=0),
+            help="A request in the engine longer than this many seconds ends its row as an error row instead of "
+                 "holding the job (0 = off; retry such rows with --retry-errors). E.g. --request-timeout 900.")
 @env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
@@ -284,6 +316,10 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
+    if ctx.meta.get("stages") is not None:
+        from dspine_batch.stages.run import run_stages
+
+        return run_stages(cfg, ctx.meta["stages"])
     return run_generate(cfg)
 
 
@@ -348,9 +384,12 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
       dspine-batch status out/
     """
     from dspine_batch.ops.status import format_status, read_status
+    from dspine_batch.pipeline.manifest import stage_names
 
-    st = read_status(outdir, verify=verify)
-    click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
+    stages = stage_names(outdir)  # a job of several stages: each stage's status, in order
+    for path in [os.path.join(outdir, name) for name in stages] if stages else [outdir]:
+        st = read_status(path, verify=verify)
+        click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
 
 @cli.command()
@@ -367,9 +406,20 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     Examples:
       dspine-batch report out/
       dspine-batch report out/ --plot accept.png
+      dspine-batch report out/qa            # a job of several stages: its funnel, then the final stage
     """
+    from dspine_batch.ops.funnel import format_funnel, funnel, plot_funnel
     from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
 
+    stages = funnel(outdir)
+    if stages is not None:  # a job of several stages: its funnel, then the last stage's report
+        click.echo(json.dumps(stages, indent=2) if as_json else format_funnel(stages))
+        if plot:
+            plot_funnel(stages, plot, os.path.basename(os.path.abspath(outdir)))
+            click.echo(f"stage funnel written to {plot}", err=True)
+            plot = None
+        outdir = os.path.join(outdir, stages[-1]["stage"])
+        click.echo(f"\nthe final stage ({stages[-1]['stage']}); `dspine-batch report {outdir}` for any stage:")
     summary = summarize(outdir)
     write_report(outdir, summary)
     click.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
@@ -421,7 +471,13 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str)
       dspine-batch finalize out/ --compact
     """
     from dspine_batch.ops.finalize import finalize as run_finalize
+    from dspine_batch.pipeline.manifest import stage_names
 
+    stages = stage_names(outdir)
+    if stages:  # a job of several stages: each audited in order
+        from dspine_batch.stages.finalize import finalize_stages
+
+        return finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
     return run_finalize(outdir, compact, target_rows, on_damaged_part)
 
 

@@ -15,7 +15,11 @@ shared home, and any writer may be killed half-way (preemption, the OOM killer, 
   (pid, host, since when, what); a waiter says whom it waits for, and a holder that finds a previous holder's
   record there knows that one died before finishing. Where a filesystem has no ``flock`` (some Lustre mounts) the
   lock is skipped with a note: atomic publishing alone still keeps every entry whole, the work is then merely
-  done more than once.
+  done more than once;
+* whether a temporary's writer is alive is asked of the writer itself: it holds an ``flock`` on its temporary
+  file while it writes (``atomic_file``), so a temporary whose lock can be taken was left by a dead writer
+  (``remove_dead_temps``). A pid and a host name cannot tell: containers that share a cache and a host name
+  but not a pid namespace each see the other's live writers as dead pids.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -35,8 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"  # temporaries are ``.{name}.tmp-{host}-{pid}-{random}``: hidden, and attributable
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once (os.umask can only be read by setting it), at import, before any thread writes
+PENDING_MARK = ".new-"  # a temporary's name while its writer takes its lock (never matched as a temporary)
 
 
 def cache_root() -> Path:
@@ -56,8 +60,7 @@ def say(msg: str) -> None:
 
 def temp_sibling(path: Path) -> Path:
     """A fresh temporary name beside ``path``, on the same filesystem (so a rename publishes it atomically)."""
-    host = socket.gethostname().split(".")[0].replace("-", "_")
-    return path.with_name(f".{path.name}{TEMP_MARK}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    return path.with_name(f".{path.name}{TEMP_MARK}{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -79,20 +82,45 @@ def _write_all(fd: int, data: bytes) -> None:
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path for a writer that needs a file name (e.g. safetensors); when the block ends
-    without an exception the file gets the umask's permissions (writers like safetensors make 0600 files, which
-    other users of a shared cache cannot read), is fsynced and renamed over ``path``, else removed."""
+    without an exception the file is given the permissions a new file gets here, fsynced and renamed over
+    ``path``, else removed. The writer writes into the file at that path (truncating it is fine) and must not
+    replace it: the file exists, locked, before the block starts.
+
+    Permissions without the umask: writers like safetensors make 0600 files, which the cache's other users
+    cannot read, so the file is chmod-ed at the end to the mode the kernel gave it when it was created with
+    0666 (the umask applied, or a folder's default ACL). Reading the umask itself means setting it
+    (``os.umask``), which races with every other thread that creates files meanwhile; ``/proc/self/status``
+    has it but only on Linux, and neither knows about ACLs.
+
+    Liveness without pids: the temporary is created under a pending name, ``flock``-ed, and only then renamed to
+    its temporary name, so no other process ever sees it unlocked while its writer lives (a killed writer's lock
+    goes with it; see ``remove_dead_temps``). Where the filesystem has no ``flock`` it is written unlocked."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_sibling(path)
+    pending = tmp.with_name(tmp.name.replace(TEMP_MARK, PENDING_MARK, 1))
+    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+        mode = os.fstat(fd).st_mode & 0o777
+        with contextlib.suppress(OSError):  # (no flock here: the dead-writer test falls back to pid and host)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            os.rename(pending, tmp)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                pending.unlink()
+            raise
+        try:
+            yield tmp
+            os.chmod(tmp, mode)
+            _fsync_path(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    finally:
+        os.close(fd)  # releases the lock, after the rename: the temporary's name never exists unlocked
     _fsync_path(path.parent, directory=True)
     remove_dead_temps(path)
 
@@ -101,7 +129,7 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     """Write ``path`` whole or not at all: readers, concurrent writers and a writer killed half-way see the old
     file or a complete new one (the last rename wins)."""
     with atomic_file(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
             _write_all(fd, data.encode() if isinstance(data, str) else data)
         finally:
@@ -118,18 +146,50 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _writer_alive(entry: Path, host: str, pid: str) -> bool:
+    """Whether the writer of the temporary ``entry`` (named with ``host`` and ``pid``) is alive: it holds a lock
+    on the file (``atomic_file``), so if this process can take it, nobody holds it. Where that cannot be asked
+    (a folder, a filesystem without ``flock``) only a writer of this host whose pid is gone counts as dead. (A
+    temporary of an older version, which did not lock its temporaries, counts as dead even while it writes.)"""
+    if host == _host() and pid == str(os.getpid()):
+        return True  # this process's own (another thread's; on NFS its locks would not exclude ours)
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False  # the lock is free: its writer died (closing fd below releases it again)
+        except BlockingIOError:
+            return True
+        except OSError as e:
+            if not _no_flock(e):
+                return True  # cannot tell: keep it
+        finally:
+            os.close(fd)
+    return host != _host() or not pid.isdigit() or _pid_alive(int(pid))
+
+
+def _host() -> str:
+    return socket.gethostname().split(".")[0].replace("-", "_")
+
+
 def remove_dead_temps(path: Path) -> int:
-    """Remove temporaries of ``path`` left by writers of this host that died (their pid is gone); how many.
-    Those of other hosts are left alone (their writer may be alive): ``remove_temps`` under a lock takes them."""
+    """Remove the temporaries of ``path`` left by writers of this host name that died (``_writer_alive``: the
+    lock they held is free, whatever their pid says); how many. Those of other hosts are left alone (a network
+    filesystem mounted with local locks could not tell their writers' locks): ``remove_temps`` under a lock
+    takes them."""
     path = Path(path)
-    host = socket.gethostname().split(".")[0].replace("-", "_")
+    host = _host()
     prefix = f".{path.name}{TEMP_MARK}{host}-"
     n = 0
     with contextlib.suppress(OSError):
         for entry in path.parent.iterdir():
             if entry.name.startswith(prefix):
                 pid = entry.name[len(prefix):].split("-", 1)[0]
-                if pid.isdigit() and not _pid_alive(int(pid)):
+                if not _writer_alive(entry, host, pid):
                     _remove(entry)
                     n += 1
     return n

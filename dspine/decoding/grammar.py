@@ -24,6 +24,7 @@ differently.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,10 @@ def forced(matcher: Any, encode: Callable[[str], list[int]], vocab_size: int, li
 
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# Compiled grammars a ``Grammars`` keeps (least recently used dropped first). Each holds xgrammar's token-mask
+# cache (up to megabytes for a large vocabulary); jobs usually share a handful, and a job with one per row reuses
+# none of them, so a few hundred cover the first kind without letting the second grow for the engine's life.
+MAX_CACHED_GRAMMARS = 256
 
 
 class Grammars:
@@ -128,36 +133,53 @@ class Grammars:
     them), ``grammar`` (EBNF / GBNF text, rule ``root``). An invalid or unsupported grammar raises ValueError
     with xgrammar's first line."""
 
-    def __init__(self, info: Any, encode: Callable[[str], list[int]], vocab_size: int):
+    def __init__(self, info: Any, encode: Callable[[str], list[int]], vocab_size: int, info_key: str | None = None):
         import xgrammar
 
+        self.info, self.info_key = info, info_key  # info_key: compiled grammars kept on disk (``grammar_cache``)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.encode = encode
         self.vocab_size = vocab_size
-        self.cache: dict[tuple[str, str], Constraint] = {}
+        # most recently used last; bounded, since a job with a schema (or a forced tool call) per row compiles one
+        # grammar per row and an engine lives for the whole job. A row keeps its own Constraint while it decodes,
+        # so an eviction only costs a recompile for a later row that asks for the same grammar.
+        self.cache: OrderedDict[tuple[str, str], Constraint] = OrderedDict()
+        self.max_cached = MAX_CACHED_GRAMMARS
 
     @staticmethod
     def for_hf_dir(path: str, vocab_size: int, stop_ids: list[int], encode: Callable[[str], list[int]]) -> Grammars:
-        """For a HF tokenizer dir (transformers reads it; xgrammar takes its vocabulary and kind from there)."""
-        import transformers
-        import xgrammar
+        """For a HF tokenizer dir (transformers reads it; xgrammar takes its vocabulary and kind from there), the
+        tokenizer's info and every compiled grammar kept in the per-machine cache (``grammar_cache``)."""
+        from dspine.decoding.grammar_cache import tokenizer_info
 
-        hf = transformers.AutoTokenizer.from_pretrained(str(path))
-        info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        return Grammars(info, encode, vocab_size)
+        info, key = tokenizer_info(path, vocab_size, list(stop_ids))
+        return Grammars(info, encode, vocab_size, key)
 
     def get(self, kind: str, spec: str) -> Constraint:
         key = (kind, spec)
-        if key not in self.cache:
-            self.cache[key] = Constraint(self._compile(kind, spec), self.encode, self.vocab_size, kind)
-        return self.cache[key]
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.cache.move_to_end(key)
+            return hit
+        constraint = Constraint(self._compile(kind, spec), self.encode, self.vocab_size, kind)
+        self.cache[key] = constraint
+        while len(self.cache) > self.max_cached:
+            self.cache.popitem(last=False)
+        return constraint
 
     def _compile(self, kind: str, spec: str) -> Any:
-        grammar = grammar_of(kind, spec)
-        try:
-            return self.compiler.compile_grammar(grammar)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid {kind}: {short_reason(e)}") from e
+        def compile() -> Any:
+            grammar = grammar_of(kind, spec)
+            try:
+                return self.compiler.compile_grammar(grammar)
+            except (RuntimeError, ValueError, TypeError) as e:
+                raise ValueError(f"invalid {kind}: {short_reason(e)}") from e
+
+        if self.info_key is None:
+            return compile()
+        from dspine.decoding.grammar_cache import compiled_grammar
+
+        return compiled_grammar(self.info, self.info_key, kind, spec, compile)
 
 
 def grammar_of(kind: str, spec: str) -> Any:

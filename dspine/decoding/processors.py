@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from dspine.decoding.grammar import apply_masks, walk
+from dspine.decoding.history import slot_history
 from dspine.decoding.sampling import SamplingParams
 
 
@@ -118,26 +119,20 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
             rows.setdefault(b, []).append(n)
     if not rows:
         return logits
-    masked_rows, mask_list, early_rows = [], [], []
+    masked_rows, mask_list = [], []
+    held: dict[int, torch.Tensor] = {}  # slot -> its stop ids' logits before min_tokens (rows with a grammar)
     for b, ns in rows.items():
         st, sp = states[b], states[b].sp
         js = [j_idx[n] for n in ns]
         idx = torch.tensor(ns, dtype=torch.long)
-        extra = [props[b, :j].tolist() if j and props is not None else [] for j in js]
         if st.seen is not None or st.counts is not None:
             x = logits[idx]
-            if st.seen is not None:  # repetition: prompt + output ids, the proposals before each slot included
-                seen = st.seen[None].repeat(len(ns), 1)
-                for i, e in enumerate(extra):
-                    if e:
-                        seen[i, e] = True
+            drafts = props[b, : max(js)].tolist() if props is not None and max(js) else []
+            seen, c = slot_history(st.seen, st.counts, drafts, js)  # slot j: the proposals before it included
+            if seen is not None:  # repetition: prompt + output ids
                 p = sp.repetition_penalty
                 x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
-            if st.counts is not None:  # presence / frequency over the generated ids
-                c = st.counts[None].repeat(len(ns), 1)
-                for i, e in enumerate(extra):
-                    if e:
-                        c[i].index_add_(0, torch.tensor(e, dtype=torch.long), torch.ones(len(e)))
+            if c is not None:  # presence / frequency over the generated ids
                 x = x - sp.presence_penalty * (c > 0).float() - sp.frequency_penalty * c
             logits[idx] = x
         if sp.logit_bias:
@@ -148,8 +143,10 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
             early = [n for n, j in zip(ns, js) if st.generated + j < sp.min_tokens]
             if early:
                 stops = torch.tensor(sp.stop_token_ids, dtype=torch.long)
-                logits[torch.tensor(early)[:, None], stops[None, :]] = float("-inf")
-                early_rows += early
+                where = torch.tensor(early)[:, None], stops[None, :]
+                if st.matcher is not None:  # kept for a grammar that may allow nothing but a stop (below)
+                    held.update(zip(early, logits[where].clone()))
+                logits[where] = float("-inf")
         if st.matcher is not None:
             m = masks.get(b) if masks else None
             if m is None:
@@ -159,12 +156,27 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
                 mask_list.append(m[min(j, m.shape[0] - 1)])
     if masked_rows:
         apply_masks(logits, torch.stack(mask_list), masked_rows)
-    if early_rows and masked_rows:  # min_tokens against a grammar that only allows a stop: the grammar wins
-        idx = torch.tensor(early_rows, dtype=torch.long)
-        dead = (logits[idx] == float("-inf")).all(-1)
-        for n in idx[dead].tolist():
-            logits[n, torch.tensor(states[b_idx[n]].sp.stop_token_ids, dtype=torch.long)] = 0.0
+    if held:
+        grammar_wins(logits, held, dict(zip(masked_rows, mask_list)), states, b_idx)
     return logits
+
+
+def grammar_wins(logits: torch.Tensor, held: dict[int, torch.Tensor], masks: dict[int, torch.Tensor],
+                 states: list[RowState | None], b_idx: list[int]) -> None:
+    """``min_tokens`` against a grammar that allows nothing but a stop at this slot (a JSON record that has
+    closed before ``min_tokens`` tokens): the grammar's end wins. The stop ids the grammar allows get back the
+    logits ``min_tokens`` took from them (``held``: slot -> its stop ids' logits before), so the row ends with the
+    stop the model prefers among those the grammar allows, and never with a token the grammar refuses. The batch
+    tool refuses the combination up front instead (``dspine_batch.pipeline.requests``: both engines agree by
+    never running it); this keeps a library caller's job alive. In place."""
+    for n, before in held.items():
+        if not bool((logits[n] == float("-inf")).all()):
+            continue  # the grammar allows something else: min_tokens holds the stops back
+        stops = states[b_idx[n]].sp.stop_token_ids
+        words = masks[n]
+        allowed = [i for i, t in enumerate(stops) if (int(words[t // 32]) >> (t % 32)) & 1]
+        if allowed:
+            logits[n, torch.tensor([stops[i] for i in allowed], dtype=torch.long)] = before[allowed]
 
 
 @dataclass

@@ -50,6 +50,21 @@ def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()
     return out.taps, n
 
 
+def grammar_cut(ell: torch.Tensor, cut: torch.Tensor, drawn: torch.Tensor | None) -> torch.Tensor:
+    """Verify lengths after the grammar walk (``processors.grammar_masks``' ``cut``: per row, how many proposed
+    tokens the grammar takes in a row). A point proposal (greedy rows, suffix matches, forced tokens) ends at the
+    first refused token: the target could never accept it, and the token after the accepted prefix is the
+    target's own either way. A proposal *drawn from the draft's q* (``drawn[b]``: a sampled row verified against
+    q) must instead be verified and rejected at the refused slot, its token then drawn from the residual
+    norm(max(p - q, 0)): p masks the refused token, so the rejection is certain, but taking the bonus from p there
+    gives that slot the law p + q(refused) * (p - residual), not p (p = (1/2, 1/2, 0), q = (1/2, 0, 1/2): P(a) =
+    3/4, the target 1/2). So a drawn row keeps its refused token as the last one it verifies (one slot more to
+    compute; the slots after it are never read)."""
+    if drawn is None or not bool(drawn.any()):
+        return cut
+    return torch.where(drawn & (cut < ell), cut + 1, cut)
+
+
 def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
     """The DSpine draft's block for every row (``proposers="dspine"``): ℓ by ``schedule.plan`` from the static
     cost model (sampled rows' ℓ may decide their tokens, so it must not read live prices), sampled rows verified
@@ -86,7 +101,8 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
     masks = None
     if any(s is not None and s.matcher is not None for s in states):  # a refused proposal ends the verify there
         masks, cut = grammar_masks(states, prop.tokens[:, :W].cpu(), ell)
-        ell = ell if cut is None else cut
+        if cut is not None:
+            ell = grammar_cut(ell, cut, torch.tensor(sampled) if prop.q is not None else None)
     W = int(ell.max())  # verify no wider than the longest row needs
     props = prop.tokens[:, :W].to(dev)
     q = None if prop.q is None or W == 0 else prop.q[:, :W]

@@ -11,6 +11,7 @@ A missing or unreadable file is a ``ModelLoadError`` naming it (callers turn it 
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -98,6 +99,61 @@ class HFTokenizer:
         """One token's text, special tokens included (``decode`` drops them)."""
         return self.tok.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in a text, read from its vocabulary entry. A token may hold part of a
+        multi-byte character (byte-level BPE splits an emoji across two tokens; SentencePiece's byte fallback
+        spells one byte per ``<0xE2>`` token): its text then decodes to U+FFFD, while these bytes, concatenated
+        over a completion's tokens, are the completion's UTF-8 (what OpenAI's logprobs ``bytes`` promise).
+        Added and special tokens are their literal text; a vocabulary whose pieces this cannot read gives the
+        token's text."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return self.token_text(token_id).encode("utf-8")
+        kind = self._piece_kind
+        if kind == "byte_level":
+            try:
+                return bytes(_BYTE_DECODER[c] for c in piece)
+            except KeyError:
+                pass
+        elif kind == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with suppress(ValueError):
+                    return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.token_text(token_id).encode("utf-8")
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _piece_kind(self) -> str:
+        """How vocabulary pieces spell bytes, from the decoder: ``byte_level`` (GPT-2's byte-to-unicode map),
+        ``sentencepiece`` (``\u2581`` for a space, ``<0xNN>`` byte fallback), else ``text``."""
+        try:
+            state = json.loads(self.tok.decoder.__getstate__()) if self.tok.decoder is not None else {}
+        except (ValueError, TypeError, AttributeError):
+            return "text"
+        types: list[str] = []
+
+        def walk(d: Any) -> None:
+            if isinstance(d, dict):
+                types.append(str(d.get("type")))
+                if d.get("type") == "Replace" and "\u2581" in json.dumps(d.get("pattern"), ensure_ascii=False):
+                    types.append("Metaspace")
+                for v in d.values():
+                    walk(v)
+            elif isinstance(d, list):
+                for v in d:
+                    walk(v)
+
+        walk(state)
+        if "ByteLevel" in types:
+            return "byte_level"
+        if "ByteFallback" in types or "Metaspace" in types:
+            return "sentencepiece"
+        return "text"
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids
 
@@ -128,6 +184,24 @@ class HFTokenizer:
                 if isinstance(x, int) and x not in ids:
                     ids.append(x)
         return ids
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 byte values to printable characters (byte-level BPE vocabularies are written in
+    it): printable Latin-1 bytes stand for themselves, the others for code points from 256 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dspine.decoding.history import slot_history
+
 NEG_INF = float("-inf")
 
 
@@ -84,19 +86,15 @@ def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int],
     f32 = torch.float32
     if rp.presence or rp.frequency or rp.repetition != 1.0:
         hist = torch.tensor(generated, dtype=torch.long, device=dev)
-        # occurrence counts per slot as float32 sums of `unit`: slot j counts generated + drafts[:j]
+        # per slot j the history generated + drafts[:j] (``dspine.decoding.history``, the reference engine's too);
+        # frequency as float32 sums of `unit` once per occurrence, as SGLang's penalizer accumulates it
         seen_any = torch.zeros(V, dtype=torch.bool, device=dev)
         seen_any[hist] = True
-        seen = seen_any[None].repeat(B, 1)
         freq = None
+        unit = torch.tensor(float(rp.frequency), dtype=f32, device=dev)
         if rp.frequency:
-            unit = torch.tensor(float(rp.frequency), dtype=f32, device=dev)
             freq = torch.zeros(V, dtype=f32, device=dev).index_add_(0, hist, unit.expand(len(generated)))
-            freq = freq[None].repeat(B, 1)
-        for j, d in enumerate(drafts[: B - 1], start=1):  # draft j-1 is in the history of slots j..B-1
-            seen[j:, d] = True
-            if freq is not None:
-                freq[j:, d] += unit
+        seen, freq = slot_history(seen_any, freq, list(drafts[: B - 1]), range(B), unit)
         if rp.repetition != 1.0:
             scale_seen = seen.clone()
             if rp.prompt:

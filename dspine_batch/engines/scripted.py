@@ -4,8 +4,12 @@ Tokens are a pure function of (prompt ids, sampling params), so a resumed run ca
 uninterrupted one; latency and errors are scripted; stats come out SGLang-shaped (``meta_info`` names) and
 go through the same normalisation as a real backend. Selected with the hidden ``--engine scripted``, or put
 behind the default command line by the tests (``registry.engines_replaced``); configured with
-``--engine-arg KEY=VALUE``. ``crash_after`` raises ``EngineDied`` (a transient death: exit 75), ``fail_after`` a
-plain exception (a bug: exit 1).
+``--engine-arg KEY=VALUE``. ``crash_after`` raises ``EngineDied`` (a transient death: exit 75), ``poison=ROW_ID``
+raises it whenever that row is in flight (a crash that repeats on the same row), ``fail_after`` a plain exception
+(a bug: exit 1). ``stall_after`` stops producing after that many results with a request in hand (an engine that
+hangs: the watchdog's test), ``hang_every`` never finishes every k-th request (by hash) unless ``request_timeout``
+(set by the pipeline from --request-timeout) ends it as an error at its deadline; ``honor_timeout=0`` ignores the
+setting, as an engine that does not know it would.
 
 It declares every request feature (``base.FEATURES``) and honours them where a test can tell: a ``choice`` row
 gets one of its strings, a ``json_schema`` / ``json_object`` row a JSON value that validates (``_instance``; cut
@@ -30,7 +34,7 @@ from typing import Any
 from dspine_batch.engines.base import FEATURES, Request, Result, Structure
 from dspine_batch.engines.sglang.stats import stats_from_sglang_meta
 from dspine_batch.engines.stop_strings import cut_at_stop
-from dspine_batch.errors import EngineDied, UsageError
+from dspine_batch.errors import EngineDied, UsageError, request_timed_out
 
 EOS = 0
 CHAR_BASE = 1 << 20  # ids of the characters of structured text (generated letters stay below 64)
@@ -77,20 +81,26 @@ class ScriptedEngine:
     error_every: int = 0  # every k-th request (by hash) returns an engine error
     crash_after: int = 0  # raise EngineDied (transient: rerun helps) after this many results
     fail_after: int = 0  # raise a plain RuntimeError (a bug) after this many results
+    poison: str = ""  # raise EngineDied whenever this row is in flight (a deterministic crash)
     zero_cost: bool = False  # skip token synthesis: for measuring the pipeline alone
     draft: bool = True
     block_size: int = 8
     max_context_len: int = 4096
     chat_template: bool = True
     reasoning: bool = False  # answer "<think>...</think>answer"
+    stall_after: int = 0  # hang (holding a request) after this many results
+    hang_every: int = 0  # every k-th request (by hash) never finishes, unless request_timeout ends it
+    honor_timeout: bool = True
+    request_timeout: float | None = None  # set by the pipeline (--request-timeout)
     name: str = "scripted"
     features: frozenset[str] = FEATURES
 
     @classmethod
     def from_args(cls, args: dict[str, str]) -> ScriptedEngine:
-        kinds = {"latency": float, "error_every": int, "crash_after": int, "fail_after": int, "block_size": int,
+        kinds = {"latency": float, "error_every": int, "crash_after": int, "fail_after": int, "poison": str,
+                 "block_size": int,
                  "max_context": int, "zero_cost": _flag, "draft": _flag, "chat_template": _flag,
-                 "reasoning": _flag}
+                 "reasoning": _flag, "stall_after": int, "hang_every": int, "honor_timeout": _flag}
         kw: dict[str, Any] = {}
         for key, value in args.items():
             if key not in kinds:
@@ -117,10 +127,25 @@ class ScriptedEngine:
     def close(self) -> None:
         pass
 
+    def describe_state(self) -> str:
+        """What the watchdog reports of an engine that stopped producing."""
+        return f"scripted engine, {getattr(self, '_held', 0)} request(s) held"
+
+    def _hangs(self, req: Request) -> bool:
+        return bool(self.hang_every) and _h("hang", req.row_id, req.sample_index) % self.hang_every == 0
+
+    def _stall(self, held: int) -> None:
+        self._held = held
+        while True:  # a hung engine: only a signal (the watchdog's) gets out of here
+            time.sleep(0.05)
+
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]:
         produced = 0
-        if self.latency <= 0:
+        if self.latency <= 0 and not self.hang_every:
             for req in requests:
+                self._maybe_poisoned([req])
+                if self.stall_after and produced >= self.stall_after:
+                    self._stall(1)
                 yield self._result(req, 0.0)
                 produced += 1
                 self._maybe_crash(produced)
@@ -136,17 +161,31 @@ class ScriptedEngine:
                     exhausted = True
                     break
                 lat = self.latency * (0.5 + _h(req.row_id, req.sample_index) % 1000 / 1000)
+                timeout = self.request_timeout if self.honor_timeout else None
+                if self._hangs(req):
+                    lat = timeout if timeout else float("inf")
                 heapq.heappush(heap, (time.monotonic() + lat, seq, req, lat))
                 seq += 1
             if not heap:
                 return
+            self._maybe_poisoned([h[2] for h in heap])
+            if self.stall_after and produced >= self.stall_after or heap[0][0] == float("inf"):
+                self._stall(len(heap))
             due, _, req, lat = heapq.heappop(heap)
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            yield self._result(req, lat)
+            if self._hangs(req):
+                yield Result(req.row_id, req.sample_index, prompt_tokens=len(req.prompt_ids),
+                             error=request_timed_out(lat), latency_s=lat)
+            else:
+                yield self._result(req, lat)
             produced += 1
             self._maybe_crash(produced)
+
+    def _maybe_poisoned(self, in_flight: list[Request]) -> None:
+        if self.poison and any(r.row_id == self.poison for r in in_flight):
+            raise EngineDied(f"scripted engine crashed on row {self.poison}")
 
     def _maybe_crash(self, produced: int) -> None:
         if self.crash_after and produced >= self.crash_after:

@@ -5,10 +5,12 @@ Each line: ``{"id", "custom_id": row_id, "response": {"status_code": 200, "reque
 chat.completion>}, "error": null}``; a row's samples are the ``choices`` of one completion (``index`` =
 ``sample_index``), each with ``message`` (``content``, ``reasoning_content`` where there is reasoning,
 ``tool_calls`` parsed into OpenAI's objects), ``logprobs`` (``{"content": [{token, logprob, bytes,
-top_logprobs}]}``, ``bytes`` the UTF-8 of the token's text) and ``finish_reason``; ``usage`` adds the samples'
-completion tokens to the row's prompt tokens, with ``prompt_tokens_details.cached_tokens``. A row that failed
-(any of its samples) is ``{"response": null, "error": {"code", "message"}}`` with ``code`` ``invalid_request``
-(refused before generation: a bad field, a prompt too long) or ``engine_error``.
+top_logprobs}]}``, ``bytes`` the token's own bytes, which add up to the content's UTF-8 even where a character is
+split across tokens; a log-probability of -inf is written as -9999.0, as OpenAI does: JSON has no infinity) and
+``finish_reason``; ``usage`` adds the samples' completion tokens to the row's prompt tokens, with
+``prompt_tokens_details.cached_tokens``. A row that failed (any of its samples) is ``{"response": null,
+"error": {"code", "message"}}`` with ``code`` ``invalid_request`` (refused before generation: a bad field, a
+prompt too long) or ``engine_error``.
 
 Ids are hashes of the row id (``batch_req_``, ``req_``, ``chatcmpl-``), so exporting twice gives the same file;
 ``created`` is the commit time of the row's part. Memory stays bounded on any number of rows: parts are read
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -85,7 +88,7 @@ def _write(outdir: str, model: str, out: IO[str]) -> ExportStats:
     stats = ExportStats()
     for group, created in rows(outdir):
         line = openai_line(group, model, created)
-        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        out.write(json.dumps(line, ensure_ascii=False, allow_nan=False) + "\n")  # strict JSON, or a loud bug
         stats.lines += 1
         if line["error"] is None:
             stats.ok += 1
@@ -151,10 +154,15 @@ def _choice(r: dict[str, Any]) -> dict[str, Any]:
             "finish_reason": finish if finish in FINISH else "stop"}
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI reports for a token of (nearly) zero probability; JSON has no -inf
+
+
 def _logprob(e: dict[str, Any], top: bool) -> dict[str, Any]:
     # stored as float32: written as float32's shortest decimal (-0.616, not -0.6159999966621399)
-    out = {"token": e["token"], "logprob": float(str(np.float32(e["logprob"]))),
-           "bytes": list(e["token"].encode("utf-8"))}
+    lp = float(str(np.float32(e["logprob"])))
+    own = e.get("bytes")  # (parts of schema 4 have only the text)
+    out = {"token": e["token"], "logprob": lp if math.isfinite(lp) else MIN_LOGPROB,
+           "bytes": list(own if own is not None else e["token"].encode("utf-8"))}
     if top:
         out["top_logprobs"] = [_logprob(t, False) for t in e.get("top_logprobs") or []]
     return out

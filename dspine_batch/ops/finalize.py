@@ -9,6 +9,7 @@ inputs with the run's own identity rules (id column, duplicate handling, limit).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -59,8 +60,9 @@ def shard_report(outdir: str | Output, manifest: dict) -> tuple[list[str], list[
     return never, unfinished
 
 
-def audit(outdir: str, manifest: dict) -> list[str]:
-    """Problems with coverage; empty when every input row x sample is present exactly once."""
+def audit(outdir: str, manifest: dict, expected: Callable[[dict], pa.Array] = expected_ids) -> list[str]:
+    """Problems with coverage; empty when every input row x sample is present exactly once (``expected``: the
+    row ids there must be, from the manifest; a later stage of a staged job knows its own)."""
     parts = committed_parts(outdir)
     got = pa.concat_tables([pq.read_table(**arrow_path(p.path), columns=["row_id", "sample_index"]) for p in parts]) \
         if parts \
@@ -79,7 +81,7 @@ def audit(outdir: str, manifest: dict) -> list[str]:
     if gaps.num_rows:
         problems.append(f"{gaps.num_rows:,} rows do not have samples 0..k-1 exactly once each, e.g. "
                         f"{gaps['row_id'][0]}")
-    want = pa.table({"row_id": expected_ids(manifest)})
+    want = pa.table({"row_id": expected(manifest)})
     have = pa.table({"row_id": per_row["row_id"]})
     missing = want.join(have, "row_id", join_type="left anti")
     extra = have.join(want, "row_id", join_type="left anti")
@@ -98,7 +100,8 @@ def audit(outdir: str, manifest: dict) -> list[str]:
     return problems
 
 
-def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "repair") -> int:
+def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "repair",
+             expected: Callable[[dict], pa.Array] = expected_ids) -> int:
     out = open_output(outdir)
     manifest = out.read_manifest()
     if manifest is None:
@@ -118,7 +121,7 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
         if compact:
             merged = compaction.compact(outdir, target_rows)
             log(f"compacted {merged} parts into {len(list_parts(outdir))}")
-        problems = audit(outdir, manifest)
+        problems = audit(outdir, manifest, expected)
         never, unfinished = shard_report(out, manifest)
         if problems:
             if never:

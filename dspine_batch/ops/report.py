@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dspine_batch.errors import error_kind
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
-from dspine_batch.pipeline.decisions import combine, label
+from dspine_batch.pipeline.decisions import combine, source_lines
 from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output, shard_states
 from dspine_batch.pipeline.schema import SOURCE_STATS
 from dspine_batch.storage.objects import ObjectStore
@@ -44,6 +45,7 @@ def summarize(outdir: str) -> dict[str, Any]:
     finish: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    errored: set[tuple[str, str]] = set()
     rows: set[str] = set()
     by_source = {name: 0 for name in SOURCE_STATS}  # dspine_ / suffix_ / forced_ (grammar-forced tokens)
     cached = cache_prompt = cache_rows = 0  # prefix cache: rows that report it, their cached and prompt tokens
@@ -60,8 +62,10 @@ def summarize(outdir: str) -> dict[str, Any]:
         for i, st in enumerate(t["status"]):
             finish[t["finish_reason"][i]] += 1
             if st != "ok":
-                key = _error_kind(t["error"][i] or "")
-                errors[key] += 1
+                key = error_kind(t["error"][i] or "failed")
+                if (t["row_id"][i], key) not in errored:  # rows, as the run log counts them, not samples
+                    errored.add((t["row_id"][i], key))
+                    errors[key] += 1
                 examples.setdefault(key, t["error"][i] or "")
                 continue
             ok += 1
@@ -127,18 +131,8 @@ def _by_source(totals: dict[str, int], decided: dict[str, dict[str, Any]]) -> di
                     "accept_rate": _r(acc / prop) if prop else None,
                     "tau": _r((acc + steps) / steps) if steps else None,  # tokens a step commits, bonus included
                     "ran": bool(steps) or bool(rec.get("ran")), "why": rec.get("why"),
-                    "chooser": rec.get("chooser"), "recorded": bool(rec)}
+                    "chooser": rec.get("chooser"), "recorded": bool(rec), "record": rec or None}
     return out
-
-
-def _error_kind(msg: str) -> str:
-    """Group errors by what went wrong, not where: drop the 'file: row N' prefix."""
-    head, sep, tail = msg.partition(": row ")
-    if sep:
-        _, _, rest = tail.partition(": ")
-        field = tail.split(", field ", 1)[1].split(":", 1)[0] if ", field " in tail else ""
-        return (f"field {field}: " if field else "") + rest.split(" (")[0][:120]
-    return msg[:120]
 
 
 def _quantiles(x: np.ndarray) -> dict[str, float] | None:
@@ -172,43 +166,38 @@ def format_report(s: dict[str, Any]) -> str:
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
         f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s",
         _prefix_cache_line(s),
-        f"  tau         mean {f(s['tau_mean'])}, median {f(s['tau_median'])}, token-weighted "
-        f"{f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])}",
-        "  finish      " + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
+        f"  tau         tokens committed per verify step: mean {f(s['tau_mean'])} over rows, median "
+        f"{f(s['tau_median'])}, token-weighted {f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])} of "
+        "proposed draft tokens",
+        "  finish      outputs by finish reason: "
+        + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
     lines += format_answers(s.get("answers"))
     lines += _source_lines(s)
     if s["latency_s"]:
         q = s["latency_s"]
-        lines.append(f"  latency     p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")
-    if s["accept_rate_by_position"]:
-        lines.append("  by position " + " ".join(f"{x:.2f}" for x in s["accept_rate_by_position"]))
-    for e in s["error_kinds"]:
-        lines.append(f"  error x{e['count']:<6,} {e['error']}   e.g. {e['example'][:160]}")
+        lines.append(f"  latency     seconds per output: p50 {q['p50']:.3f}s, p90 {q['p90']:.3f}s, p99 {q['p99']:.3f}s")
+    pos = s["accept_rate_by_position"]
+    if pos:
+        lines.append(f"  by position share of verify steps that accepted draft tokens 1..j, for j = 1..{len(pos)}: "
+                     + " ".join(f"{x:.2f}" for x in pos))
+    for e in s["error_kinds"]:  # the kinds (``errors.error_kind``) the run log counted, in rows
+        lines.append(f"  error rows  {e['count']:,} x {e['error']}; first: {e['example'][:200]}")
     return "\n".join(lines)
 
 
 def _source_lines(s: dict[str, Any]) -> list[str]:
-    """A line per proposal source: what it did, or that it never ran and why (when the engine said). Nothing for
-    a run without speculation whose engine said nothing (older runs, engines without ``explain``)."""
+    """A line per proposal source, rendered from the engine's record when there is one (the lines the run log ended
+    with: ``decisions.source_lines``), else from the parts' counts. Nothing for a run without speculation whose
+    engine said nothing (older runs, engines without ``explain``)."""
     by = s.get("by_source", {})
-    speculated = any(v["verify_steps"] or v.get("recorded") for v in by.values())
-    lines = []
-    for src, v in by.items() if speculated else ():
-        name = f"  {label(src):<12} "
-        if v["verify_steps"]:
-            rate = "-" if v["accept_rate"] is None else f"{v['accept_rate']:.3f}"
-            tau = "-" if v["tau"] is None else f"{v['tau']:.3f}"
-            line = (f"{name}{v['verify_steps']:,} verify steps, {v['tokens_accepted']:,} of {v['tokens_proposed']:,} "
-                    f"proposed tokens accepted ({rate}); tau {tau}")
-            lines.append(line + (f" — {v['why']}" if v.get("why") else ""))
-        elif v.get("why"):
-            lines.append(f"{name}not run — {v['why']}")
-        elif v.get("chooser"):
-            lines.append(f"{name}not run — never chosen by {v['chooser']}; no reason recorded")
-        else:
-            lines.append(f"{name}not run (no reason recorded)")
-    return lines
+    if not any(v["verify_steps"] or v.get("recorded") for v in by.values()):
+        return []
+    record = {src: v.get("record") or {"rounds": v["verify_steps"], "proposed": v["tokens_proposed"],
+                                       "accepted": v["tokens_accepted"], "ran": bool(v["verify_steps"]),
+                                       "why": v.get("why"), "chooser": v.get("chooser")}
+              for src, v in by.items()}
+    return ["  " + line for line in source_lines(record)]
 
 
 def _prefix_cache_line(s: dict[str, Any]) -> str:
@@ -223,6 +212,16 @@ def _prefix_cache_line(s: dict[str, Any]) -> str:
 
 
 def plot_report(s: dict[str, Any], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(s)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_figure(s: dict[str, Any]) -> Any:
+    """The report's figure: the acceptance histogram (integer ticks on its count axes) and the by-position
+    shares, under a title naming the job."""
     from dspine_batch.errors import UsageError
 
     try:
@@ -232,19 +231,24 @@ def plot_report(s: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+    from matplotlib.ticker import MaxNLocator
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig.suptitle(f"{os.path.basename(s['outdir'].rstrip('/'))}: {s['input_rows']:,} rows, "
+                 f"{s['verify_steps']:,} verify steps")
     hist = s["accept_histogram"]
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 2.5 on either axis
+    a.yaxis.set_major_locator(MaxNLocator(integer=True))
     a.bar([j + 1 for j in range(len(hist))], hist)
     a.set_xlabel("tokens committed per verify step (accepted drafts + 1)")
     a.set_ylabel("verify steps")
-    a.set_title(f"acceptance length (mean tau {s['tau_mean'] or 0:.2f})")
+    a.set_title(f"tokens per verify step (mean tau {s['tau_mean'] or 0:.2f})")
     pos = s["accept_rate_by_position"]
     b.plot(range(1, len(pos) + 1), pos, marker="o")
     b.set_xticks(range(1, len(pos) + 1))
     b.set_ylim(0, 1)
     b.set_xlabel("draft position")
-    b.set_ylabel("P(accepted)")
-    b.set_title("acceptance by position")
+    b.set_ylabel("share of verify steps")
+    b.set_title("draft tokens 1..j all accepted")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -3,6 +3,10 @@
 Done/failed come from the committed parts (the truth); the per-shard state files add timing and whether
 a shard is running (its lock is held), finished, interrupted, or dead (its state file says running but
 nobody holds its lock: the process was killed without a chance to say so).
+
+Remaining rows are the job's input rows less the committed ones, whenever the inputs can be counted: the same
+files as the manifest recorded (sizes unchanged), counted by ``totals.count_rows`` (metadata for Parquet and
+datasets, the lines of a JSON Lines file), whatever the state of the shards.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
     total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
     all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and \
         len(shards) == manifest.get("num_shards", 1)
+    inputs = total if all_done else input_rows(manifest)
     n_shards = int(manifest.get("num_shards", 1) or 1)
     started = {s.get("shard") for s in shards}
     missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
@@ -69,16 +74,33 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
     return {"outdir": os.path.abspath(outdir), "fingerprint": manifest.get("fingerprint"),
             "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
             "output_rows": outputs, "parts": len(parts),
-            "rows_remaining": (total - done) if all_done else None,
+            "input_rows": inputs, "rows_remaining": max(inputs - done, 0) if inputs is not None else None,
             "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")) and not damaged,
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
             "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,
             "parts_verified": sum(c.verified for c in parts) if verify else None}
 
 
+def input_rows(manifest: dict[str, Any]) -> int | None:
+    """The job's input rows, counted now, when its inputs are the files the manifest recorded (None otherwise)."""
+    from dspine_batch.pipeline.sources import resolve_inputs
+    from dspine_batch.pipeline.totals import count_rows
+
+    config = manifest.get("config") or {}
+    recorded = (manifest.get("fingerprint_fields") or {}).get("inputs") or []
+    try:
+        files = resolve_inputs(list(config.get("inputs") or []), config.get("split"))
+        sizes = [sum(os.path.getsize(p) for p in f.content_files()) for f in files]
+    except Exception:  # moved, deleted, unreadable: not knowable
+        return None
+    if not files or sizes != [x.get("size") for x in recorded]:
+        return None
+    return count_rows(files, config.get("limit"))
+
+
 def format_status(st: dict[str, Any]) -> str:
-    remaining = "unknown until every shard has read all inputs" if st["rows_remaining"] is None \
-        else f"{st['rows_remaining']:,}"
+    remaining = "unknown (the inputs are not where the manifest says, or changed)" if st["rows_remaining"] is None \
+        else f"{st['rows_remaining']:,} of {st['input_rows']:,} input rows"
     lines = [f"{st['outdir']}  fingerprint {st['fingerprint']}",
              f"  done {st['rows_done']:,}  failed {st['rows_failed']:,}  remaining {remaining}",
              f"  {st['output_rows']:,} output rows in {st['parts']} parts; last commit {st['last_commit_at'] or '-'}"
@@ -90,6 +112,8 @@ def format_status(st: dict[str, Any]) -> str:
         slurm = f", Slurm {s['slurm_job']} restart {s.get('attempt', 0)}" if s.get("slurm_job") else ""
         lines.append(f"  shard {s.get('shard')}: {what}, {s.get('rows_done', 0):,} rows, starts {s.get('starts')}"
                      f"{slurm}")
+        if s.get("stalled") and what == "interrupted":  # the watchdog ended its last start (``watchdog``)
+            lines.append(f"    {s['stalled']}")
     for d in st.get("damaged_parts") or ():
         lines.append(f"  damaged: {d['path']}: {d['problem']}; the next generate (or finalize) of this output moves "
                      "it aside and generates its rows again")

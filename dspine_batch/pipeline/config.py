@@ -24,6 +24,8 @@ class GenerateConfig:
     draft: str = "embedded"
     split: str | None = None
     prompt_column: str | None = None
+    prompt_template: str | None = None  # Jinja2 over the row's columns (text, or a file), the user turn
+    system_template: str | None = None  # ... and the system turn
     messages_column: str | None = None
     id_column: str | None = None
     system_prompt: str | None = None
@@ -68,6 +70,10 @@ class GenerateConfig:
     commit_rows: int = 1000
     commit_seconds: float = 5.0
     grace_seconds: float = 20.0
+    stall_seconds: float = 1800.0  # nothing produced this long with requests in flight: commit, exit 75 (0: off)
+    request_timeout: float = 0.0  # a request in the engine longer than this ends its row as an error (0: off)
+    retry_errors: bool = False  # take error rows out of the committed parts and generate them again (``retry``)
+    retry_length: bool = False  # with it, also rows cut by length; --max-new-tokens may grow
     progress: str = "auto"
     log_interval: float = 10.0
 

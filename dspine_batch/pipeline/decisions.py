@@ -4,9 +4,11 @@ An engine may explain itself (``dspine_batch.engines.explain``: ``explain() -> {
 accepted, ran, why, ...}}``). The job records it in the shard's state file (``_dspine/state-<shard>.json``,
 "decisions") at every commit and at the end, so a killed run keeps what its last commit saw; a resumed run adds its
 engine's counts to the record of the starts before it (``merge``), since a new engine counts from zero. Each
-source's ``why`` is logged once per start, when it first appears. ``dspine-batch report`` reads the records of all
-shards (``combine``). Advisory like the rest of the state file: the counts in the parts are the truth, this says
-why.
+source's ``why`` is logged once per start, when it first appears, marked "so far" (its numbers move while the job
+runs); at the end the log prints a line per source from the final record, and ``dspine-batch report`` prints the
+same lines from the records of all shards (``combine``): both go through ``source_lines``, so for one shard they
+are equal by construction. Advisory like the rest of the state file: the counts in the parts are the truth, this
+says why.
 """
 
 from __future__ import annotations
@@ -72,6 +74,30 @@ def combine(records: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any
     return out
 
 
+def render(entry: dict[str, Any]) -> str:
+    """One source's line after its label: what it did (verify steps it led, its proposed tokens accepted, tau) and,
+    when the engine gave one, why; "not run" only for a source that led no verify step, so a reason like "hardly
+    ran (4 rounds)" always comes after the counts that say how much it ran and what it accepted."""
+    rounds, proposed, accepted = (int(entry.get(k) or 0) for k in COUNTS)
+    why = entry.get("why")
+    if rounds or entry.get("ran"):
+        rate = f"{accepted / proposed:.3f}" if proposed else "-"
+        tau = f"{(accepted + rounds) / rounds:.3f}" if rounds else "-"
+        text = (f"{rounds:,} verify steps, {accepted:,} of {proposed:,} proposed tokens accepted ({rate}); "
+                f"tau {tau} tokens a step")
+        return text + (f" — {why}" if why else "")
+    if why:
+        return f"not run — {why}"
+    if entry.get("chooser"):
+        return f"not run — never chosen by {entry['chooser']}; no reason recorded"
+    return "not run (no reason recorded)"
+
+
+def source_lines(record: dict[str, dict[str, Any]]) -> list[str]:
+    """A line per source, ``dspine draft  274 verify steps, ...``: the run log's closing lines and the report's."""
+    return [f"{label(src):<12} {render(entry)}" for src, entry in record.items()]
+
+
 class DecisionLog:
     """Records the engine's decisions for the state file and logs each source's reason once, when it first
     appears (``watch`` asks after every finished row; ``note`` whenever)."""
@@ -90,7 +116,13 @@ class DecisionLog:
             why = d.get("why")
             if why and src not in self.said:  # once: a reason may carry live numbers that change every row
                 self.said.add(src)
-                self.log(f"{label(src)}: {'' if d['ran'] else 'not run — '}{why}")
+                self.log(f"{label(src)}, so far: {render(d)}")
+
+    def summary(self) -> list[str]:
+        """The closing lines: the final record, rendered as ``report`` renders it."""
+        record = self.record()
+        return ["proposal sources (as `dspine-batch report` shows them):", *("  " + x for x in source_lines(record))] \
+            if record else []
 
     def watch(self, items: Iterator[T]) -> Iterator[T]:
         for item in items:

@@ -40,9 +40,11 @@ from dspine_batch.errors import (
     disk_full_named,
     human_bytes,
 )
+from dspine_batch.pipeline import deaths, retry, supersede
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
+from dspine_batch.pipeline.errorlog import ErrorLog, committed_kinds, part_paths, top_kinds
 from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.manifest import build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
@@ -51,13 +53,17 @@ from dspine_batch.pipeline.progress import Progress
 from dspine_batch.pipeline.requests import Defaults, RowOptions, RowRequest, job_request, merge
 from dspine_batch.pipeline.rerun import Precheck, precheck, run_fields
 from dspine_batch.pipeline.resume import DoneSet
+from dspine_batch.pipeline.rowrecord import RowRecorder
 from dspine_batch.pipeline.scheduler import schedule
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink, SinkStats, fsync_dir
-from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, parquet_file, resolve_inputs
+from dspine_batch.pipeline.sources import InputFile, RowBatch, iter_inputs, resolve_inputs
 from dspine_batch.pipeline.structures import StructureCheck, prescan
+from dspine_batch.pipeline.templates import job_templates
+from dspine_batch.pipeline.totals import ReadPosition, exact_rows
+from dspine_batch.pipeline.watchdog import InFlight, Watchdog
 from dspine_batch.storage.fs import size as input_size
 from dspine_batch.storage.urls import is_url, redact
 
@@ -93,12 +99,17 @@ class RowSelector:
     rows: int = 0  # rows of this shard read from the inputs
     skipped: int = 0  # of which already committed
     finished: bool = False
+    position: ReadPosition = field(default_factory=ReadPosition)  # how far into the inputs' bytes (progress)
+    recorder: RowRecorder | None = None  # each JSON Lines row's line and id, for --retry-errors (``rowrecord``)
 
     def run(self, batches: Iterator[RowBatch]) -> Iterator[WorkItem]:
         index, count = self.shard
         check_done = len(self.done) > 0
         for batch in batches:
+            self.position.see(batch)
             ids, problems, hashes = self.mapper.assign_ids(batch)
+            if self.recorder is not None:
+                self.recorder.see(batch, hashes)
             mask = (hashes % np.uint64(count)) == np.uint64(index) if count > 1 else None
             mine = len(ids) if mask is None else int(mask.sum())
             if check_done:
@@ -113,6 +124,8 @@ class RowSelector:
             for k, row in zip(picks, rows, strict=True):
                 yield self.mapper.build(ids[k], batch.file, batch.indices[k], row, problems[k], int(hashes[k]))
         self.finished = True
+        if self.recorder is not None:
+            self.recorder.finish(complete=True)
 
 
 @dataclass
@@ -168,6 +181,8 @@ class ShardState:
                        "rows_before": done.rows, "error_rows_before": done.error_rows}
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
             self.fields["decisions"] = prev["decisions"]
+        if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)
+            self.fields[deaths.STATE_KEY] = prev[deaths.STATE_KEY]
         if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
             job = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
@@ -220,8 +235,11 @@ def generate(cfg: GenerateConfig) -> int:
     for inp in files:
         if inp.kind in ("jsonl", "openai") and input_size(inp.path) == 0:
             log(f"warning: {inp.name}: empty file (0 rows)")
+    templates = job_templates(cfg.prompt_template, cfg.system_template)
+    if templates is not None and templates.system is not None and cfg.system_prompt:
+        raise UsageError("--system-prompt and --system-template are exclusive: pick one")
     columns = resolve_columns(files, cfg.prompt_column, cfg.messages_column, cfg.id_column, cfg.keep_columns,
-                              cfg.row_params)  # before the model loads: a typo costs a second, not a minute
+                              cfg.row_params, templates)  # before the model loads: a typo costs a second, not a minute
     job = Job(cfg, files, columns, out.display, shard, shard_tag(*shard), job_request(cfg.as_dict()), out=out)
     base = _check_job_structure(job)  # a bad --json-schema costs a second, not a model load
     out.prepare()
@@ -234,8 +252,16 @@ def generate(cfg: GenerateConfig) -> int:
         _check_previous_run(job)
         out.recover()  # a crashed `finalize --compact` must not leave duplicates behind
         total = _total_rows(files, cfg.limit, shard[1])
-        found = f"{total:,} input rows" if total is not None else f"{len(files)} input file(s)"
+        found = f"{len(files)} input file(s)" if total is None else \
+            f"{'~' if shard[1] > 1 else ''}{total:,} input rows{' in this shard' if shard[1] > 1 else ''}"
         log(f"{found}; output -> {job.outdir}")
+        if not out.remote and (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed retry
+            log(f"--retry-errors interrupted: {said}")
+        if (cfg.retry_errors or cfg.retry_length) and out.remote:
+            raise UsageError(f"{job.outdir}: --retry-errors / --retry-length are not available on an object-store "
+                             "output yet (they replace committed parts); copy it to a local directory for them")
+        if cfg.retry_errors or cfg.retry_length:
+            retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
         pre = precheck(cfg, files, columns, out, shard, job.tag, log, job.request)
         if pre is not None and pre.missing == 0:
             return _nothing_left(job, pre)
@@ -341,29 +367,16 @@ def _use_chat(cfg: GenerateConfig, columns: Columns, tokenizer: Tokenizer) -> bo
         raise UsageError(f"--raw cannot render the messages column {columns.messages!r}; it needs a chat template")
     if not use_chat and cfg.system_prompt:
         raise UsageError("--system-prompt needs a chat template (not --raw)")
+    if not use_chat and columns.templates is not None and columns.templates.system is not None:
+        raise UsageError("--system-template needs a chat template (not --raw)")
     return use_chat
 
 
 def _total_rows(files: list[InputFile], limit: int | None, shards: int) -> int | None:
-    """Input rows when the formats know their length (Parquet/Arrow metadata), for the progress bar."""
-    if shards > 1:
-        return None
-    total = 0
-    try:
-        import pyarrow as pa
-
-        for inp in files:
-            if inp.kind == "parquet":
-                total += parquet_file(inp.path).metadata.num_rows
-            elif inp.kind == "arrow":
-                for path in inp.arrow_files:
-                    with pa.memory_map(path) as src:
-                        total += pa.ipc.open_stream(src).read_all().num_rows
-            else:
-                return None
-    except Exception:  # only a progress hint
-        return None
-    return min(total, limit) if limit is not None else total
+    """Input rows of this shard when the formats know their length (``totals.exact_rows``); with --shard about
+    its share (rows are split by a hash of their id), for the progress bar."""
+    total = exact_rows(files, limit)
+    return total if total is None or shards == 1 else -(-total // shards)
 
 
 def _open_output(job: Job, engine: Engine, use_chat: bool,
@@ -418,50 +431,106 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
     sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
                     attempt_from_env(), state.save, commit=job.output.commit_part)
-    selector = RowSelector(mapper, job.shard, done.keys)
+    selector = RowSelector(mapper, job.shard, done.keys, position=ReadPosition.of(job.files),
+                           recorder=None if job.output.remote else RowRecorder(outdir, job.files, job.tag))
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
-                        read=lambda: selector.rows)
+                        read=lambda: selector.rows, share=selector.position.share, approx=job.shard[1] > 1)
     fail_fast = StopOnRowError(shutdown)
+    errors = ErrorLog(log)
+    inflight = InFlight(cfg.request_timeout or None)
+    if cfg.request_timeout and hasattr(engine, "request_timeout"):  # engines that can end a request themselves
+        engine.request_timeout = cfg.request_timeout
+    watchdog = Watchdog(inflight, cfg.stall_seconds, shutdown, engine, log).start()
     interrupted = False
+    death = deaths.Death.of(state.fields.get(deaths.STATE_KEY))
     try:
-        _stream(job, engine, selector, fail_fast, sink, progress, shutdown, decisions)
+        if death is not None:
+            _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions, fail_fast)
+        _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
+                fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight, errors, inflight)
     except Interrupted:
         interrupted = True
     except DiskFull:
         _stop_on_full_disk(state, sink, progress)
         raise
+    except deaths.RepeatedDeath:
+        _stop_with(sink, state, progress, "interrupted")  # the row it died on is committed as an error row
+        return EXIT_INTERRUPTED
     except EngineDied as e:
+        died = deaths.after_death(death, e)
+        state.fields[deaths.STATE_KEY] = died.as_dict()
         _stop_with(sink, state, progress, "interrupted")
-        log(f"the engine died: {str(e)[:300]}; finished rows are committed; run the same command again to resume")
+        log(deaths.died_line(died))
         return EXIT_INTERRUPTED
     except Exception:
         _stop_with(sink, state, progress, "failed")
         raise
+    finally:
+        watchdog.stop()
+        if not selector.finished and selector.recorder is not None:
+            selector.recorder.finish(complete=False)
+    if watchdog.fired:  # rows past --request-timeout are error rows now, not the next start's stall
+        for item, results in inflight.expire():
+            errors.note(item.row_id, next(r.error for r in results if r.error))
+            sink.add(item, results)
     try:
         sink.commit()
     except DiskFull:
         _stop_on_full_disk(state, sink, progress)
         raise
     progress.close()
+    for line in decisions.summary():  # the final record, in the words of `dspine-batch report`
+        log(line)
     if fail_fast.failure:
         state.save(sink.stats, "failed")
         raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")
     if interrupted or (shutdown.requested and not selector.finished):
-        state.save(sink.stats, "interrupted")
+        state.save(sink.stats, "interrupted", **({"stalled": watchdog.fired} if watchdog.fired else {}))
+        for line in errors.summary():
+            log(line)
         log(f"stopped ({shutdown.reason or 'grace period over'}): {sink.stats.rows:,} rows committed this run; "
             "run the same command again to resume")
         return EXIT_INTERRUPTED
-    return _finish(job, done, sink.stats, selector.rows, selector.skipped, state)
+    return _finish(job, done, sink.stats, selector.rows, selector.skipped, state, errors)
 
 
-def _stream(job: Job, engine: Engine, selector: RowSelector, fail_fast: StopOnRowError, sink: PartSink,
-            progress: Progress, shutdown: Shutdown, decisions: DecisionLog) -> None:
-    batches = iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)
-    finished = decisions.watch(schedule(selector.run(batches), engine, job.cfg.max_in_flight, shutdown))
+def _stream(job: Job, engine: Engine, items: Iterator[WorkItem], fail_fast: StopOnRowError, sink: PartSink,
+            progress: Progress, shutdown: Shutdown, decisions: DecisionLog, max_in_flight: int,
+            errors: ErrorLog | None = None, inflight: InFlight | None = None) -> None:
+    finished = decisions.watch(schedule(items, engine, max_in_flight, shutdown, inflight))
     finished = Answers(engine.tokenizer, job.cfg.reasoning_parser, job.cfg.tool_call_parser, log).run(finished)
     if job.cfg.on_error == "fail":
         finished = fail_fast.run(finished)
-    write_rows(finished, sink, progress, shutdown)
+    write_rows(errors.run(finished) if errors is not None else finished, sink, progress, shutdown)
+
+
+def _isolate(job: Job, engine: Engine, death: deaths.Death, mapper: RowMapper, done: KeySet, state: ShardState,
+             sink: PartSink, progress: Progress, shutdown: Shutdown, decisions: DecisionLog,
+             fail_fast: StopOnRowError) -> None:
+    """The rows the last engine death left, each run alone and committed before any other row (``deaths``); each
+    one committed joins ``done`` so the run's own pass skips it. The inputs are read with a mapper of its own
+    (a mapper remembers the ids it has seen: a second reading would find every id a duplicate)."""
+    def run_alone(item: WorkItem) -> None:
+        _stream(job, engine, iter([item]), fail_fast, sink, progress, shutdown, decisions, 1)
+        sink.commit()
+        done.add(item.row_hash)
+
+    def mark_error(item: WorkItem, message: str) -> None:
+        sink.add(replace(item, requests=[], error=message, options=None), None)
+        progress.tick()
+        sink.commit()
+        done.add(item.row_hash)
+
+    def save(rest: deaths.Death | None) -> None:
+        if rest is None:
+            state.fields.pop(deaths.STATE_KEY, None)
+        else:
+            state.fields[deaths.STATE_KEY] = rest.as_dict()
+        state.save(sink.stats)
+
+    own = RowMapper(mapper.settings, mapper.tokenizer, mapper.max_context, mapper.structures, warn=lambda m: None)
+    rows = RowSelector(own, job.shard, done).run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit))
+    deaths.isolate(death, rows, run_alone, mark_error, save, log)
 
 
 def _stop_with(sink: PartSink, state: ShardState, progress: Progress, outcome: str) -> None:
@@ -491,15 +560,22 @@ def _nothing_left(job: Job, pre: Precheck) -> int:
     return _finish(job, pre.done, SinkStats(), pre.rows, pre.rows, state)
 
 
-def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: int, state: ShardState) -> int:
+def _finish(job: Job, done: DoneSet, committed: SinkStats, read: int, skipped: int, state: ShardState,
+            errlog: ErrorLog | None = None) -> int:
     rows, errors = done.rows + committed.rows, done.error_rows + committed.error_rows
     state.save(committed, "done", total_rows=read)
     tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
     log(f"done: {rows:,} rows ({committed.rows:,} this run, {skipped:,} were already committed), "
         f"{errors:,} with errors, {committed.completion_tokens:,} tokens this run{tau} -> {job.outdir}")
+    for line in errlog.summary() if errlog else ():
+        log(line)
     rate = errors / rows if rows else 0.0
     if rate > job.cfg.max_error_rate:
-        log(f"error rate {rate:.1%} is over --max-error-rate {job.cfg.max_error_rate:.1%}; see `dspine-batch report`")
+        counts = errlog.counts if errlog and sum(errlog.counts.values()) == errors else \
+            committed_kinds([] if job.output.remote else part_paths(job.outdir, job.tag))  # earlier starts' too
+        log(f"error rate {rate:.1%} ({errors:,} of {rows:,} rows) is over --max-error-rate "
+            f"{job.cfg.max_error_rate:.1%}; top kinds: {top_kinds(counts)}; see `dspine-batch report`, and to "
+            "generate them again (after fixing their lines), the same command with --retry-errors")
         return EXIT_ERROR_BUDGET
     if job.shard[1] == 1:
         job.output.write_success()

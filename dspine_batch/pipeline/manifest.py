@@ -165,3 +165,17 @@ def check_manifest(outdir: str, existing: dict[str, Any], manifest: dict[str, An
             f"{outdir} was started with {existing.get('num_shards')} shards, now {manifest['num_shards']}; "
             "use the same --shard N (or --overwrite)")
     return existing
+
+
+STAGES_FILE = "_stages.json"  # a job of several stages: OUTDIR/<stage>/ each an output of its own
+
+
+def stage_names(outdir: str) -> list[str] | None:
+    """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output."""
+    try:
+        with open(os.path.join(outdir, STAGES_FILE)) as f:
+            names = json.load(f)["stages"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [str(n) for n in names] if isinstance(names, list) else None
+

@@ -22,13 +22,22 @@ from dspine_batch.errors import RowError, UsageError
 from dspine_batch.pipeline.keyset import KeySet, index_hashes, key_hash, key_hashes
 from dspine_batch.pipeline.prompts import PromptRenderer, check_messages
 from dspine_batch.pipeline.requests import ROW_FIELDS, Defaults, RowOptions, merge, parse_fields
+from dspine_batch.pipeline.schema import BASE_NAMES, TOKEN_IDS_FIELD
 from dspine_batch.pipeline.sources import InputFile, RowBatch, arrow_schema, peek_rows
 from dspine_batch.pipeline.structures import StructureCheck
+from dspine_batch.pipeline.templates import PromptTemplates
+
+OUTPUT_NAMES = frozenset([*BASE_NAMES, TOKEN_IDS_FIELD.name])
 
 
 @dataclass(frozen=True)
 class Columns:
-    """Resolved column roles; part of the fingerprint."""
+    """Resolved column roles; part of the fingerprint.
+
+    The id column is kept in the output under its own name (``qid``, ``custom_id``, ``id``), typed as in the input,
+    beside ``row_id`` (its value as a string, or ``<file>:<index>`` for a row without a usable id): readers join on
+    the name they know, and dspine-batch's own bookkeeping (resume, finalize, export) keeps reading ``row_id``. It is
+    the first of ``keep`` (``id_kept``), unless the user kept it already or its name is an output column's."""
 
     prompt: str | None
     messages: str | None
@@ -36,9 +45,12 @@ class Columns:
     keep: tuple[str, ...]
     keep_types: tuple[pa.DataType, ...]  # typed up front: the output schema must not drift between parts
     row_params: tuple[str, ...]
+    templates: PromptTemplates | None = None  # the prompt built from columns (``templates``) instead of ``prompt``
+    id_kept: bool = False  # keep[0] is the id column, added for the user (not asked for with --keep-columns)
 
     def read_columns(self) -> list[str]:
         cols = [c for c in (self.prompt, self.messages, self.id) if c]
+        cols += list(self.templates.columns) if self.templates else []
         return list(dict.fromkeys(cols + list(self.keep) + list(self.row_params)))
 
     def keep_schema(self) -> list[pa.Field]:
@@ -46,10 +58,13 @@ class Columns:
 
 
 def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | None, id_column: str | None,
-                    keep: Sequence[str], row_params: bool) -> Columns:
+                    keep: Sequence[str], row_params: bool, templates: PromptTemplates | None = None) -> Columns:
     """Decide column roles from flags and the first input's columns; check every input that has a schema."""
     if prompt and messages:
         raise UsageError("--prompt-column and --messages-column are exclusive: pick one")
+    if templates is not None and (prompt or messages):
+        raise UsageError(f"--prompt-template and {'--prompt-column' if prompt else '--messages-column'} are "
+                         "exclusive: the template builds the prompt")
     first, schema, sample, names = files[0], None, [], []
     for first in files:  # the first input with rows decides; empty inputs are skipped (and reported)
         schema = arrow_schema(first)
@@ -60,7 +75,9 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     else:
         which = files[0].name if len(files) == 1 else "any input"
         raise UsageError(f"{which}: no rows (empty file)" if len(files) == 1 else f"no rows in {which}")
-    if not prompt and not messages:
+    if templates is not None:
+        pass  # the prompt comes from the template's columns
+    elif not prompt and not messages:
         if "messages" in names and "prompt" not in names:
             messages = "messages"
         else:
@@ -74,6 +91,9 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     schemaless = all(inp.kind in ("jsonl", "openai") for inp in files)
     params = tuple(p for p in ROW_FIELDS if row_params and (schemaless or p in names) and p not in role_cols)
     keep = tuple(dict.fromkeys(keep))
+    id_kept = bool(id_column) and id_column not in keep and id_column not in OUTPUT_NAMES
+    if id_kept:
+        keep = (id_column, *keep)
     for inp in files:
         sch = schema if inp is first else arrow_schema(inp)
         if sch is not None and not sch.names:
@@ -85,8 +105,13 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
                 (k, "--keep-columns") for k in keep]:
             if col and col not in have:
                 raise UsageError(f"{inp.name}: no column {col!r} for {flag} (columns: {', '.join(have) or 'none'})")
+        if templates is not None and sch is not None:  # JSON Lines: a row without one is that row's error
+            for col in templates.columns:
+                if col not in have:
+                    raise UsageError(f"{inp.name}: no column {col!r} for the template {templates.label_of(col)} "
+                                     f"(columns: {', '.join(have) or 'none'})")
     keep_types = tuple(_keep_type(first, schema, sample, k, files) for k in keep)
-    return Columns(prompt, messages, id_column, keep, keep_types, params)
+    return Columns(prompt, messages, id_column, keep, keep_types, params, templates, id_kept)
 
 
 def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], col: str,
@@ -102,7 +127,7 @@ def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], c
     first_value = next((r[col] for r in sample if r.get(col) is not None), None)
     try:
         t = pa.array([first_value]).type
-    except (pa.ArrowException, TypeError, ValueError) as e:
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
         raise UsageError(f"{first.name}: column {col!r} cannot be stored ({e})") from e
     return pa.string() if pa.types.is_null(t) else t
 
@@ -205,9 +230,8 @@ class RowMapper:
         if isinstance(row, RowError):
             return WorkItem(row_id, [], None, str(row), row_hash)
         keep, problem = self._keep(file, index, row) if self._has_keep else (None, None)
-        problem = id_problem or problem
-        if problem:
-            return WorkItem(row_id, [], keep, problem, row_hash)
+        if id_problem or problem:
+            return WorkItem(row_id, [], keep, id_problem or self._named(problem, file, index, row_id), row_hash)
         defaults = self.settings.defaults
         params, options = defaults.params, defaults.options
         try:
@@ -219,7 +243,7 @@ class RowMapper:
                 params, options = self._request(file, index, row)
             ids = self._prompt_ids(file, index, row, options)
         except RowError as e:
-            return WorkItem(row_id, [], keep, str(e), row_hash)
+            return WorkItem(row_id, [], keep, self._named(e, file, index, row_id), row_hash)
         n = options.n
         if params.temperature > 0:  # greedy output does not depend on the seed: skip the hashing
             reqs = [Request(row_id, s, ids, replace(params, seed=derive_seed(params.seed, row_id, s)))
@@ -230,18 +254,28 @@ class RowMapper:
             reqs = [Request(row_id, s, ids, params) for s in range(n)]
         return WorkItem(row_id, reqs, keep, None, row_hash, options)
 
-    def _keep(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str | None]:
+    def _keep(self, file: InputFile, index: int,
+              row: dict[str, Any]) -> tuple[tuple[Any, ...] | None, RowError | None]:
         cols = self.settings.columns.keep
         if not cols:
             return None, None
         values = tuple(row.get(c) for c in cols)
         if file.kind in ("parquet", "arrow"):
             return values, None  # already typed by the schema
-        for c, v, t in zip(cols, values, self._keep_types, strict=True):
+        for k, (c, v, t) in enumerate(zip(cols, values, self._keep_types, strict=True)):
             if v is not None and not _fits(v, t):
-                problem = RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
-                return tuple(None for _ in cols), str(problem)
+                if k == 0 and self.settings.columns.id_kept:  # JSON Lines ids may mix str and int: row_id has it
+                    values = (None, *values[1:])
+                    continue
+                kept = tuple(x if j == 0 and self.settings.columns.id_kept else None for j, x in enumerate(values))
+                return kept, RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
         return values, None
+
+    def _named(self, e: RowError | None, file: InputFile, index: int, row_id: str) -> str:
+        """The error's one line, naming the row's id when it has one of its own (not ``<file>:<index>``)."""
+        assert e is not None
+        col = self.settings.columns.id
+        return str(e.with_id(col, row_id) if col and row_id != f"{file.name}:{index}" else e)
 
     def _request(self, file: InputFile, index: int, row: dict[str, Any]) -> tuple[Any, RowOptions]:
         """The row's request fields over the job's: its SamplingParams and options, every field checked, the
@@ -310,6 +344,8 @@ class RowMapper:
             if self.settings.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.settings.system_prompt}, *messages]
             field = cols.messages
+        elif cols.templates is not None:
+            messages, text, field = self._templated(file, index, row, cols.templates)
         else:
             field = cols.prompt or "prompt"
             text = row.get(field, _MISSING)
@@ -343,6 +379,21 @@ class RowMapper:
         return ids
 
 
+    def _templated(self, file: InputFile, index: int, row: dict[str, Any],
+                   templates: PromptTemplates) -> tuple[list[dict[str, Any]] | None, str, str]:
+        """(messages or None for --raw, the user text, the field to name in errors) of a templated row."""
+        text = templates.prompt.render(row, file.name, index)
+        if not text.strip():
+            raise RowError(file.name, index, None, f"the template {templates.prompt.label} rendered an empty prompt")
+        if not self.settings.use_chat:
+            return None, text, templates.prompt.label
+        messages = [{"role": "user", "content": text}]
+        system = templates.system.render(row, file.name, index) if templates.system else self.settings.system_prompt
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        return messages, text, templates.prompt.label
+
+
 def _warn(msg: str) -> None:
     print(f"dspine-batch: {msg}", file=sys.stderr, flush=True)
 
@@ -355,14 +406,14 @@ def _fits(v: Any, t: pa.DataType) -> bool:
         return isinstance(v, str)
     if pa.types.is_boolean(t):
         return isinstance(v, bool)
-    if pa.types.is_integer(t):
-        return isinstance(v, int) and not isinstance(v, bool)
-    if pa.types.is_floating(t):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    try:
+    if isinstance(v, bool) or (pa.types.is_integer(t) and not isinstance(v, int)):
+        return False
+    if pa.types.is_floating(t) and not isinstance(v, (int, float)):
+        return False
+    try:  # (an integer out of the column's range, e.g. a JSON 10**400, is refused here, not when the part is written)
         pa.scalar(v, type=t)
         return True
-    except (pa.ArrowException, TypeError, ValueError):
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
         return False
 
 

@@ -3,6 +3,11 @@
 It shows rows as they finish (the sink's ``taken`` tally: committed or buffered), not as they commit, and
 the rows read from the inputs so far; it only reads those counters, every ``interval`` seconds, so a tick
 per row costs a clock read.
+
+With a total it shows done / total, the percentage and the time left (rows left at this run's rate). The total is
+exact where the inputs' metadata has it (Parquet footers, Arrow, a dataset's split info; ``totals.exact_rows``),
+about a shard's share of it with --shard, and for JSON Lines estimated while reading: rows read so far over the
+share of the input bytes they took (``totals.ReadPosition``), marked "~".
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from dspine_batch.pipeline.sink import SinkStats
 class Progress:
     def __init__(self, mode: str, total: int | None, initial: int, interval: float = 10.0,
                  stream: TextIO | None = None, taken: Callable[[], SinkStats] = SinkStats,
-                 read: Callable[[], int] = lambda: 0):
+                 read: Callable[[], int] = lambda: 0, share: Callable[[], float | None] = lambda: None,
+                 approx: bool = False):
         self.stream = stream or sys.stderr
         if mode == "auto":
             mode = "bar" if self.stream.isatty() else "log"
         self.mode, self.total, self.initial, self.interval = mode, total, initial, interval
-        self.taken, self.read = taken, read
+        self.taken, self.read, self.share, self.approx = taken, read, share, approx or total is None
         self.start = time.monotonic()
         self._last: float | None = None  # the first finished row prints at once: the run is alive
         self.bar = None
@@ -44,6 +50,9 @@ class Progress:
         self._last = now
         stats = self.taken()
         if self.bar is not None:
+            total = self.expected()
+            if total is not None and total != self.bar.total:
+                self.bar.total = total  # tqdm then shows the percentage and the time left
             self.bar.update(self.initial + stats.rows - self.bar.n)
             self.bar.set_postfix_str(self._postfix(stats, now), refresh=False)
         else:
@@ -55,10 +64,24 @@ class Progress:
         err = f" errors={stats.error_rows}" if stats.error_rows else ""
         return f"{stats.completion_tokens:,} tokens, {tps:,.1f} tok/s{tau}{err}"
 
+    def expected(self) -> int | None:
+        """The shard's total rows: given, or estimated from the share of the input bytes read so far."""
+        if self.total is not None and not (self.approx and self.read() > self.total):
+            return self.total
+        share, read = self.share(), self.read()
+        if share is None or share <= 0 or not read:
+            return None
+        return max(read, round(read / share))
+
     def log_line(self, stats: SinkStats, now: float) -> None:
         dt = max(now - self.start, 1e-9)
         done = self.initial + stats.rows
-        of = f"/{self.total:,}" if self.total else ""
+        total = self.expected()
+        of = ""
+        if total:
+            rate = stats.rows / dt
+            left = format_seconds((total - done) / rate) if rate > 0 and total > done else "-"
+            of = f"/{'~' if self.approx else ''}{total:,} ({min(done / total, 1.0):.1%}, {left} left)"
         print(f"dspine-batch: {done:,}{of} rows done, {self.read():,} read ({stats.rows / dt:,.1f} rows/s this run) "
               f"| {self._postfix(stats, now)}", file=self.stream, flush=True)
 
@@ -72,3 +95,13 @@ class Progress:
         elif self.mode == "log":
             self.log_line(stats, now)
             self.mode = "none"  # closed: an exception path may call close again
+
+
+def format_seconds(s: float) -> str:
+    """``42s``, ``7m05s``, ``3h12m``: a time left as a person reads it."""
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -67,8 +67,8 @@ def check_messages(name: str, index: int, field: str, value: Any) -> list[dict[s
         if not isinstance(m, dict):
             raise RowError(name, index, where, f"expected an object, got {_type_name(m)}")
         role = m.get("role")
-        if role not in ROLES:
-            raise RowError(name, index, f"{where}.role", f"expected one of {sorted(ROLES)}, got {role!r}")
+        if not isinstance(role, str) or role not in ROLES:  # (an object is unhashable: no set lookup for it)
+            raise RowError(name, index, f"{where}.role", f"expected one of {sorted(ROLES)}, got {_short(role)}")
         content = m.get("content")
         if isinstance(content, list):
             content = _join_parts(name, index, f"{where}.content", content)
@@ -146,6 +146,11 @@ def _plain(m: dict[str, Any]) -> dict[str, Any]:
     if m["role"] == "tool":
         return {"role": "tool", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
     return m
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _type_name(v: Any) -> str:

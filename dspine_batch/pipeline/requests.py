@@ -78,58 +78,75 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite number that fits a float. JSON integers have no bound (``10**400`` parses), and
+    ``math.isfinite`` of one beyond float range raises OverflowError instead of answering: try the conversion."""
+    if _is_int(v):
+        try:
+            float(v)
+        except OverflowError:
+            return False
+        return True
+    return isinstance(v, float) and math.isfinite(v)
+
+
+SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit seed holds (int64 or uint64): engines take the seed as one
+# Token counts reach engines as 32-bit integers (SGLang's sampling tensors): a JSON integer has no bound. Beyond
+# this, max_tokens means "until the context is full" and top_k "every token", which is what these are made.
+INT32_MAX = 2**31 - 1
 
 
 def check_param(name: str, value: Any, fail: Callable[[str], Exception]) -> Any:
     """One sampling setting, checked and canonical; ``fail(msg)`` builds the exception to raise."""
     if name == "max_new_tokens":
         if not _is_int(value) or value < 1:
-            raise fail(f"expected an integer >= 1, got {value!r}")
+            raise fail(f"expected an integer >= 1, got {_show(value)}")
+        value = min(value, INT32_MAX)
     elif name == "temperature":
         if not _is_num(value) or value < 0:
-            raise fail(f"expected a number >= 0, got {value!r}")
+            raise fail(f"expected a number >= 0, got {_show(value)}")
         value = float(value)
     elif name == "top_p":
         if not _is_num(value) or not 0 < value <= 1:
-            raise fail(f"expected a number in (0, 1], got {value!r}")
+            raise fail(f"expected a number in (0, 1], got {_show(value)}")
         value = float(value)
     elif name == "top_k":
         if not _is_int(value) or value < -1:
-            raise fail(f"expected an integer >= 0 (0 or -1: off), got {value!r}")
-        value = max(value, 0)
+            raise fail(f"expected an integer >= 0 (0 or -1: off), got {_show(value)}")
+        value = max(value, 0) if value <= INT32_MAX else 0
     elif name == "seed":
-        if not _is_int(value):
-            raise fail(f"expected an integer, got {value!r}")
+        if not _is_int(value) or not SEED_RANGE[0] <= value < SEED_RANGE[1]:
+            raise fail(f"expected a 64-bit integer, got {_show(value)}")
     elif name == "stop":
-        if isinstance(value, str):
+        if isinstance(value, str) and value:  # ("": a stop found at once, which would cut every answer to nothing)
             value = (value,)
         elif isinstance(value, list | tuple) and all(isinstance(s, str) and s for s in value):
             value = tuple(value)
         else:
-            raise fail(f"expected a string or a list of non-empty strings, got {value!r}")
+            raise fail(f"expected a non-empty string or a list of non-empty strings, got {_show(value)}")
     elif name == "logprobs":
         if not isinstance(value, bool):
-            raise fail(f"expected true or false, got {value!r}")
+            raise fail(f"expected true or false, got {_show(value)}")
     elif name == "top_logprobs":
         if not _is_int(value) or not 0 <= value <= 20:
-            raise fail(f"expected an integer in 0..20, got {value!r}")
+            raise fail(f"expected an integer in 0..20, got {_show(value)}")
     elif name in ("presence_penalty", "frequency_penalty"):
         if not _is_num(value) or not -2 <= value <= 2:
-            raise fail(f"expected a number in [-2, 2], got {value!r}")
+            raise fail(f"expected a number in [-2, 2], got {_show(value)}")
         value = float(value)
     elif name == "repetition_penalty":
         if not _is_num(value) or value <= 0:
-            raise fail(f"expected a number > 0 (1 = off), got {value!r}")
+            raise fail(f"expected a number > 0 (1 = off), got {_show(value)}")
         value = float(value)
     elif name == "min_tokens":
         if not _is_int(value) or value < 0:
-            raise fail(f"expected an integer >= 0, got {value!r}")
+            raise fail(f"expected an integer >= 0, got {_show(value)}")
+        if value > INT32_MAX:
+            raise fail(f"expected at most {INT32_MAX}, got {_show(value)}")
     elif name == "logit_bias":
         value = _logit_bias(value, fail)
     elif name == "n":
         if not _is_int(value) or not 1 <= value <= MAX_N:
-            raise fail(f"expected an integer in 1..{MAX_N}, got {value!r}")
+            raise fail(f"expected an integer in 1..{MAX_N}, got {_show(value)}")
     return value
 
 
@@ -141,24 +158,46 @@ def _logit_bias(value: Any, fail: Callable[[str], Exception]) -> tuple[tuple[int
     out: dict[int, float] = {}
     for pair in pairs:
         if not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise fail(f"expected {{token id: bias}}, got {pair!r}")
+            raise fail(f"expected {{token id: bias}}, got {_show(pair)}")
         key, bias = pair
-        tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-        if not _is_int(tid) or tid < 0:
-            raise fail(f"token id {key!r}: expected an integer >= 0")
+        tid = _token_id(key)
+        if tid is None:
+            raise fail(f"token id {_show(key)}: expected an integer >= 0")
         if not _is_num(bias) or not -100 <= bias <= 100:
-            raise fail(f"token {tid}: expected a bias in [-100, 100], got {bias!r}")
+            raise fail(f"token {tid}: expected a bias in [-100, 100], got {_show(bias)}")
         out[tid] = float(bias)
     return tuple(sorted(out.items()))
 
 
+def _token_id(key: Any) -> int | None:
+    """A ``logit_bias`` key as a token id, None when it is not one. Only ASCII digits: ``str.isdigit`` also
+    accepts ``"²"``, which ``int`` refuses, and ``"٣"``, which ``int`` reads as 3; ``int`` refuses more than 4,300
+    digits (a ValueError, caught). Ids beyond the vocabulary are the mapper's to refuse."""
+    if isinstance(key, str):
+        text = key.strip()
+        if not (text.isascii() and text.isdigit()):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return None
+    return key if _is_int(key) and key >= 0 else None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A value as a message quotes it: its repr, cut (an integer of 400 digits, a whole document)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _json_value(value: Any, fail: Callable[[str], Exception], kinds: tuple[type, ...]) -> Any:
-    """An object-valued field, given as the value or as JSON text of it."""
+    """An object-valued field, given as the value or as JSON text of it (too deep nesting is a RecursionError
+    in ``json.loads``, not a ValueError: it is bad JSON all the same)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
-            raise fail(f"not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:
+            raise fail(f"not valid JSON ({str(e)[:200]})") from e
     if not isinstance(value, kinds):
         want = " or ".join({"dict": "an object", "list": "a list"}[k.__name__] for k in kinds)
         raise fail(f"expected {want}, got {_type(value)}")
@@ -188,16 +227,16 @@ def structure_of(name: str, value: Any, fail: Fail, label: str) -> Structure | N
             if "strict" in js and not isinstance(js["strict"], bool | type(None)):
                 raise fail(f"{label}.json_schema.strict", f"expected true or false, got {js['strict']!r}")
             return _schema(js.get("schema"), fail, f"{label}.json_schema.schema")
-        raise fail(f"{label}.type", f"expected text, json_object or json_schema, got {kind!r}")
+        raise fail(f"{label}.type", f"expected text, json_object or json_schema, got {_show(kind)}")
     if name == "guided_json":
         return _schema(value, fail, label)
     if name in ("regex", "guided_regex", "grammar", "guided_grammar"):
         if not isinstance(value, str) or not value.strip():
-            raise fail(label, f"expected a non-empty string, got {value!r}")
+            raise fail(label, f"expected a non-empty string, got {_show(value)}")
         return Structure("regex" if "regex" in name else "grammar", value)
     if name in ("choice", "guided_choice"):
         if not isinstance(value, list | tuple) or not value or not all(isinstance(c, str) and c for c in value):
-            raise fail(label, f"expected a non-empty list of non-empty strings, got {value!r}")
+            raise fail(label, f"expected a non-empty list of non-empty strings, got {_show(value)}")
         return Structure("choice", canonical_json(list(dict.fromkeys(value))))
     raise AssertionError(name)  # pragma: no cover - STRUCTURE_FIELDS only
 
@@ -239,7 +278,7 @@ def check_tool_choice(value: Any, fail: Fail, label: str) -> Any:
             and isinstance(value["function"].get("name"), str):
         return {"type": "function", "function": {"name": value["function"]["name"]}}
     raise fail(label, 'expected "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
-                      f"got {value!r}")
+                      f"got {_show(value)}")
 
 
 def forced_tool_structure(tools: list[dict[str, Any]], choice: Any, fail: Fail, label: str) -> Structure:
@@ -310,7 +349,7 @@ def parse_fields(values: dict[str, Any], label: Callable[[str], str], fail: Fail
             req.labels["tool_choice"] = where
         elif name == "parallel_tool_calls":
             if not isinstance(value, bool):
-                raise fail(where, f"expected true or false, got {value!r}")
+                raise fail(where, f"expected true or false, got {_show(value)}")
             req.options["parallel_tool_calls"] = value
         elif name == "chat_template_kwargs":
             req.options["template_kwargs"] = check_template_kwargs(value, fail, where)
@@ -355,7 +394,19 @@ def merge(job: Defaults, row: RowRequest, fail: Fail) -> tuple[dict[str, Any], R
     if low > high and ("min_tokens" in over or "max_new_tokens" in over):
         raise fail(labels.get("min_tokens") or labels["max_new_tokens"], f"min_tokens {low} is more than "
                    f"max_new_tokens {high}")
+    structure = over.get("structure", job.params.structure)
+    if low and structure is not None and ("min_tokens" in over or "structure" in over):
+        raise fail(labels.get("min_tokens") or flag("min_tokens"), f"cannot be combined with "
+                   f"{labels.get('structure') or 'a structure'}: {MIN_TOKENS_WITH_GRAMMAR}")
     return over, options, labels
+
+
+# Why ``min_tokens`` and a structure are refused together (issue 43): a grammar decides where its output ends, and
+# where it allows nothing but a stop before ``min_tokens`` tokens the two cannot both hold. The reference engine
+# would let the grammar end the row (``dspine.decoding.processors.grammar_wins``); SGLang masks the stops after its
+# penalizers and leaves no token at all. Refusing the pair keeps both engines in agreement and no row half-honoured.
+MIN_TOKENS_WITH_GRAMMAR = ("a structured output ends where its grammar ends; use max_tokens, or a schema that "
+                           "asks for the length (minLength, minItems)")
 
 
 # -- the job's flags --------------------------------------------------------------------------------------------------
@@ -380,8 +431,8 @@ def _file_or_inline(path: str, name: str, as_json: bool) -> Any:
         return text
     try:
         return json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{flag(name)} {path}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:
+        raise UsageError(f"{flag(name)} {path}: not valid JSON ({str(e)[:200]})") from e
 
 
 def _file_label(flag_name: str, value: str) -> str:

@@ -22,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from dspine_batch.errors import FingerprintMismatch
 from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.pipeline.keyset import KeySet
-from dspine_batch.pipeline.manifest import describe_inputs
+from dspine_batch.pipeline.manifest import describe_inputs, diff
 from dspine_batch.pipeline.mapping import Columns, RowIds
 from dspine_batch.pipeline.outputs import LocalOutput, Output
 from dspine_batch.pipeline.requests import RowRequest
@@ -42,10 +43,13 @@ def run_fields(cfg: GenerateConfig, files: list[InputFile], columns: Columns, us
     request fields (``requests.job_request``), in their canonical form."""
     settings = {k: getattr(cfg, k) for k in IDENTITY_FIELDS} | {"chat_template": use_chat,
                                                                  "request": request_identity(request)}
-    return {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(files), "settings": settings,
-            "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
-                        "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
-                        "row_params": list(columns.row_params)}}
+    fields = {"schema_version": SCHEMA_VERSION, "inputs": describe_inputs(files), "settings": settings,
+              "columns": {"prompt": columns.prompt, "messages": columns.messages, "id": columns.id,
+                          "keep": list(columns.keep), "keep_types": [str(t) for t in columns.keep_types],
+                          "row_params": list(columns.row_params)}}
+    if columns.templates is not None:  # only when set: runs without a template keep their fingerprint
+        fields["template"] = columns.templates.identity()
+    return fields
 
 
 @dataclass
@@ -66,6 +70,10 @@ def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outd
     shard's lock held: it discards staging files and moves damaged parts aside, as a normal start does."""
     out = LocalOutput(outdir) if isinstance(outdir, str) else outdir
     manifest = out.read_manifest()
+    if manifest is not None and manifest.get("num_shards") == shard[1]:
+        changes = run_changes(cfg, files, columns, manifest, request)
+        if changes:
+            refuse_other_run(out.display, changes, manifest)
     if (manifest is None or manifest.get("num_shards") != shard[1]
             or not _same_run(cfg, files, columns, manifest, request)):
         return None
@@ -76,12 +84,36 @@ def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outd
     return Precheck(manifest, done, removed, rows, missing, time.monotonic() - t0)
 
 
-def _same_run(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
-              request: RowRequest) -> bool:
+def run_changes(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
+                request: RowRequest) -> list[str]:
+    """What differs between the run in OUTDIR and this one, in the fingerprint's fields an engine is not needed
+    for (``manifest.diff``'s words); empty: the same run as far as can be told before the model loads."""
     old = manifest.get("fingerprint_fields") or {}
     recorded_chat = (old.get("settings") or {}).get("chat_template")  # resolved from the model's tokenizer
     new = run_fields(cfg, files, columns, recorded_chat if cfg.chat_template is None else cfg.chat_template, request)
-    if any(_canon(old.get(k)) != _canon(v) for k, v in new.items()):
+    if all(_canon(old.get(k)) == _canon(v) for k, v in new.items()):
+        return []
+    return diff({k: old.get(k) for k in new}, new) or ["(unknown)"]
+
+
+def refuse_other_run(outdir: str, changes: list[str], manifest: dict[str, Any]) -> None:
+    """The refusal ``manifest.create_or_check`` would give after the model loaded, given before it loads."""
+    old = (manifest.get("fingerprint_fields") or {}).get("schema_version")
+    if old != SCHEMA_VERSION:
+        raise FingerprintMismatch(
+            f"{outdir} was written by another dspine-batch version (schema_version: {old} -> {SCHEMA_VERSION}; "
+            "one folder never mixes parts of two output schemas): finish it with the version that started it "
+            "(its committed rows are intact), or --overwrite to start over")
+    hint = " (to generate its failed rows again from fixed input lines, add --retry-errors)" \
+        if all(c.startswith("inputs") for c in changes) else ""
+    raise FingerprintMismatch(
+        f"{outdir} holds a different run; changed: " + "; ".join(changes[:8]) + ("; ..." if len(changes) > 8 else "")
+        + f". Use the original settings to resume, or --overwrite to start over{hint}; the model was not loaded.")
+
+
+def _same_run(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
+              request: RowRequest) -> bool:
+    if run_changes(cfg, files, columns, manifest, request):
         return False
     config = manifest.get("config") or {}
     return all(_canon(config.get(k)) == _canon(getattr(cfg, k)) for k in REQUEST)

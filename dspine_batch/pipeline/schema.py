@@ -10,11 +10,13 @@ import pyarrow as pa
 
 from dspine_batch.errors import UsageError
 
-SCHEMA_VERSION = 4  # 2: speculative stats by source (dspine / suffix); 3: cached_prompt_tokens (prefix cache hits);
-# 4: the whole answer (reasoning_content, tool_calls, logprobs), grammar-forced proposal stats, the row's structure
+SCHEMA_VERSION = 6  # 2: speculative stats by source (dspine / suffix); 3: cached_prompt_tokens (prefix cache hits);
+# 4: the whole answer (reasoning_content, tool_calls, logprobs), grammar-forced proposal stats, the row's structure;
+# 5: the input's id column under its own name beside row_id (``mapping.Columns``);
+# 6: each logprobs token's own bytes (a token holding part of a character has no text of its own)
 
 TOKEN_LOGPROB = pa.struct([pa.field("token_id", pa.int32()), pa.field("token", pa.string()),
-                           pa.field("logprob", pa.float32())])
+                           pa.field("bytes", pa.binary()), pa.field("logprob", pa.float32())])
 LOGPROBS_TYPE = pa.list_(pa.struct([*TOKEN_LOGPROB, pa.field("top_logprobs", pa.list_(TOKEN_LOGPROB))]))
 
 BASE_FIELDS = [

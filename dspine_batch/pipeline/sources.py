@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -60,6 +61,9 @@ class InputFile:
 class RowBatch:
     """A batch of input rows. Tabular sources keep the Arrow batch and build Python rows only on demand, so
     rows that resume skips (already committed) or another shard owns are never converted."""
+
+    consumed: int | None = None  # JSON Lines: bytes of the file (compressed, as on disk) read up to this batch
+    digests: list[int] | None = None  # JSON Lines: a 64-bit digest of each row's line (``line_digest``)
 
     def __init__(self, file: InputFile, indices: Sequence[int], rows: list[dict[str, Any] | RowError] | None = None,
                  record: pa.RecordBatch | None = None):
@@ -360,7 +364,7 @@ def _is_openai_batch(path: str) -> bool:
                 if line.strip():
                     obj = json.loads(line)
                     return isinstance(obj, dict) and "custom_id" in obj and isinstance(obj.get("body"), dict)
-    except (ValueError, *_stream_errors()):
+    except (ValueError, RecursionError, *_stream_errors()):
         return False
     return False
 
@@ -383,8 +387,7 @@ def peek_rows(inp: InputFile, n: int = 100) -> list[dict[str, Any]]:
                 all_utf8 = all_utf8 and r.message.startswith(_NOT_UTF8)
     if first_bad is None:
         return []
-    field = f", field {first_bad.field!r}:" if first_bad.field else ","
-    where = f"first: row {first_bad.row}{field} {first_bad.message}"
+    where = f"first: {first_bad}"
     if all_utf8:
         raise UsageError(f"{inp.name}: not UTF-8 text: {bad} lines could not be decoded ({where}); convert it, "
                          "e.g. iconv -f LATIN1 -t UTF-8")
@@ -445,6 +448,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
+    digests: list[int] = []
     index = -1
     try:
         with _open_text_stream(inp.path) as f:
@@ -455,14 +459,32 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
                     continue
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
+                digests.append(line_digest(line))
                 if len(rows) >= batch_rows:
-                    yield RowBatch(inp, indices, rows)
-                    rows, indices = [], []
+                    yield _at(RowBatch(inp, indices, rows), f, digests)
+                    rows, indices, digests = [], [], []
     except _stream_errors() as e:
         # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
-        yield RowBatch(inp, indices, rows)
+        yield _at(RowBatch(inp, indices, rows), None, digests)
+
+
+def line_digest(line: bytes) -> int:
+    """A line's identity, for ``--retry-errors`` to prove which lines of a fixed input changed (line ending aside)."""
+    return int.from_bytes(hashlib.blake2b(line.rstrip(b"\r\n"), digest_size=8).digest(), "little")
+
+
+def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int]) -> RowBatch:
+    """The batch with how far into its file (bytes on disk) the reader is: the progress's share of a JSONL read
+    (``totals.ReadPosition``); None for the end of the file. And its lines' digests."""
+    batch.digests = digests
+    raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
+    try:
+        batch.consumed = raw.tell() if raw is not None else os.path.getsize(batch.file.path)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return batch
 
 
 def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, Any] | RowError:
@@ -472,11 +494,43 @@ def _parse_line(name: str, index: int, line: bytes, openai: bool) -> dict[str, A
         return RowError(name, index, None, f"{_NOT_UTF8} (byte 0x{line[e.start]:02x} at offset {e.start})")
     try:
         obj = json.loads(text)
-    except ValueError as e:
-        return RowError(name, index, None, f"malformed JSON ({e})")
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the interpreter's stack
+        return RowError(name, index, None, f"malformed JSON ({str(e)[:200]})")
     if not isinstance(obj, dict):
         return RowError(name, index, None, f"expected a JSON object, got {type(obj).__name__}")
+    if _SURROGATE_ESCAPE.search(line) and (where := _lone_surrogate(obj)) is not None:
+        return RowError(name, index, where, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                        "pair): not Unicode text")
     return _openai_row(name, index, obj) if openai else obj
+
+
+# A JSON escape of a UTF-16 surrogate: ``json.loads`` turns an unpaired one into a str that cannot be encoded as
+# UTF-8, which would fail far from the row (hashing a structure, tokenizing, writing Parquet). Rows whose bytes
+# hold such an escape (rare: only text beyond the BMP written with ASCII-only JSON) are checked string by string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (``body.messages[0].content``) of the first string or key in ``value`` that is not encodable
+    as UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if _lone_surrogate(k, where) is not None:
+                return where.encode("utf-8", "backslashreplace").decode("utf-8")
+            if (found := _lone_surrogate(v, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (found := _lone_surrogate(v, f"{path}[{i}]")) is not None:
+                return found
+    return None
 
 
 def _openai_row(name: str, index: int, obj: dict[str, Any]) -> dict[str, Any] | RowError:

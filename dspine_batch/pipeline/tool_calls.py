@@ -12,12 +12,16 @@ from the formats):
 A call is kept when it parses and names one of the row's tools; it is then cut from the text, and what remains
 (stripped) is the answer's content. A block that does not parse (cut by ``max_new_tokens``, broken JSON) or
 names an unknown function stays in the text, so nothing the model wrote is lost. ``arguments`` is a JSON string,
-as in OpenAI's responses.
+as in OpenAI's responses, and always strict JSON: Python's ``json`` reads ``NaN``, ``Infinity`` and ``1e400``
+(as inf) and would write them back as ``NaN``/``Infinity``, which no strict parser (nor OpenAI's client) takes,
+so a Hermes call holding one stays in the text, its reason given to ``refused``; a ``qwen3_coder`` number that is
+not finite stays a string, like any value that does not read as its type.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -29,8 +33,35 @@ _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTAL
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
 
-def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None) -> tuple[str, list[Call]]:
-    """``(content, calls)``: the text without the calls that parsed, and those calls in order."""
+class NotStrictJSON(ValueError):
+    """JSON that only Python reads: ``NaN``, ``Infinity``, or a number beyond float range."""
+
+
+def _no_constant(name: str) -> Any:
+    raise NotStrictJSON(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotStrictJSON(f"{text} is beyond a double's range")
+    return value
+
+
+def strict_loads(text: str) -> Any:
+    """``json.loads`` refusing what strict JSON has not (``NotStrictJSON``, a ValueError), so that what is read can
+    be written back as JSON any parser takes. Nesting deeper than the interpreter's stack (a model can write a
+    thousand ``[``) is a ValueError too, not a RecursionError that would end the job."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError as e:
+        raise ValueError("nested too deeply") from e
+
+
+def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None,
+                     refused: list[str] | None = None) -> tuple[str, list[Call]]:
+    """``(content, calls)``: the text without the calls that parsed, and those calls in order. ``refused`` gets
+    the reason of each call that parsed only as non-strict JSON (it stays in the text)."""
     if parser not in PARSERS:
         raise ValueError(f"unknown tool-call parser {parser!r} (choose from {', '.join(PARSERS)})")
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or []}
@@ -38,7 +69,12 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None)
     kept: list[str] = []
     at = 0
     for m in _BLOCK.finditer(text):
-        call = _hermes(m.group(1)) if parser == "hermes" else _coder(m.group(1), schemas)
+        try:
+            call = _hermes(m.group(1)) if parser == "hermes" else _coder(m.group(1), schemas)
+        except NotStrictJSON as e:
+            if refused is not None:
+                refused.append(f"a tool call's arguments are not strict JSON ({e}); it stays in the text")
+            continue
         if call is None or (tools is not None and call["name"] not in schemas):
             continue
         kept.append(text[at:m.start()])
@@ -51,8 +87,11 @@ def parse_tool_calls(text: str, parser: str, tools: list[dict[str, Any]] | None)
 
 
 def _hermes(body: str) -> Call | None:
+    """The call in a Hermes block; raises ``NotStrictJSON`` for one that is JSON only to Python."""
     try:
-        obj = json.loads(body)
+        obj = strict_loads(body)
+    except NotStrictJSON:
+        raise
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -60,7 +99,9 @@ def _hermes(body: str) -> Call | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text already
         try:
-            args = json.loads(args)
+            args = strict_loads(args)
+        except NotStrictJSON:
+            raise
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -97,12 +138,13 @@ def _typed(value: str, kind: Any) -> Any:
         if kind == "integer":
             return int(text)
         if kind == "number":
-            number = float(text)
-            return int(number) if number.is_integer() and re.fullmatch(r"-?\d+", text) else number
+            if re.fullmatch(r"-?\d+", text):
+                return int(text)
+            return _finite(text)  # (float() also reads "nan", "inf" and 1e400: those stay strings)
         if kind == "boolean" and text.lower() in ("true", "false"):
             return text.lower() == "true"
         if kind in ("object", "array"):
-            return json.loads(text)
+            return strict_loads(text)
     except ValueError:
         pass
     return value

@@ -78,7 +78,7 @@ def test_error_budget_and_on_error_fail(tmp_path, capsys):
     assert run_cli(["generate", str(src), "-o", str(tmp_path / "c"), "--on-error", "fail",
                     "--max-in-flight", "1", "--commit-rows", "1"]) == 1
     err = capsys.readouterr().err
-    assert "in.jsonl: row 5, field 'prompt': empty prompt (--on-error fail" in err
+    assert "in.jsonl: line 6 (id 'r00005'), field 'prompt': empty prompt (--on-error fail" in err
     assert all(r["status"] == "ok" for r in read_output(tmp_path / "c"))
 
 

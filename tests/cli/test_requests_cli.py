@@ -39,13 +39,13 @@ EVERY_FIELD = [
                      "n": 3, "temperature": 0.8, "seed": 7, "logprobs": True, "top_logprobs": 4}),
     _line("object", {"response_format": {"type": "json_object"}, "max_completion_tokens": 64}),
     _line("choice", {"guided_choice": ["positive", "negative"], "presence_penalty": 0.3, "frequency_penalty": 0.2,
-                     "repetition_penalty": 1.05, "min_tokens": 1, "logit_bias": {"17": -5}}),
+                     "repetition_penalty": 1.05, "logit_bias": {"17": -5}}),
     _line("regex", {"regex": "[a-z]+", "top_p": 0.9, "top_k": 20}),
     _line("grammar", {"grammar": 'root ::= "yes" | "no"', "stop": ["\n"]}),
     _line("tools", {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True,
                     "chat_template_kwargs": {"enable_thinking": True}}),
     _line("forced", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-    _line("plain", {"max_tokens": 12}),
+    _line("plain", {"max_tokens": 12, "min_tokens": 1}),
 ]
 
 
@@ -172,7 +172,7 @@ def test_bad_structures_are_refused_before_the_model_loads(tmp_path, capsys):
     batch = write_jsonl(tmp_path / "batch.jsonl", rows)
     assert run_cli(["generate", str(batch), "-o", str(tmp_path / "b"), "--on-error", "fail"]) == 2
     err = capsys.readouterr().err
-    assert "batch.jsonl: row 1, field 'body.grammar': xgrammar cannot compile this grammar" in err
+    assert "batch.jsonl: line 2, field 'body.grammar': xgrammar cannot compile this grammar" in err
     assert "loading the model" not in err
     assert run_cli(["generate", str(batch), "-o", str(tmp_path / "c"), "--max-error-rate", "1"]) == 0
     err = capsys.readouterr().err
@@ -232,3 +232,13 @@ def test_parquet_columns_are_request_fields(tmp_path, capsys):
     assert [(r["row_id"], r["sample_index"]) for r in got] == [("a", 0), ("a", 1), ("b", 0)]
     assert got[0]["output"] in ("red", "blue")
     jsonschema.validate(json.loads(got[2]["output"]), SCHEMA)
+
+
+def test_min_tokens_with_a_job_structure_is_refused_before_the_model_loads(tmp_path, capsys):
+    """Issue 43: min_tokens against a grammar that has ended used to end the job; the pair is refused up front,
+    naming both flags, so neither engine ever runs it."""
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    assert run_cli(["generate", str(src), "-o", str(tmp_path / "a"), "--regex", "[a-z]+", "--min-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--min-tokens: cannot be combined with --regex" in err, err
+    assert "loading the model" not in err and "Traceback" not in err and not (tmp_path / "a").exists()

@@ -204,10 +204,10 @@ FIELD_LINES = [
                            "temperature": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 32}),
     _batch_line("object", {"response_format": {"type": "json_object"}, "max_tokens": 8}),
     _batch_line("choice", {"guided_choice": ["two plus", "four"], "presence_penalty": 0.3, "frequency_penalty": 0.2,
-                           "repetition_penalty": 1.05, "min_tokens": 1, "logit_bias": {"17": -5}}),
+                           "repetition_penalty": 1.05, "logit_bias": {"17": -5}}),
     _batch_line("regex", {"regex": "[a-z]{2,5}", "temperature": 0.7, "seed": 3}),
     _batch_line("grammar", {"grammar": 'root ::= "yes" | "no"'}),
-    _batch_line("plain", {"max_tokens": 6, "logprobs": True}),
+    _batch_line("plain", {"max_tokens": 6, "min_tokens": 1, "logprobs": True}),
 ]
 
 

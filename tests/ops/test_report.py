@@ -36,8 +36,8 @@ def test_summary_matches_the_parts(outdir):
     assert sum(s["accept_histogram"]) == steps
     pos = s["accept_rate_by_position"]
     assert pos == sorted(pos, reverse=True) and 0 <= pos[-1] <= pos[0] <= 1
-    assert s["finish_reasons"]["error"] == 4
-    assert s["error_kinds"][0]["count"] == 4 and "empty prompt" in s["error_kinds"][0]["error"]
+    assert s["finish_reasons"]["error"] == 4  # outputs; the error kinds count rows (2 rows x 2 samples)
+    assert s["error_kinds"][0]["count"] == 2 and "empty prompt" in s["error_kinds"][0]["error"]
 
 
 def test_report_cli_text_json_and_plot(outdir, tmp_path, capsys):
@@ -102,11 +102,29 @@ def test_report_shows_the_speculation_by_source(tiny, tmp_path, capsys):
                   "--engine-arg", "proposers=suffix"])
         except SystemExit as e:
             assert not e.code
-    assert capsys.readouterr().err.count("dspine draft: not run — --engine-arg proposers=suffix") == 1
+    err = capsys.readouterr().err
+    assert err.count("dspine draft, so far: not run — --engine-arg proposers=suffix") == 1
+    assert err.count("  dspine draft not run — --engine-arg proposers=suffix (suffix matches only)") == 1  # the end
     assert main_report(str(out2)) == 0
     text = capsys.readouterr().out
     assert "  dspine draft not run — --engine-arg proposers=suffix (suffix matches only)" in text
     assert "  suffix       " in text and "verify steps" in text
+
+
+def test_the_plot_counts_in_whole_numbers_under_the_job_s_name(outdir):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from dspine_batch.ops.report import plot_figure
+
+    s = summarize(str(outdir)) | {"accept_histogram": [1, 3], "accept_rate_by_position": [0.75]}  # small counts
+    fig = plot_figure(s)
+    fig.canvas.draw()
+    hist = fig.axes[0]
+    for ticks in (hist.get_xticks(), hist.get_yticks()):
+        assert len(ticks) > 1 and all(float(t).is_integer() for t in ticks)
+    assert fig._suptitle.get_text().startswith(f"{outdir.name}: 42 rows")
+    plt.close(fig)
 
 
 def main_report(outdir: str) -> int:

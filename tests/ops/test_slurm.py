@@ -300,6 +300,49 @@ def test_killed_tasks_resubmitted_end_exactly_once(cluster, reference, tmp_path)
         assert "resuming:" in logs(info2)[i]
 
 
+STAGES = """
+[[stages]]
+name = "questions"
+template = "Questions about: {{ prompt }}"
+json-schema = '''{"type": "object", "required": ["questions"],
+  "properties": {"questions": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}}}'''
+
+[[stages]]
+name = "answers"
+explode = "questions"
+template = "Answer: {{ questions }}"
+"""
+
+
+@pytest.mark.slurm
+def test_a_staged_job_as_an_array_is_exactly_once_per_stage(cluster, tmp_path):
+    """A two-stage job (questions -> explode -> answers) as a 4-task array plus finalize: every stage exactly
+    once across the shards, equal to the same job run locally unsharded, each lineage in its root's shard."""
+    rows = 40
+    job = make_job(tmp_path, engine_args="latency = 0.05", rows=rows, samples=1)
+    job.write_text(job.read_text().replace("temperature = 0.7", "temperature = 0") + STAGES)
+    ref = tmp_path / "ref"
+    assert run_cli(["generate", "--config", str(job), "-o", str(ref), "--engine-arg", "latency=0"]) == 0
+    out = tmp_path / "out"
+    info = submit(job, out)
+    assert sorted(wait_done(info["array_job_id"], 180).values()) == ["COMPLETED"] * SHARDS
+    assert wait_done(info["finalize_job_id"], 60) == {info["finalize_job_id"]: "COMPLETED"}
+    assert (out / "_SUCCESS").exists()
+    for stage in ("questions", "answers"):
+        got = read_output(out / stage)
+        keys = [(r["row_id"], r["sample_index"]) for r in got]
+        assert len(keys) == len(set(keys)), stage
+        assert [(r["row_id"], r["output"]) for r in got] == [(r["row_id"], r["output"]) for r in
+                                                              read_output(ref / stage)], stage
+    shard_of = {}
+    for p in (out / "questions").glob("train-*.parquet"):
+        for rid in pq.read_table(p, columns=["row_id"]).column("row_id").to_pylist():
+            shard_of[rid] = p.name.split("-of-")[0]
+    for p in (out / "answers").glob("train-*.parquet"):
+        for root in pq.read_table(p, columns=["root_id"]).column("root_id").to_pylist():
+            assert shard_of[root] == p.name.split("-of-")[0]  # a lineage stays in its root's shard
+
+
 @pytest.mark.slurm
 def test_reference_engine_array_on_tiny_model(cluster, tmp_path):
     """The real (reference) engine under Slurm: a tiny random Llama + DSpine draft, 2 shards, finalize."""

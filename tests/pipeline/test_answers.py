@@ -164,6 +164,62 @@ def test_logprobs_get_token_texts_and_follow_the_cut_tokens():
     r = _result("ab", logprobs=[(1, -0.5, ((1, -0.5), (2, -1.0))), (2, -0.25, ()), (3, -9.0, ())], tokens=(1, 2))
     answers.apply(None, r)
     assert r.logprobs == [
-        {"token_id": 1, "token": "b", "logprob": -0.5, "top_logprobs": [
-            {"token_id": 1, "token": "b", "logprob": -0.5}, {"token_id": 2, "token": "c", "logprob": -1.0}]},
-        {"token_id": 2, "token": "c", "logprob": -0.25, "top_logprobs": []}]  # a stop string cut token 3
+        {"token_id": 1, "token": "b", "bytes": b"b", "logprob": -0.5, "top_logprobs": [
+            {"token_id": 1, "token": "b", "bytes": b"b", "logprob": -0.5},
+            {"token_id": 2, "token": "c", "bytes": b"c", "logprob": -1.0}]},
+        {"token_id": 2, "token": "c", "bytes": b"c", "logprob": -0.25, "top_logprobs": []}]  # a stop string cut 3
+
+
+def _strict(text):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("args", ['{"threshold": NaN}', '{"threshold": -Infinity}', '{"threshold": 1e400}',
+                                  '"{\\"threshold\\": Infinity}"', '{"options": {"deep": [1, NaN]}}'])
+def test_hermes_refuses_arguments_that_are_json_only_to_python_and_says_why(args):
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    refused: list[str] = []
+    content, calls = parse_tool_calls(text, "hermes", TOOLS, refused)
+    assert calls == [] and content == text  # the call stays in the text, whole
+    assert len(refused) == 1 and "not strict JSON" in refused[0] and "stays in the text" in refused[0]
+
+
+def test_arguments_that_are_written_are_strict_json():
+    big = "1" + "0" * 400  # a huge integer is JSON (only floats overflow)
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {{"days": {big}, "threshold": 0.5}}}}</tool_call>'
+    (call,) = parse_tool_calls(text, "hermes", TOOLS)[1]
+    assert _strict(call["arguments"]) == {"days": 10**400, "threshold": 0.5}
+    for value in ("nan", "inf", "-Infinity", "1e400"):  # qwen3_coder: a number that is not finite stays a string
+        coder = f"<tool_call><function=get_weather><parameter=threshold>{value}</parameter></function></tool_call>"
+        (call,) = parse_tool_calls(coder, "qwen3_coder", TOOLS)[1]
+        assert _strict(call["arguments"]) == {"threshold": value}
+    coder = "<tool_call><function=get_weather><parameter=options>{\"a\": NaN}</parameter></function></tool_call>"
+    assert _strict(parse_tool_calls(coder, "qwen3_coder", TOOLS)[1][0]["arguments"]) == {"options": '{"a": NaN}'}
+
+
+def test_a_forced_call_beyond_a_doubles_range_stays_text_with_a_warning():
+    warnings: list[str] = []
+    answers = Answers(ScriptedTokenizer(), None, None, warn=warnings.append)
+    text = '{"name": "get_weather", "arguments": {"threshold": 1e400}}'  # a schema's grammar allows it
+    for _ in range(2):
+        r = _result(text)
+        answers.apply(RowOptions(tools=TOOLS, tool_choice="required"), r)
+        assert r.tool_calls is None and r.text == text and r.finish_reason == "stop"
+    assert len(warnings) == 1 and "row 'row' (sample 1)" in warnings[0] and "1e400" in warnings[0]
+
+
+def test_a_completion_nested_beyond_the_stack_stays_text():
+    """A model can write a thousand ``[``: Python's json then raises RecursionError, which must not escape."""
+    deep = "[" * 100_000
+    answers = Answers(ScriptedTokenizer(), None, "hermes", warn=pytest.fail)
+    call = '<tool_call>{"name": "get_time", "arguments": %s}</tool_call>'
+    for options, text in ((RowOptions(tools=TOOLS, tool_choice="required"), deep),
+                          (RowOptions(tools=TOOLS), call % deep), (RowOptions(tools=TOOLS), call % f'"{deep}"')):
+        r = _result(text)
+        answers.apply(options, r)
+        assert r.tool_calls is None and r.text == text
+    coder = f"<tool_call><function=get_weather><parameter=options>{deep}</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(coder, "qwen3_coder", TOOLS)[1][0]["arguments"]) == {"options": deep}

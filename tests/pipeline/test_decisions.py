@@ -42,13 +42,13 @@ def test_the_record_survives_a_kill_adds_up_on_resume_and_the_report_says_why(tm
     args = ["generate", str(src), "-o", str(out), "--commit-rows", "5", "--max-in-flight", "4"]
     assert run_cli([*args, "--engine-arg", "crash_after=17"], loader=explaining) == 75  # a transient death
     err = capfd.readouterr().err
-    assert err.count("suffix: not run — told not to (test)") == 1  # once, early
+    assert err.count("suffix, so far: not run — told not to (test)") == 1  # once, early
     first = read_state(str(out), TAG)["decisions"]
     assert first["suffix"] == {"rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "why": "told not to (test)"}
     assert first["dspine"]["ran"] and first["dspine"]["rounds"] > 0 and first["dspine"]["chooser"] == "the test"
 
     assert run_cli(args, loader=explaining) == 0  # resumed: a new engine counts from zero, the record adds up
-    assert capfd.readouterr().err.count("not run — told not to (test)") == 1
+    assert capfd.readouterr().err.count("so far: not run — told not to (test)") == 1
     s = summarize(str(out))
     final = read_state(str(out), TAG)["decisions"]
     assert final["dspine"]["rounds"] >= s["by_source"]["dspine"]["verify_steps"] > first["dspine"]["rounds"]
@@ -87,5 +87,28 @@ def test_a_broken_explain_never_fails_the_run_and_reasons_are_logged_once():
     log = decisions.DecisionLog(Moving(), None, said.append)
     for _ in range(3):
         log.note()
-    assert said == ["forced: not run — tau 1 changes"]
+    assert said == ["forced, so far: not run — tau 1 changes"]
     assert log.record()["forced"]["why"] == "tau 4 changes"
+
+
+def test_the_log_ends_with_the_report_s_own_source_lines(tmp_path, capfd):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(30))
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(src), "-o", str(out), "--commit-rows", "7"], loader=explaining) == 0
+    err = capfd.readouterr().err.splitlines()
+    start = err.index("dspine-batch: proposal sources (as `dspine-batch report` shows them):")
+    logged = [line.removeprefix("dspine-batch:   ") for line in err[start + 1:start + 4]]
+    report = format_report(summarize(str(out))).splitlines()
+    shown = [line.removeprefix("  ") for line in report if line.startswith(("  dspine draft", "  suffix", "  forced"))]
+    assert logged == shown and len(shown) == 3
+    assert shown[0].startswith("dspine draft ") and "verify steps" in shown[0]
+    assert shown[1] == "suffix       not run — told not to (test)"
+
+
+def test_a_source_that_ran_is_never_said_not_to_have_run():
+    hardly = {"rounds": 4, "proposed": 9, "accepted": 2, "ran": False, "why": "hardly ran (4 rounds): slow"}
+    line = decisions.render(hardly)
+    assert "not run" not in line
+    assert line.startswith("4 verify steps, 2 of 9 proposed tokens accepted (0.222)") and line.endswith("slow")
+    assert decisions.render({"rounds": 0, "ran": False, "why": "off"}) == "not run — off"
+    assert decisions.render({"rounds": 0, "ran": False, "why": None}) == "not run (no reason recorded)"

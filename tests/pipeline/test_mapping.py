@@ -53,7 +53,7 @@ def test_ids_samples_seeds_and_row_params(tmp_path):
 def test_row_level_bad_input(tmp_path, row, field, text):
     (item,) = _map(tmp_path, [{"id": "first", "prompt": "ok"}, row], max_context_len=64)[1:]
     assert item.error and not item.requests
-    assert "in.jsonl: row 1" in item.error and f"field {field!r}" in item.error and text in item.error
+    assert "in.jsonl: line 2" in item.error and f"field {field!r}" in item.error and text in item.error
 
 
 def test_duplicate_ids_get_fallback_ids(tmp_path):
@@ -74,8 +74,8 @@ def test_messages_column_and_system_prompt(tmp_path):
 def test_keep_column_type_mismatch_is_a_row_error(tmp_path):
     items = _map(tmp_path, [{"id": "a", "prompt": "x", "n": 1}, {"id": "b", "prompt": "y", "n": "one"}],
                  keep=["n"])
-    assert items[0].keep == (1,) and not items[0].error
-    assert "field 'n': expected int64, got str" in items[1].error
+    assert items[0].keep == ("a", 1) and not items[0].error  # the id column first, kept under its own name
+    assert "field 'n': expected int64, got str" in items[1].error and items[1].keep == ("b", None)
 
 
 def test_unknown_columns_are_usage_errors(tmp_path):

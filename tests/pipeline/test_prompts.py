@@ -77,7 +77,7 @@ def test_smollm2_earlier_tool_turns_are_rewritten_into_the_tags(smollm2):
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
 ])
 def test_bad_messages_name_the_message(messages, field):
-    with pytest.raises(RowError, match=re.escape(f"row 3, field {field!r}")):
+    with pytest.raises(RowError, match=re.escape(f"line 4, field {field!r}")):
         check_messages("in.jsonl", 3, "messages", messages)
 
 

@@ -39,14 +39,14 @@ def _map(tmp_path, rows, openai=False, features=None, defaults=None, samples=1):
 
 def test_openai_body_fields_become_params_and_options(tmp_path):
     body = {"max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
-            "frequency_penalty": -0.25, "repetition_penalty": 1.1, "min_tokens": 2, "logit_bias": {"50": 5, "7": -100},
+            "frequency_penalty": -0.25, "repetition_penalty": 1.1, "logit_bias": {"50": 5, "7": -100},
             "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}},
             "n": 3, "temperature": 0.5, "tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False,
             "chat_template_kwargs": {"enable_thinking": False}, "model": "ignored", "stream": False}
     (item,) = _map(tmp_path, [body], openai=True)
     assert item.error is None and item.row_id == "c0" and len(item.requests) == 3
     p = item.requests[0].params
-    assert (p.max_new_tokens, p.logprobs, p.top_logprobs, p.min_tokens) == (7, True, 3, 2)
+    assert (p.max_new_tokens, p.logprobs, p.top_logprobs) == (7, True, 3)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.25, 1.1)
     assert p.logit_bias == ((7, -100.0), (50, 5.0))  # sorted by token id
     assert p.structure == Structure("json_schema", json.dumps(SCHEMA, separators=(",", ":")))  # the user's order
@@ -55,6 +55,21 @@ def test_openai_body_fields_become_params_and_options(tmp_path):
     assert item.options.template_kwargs == {"enable_thinking": False}
     prompt = "".join(chr(t) for t in item.requests[0].prompt_ids)
     assert "<tools>" in prompt and '"get_weather"' in prompt  # the scripted template ignores tools: system block
+
+
+def test_min_tokens_without_a_structure_is_taken(tmp_path):
+    (item,) = _map(tmp_path, [{"min_tokens": 2, "max_tokens": 5}], openai=True)
+    assert item.error is None and item.requests[0].params.min_tokens == 2
+
+
+def test_min_tokens_with_the_jobs_structure_is_refused_per_row(tmp_path):
+    """A row's min_tokens against the job's structure (--regex) is that row's error, naming both; the job's
+    structure alone is fine."""
+    d = Defaults(SamplingParams(max_new_tokens=16, structure=Structure("regex", "a+")), RowOptions(n=1),
+                 {"structure": "--regex"})
+    good, bad = _map(tmp_path, [{}, {"min_tokens": 2}], openai=True, defaults=d)
+    assert good.error is None
+    assert bad.error and "field 'body.min_tokens'" in bad.error and "--regex" in bad.error, bad.error
 
 
 def test_equal_structures_spelled_differently_are_one(tmp_path):
@@ -71,6 +86,9 @@ def test_equal_structures_spelled_differently_are_one(tmp_path):
     ({"repetition_penalty": 0}, "body.repetition_penalty", "> 0"),
     ({"min_tokens": -1}, "body.min_tokens", "integer >= 0"),
     ({"min_tokens": 9, "max_tokens": 4}, "body.min_tokens", "more than max_new_tokens"),
+    ({"min_tokens": 3, "regex": "a+"}, "body.min_tokens", "cannot be combined with body.regex"),
+    ({"min_tokens": 3, "tools": TOOLS, "tool_choice": "required"}, "body.min_tokens",
+     "cannot be combined with body.tool_choice"),
     ({"logprobs": "yes"}, "body.logprobs", "true or false"),
     ({"top_logprobs": 21, "logprobs": True}, "body.top_logprobs", "0..20"),
     ({"top_logprobs": 2}, "body.top_logprobs", "needs logprobs: true"),
@@ -107,7 +125,7 @@ def test_each_bad_body_field_is_one_line_naming_file_row_and_field(tmp_path, bod
     good, bad = _map(tmp_path, [{}, body], openai=True)
     assert good.error is None
     assert bad.error and not bad.requests and bad.row_id == "c1"  # the custom_id survives the refusal
-    assert "in.jsonl: row 1" in bad.error and f"field {field!r}" in bad.error and text in bad.error, bad.error
+    assert "in.jsonl: line 2" in bad.error and f"field {field!r}" in bad.error and text in bad.error, bad.error
     assert "\n" not in bad.error and "Traceback" not in bad.error
 
 
@@ -182,4 +200,4 @@ def test_prescan_checks_each_distinct_structure_once_and_names_the_first_bad_row
     check = StructureCheck()
     found = prescan(files, cols.row_params, None, Defaults(SamplingParams(), RowOptions(), {}), check)
     assert (found.rows, found.problems, check.compiled) == (50, 1, 2)
-    assert found.first.startswith("b.jsonl: row 30, field 'body.regex': xgrammar cannot compile this regex")
+    assert found.first.startswith("b.jsonl: line 31, field 'body.regex': xgrammar cannot compile this regex")

@@ -104,6 +104,27 @@ def outdir(tmp_path_factory):
 def test_read_back_with_pyarrow_dataset(outdir):
     t = ds.dataset(str(outdir), format="parquet").to_table()
     assert t.num_rows == 31 and t.column("status").to_pylist().count("error") == 1
+    assert t.column("id").to_pylist() == t.column("row_id").to_pylist()  # the input's id keeps its name
+
+
+def test_the_id_column_keeps_its_name_and_type(tmp_path):
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"qid": [7, 8, 9], "question": ["a", "b", ""]}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    assert run_cli(["generate", str(tmp_path / "in.parquet"), "-o", str(out), "--id-column", "qid",
+                    "--prompt-column", "question", "--max-error-rate", "1"]) == 0
+    t = ds.dataset(str(out), format="parquet").to_table()
+    assert t.schema.field("qid").type == pa.int64() and t.schema.names.index("qid") > t.schema.names.index("row_id")
+    rows = sorted(zip(t.column("qid").to_pylist(), t.column("row_id").to_pylist(), t.column("status").to_pylist()))
+    assert rows == [(7, "7", "ok"), (8, "8", "ok"), (9, "9", "error")]
+
+
+def test_json_lines_ids_of_mixed_types_stay_rows_not_errors(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}, {"id": "two", "prompt": "b"}])
+    assert run_cli(["generate", str(src), "-o", str(tmp_path / "out")]) == 0
+    t = ds.dataset(str(tmp_path / "out"), format="parquet").to_table()
+    assert sorted(zip(t.column("row_id").to_pylist(), t.column("id").to_pylist()), key=str) == [("1", 1), ("two", None)]
 
 
 def test_read_back_with_pandas(outdir):

@@ -47,9 +47,9 @@ def test_bad_lines_become_row_errors(tmp_path):
     assert isinstance(rows[0][1], dict)
     errs = [r for _, r in rows[1:]]
     assert all(isinstance(e, RowError) for e in errs)
-    assert "malformed JSON" in str(errs[0]) and "bad.jsonl: row 1" in str(errs[0])
+    assert "malformed JSON" in str(errs[0]) and "bad.jsonl: line 2" in str(errs[0])
     assert "expected a JSON object, got list" in str(errs[1])
-    assert "not valid UTF-8" in str(errs[2]) and "row 3" in str(errs[2])
+    assert "not valid UTF-8" in str(errs[2]) and "line 4" in str(errs[2])
 
 
 def _parquet(path, rows, row_group_size=4):
@@ -163,7 +163,7 @@ def test_a_file_that_is_not_utf8_says_so(tmp_path, capsys):
     path = write_jsonl(tmp_path / "latin1.jsonl", [], latin1)
     assert run_cli(["generate", str(path), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "latin1.jsonl: not UTF-8 text: 3 lines could not be decoded (first: row 0" in err
+    assert "latin1.jsonl: not UTF-8 text: 3 lines could not be decoded (first: latin1.jsonl: line 1" in err
     assert "empty" not in err and "Traceback" not in err
     (tmp_path / "u16.jsonl").write_bytes('{"prompt": "a"}\n'.encode("utf-16"))
     with pytest.raises(UsageError, match="u16.jsonl: UTF-16 text"):
@@ -177,7 +177,8 @@ def test_bad_rows_before_the_first_good_one_are_row_errors(tmp_path):
     rows = read_output(out)
     assert [r["status"] for r in rows].count("error") == 150 and rows[-1]["row_id"] == "x"
     path = write_jsonl(tmp_path / "junk.jsonl", [], [b"{nope", b"[1]"])
-    with pytest.raises(UsageError, match=r"junk.jsonl: no usable row: all 2 rows are errors \(first: row 0, malformed"):
+    first = r"\(first: junk.jsonl: line 1: malformed"
+    with pytest.raises(UsageError, match=r"junk.jsonl: no usable row: all 2 rows are errors " + first):
         peek_rows(resolve_inputs([str(path)])[0])
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # noqa: F401  (the test extra: missing, the file must fail, not skip)
 from helpers import DRAFT_VOCAB as VOCAB
 from helpers import fill_context, make_draft, save_hf_init_qwen3
 
 from dspine.draft.model import CachedKeys
 from dspine.sglang import draft_math as dm
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

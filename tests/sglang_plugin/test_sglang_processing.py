@@ -149,3 +149,37 @@ def test_histories_keep_a_bounded_tail():
     for t in range(10):
         h.record(req, [t])
     assert h.recent["r"][1] == [6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("rp", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_the_sglang_verify_and_the_reference_engines_process_agree_in_float32(rp):
+    """The two verifiers' processing (one slot-history helper, ``dspine.decoding.history``) give the same
+    processed logits for the same row, slot by slot: the reference engine's ``processors.process`` (with the
+    prompt counted for repetition, as ``dspine.sglang.sampling`` runs SGLang) against ``process_block``, float32;
+    equal up to the order of float32 operations (frequency ``f * count`` there, a sum of ``f`` here)."""
+    from dspine.decoding.processors import RowState, process
+    from dspine.decoding.sampling import SamplingParams
+
+    rng = random.Random(hash(("agree", rp)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    prompt = list(rp.prompt) or [rng.randrange(V) for _ in range(5)]
+    bias = ((3, 2.5), (11, -1.75), (40, 0.3))
+    dense_bias = torch.zeros(V)
+    dense_bias[torch.tensor([3, 11, 40])] = torch.tensor([2.5, -1.75, 0.3])
+    for n_generated in (1, 3, 12):
+        generated = [rng.randrange(V // 4) for _ in range(n_generated)]
+        drafts = [rng.randrange(V // 4) for _ in range(B - 1)]
+        drafts[2] = drafts[0]
+        raw = torch.randn(B, V) * 3
+        sp = SamplingParams(presence_penalty=rp.presence, frequency_penalty=rp.frequency,
+                            repetition_penalty=rp.repetition, min_tokens=rp.min_tokens, stop_token_ids=rp.stop_ids,
+                            logit_bias=bias)
+        st = RowState.of(sp, prompt if rp.prompt else [], V)
+        st.commit(generated)
+        ours = process(raw.clone(), [st], [0] * B, list(range(B)), torch.tensor([drafts]))
+        theirs = raw.clone()
+        process_block(theirs, generated, drafts, rp, dense_bias)
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+        finite = torch.isfinite(ours)
+        assert torch.allclose(ours[finite], theirs[finite], rtol=1e-6, atol=1e-5), (ours - theirs)[finite].abs().max()
+        assert not torch.equal(ours, raw)  # the control: the case changed the logits

@@ -1,0 +1,80 @@
+"""A staged job's funnel (``dspine_batch.stages``): per stage, the rows it made, answered, failed, filtered
+(``where``), dropped as duplicates (``dedup``) and kept for the next stage, with its tokens, read from the
+committed parts. ``report OUTDIR`` prints it for a staged OUTDIR, then each stage's own report."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from dspine_batch.pipeline.manifest import stage_names
+
+
+def funnel(outdir: str) -> list[dict[str, Any]] | None:
+    """One dict per stage in order; None when OUTDIR is not a staged job."""
+    names = stage_names(outdir)
+    if names is None:
+        return None
+    out = []
+    for name in names:
+        path = os.path.join(outdir, name)
+        row = {"stage": name, "rows": 0, "ok": 0, "errors": 0, "filtered": 0, "duplicates": 0, "kept": 0,
+               "completion_tokens": 0}
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.startswith("train-")
+                       and f.endswith(".parquet")) if os.path.isdir(path) else []
+        if files:
+            t = ds.dataset(files, format="parquet").to_table(columns=["status", "kept", "dropped_by",
+                                                                        "completion_tokens"])
+            dropped = [d or "" for d in t.column("dropped_by").to_pylist()]
+            row.update(rows=t.num_rows, ok=int(pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0),
+                       errors=int(pc.sum(pc.equal(t.column("status"), "error")).as_py() or 0),
+                       filtered=sum(d.startswith("where") for d in dropped),
+                       duplicates=sum(d.startswith("dedup") for d in dropped),
+                       kept=int(pc.sum(pc.fill_null(t.column("kept"), False)).as_py() or 0),
+                       completion_tokens=int(pc.sum(t.column("completion_tokens")).as_py() or 0))
+        out.append(row)
+    return out
+
+
+def format_funnel(rows: list[dict[str, Any]]) -> str:
+    """The funnel as a table: each column says its unit (rows, tokens)."""
+    head = f"{'stage':<16} {'rows':>8} {'ok':>8} {'errors':>8} {'filtered':>9} {'duplicates':>10} {'kept':>8} " \
+           f"{'tokens':>10}"
+    lines = ["stages (rows; kept rows go on to the next stage, the last stage's are the dataset):", head]
+    for r in rows:
+        lines.append(f"{r['stage']:<16} {r['rows']:>8,} {r['ok']:>8,} {r['errors']:>8,} {r['filtered']:>9,} "
+                     f"{r['duplicates']:>10,} {r['kept']:>8,} {r['completion_tokens']:>10,}")
+    return "\n".join(lines)
+
+
+def plot_funnel(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """The funnel as a PNG: per stage, its rows split into kept, filtered, duplicates and errors (a count axis with
+    integer ticks), titled with the job."""
+    from dspine_batch.errors import UsageError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib)") from e
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
+    names = [r["stage"] for r in rows]
+    bottom = [0] * len(rows)
+    for key, label in (("kept", "kept (go on)"), ("filtered", "filtered (where)"), ("duplicates", "duplicates"),
+                       ("errors", "errors")):
+        values = [r[key] for r in rows]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("rows")
+    ax.set_title(f"stages of {title}")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

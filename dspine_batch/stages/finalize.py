@@ -1,0 +1,58 @@
+"""``finalize`` of a staged OUTDIR: every stage audited in order, then ``OUTDIR/_SUCCESS``.
+
+The first stage is audited against the job's inputs like any output. A later stage's expected rows are the
+children of its parent stage's committed kept rows (across every shard), recomputed from those rows with the
+stage's own ``explode`` as its manifest recorded it: each present exactly once, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dspine_batch.errors import EXIT_OK
+from dspine_batch.ops.finalize import finalize
+from dspine_batch.pipeline.job import _write_success, log
+from dspine_batch.pipeline.manifest import read_manifest
+from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.stages.rows import Parent, child_ids
+
+_COLS = ["row_id", "sample_index", "output", "status", "structure_kind", "root_id", "lineage", "context", "kept"]
+
+
+def expected_children(parent_dir: str):
+    """``finalize``'s expected ids for a stage whose parent stage is in ``parent_dir``."""
+    parent = read_manifest(parent_dir) or {}
+    samples = int((parent.get("config") or {}).get("num_samples", 1))
+
+    def expected(manifest: dict) -> pa.Array:
+        explode = (manifest["fingerprint_fields"].get("stage") or {}).get("explode")
+        ids: list[str] = []
+        for part in list_parts(parent_dir):
+            for r in pq.read_table(part.path, columns=_COLS).to_pylist():
+                if r["kept"] and r["status"] == "ok" and r["output"] is not None:
+                    p = Parent(r["row_id"], r["sample_index"], samples, r["output"], r["structure_kind"],
+                               r["root_id"], {}, json.loads(r["context"] or "{}"))
+                    ids += child_ids(p, explode)
+        return pa.array(ids, pa.string())
+
+    return expected
+
+
+def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: int, on_damaged: str) -> int:
+    for k, name in enumerate(names):
+        path = os.path.join(outdir, name)
+        log(f"stage {name}:")
+        if k == 0:
+            rc = finalize(path, compact, target_rows, on_damaged)
+        else:
+            rc = finalize(path, compact, target_rows, on_damaged,
+                          expected_children(os.path.join(outdir, names[k - 1])))
+        if rc != EXIT_OK:
+            return rc
+    _write_success(outdir)
+    log(f"every stage complete ({' -> '.join(names)}); {outdir}/_SUCCESS written")
+    return EXIT_OK

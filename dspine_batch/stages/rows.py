@@ -1,0 +1,141 @@
+"""A stage's rows: what each carries forward (its context and lineage), how the next stage's rows are made from
+the committed ones (parsed output, ``explode``), and how a finished row is judged (``where``, ``dedup``).
+
+Every stage's output has the same extra columns (``LINEAGE_FIELDS``): ``root_id`` (the first stage's row id: the
+lineage's name, and what shards go by), ``lineage`` (JSON: each earlier stage's row id by stage name), ``context``
+(JSON: the columns the row's template saw, for the stages after it), ``kept`` (whether the row goes further:
+ok, passed ``where``, not a duplicate), ``dropped_by`` (why not) and ``dedup_key`` (the normalised-text hash a
+duplicate is found by, so a resume rebuilds the set from the committed rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pyarrow as pa
+
+from dspine_batch.engines.base import Result
+from dspine_batch.errors import RowError
+from dspine_batch.pipeline.mapping import WorkItem
+from dspine_batch.stages.spec import StageSpec
+
+LINEAGE_FIELDS = ("root_id", "lineage", "context", "kept", "dropped_by", "dedup_key")
+LINEAGE_TYPES = (pa.string(), pa.string(), pa.string(), pa.bool_(), pa.string(), pa.string())
+JSON_KINDS = ("json_schema", "json_object")
+
+
+def carried(row: dict[str, Any], root_id: str, lineage: dict[str, str], context: dict[str, Any]) -> dict[str, Any]:
+    """A row with its lineage columns set (``kept``/``dropped_by``/``dedup_key`` are decided after generation)."""
+    return {**row, "root_id": root_id, "lineage": json.dumps(lineage, ensure_ascii=False),
+            "context": json.dumps(context, ensure_ascii=False, default=str), "kept": None, "dropped_by": None,
+            "dedup_key": None}
+
+
+@dataclass
+class Parent:
+    """A committed row of a stage, as the next stage reads it."""
+
+    row_id: str
+    sample_index: int
+    samples: int
+    output: str
+    structure_kind: str | None
+    root_id: str
+    lineage: dict[str, str]
+    context: dict[str, Any]
+
+
+def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
+    """What a child's template and ``where`` see of its parent: the parent's own context, ``output``, the parsed
+    fields of a JSON output at the top level, and the same under the parent stage's name (``{{ questions.output
+    }}``; a field of the output named like the stage wins), plus ``root_id`` and ``lineage``."""
+    fields: dict[str, Any] = {"output": p.output}
+    if p.structure_kind in JSON_KINDS:
+        try:
+            parsed = json.loads(p.output)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            fields.update(parsed)
+    return {**p.context, stage: dict(fields), **fields, "root_id": p.root_id, "lineage": p.lineage}
+
+
+def child_ids(p: Parent, explode: str | None) -> list[str]:
+    """The ids of a parent's children (what ``children`` makes, without building rows): for ``finalize``."""
+    base = p.row_id if p.samples == 1 else f"{p.row_id}#{p.sample_index}"
+    if explode is None:
+        return [base]
+    items = parent_fields(p, "").get(explode)
+    return [f"{base}/{i}" for i in range(len(items))] if isinstance(items, list) else [base]
+
+
+def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[str, dict[str, Any] | RowError]]:
+    """(child id, row) of a parent for stage ``spec``: one child (the parent's id; ``#s`` per sample when the
+    parent stage drew several), or with ``explode`` one per item of the named list field (``<id>/<i>``, stable
+    across resumes). A field that is not a list gives one error row naming it."""
+    base = p.row_id if p.samples == 1 else f"{p.row_id}#{p.sample_index}"
+    lineage = {**p.lineage, parent_stage: base}
+    ctx = parent_fields(p, parent_stage)
+    if spec.explode is None:
+        yield base, carried(ctx, p.root_id, lineage, ctx)
+        return
+    items = ctx.get(spec.explode)
+    if not isinstance(items, list):
+        what = "missing" if spec.explode not in ctx else f"expected a list, got {type(items).__name__}"
+        yield base, RowError(f"stage {parent_stage}", 0, spec.explode, f"{what} (explode of stage {spec.name!r})")
+        return
+    for i, item in enumerate(items):
+        row = {**ctx, spec.explode: item, "explode_index": i}
+        yield f"{base}/{i}", carried(row, p.root_id, lineage, row)
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def dedup_key(value: Any) -> str:
+    """The normalised text of a value (case folded, whitespace collapsed; JSON for non-strings), hashed."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    norm = _SPACE.sub(" ", text.casefold()).strip()
+    return hashlib.blake2b(norm.encode(), digest_size=12).hexdigest()
+
+
+@dataclass
+class Judge:
+    """Decides ``kept`` / ``dropped_by`` / ``dedup_key`` of a stage's finished rows, in the order they are
+    committed; ``seen`` holds the dedup keys of the kept rows (rebuilt from the committed parts on resume)."""
+
+    spec: StageSpec
+    seen: set[str] = field(default_factory=set)
+    filtered: int = 0
+    duplicates: int = 0
+
+    def decide(self, item: WorkItem, results: list[Result] | None, keep_names: list[str]) -> WorkItem:
+        if item.keep is None or "kept" not in keep_names:
+            return item
+        values = dict(zip(keep_names, item.keep, strict=True))
+        ok = results is not None and item.error is None and all(r.error is None for r in results)
+        kept, why, key = ok, None if ok else "error", None
+        if ok:
+            r = results[0]  # a row's judgement reads its first sample (a stage with n > 1 keeps all or none)
+            ctx = json.loads(values["context"] or "{}")
+            kind = item.requests[0].params.structure.kind if item.requests and item.requests[0].params.structure \
+                else None
+            fields = parent_fields(Parent(item.row_id, 0, 1, r.text, kind, values["root_id"] or item.row_id, {},
+                                          ctx), self.spec.name)
+            if self.spec.where is not None:
+                kept, why = self.spec.where.test(fields)
+                self.filtered += not kept
+            if kept and self.spec.dedup is not None:
+                key = dedup_key(fields.get(self.spec.dedup_on, ""))
+                if key in self.seen:
+                    kept, why = False, f"dedup {self.spec.dedup} on {self.spec.dedup_on}"
+                    self.duplicates += 1
+                else:
+                    self.seen.add(key)
+        values.update(kept=kept, dropped_by=why, dedup_key=key)
+        return replace(item, keep=tuple(values[n] for n in keep_names))

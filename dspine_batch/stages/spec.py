@@ -1,0 +1,126 @@
+"""A stage as the job file writes it (``[[stages]]``), checked before the model loads.
+
+::
+
+    [[stages]]
+    name = "questions"                       # its output: OUTDIR/questions/
+    template = "Three questions about: {{ text }}"   # or a table {system = "...", user = "..."}
+    json-schema = '{"type": "object", ...}'  # any request setting of `generate` (sampling, structure, tools, n ...)
+    explode = "questions"                    # a list field of the parent's output: one row per item
+    where = "score >= 4"                     # keep only the rows whose output passes (the rest go no further)
+    dedup = "exact"                          # drop rows whose `dedup-on` field (default: output) was seen before
+
+Every stage after the first reads the committed, kept rows of the stage before it. A stage's settings are the
+job's, overridden by its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dspine_batch.errors import UsageError
+from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.templates import PromptTemplates, job_templates
+from dspine_batch.stages.where import Predicate, parse_where
+
+# the request settings a stage may set (GenerateConfig names): what a row's answer depends on
+STAGE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "num_samples", "logprobs",
+                  "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                  "logit_bias", "response_format", "json_schema", "regex", "choice", "grammar", "tools",
+                  "tool_choice", "chat_template_kwargs", "reasoning_parser", "tool_call_parser", "system_prompt",
+                  "chat_template")
+_OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "model")
+DEDUP = ("exact",)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage, checked: its name, templates, the generate settings it runs with, and what it does to rows."""
+
+    name: str
+    index: int
+    cfg: GenerateConfig  # the job's settings with the stage's own over them (output: OUTDIR/<name>)
+    templates: PromptTemplates | None
+    explode: str | None = None
+    where: Predicate | None = None
+    dedup: str | None = None
+    dedup_on: str = "output"
+
+    def identity(self) -> dict[str, Any]:
+        """What of the stage, beyond its generate settings, decides its rows (part of its fingerprint)."""
+        return {"stage": self.name, "index": self.index, "explode": self.explode,
+                "where": self.where.text if self.where else None, "dedup": self.dedup, "dedup_on": self.dedup_on}
+
+
+def parse_stages(raw: Any, job: GenerateConfig, outdir: str) -> list[StageSpec]:
+    """The job file's ``stages`` list, each checked (a problem: one ``UsageError`` naming the stage)."""
+    if not isinstance(raw, list) or not raw or not all(isinstance(s, dict) for s in raw):
+        raise UsageError("--config: `stages` must be a list of tables ([[stages]])")
+    out: list[StageSpec] = []
+    for i, table in enumerate(raw):
+        out.append(_stage(i, {k.replace("-", "_"): v for k, v in table.items()}, job, outdir, out))
+    return out
+
+
+def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: list[StageSpec]) -> StageSpec:
+    name = t.get("name")
+    label = f"stage {i + 1}" + (f" ({name!r})" if isinstance(name, str) else "")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise UsageError(f"{label}: `name` must be a short name of letters, digits, '_', '-', '.' (it names "
+                         "OUTDIR/<name>/)")
+    if any(s.name == name for s in before):
+        raise UsageError(f"{label}: another stage has this name")
+    unknown = [k for k in t if k not in _OWN and k not in STAGE_SETTINGS]
+    if unknown:
+        raise UsageError(f"{label}: unknown key {unknown[0]!r} (a stage takes {', '.join(_OWN)} and the request "
+                         f"settings {', '.join(STAGE_SETTINGS)})")
+    model = t.get("model")
+    if model is not None and model != job.model:
+        raise UsageError(f"{label}: a stage with its own model is not supported yet (every stage runs on the job's "
+                         f"model {job.model!r}, loaded once)")
+    settings = {k: _setting(k, v) for k, v in t.items() if k in STAGE_SETTINGS}
+    template = t.get("template")
+    user, system = (template.get("user"), template.get("system")) if isinstance(template, dict) else (template, None)
+    if user is None and i > 0:
+        raise UsageError(f"{label}: needs a `template` (its prompt is built from the rows of stage "
+                         f"{before[-1].name!r})")
+    try:
+        templates = job_templates(user, system) if user is not None else None
+    except UsageError as e:
+        raise UsageError(f"{label}: {e}") from e
+    cfg = replace(job, **settings, output=f"{outdir.rstrip('/')}/{name}", prompt_template=user,
+                  system_template=system)
+    explode = t.get("explode")
+    if explode is not None and (i == 0 or not isinstance(explode, str) or not explode):
+        raise UsageError(f"{label}: `explode` names a list field of the previous stage's rows (not on the first "
+                         "stage)")
+    where = None
+    if t.get("where") is not None:
+        if not isinstance(t["where"], str):
+            raise UsageError(f"{label}: `where` must be a string")
+        try:
+            where = parse_where(t["where"])
+        except ValueError as e:
+            raise UsageError(f"{label}: where {t['where']!r}: {e}") from e
+    dedup = t.get("dedup")
+    if dedup is not None and dedup not in DEDUP:
+        raise UsageError(f"{label}: dedup {dedup!r}: expected one of {', '.join(DEDUP)}")
+    dedup_on = t.get("dedup_on", "output")
+    if not isinstance(dedup_on, str) or not dedup_on:
+        raise UsageError(f"{label}: `dedup-on` names a field of the stage's rows")
+    return StageSpec(name, i, cfg, templates, explode, where, dedup, dedup_on)
+
+
+def _setting(key: str, value: Any) -> Any:
+    """A stage's setting in the form ``GenerateConfig`` holds it (as the CLI turns a job file's values)."""
+    if key in ("response_format", "chat_template_kwargs", "tools", "json_schema") and isinstance(value, dict | list):
+        return json.dumps(value)
+    if key in ("stop", "choice") and isinstance(value, str):
+        return [value]
+    if key == "logit_bias" and isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    return value
