@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from dspine_batch.pipeline.manifest import read_manifest
 from dspine_batch.pipeline.outputs import open_output
 from dspine_batch.pipeline.resume import STATE_DIR, check_parts, held_locks
+from dspine_batch.storage.fs import size as store_size
 from dspine_batch.storage.urls import is_url
 
 
@@ -90,7 +91,7 @@ def input_rows(manifest: dict[str, Any]) -> int | None:
     recorded = (manifest.get("fingerprint_fields") or {}).get("inputs") or []
     try:
         files = resolve_inputs(list(config.get("inputs") or []), config.get("split"))
-        sizes = [sum(os.path.getsize(p) for p in f.content_files()) for f in files]
+        sizes = [sum(store_size(p) for p in f.content_files()) for f in files]  # URLs too
     except Exception:  # moved, deleted, unreadable: not knowable
         return None
     if not files or sizes != [x.get("size") for x in recorded]:
@@ -143,12 +144,14 @@ def _remote_status(outdir: str, verify: bool) -> dict[str, Any]:
     total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
     n_shards = int(manifest.get("num_shards", 1) or 1)
     all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and len(shards) == n_shards
+    inputs = total if all_done else input_rows(manifest)
     started = {s.get("shard") for s in shards}
     missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
     last = max((s.get("last_commit_at") or 0 for s in shards), default=0)
     return {"outdir": out.display, "fingerprint": manifest.get("fingerprint"),
             "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
-            "output_rows": outputs, "parts": len(parts), "rows_remaining": (total - done) if all_done else None,
+            "output_rows": outputs, "parts": len(parts),
+            "input_rows": inputs, "rows_remaining": max(inputs - done, 0) if inputs is not None else None,
             "complete": out.has_success() and not damaged,  # type: ignore[attr-defined]
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
             "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,

@@ -481,7 +481,7 @@ def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int]) -> Row
     batch.digests = digests
     raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
     try:
-        batch.consumed = raw.tell() if raw is not None else os.path.getsize(batch.file.path)
+        batch.consumed = raw.tell() if raw is not None else store.size(batch.file.path)
     except (OSError, ValueError, AttributeError):
         pass
     return batch

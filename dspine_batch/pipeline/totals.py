@@ -9,11 +9,11 @@ estimates it from the bytes read so far (``ReadPosition``), and ``status``, whic
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dspine_batch.pipeline.sources import InputFile, RowBatch, parquet_file
+from dspine_batch.storage.fs import size as store_size
 
 
 def exact_rows(files: list[InputFile], limit: int | None) -> int | None:
@@ -81,7 +81,7 @@ class ReadPosition:
 
     @classmethod
     def of(cls, files: Iterable[InputFile]) -> ReadPosition:
-        return cls({f.name: sum(os.path.getsize(p) for p in f.content_files()) for f in files})
+        return cls({f.name: sum(store_size(p) for p in f.content_files()) for f in files})  # URLs too
 
     def see(self, batch: RowBatch) -> None:
         name = batch.file.name
