@@ -231,6 +231,9 @@ def generate(cfg: GenerateConfig) -> int:
     shard = parse_shard(cfg.shard)
     cfg.inputs = [p if is_url(p) else os.path.abspath(p) for p in cfg.inputs]  # finalize re-reads them
     out = open_output(cfg.output)  # an output URL we cannot commit to is refused before inputs are read
+    if (cfg.retry_errors or cfg.retry_length) and out.remote:
+        raise UsageError(f"{out.display}: --retry-errors / --retry-length are not available on an object-store "
+                         "output yet (they replace committed parts); copy it to a local directory for them")
     files = resolve_inputs(cfg.inputs, cfg.split)
     for inp in files:
         if inp.kind in ("jsonl", "openai") and input_size(inp.path) == 0:
@@ -257,9 +260,6 @@ def generate(cfg: GenerateConfig) -> int:
         log(f"{found}; output -> {job.outdir}")
         if not out.remote and (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed retry
             log(f"--retry-errors interrupted: {said}")
-        if (cfg.retry_errors or cfg.retry_length) and out.remote:
-            raise UsageError(f"{job.outdir}: --retry-errors / --retry-length are not available on an object-store "
-                             "output yet (they replace committed parts); copy it to a local directory for them")
         if cfg.retry_errors or cfg.retry_length:
             retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
         pre = precheck(cfg, files, columns, out, shard, job.tag, log, job.request)
