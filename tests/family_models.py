@@ -1,0 +1,69 @@
+"""Tiny random models of the dense families beyond Llama/Qwen3, made with the installed ``transformers`` from each
+family's own config class with its distinctive options on (the oracle for ``tests/models/test_families.py`` and the
+GGUF tests). Small enough that a family's whole test runs in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# family -> (config class, model class, the family's distinctive options)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    # QKV biases, yarn scaling
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(tie_word_embeddings=False, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                               "original_max_position_embeddings": 32})),
+    # sliding window on every layer
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16, tie_word_embeddings=False)),
+    # 1+w norms, embedding scaling, local/global layers with their own RoPE bases, QK-norm, final soft-capping,
+    # linear scaling on the global layers
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1000000.0}})),
+    # NoPE layers (every 4th: layer 3 here), llama3 scaling
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(tie_word_embeddings=True, no_rope_layer_interval=2,
+                     rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                      "rope_theta": 10000.0})),
+    # post-norms, QK-norm over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    # embedding / residual / attention multipliers, logits scaling
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                     logits_scaling=8.0, tie_word_embeddings=True)),
+    # fused qkv / gate_up, partial rotary, longrope (long factors past 32 positions)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(tie_word_embeddings=True, original_max_position_embeddings=32,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                   "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+}
+
+
+def save_tiny_family(path: str | Path, family: str, seed: int = 0, head_scale: float = 6.0, **kw) -> str:
+    """Save a tiny random ``family`` model (``FAMILIES``) to ``path``; ``kw`` overrides config values."""
+    import transformers
+
+    conf_name, model_name, options = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, conf_name)(**{**COMMON, **options, **kw})
+    model = getattr(transformers, model_name)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and family in ("gemma3",):
+                p.normal_(0.0, 0.2)  # zero-initialised (1 + w) norms would test nothing
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+        model.lm_head.weight.mul_(head_scale)  # peaked distributions: greedy and sampled tests mean something
+    model.save_pretrained(str(path))
+    return str(path)
