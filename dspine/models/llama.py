@@ -197,6 +197,23 @@ class DenseTarget(Target):
             out = torch.tanh(out / cap) * cap
         return out
 
+    def describe(self) -> dict:
+        """The family's options as ``dspine info`` prints them."""
+        sp = self.spec
+        ropes = ["none (NoPE)" if r is None else f"{r.rope_type} (theta {r.theta:g}, {r.rotary_dim} of "
+                 f"{self.layers[0].self_attn.head_dim} dims)" for r in sp.ropes]
+        return {
+            "options": {k: v for k, v in {
+                "qkv_bias": sp.qkv_bias, "o_bias": sp.o_bias, "mlp_bias": sp.mlp_bias, "qk_norm": sp.qk_norm or None,
+                "norms": sp.norms, "norm_offset": sp.norm_offset or None, "activation": sp.act,
+                "embed_scale": None if sp.embed_scale == 1.0 else sp.embed_scale,
+                "residual_scale": None if sp.residual_scale == 1.0 else sp.residual_scale,
+                "attn_scale": sp.attn_scale, "logits_divisor": None if sp.logits_divisor == 1.0 else sp.logits_divisor,
+                "final_softcap": sp.final_softcap}.items() if v not in (None, False)},
+            "layers_rope": ropes if len(set(ropes)) > 1 else ropes[0],
+            "layers_window": self.windows if len(set(self.windows)) > 1 else self.windows[0],
+        }
+
     @property
     def invariance_gaps(self) -> tuple[str, ...]:
         """What of this target is not batch invariant on our kernels (``Target.invariance_gaps``)."""

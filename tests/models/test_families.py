@@ -204,3 +204,28 @@ def test_refusals_name_the_option(tmp_path):
     path = save_tiny_family(tmp_path / "g", "gemma3", use_bidirectional_attention=True)
     with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
         load_target(path)
+
+
+def test_dspine_info_says_family_kernels_features_and_taps(family_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+
+    res = CliRunner().invoke(main, ["info", family_dir("gemma3")])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["family"] == "gemma3" and info["options"]["norms"] == "sandwich"
+    assert info["layers_window"] == [8, 8, None, 8] and "linear" in info["layers_rope"][2]
+    assert info["features"]["prefix_cache"] is True and info["default_tap_ids"]
+    if info["on_our_kernels"]["linears"].startswith("dspine-"):
+        assert info["on_our_kernels"]["attention"].startswith("dspine")
+    phi = json.loads(CliRunner().invoke(main, ["info", family_dir("phi3")]).output)
+    if phi["on_our_kernels"]["linears"].startswith("dspine-"):
+        features = phi["features"]
+        assert features["prefix_cache"] is False and "longrope" in features["not_batch_invariant_because"][0]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    res = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert res.exit_code == 1 and "unsupported architecture" in res.output and "Gemma 3" in res.output
+    assert len(res.output.strip().splitlines()) == 1
