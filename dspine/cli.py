@@ -27,7 +27,8 @@ def main() -> None:
 
 
 def _target_path(path: str) -> Path:
-    """MODEL argument -> directory; 'embedded' is the converted SmolLM2 (a clear error if not installed)."""
+    """MODEL argument -> directory; 'embedded' is the converted SmolLM2 (a clear error if not installed); a .gguf
+    file is converted once into the per-machine cache."""
     from dspine import ModelLoadError
 
     if path == "embedded":
@@ -37,6 +38,13 @@ def _target_path(path: str) -> Path:
             return embedded_target_path()
         except ModelLoadError as e:
             raise click.ClickException(str(e)) from None
+    if path.lower().endswith(".gguf") and Path(path).is_file():  # converted once into the per-machine cache
+        from dspine.embedded.gguf_convert import GGUFConversionError, gguf_model_path
+
+        try:
+            return gguf_model_path(path)
+        except GGUFConversionError as e:
+            raise click.ClickException(" ".join(str(e).split())) from None
     return Path(path)
 
 

@@ -109,3 +109,109 @@ def random_dspine(target, block_size: int, seed: int):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     d.confidence_trained = True
     return d
+
+
+# -- tiny GGUFs written with the ``gguf`` package, in llama.cpp's layouts (tests/embedded/test_gguf_families.py) --
+
+_GGUF_BLOCK = {  # HF name within model.layers.N. -> GGUF name within blk.N. (llama.cpp's names)
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2") -> Path:
+    """Write the tiny HF model in ``hf_dir`` (with a byte-level BPE ``tokenizer.json``) as a GGUF of ``arch`` the
+    way llama.cpp's converter lays it out: Llama's Q/K rows permuted for adjacent-pair RoPE, Gemma's norms stored
+    as ``1 + w``, Gemma's pre-MLP norm as ``ffn_norm`` and its post-norms as ``post_attention_norm`` /
+    ``post_ffw_norm``; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if rope.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [1] * len(tokens)
+    for added in tok.get("added_tokens", []):
+        types[added["id"]] = 3 if added.get("special") else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg.get("bos_token_id") or 0)
+    w.add_eos_token_id(cfg.get("eos_token_id") or 0)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    def permute(t: np.ndarray, heads: int) -> np.ndarray:  # HF rotate-half rows -> llama.cpp's pairs
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    gemma_names = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                   "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                   "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+    for name, t in state.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.get("tie_word_embeddings"):
+                continue
+            g = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            if arch == "gemma3" and rest in gemma_names:
+                local = gemma_names[rest]
+            elif rest == "post_attention_layernorm.weight":
+                local = "ffn_norm.weight"
+            else:
+                local = _GGUF_BLOCK[rest]
+            g = f"blk.{layer}.{local}"
+        if arch == "llama" and g.endswith("attn_q.weight"):
+            a = permute(a, n_heads)
+        elif arch == "llama" and g.endswith("attn_k.weight"):
+            a = permute(a, n_kv)
+        if arch == "gemma3" and g.endswith("norm.weight"):
+            a = a + np.float32(1.0)
+        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -130,7 +130,13 @@ def _rope_scaling(arch: str, meta: Any) -> dict[str, Any]:
 
 def _gemma3(meta: Any, cfg: dict[str, Any], full_rope: dict[str, Any]) -> dict[str, Any]:
     n = cfg["num_hidden_layers"]
-    pattern = int(meta.get("gemma3.attention.sliding_window_pattern") or 6)
+    pattern = meta.get("gemma3.attention.sliding_window_pattern") or 6  # a period, or one bool per layer
+    if isinstance(pattern, list | tuple):
+        if len(pattern) != n:
+            raise ArchError(f"attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
     local_theta = f32_value(meta.get("gemma3.rope.freq_base_swa", 10000.0))
     scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
     out: dict[str, Any] = {
@@ -138,7 +144,7 @@ def _gemma3(meta: Any, cfg: dict[str, Any], full_rope: dict[str, Any]) -> dict[s
         "hidden_act": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": scalar,
         "sliding_window": int(meta.require("gemma3.attention.sliding_window")),
-        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)],
+        "layer_types": ["sliding_attention" if slide else "full_attention" for slide in sliding],
         "rope_parameters": {"full_attention": full_rope,
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         "rope_local_base_freq": local_theta,
