@@ -229,3 +229,30 @@ def test_dspine_info_says_family_kernels_features_and_taps(family_dir, tmp_path)
     res = CliRunner().invoke(main, ["info", str(tmp_path)])
     assert res.exit_code == 1 and "unsupported architecture" in res.output and "Gemma 3" in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("family", ["phi3", pytest.param("gemma3", marks=pytest.mark.slow),
+                                    pytest.param("granite", marks=pytest.mark.slow)])
+def test_a_draft_trains_for_the_family(family, family_dir):
+    """``dspine train``'s step on a family whose logits are scaled, soft-capped or whose projections are fused:
+    the draft learns the target's labels (loss falls)."""
+    import math
+
+    from helpers import train_stats
+
+    from dspine import init_draft
+    from dspine.training.train import TrainConfig, capture, make_example
+
+    target = load_target(family_dir(family))
+    torch.manual_seed(0)
+    draft = init_draft(target, num_layers=1, block_size=4, transfer_rank=16, message_size=32, top_k=4,
+                       intermediate_size=96)
+    draft.train()
+    g = torch.Generator().manual_seed(2)
+    texts = [torch.randint(3, 255, (32,), generator=g).tolist() for _ in range(2)]
+    exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
+    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
+    cfg = TrainConfig(steps=12, lr=3e-3, anchors_per_seq=32, replacement_probability=0.0, alignment_warmup_steps=3)
+    loss = [s["backbone"] + s["refine"] for s in train_stats(draft, target, batch, cfg)]
+    assert all(math.isfinite(x) for x in loss)
+    assert max(loss[-3:]) < 0.85 * loss[0], loss
