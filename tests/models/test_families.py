@@ -256,3 +256,31 @@ def test_a_draft_trains_for_the_family(family, family_dir):
     loss = [s["backbone"] + s["refine"] for s in train_stats(draft, target, batch, cfg)]
     assert all(math.isfinite(x) for x in loss)
     assert max(loss[-3:]) < 0.85 * loss[0], loss
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_legacy_config_keys_as_released_checkpoints_have_them(family, family_dir, hf_model, tmp_path):
+    """Released checkpoints predate ``rope_parameters``: Gemma 3's ``rope_theta`` + ``rope_local_base_freq`` +
+    ``rope_scaling``, Phi's ``rope_scaling: {"type": "longrope", ...}`` with ``partial_rotary_factor`` and
+    ``original_max_position_embeddings`` at the top level. Read as the same model."""
+    import json
+    import shutil
+
+    src = family_dir(family)
+    dst = tmp_path / family
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    if family == "gemma3":
+        cfg.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling={
+            "rope_type": "linear", "factor": rope["full_attention"]["factor"]},
+            rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    else:
+        cfg.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                   rope_scaling={"type": "longrope", "short_factor": rope["short_factor"],
+                                 "long_factor": rope["long_factor"]})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expect = hf_model(src)(ids).logits
+    assert (load_target(dst).score(ids) - expect).abs().max().item() < 1e-4
