@@ -94,3 +94,39 @@ def test_invariance_gap_turns_features_off_by_name(tmp_path_factory, capsys):
     assert eng.prefix is None and eng.prefill_chunk == 0
     err = capsys.readouterr().err
     assert "phi3: prefix cache and chunked prefill off: longrope" in err
+
+
+@pytest.mark.slow  # two process starts with torch and a model load: ~40 s on the shared 2-core machine
+def test_kill_9_and_resume_on_a_new_family(pair, tmp_path, monkeypatch):
+    """The real CLI on the reference engine in a subprocess, killed with SIGKILL once its first part is committed,
+    then resumed: the same rows as an uninterrupted run, each exactly once."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT, subprocess_env
+
+    from dspine_batch.engines.reference import ReferenceEngine
+    from dspine_batch.pipeline.resume import list_parts
+
+    family, (model, _) = pair
+    monkeypatch.delenv("DSPINE_BATCH_TEST_ENGINE", raising=False)
+    texts = ["hello world", "what is two plus two?", "the answer", "café", "four"]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": texts[i % 5] + f" {i}"} for i in range(16)])
+    args = ["generate", str(src), "--engine", "reference", "--model", str(model), "--draft", "none",
+            "--max-new-tokens", "12", "--commit-rows", "2", "--engine-arg", "batch_size=2", "--progress", "none"]
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_cli([*args, "-o", str(ref)], loader=ReferenceEngine.load) == 0
+    cmd = [sys.executable, "-c", "from dspine_batch.cli import main; main()", *args, "-o", str(out)]
+    env = {k: v for k, v in subprocess_env().items() if k != "DSPINE_BATCH_TEST_ENGINE"}
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while not (out.exists() and list_parts(str(out))) and p.poll() is None and time.monotonic() - t0 < 120:
+        time.sleep(0.02)
+    killed = p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    _, err = p.communicate()
+    assert killed, f"finished before the kill ({p.returncode}): {err.decode()[-500:]}"
+    assert run_cli([*args, "-o", str(out)], loader=ReferenceEngine.load) == 0
+    assert read_output(out) == read_output(ref)
