@@ -3,8 +3,10 @@
 Each family's model is its test model (``tests/family_models.py``: the family's own config class, its distinctive
 options on) at a benchmark size (``--hidden``/``--layers``/``--vocab``), random weights, fp32 on the CPU. Decode
 rate = (time for N+1 new tokens - time for 1 new token) / N per row, so the prompt's prefill is not counted; greedy,
-no stop tokens, equal-length prompts (HF needs no padding). Ours: ``dspine.generate`` without a draft (our CPU
-kernels, the default); HF: ``model.generate(do_sample=False)``. One run each, best of ``--repeat``.
+no stop tokens, equal-length prompts (HF needs no padding). ``--whole``: tokens / wall of the whole call instead
+(prefill included; steadier than a difference of two timings on a loaded machine). Ours: ``dspine.generate``
+without a draft (our CPU kernels, the default); HF: ``model.generate(do_sample=False)``. One run each, best of
+``--repeat``.
 
     python scripts/bench/bench_families.py --json out/bench_families.json
 """
@@ -73,8 +75,11 @@ def bench(family: str, root: Path, args) -> dict:
             return run
 
         mine(2)(), theirs(2)()  # warm-up
-        ours_s = (_best(mine(n + 1), args.repeat) - _best(mine(1), args.repeat)) / n
-        hf_s = (_best(theirs(n + 1), args.repeat) - _best(theirs(1), args.repeat)) / n
+        if args.whole:
+            ours_s, hf_s = _best(mine(n), args.repeat) / n, _best(theirs(n), args.repeat) / n
+        else:
+            ours_s = (_best(mine(n + 1), args.repeat) - _best(mine(1), args.repeat)) / n
+            hf_s = (_best(theirs(n + 1), args.repeat) - _best(theirs(1), args.repeat)) / n
         out[f"b{batch}"] = {"ours_tok_s": round(batch / ours_s, 1), "hf_tok_s": round(batch / hf_s, 1),
                             "ratio": round(hf_s / ours_s, 2)}
     print(json.dumps(out), flush=True)
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--whole", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
