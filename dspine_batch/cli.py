@@ -186,7 +186,8 @@ def cli() -> None:
             help="TOML job file with any of these options (and `inputs`, `output`).")
 @env_option("--engine", metavar="auto|reference|sglang",
             help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
-@env_option("-m", "--model", help="Target model dir (HF layout), or `embedded`.")
+@env_option("-m", "--model", help="Target model dir (HF layout), a llama.cpp FILE.gguf (converted once into the "
+                                   "cache), or `embedded`.")
 @env_option("--draft", help="Draft model dir, `embedded`, or `none`.")
 @env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
 @env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")

@@ -197,7 +197,8 @@ def _code_version() -> str:
     """A digest of the modules a forward's time depends on, so a change to the step invalidates old timings."""
     here = Path(__file__).resolve().parents[1]  # dspine/
     digest = hashlib.sha256()
-    for name in ("models/layers.py", "models/llama.py", "models/qwen3_5.py", "models/cache.py", "draft/model.py",
+    for name in ("models/layers.py", "models/llama.py", "models/families.py", "models/qwen3_5.py", "models/cache.py",
+                 "draft/model.py",
                  "draft/proposal.py", "cpu/kernels.py", "cpu/csrc/linear.cpp", "cpu/csrc/gemm_bf16.cpp",
                  "cpu/csrc/ops.cpp", "models/target.py"):
         try:

@@ -231,8 +231,8 @@ def chunking_exact(target: Target) -> bool:
     from a whole prefill in the last bits (~1e-6), so hybrids prefill whole prompts. Where this is False prompts
     go whole whatever ``prefill_chunk`` says, so the chunk size never changes an output and is part of no run's
     identity."""
-    if not str(getattr(target, "kernel", "torch")).startswith("dspine-"):
-        return False
+    if not str(getattr(target, "kernel", "torch")).startswith("dspine-") or getattr(target, "invariance_gaps", ()):
+        return False  # a family's own gap (``Target.invariance_gaps``, e.g. longrope) counts too
     return not any(isinstance(x, SSMState) for x in target.new_cache(1, 1).layers)
 
 

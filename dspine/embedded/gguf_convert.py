@@ -1,8 +1,8 @@
-"""Convert a llama.cpp GGUF (Llama architecture, byte-level BPE tokenizer) into a Hugging Face model dir.
+"""Convert a llama.cpp GGUF (llama, qwen2, qwen3, gemma3; byte-level BPE tokenizer) into a Hugging Face model dir.
 
 Why convert at all: our reference targets load plain HF directories (``config.json`` + safetensors), and
 speculative decoding is checked for identity against fp32 logits, so a quantized GGUF is dequantized to
-fp32 once and cached rather than re-read on every start. The output is a normal HF Llama directory that
+fp32 once and cached rather than re-read on every start. The output is a normal HF directory that
 ``dspine.models.registry.load_target`` (and transformers) can load without the ``gguf`` package.
 
 What the conversion has to undo or rebuild:
@@ -11,7 +11,8 @@ What the conversion has to undo or rebuild:
   transformers uses for ``gguf_file=`` loading, so the two agree bit for bit). llama.cpp stores Q and K
   projections with each head's rows interleaved for its adjacent-pair RoPE kernel; HF Llama rotates
   halves, so :func:`unpermute_qk` puts the rows back.
-- **Config.** Read from the ``llama.*`` metadata; float32 metadata values are written as the shortest
+- **Config.** Read from the ``{arch}.*`` metadata (``gguf_arch``: what differs per architecture); float32
+  metadata values are written as the shortest
   decimal that round-trips through float32 (``1e-05``, not ``9.999999747378752e-06``), which is the value
   the original config held.
 - **Tokenizer.** A GGUF carries the vocabulary, merges, special-token ids and chat template but no
@@ -39,7 +40,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from dspine.cpu.disk_cache import exclusive, publish_dir, remove_temps, say, temp_sibling
+from dspine.cpu.disk_cache import cache_root, exclusive, publish_dir, remove_temps, say, temp_sibling
+from dspine.embedded import gguf_arch
 
 # Bump when the output of ``convert_gguf`` changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 1
@@ -53,19 +55,12 @@ _TOKEN_USER_DEFINED = 4
 # (llama-vocab.cpp groups them in one case), and those that use the GPT-2 regex alone.
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2_ONLY = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
+# Names whose llama.cpp split is one regex (then byte-level without the GPT-2 regex): the Qwen2 tokenizers' (qwen2,
+# also Qwen2.5 / Qwen3 GGUFs) and Llama 3's (llama-bpe; numbers in runs of up to three digits).
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_REGEX_SPLITS = {"qwen2": _CONTRACTIONS + r"\p{N}" + _REST, "llama-bpe": _CONTRACTIONS + r"\p{N}{1,3}" + _REST}
 
-# GGUF tensor name (within ``blk.N.``) -> HF Llama parameter name (within ``model.layers.N.``).
-_BLOCK_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -103,11 +98,6 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
 
-def _f32_value(x: float) -> float:
-    """The decimal a float32 metadata value was written from (``9.999999747e-06`` -> ``1e-05``)."""
-    return float(str(np.float32(x)))
-
-
 def _import_gguf() -> Any:
     try:
         import gguf
@@ -143,74 +133,41 @@ def _read_gguf(path: Path) -> tuple[Any, _Metadata]:
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
         raise GGUFConversionError(f"{path}: not a readable GGUF file ({e})") from None
     meta = _Metadata(reader, path)
-    arch = meta.require("general.architecture")
-    if arch != "llama":
-        raise GGUFConversionError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    try:
+        gguf_arch.check_architecture(meta.require("general.architecture"))
+    except gguf_arch.ArchError as e:
+        raise GGUFConversionError(f"{path}: {e}") from None
     return reader, meta
 
 
 def _config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
-    """HF ``LlamaForCausalLM`` config from ``llama.*`` metadata (the field names transformers writes)."""
-    n_heads = int(meta.require("llama.attention.head_count"))
-    hidden = int(meta.require("llama.embedding_length"))
-    head_dim = hidden // n_heads
-    rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise GGUFConversionError(f"{meta.path}: partial rotary ({rope_dim} of {head_dim} dims) is not supported")
-    if meta.get("llama.rope.scaling.type") not in (None, "none"):
-        raise GGUFConversionError(f"{meta.path}: RoPE scaling is not supported by this converter")
-    theta = _f32_value(meta.get("llama.rope.freq_base", 10000.0))
-    vocab = meta.get("llama.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.require("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("llama.block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", n_heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32_value(meta.require("llama.attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(meta.require("llama.context_length")),
-        "vocab_size": int(vocab),
-        # llama.cpp writes output.weight only when the head is not the embedding matrix.
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        # transformers 5 reads rope_parameters, 4.x reads rope_theta; dspine's RopeSpec reads either.
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
+    """The HF config of the GGUF's architecture (``gguf_arch.config``), errors naming the file."""
+    try:
+        return gguf_arch.config(meta.require("general.architecture"), meta, tensor_names)
+    except gguf_arch.ArchError as e:
+        raise GGUFConversionError(f"{meta.path}: {e}") from None
 
 
-def _state_dict(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """All tensors dequantized to fp32 under HF names, Q/K un-permuted. Unknown tensors are refused."""
+def _state_dict(reader: Any, cfg: dict[str, Any], path: Path, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """All tensors dequantized to fp32 under HF names, as HF stores them (``gguf_arch.transform``: Llama's Q/K
+    un-permuted, Gemma's norms back to ``w``). Unknown tensors are refused."""
     gguf = _import_gguf()
+    block = gguf_arch.BLOCK_TENSORS[arch]
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = t.name
         parts = name.split(".", 2)  # "blk.7.attn_q.weight" -> ["blk", "7", "attn_q.weight"]
         if name in _TOP_TENSORS:
             hf = _TOP_TENSORS[name]
-        elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
-            hf = f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}"
+        elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
+            hf = f"model.layers.{parts[1]}.{block[parts[2]]}"
         else:
-            raise GGUFConversionError(f"{path}: unexpected tensor {name!r} for a Llama model")
+            raise GGUFConversionError(f"{path}: unexpected tensor {name!r} for a {arch} model")
         try:
             w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, off the mmap
         except (ValueError, NotImplementedError, IndexError) as e:
             raise GGUFConversionError(f"{path}: tensor {name!r} ({t.tensor_type.name}) cannot be read ({e})") from None
-        if name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        out[hf] = torch.from_numpy(w)
+        out[hf] = torch.from_numpy(np.ascontiguousarray(gguf_arch.transform(arch, name, w, cfg, unpermute_qk)))
     return out
 
 
@@ -218,11 +175,16 @@ def _pre_tokenizer(pre: str | None, path: Path) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _REGEX_SPLITS:
+        from tokenizers import Regex
+
+        split = pre_tokenizers.Split(Regex(_REGEX_SPLITS[pre]), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre is None or pre in _GPT2_ONLY:
         return byte_level
     raise GGUFConversionError(
         f"{path}: tokenizer pre-type {pre!r} is not supported "
-        f"(known: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY))})"
+        f"(known: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2_ONLY | set(_REGEX_SPLITS)))})"
     )
 
 
@@ -273,7 +235,7 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.require("llama.context_length")),
+        "model_max_length": int(meta.require(f"{meta.require('general.architecture')}.context_length")),
     }
     template = meta.get("tokenizer.chat_template")
     if template is not None:
@@ -282,7 +244,7 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
-    """Write an HF Llama directory for ``gguf_path`` into ``out_dir`` (created; existing files overwritten).
+    """Write an HF directory for ``gguf_path`` into ``out_dir`` (created; existing files overwritten).
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (fp32), ``tokenizer.json``,
     ``tokenizer_config.json`` and ``special_tokens_map.json``. Not atomic: see :func:`convert_cached`.
@@ -290,7 +252,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader, meta = _read_gguf(gguf_path)
     cfg = _config(meta, {t.name for t in reader.tensors})
-    state = _state_dict(reader, cfg, gguf_path)
+    state = _state_dict(reader, cfg, gguf_path, meta.require("general.architecture"))
     tokenizer, tok_cfg = build_tokenizer(meta)
     if tokenizer.get_vocab_size(with_added_tokens=True) != cfg["vocab_size"]:
         raise GGUFConversionError(
@@ -368,3 +330,16 @@ def convert_cached(gguf_path: str | Path, out_dir: str | Path, expected_sha256: 
             shutil.rmtree(tmp, ignore_errors=True)
         say(f"converted in {time.monotonic() - t0:.1f} s")
     return out_dir
+
+
+def gguf_model_path(gguf_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """``--model FILE.gguf``: the HF directory of a user's GGUF, converted once into the per-machine cache
+    (``$DSPINE_CACHE_DIR/gguf/<name>-<digest of its path>``; ``convert_cached`` redoes it when the file's content
+    changes). ``GGUFConversionError`` (one line, naming the file and what is unsupported) otherwise."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise GGUFConversionError(f"{gguf_path}: no such GGUF file")
+    key = hashlib.sha256(str(gguf_path.resolve()).encode()).hexdigest()[:12]
+    out = Path(cache_dir) if cache_dir is not None else cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert_cached(gguf_path, out)

@@ -36,7 +36,14 @@ class RMSNorm(nn.Module):
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters read from a HF config (``rope_parameters`` or legacy keys)."""
+    """Rotary embedding parameters read from a HF config (``rope_parameters`` or legacy keys).
+
+    The scaling variants the supported families' configs use, with Hugging Face's arithmetic (facts from
+    ``transformers.modeling_rope_utils``, our code): ``linear`` (positions / factor), ``llama3`` (per-wavelength
+    blend), ``yarn`` (NTK-by-parts ramp between interpolated and extrapolated frequencies, cos/sin scaled by an
+    attention factor) and ``longrope`` (per-frequency short or long factors, the long ones for a forward that
+    reaches past ``original_max_position``, cos/sin scaled by an attention factor).
+    """
 
     theta: float = 10000.0
     rotary_dim: int = 64  # number of leading head dims that rotate (partial rotary when < head_dim)
@@ -45,30 +52,64 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range outward
+    attention_factor: float = 1.0  # yarn / longrope: cos and sin are multiplied by it
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()  # longrope
+
+    TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
     @staticmethod
-    def from_config(cfg: dict, head_dim: int) -> RopeSpec:
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        params = {**scaling, **params}
+    def from_config(cfg: dict, head_dim: int, params: dict | None = None) -> RopeSpec:
+        """``params``: one layer type's own rope parameters (Gemma 3's sliding/full layers); else the config's."""
+        if params is None:
+            params = dict(cfg.get("rope_parameters") or {})
+            scaling = cfg.get("rope_scaling") or {}
+            params = {**scaling, **params}
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+        if rope_type not in RopeSpec.TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(RopeSpec.TYPES)})")
+        rotary_dim = int(head_dim * partial)
+        original = int(params.get("original_max_position_embeddings")
+                       or cfg.get("original_max_position_embeddings") or 8192)
+        factor = params.get("factor")
+        attention = params.get("attention_factor")
+        if rope_type in ("yarn", "longrope"):
+            max_pos = int(cfg.get("max_position_embeddings") or original)
+            if factor is None:
+                factor = max_pos / original
+            if attention is None:
+                attention = _yarn_attention(float(factor), params) if rope_type == "yarn" else (
+                    1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        if rope_type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(params.get(key) or ()) != rotary_dim // 2:
+                    raise ValueError(f"longrope {key} needs {rotary_dim // 2} entries, got {params.get(key)!r}")
         return RopeSpec(
             theta=float(theta),
-            rotary_dim=int(head_dim * partial),
+            rotary_dim=rotary_dim,
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=float(1.0 if attention is None else attention),
+            short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
+            long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
         )
 
-    def inv_freq(self, device=None) -> torch.Tensor:
+    def inv_freq(self, device=None, long: bool = False) -> torch.Tensor:
+        """The inverse frequencies [rotary_dim / 2]; ``long``: longrope's long factors (other types: ignored)."""
         d = self.rotary_dim
-        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+        inv = 1.0 / (self.theta**exponents)
         if self.rope_type == "linear":
             inv = inv / self.factor
         elif self.rope_type == "llama3":
@@ -82,22 +123,80 @@ class RopeSpec:
             mid = (1 - smooth) * scaled / self.factor + smooth * scaled
             is_mid = (wl >= high_wl) & (wl <= low_wl)
             inv = torch.where(is_mid, mid, scaled)
+        elif self.rope_type == "yarn":
+            inv = self._yarn(device)
+        elif self.rope_type == "longrope":
+            ext = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32, device=device)
+            inv = 1.0 / (ext * self.theta**exponents)
         return inv
+
+    def _yarn(self, device) -> torch.Tensor:
+        d, base = self.rotary_dim, self.theta
+
+        def correction_dim(rotations: float) -> float:
+            return (d * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # a zero-width ramp
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+        pos_freqs = base ** (torch.arange(0, d, 2).to(device=device, dtype=torch.float) / d)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        keep = 1 - ramp  # 1: the extrapolated (original) frequency, 0: the interpolated one
+        return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _yarn_attention(factor: float, params: dict) -> float:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for absolute positions; applies the rotate-half convention used by HF Llama/Qwen."""
+    """cos/sin tables for absolute positions; applies the rotate-half convention used by HF Llama/Qwen.
+
+    ``long`` (longrope only): [B] bools, the rows whose forward uses the long factors (see ``needs_long``)."""
 
     def __init__(self, spec: RopeSpec):
         super().__init__()
         self.spec = spec
         self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
+        self.register_buffer("long_inv_freq", spec.inv_freq(long=True) if spec.rope_type == "longrope" else None,
+                             persistent=False)
 
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def reset(self, device=None) -> None:
+        """Recompute the tables (after ``to_empty`` left them uninitialised)."""
+        self.inv_freq = self.spec.inv_freq(device=device)
+        if self.spec.rope_type == "longrope":
+            self.long_inv_freq = self.spec.inv_freq(device=device, long=True)
+
+    def needs_long(self, pos: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor | None:
+        """longrope: per row, whether this forward reaches past ``original_max_position`` (Hugging Face switches
+        a whole forward to the long factors by its length: max position + 1 > original). ``ends`` [B]: each row's
+        last real position + 1 (padding excluded); default the last of ``pos``."""
+        if self.spec.rope_type != "longrope":
+            return None
+        ends = pos.max(dim=1).values + 1 if ends is None else ends
+        return ends > self.spec.original_max_position
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype,
+                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # pos [B, T] -> cos, sin [B, 1, T, rotary_dim]
-        freqs = pos.float()[..., None] * self.inv_freq.float()
+        inv = self.inv_freq.float()
+        long = self.needs_long(pos, ends)
+        if long is not None:
+            inv = torch.where(long[:, None, None], self.long_inv_freq.float(), inv)  # [B, 1, d/2]
+        freqs = pos.float()[..., None] * inv
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        cos, sin = emb.cos(), emb.sin()
+        if self.spec.attention_factor != 1.0:
+            cos, sin = cos * self.spec.attention_factor, sin * self.spec.attention_factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -212,13 +311,21 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; ``fuse()`` (inference only) merges gate and up into one projection."""
+    """``down(act(gate(x)) * up(x))``; ``fuse()`` (inference only) merges gate and up into one projection.
 
-    def __init__(self, hidden: int, inter: int):
+    ``act``: "silu" (Llama and most families; our fused SiLU-gate op on the kernels) or "gelu_pytorch_tanh"
+    (Gemma: torch's tanh-approximated GELU, an elementwise op). ``bias``: Granite's and Llama's ``mlp_bias``."""
+
+    ACTS = ("silu", "gelu_pytorch_tanh")
+
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        if act not in self.ACTS:
+            raise ValueError(f"activation {act!r} is not supported (supported: {', '.join(self.ACTS)})")
+        self.act = act
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.gate_up: nn.Linear | None = None
         self.fast = False  # fused gate/up and our SiLU-gate op (``Target.use_kernels``; inference only)
 
@@ -226,15 +333,18 @@ class SwiGLU(nn.Module):
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x) if self.act == "silu" else F.gelu(x, approximate="tanh")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if self.fast:
+            return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        if self.fast and self.act == "silu":
             from dspine.cpu.kernels import silu_mul
 
             return self.down_proj(silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self._act(gate).mul_(up))
 
 
 def fuse_norms(module: nn.Module) -> int:

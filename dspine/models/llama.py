@@ -1,6 +1,9 @@
-"""Dense decoder-only targets: Llama (SmolLM2 is one) and Qwen3 (Llama + per-head q/k RMSNorm).
+"""Dense decoder-only targets: Llama (SmolLM2 is one), Qwen3, and the families that are the Llama block with options
+(Qwen2/2.5, Mistral, Gemma 3, SmolLM3, OLMo 2, Granite, Phi-3/Phi-4-mini: ``families.py`` reads each config as a
+``DenseSpec``).
 
-One readable file in the gpt-fast style: explicit KV cache, per-row positions, shapes in comments.
+One readable file in the gpt-fast style: explicit KV cache, per-row positions, shapes in comments. Where a family
+differs it is one option of the block, named where it acts (``spec.norms``, ``spec.qk_norm``, ...).
 """
 
 from __future__ import annotations
@@ -12,25 +15,38 @@ from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
 from dspine.models.checkpoint import ModelLoadError, load_state
-from dspine.models.layers import Packing, Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
+from dspine.models.families import DenseSpec, read_spec
+from dspine.models.layers import Packing, Positions, RMSNorm, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, qk_norm: bool):
+    """GQA attention. ``qk_norm`` (the draft's and Qwen3's per-head RMSNorm) or ``spec`` (a family's options:
+    biases, QK-norm per head or over the projection, the score scale)."""
+
+    def __init__(self, cfg: dict, qk_norm: bool = False, spec: DenseSpec | None = None):
         super().__init__()
         h = cfg["hidden_size"]
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg.get("num_key_value_heads") or self.n_heads
         self.head_dim = cfg.get("head_dim") or h // self.n_heads
         bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        qkv_bias, o_bias = (bias, bias) if spec is None else (spec.qkv_bias, spec.o_bias)
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=o_bias)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
+        mode = ("head" if qk_norm else "") if spec is None else spec.qk_norm
+        offset = 0.0 if spec is None else spec.norm_offset
+        # "head": one norm per head vector (Qwen3, Gemma 3); "proj": over the whole q / k projection (OLMo 2)
+        self.qk_norm_over = mode
+        wide = mode == "proj"
+        q_dim = self.n_heads * self.head_dim if wide else self.head_dim
+        k_dim = self.n_kv * self.head_dim if wide else self.head_dim
+        self.q_norm = RMSNorm(q_dim, eps, offset) if mode else None
+        self.k_norm = RMSNorm(k_dim, eps, offset) if mode else None
+        self.scale = self.head_dim**-0.5 if spec is None or spec.attn_scale is None else spec.attn_scale
         self.qkv_proj: nn.Linear | None = None
         self.fast = False  # RoPE + cache store and attention through dspine.cpu.kernels (``Target.use_kernels``)
 
@@ -46,44 +62,76 @@ class Attention(nn.Module):
         return self.qkv_proj(x).split([self.n_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
     def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None, packed: Packing | None = None):
+        """``cos``/``sin`` None: a NoPE layer (SmolLM3), keys and queries are not rotated."""
+        q, k, v = self.project(x)
+        if self.qk_norm_over == "proj":  # OLMo 2: over all heads at once, before the split
+            q, k = self.q_norm(q), self.k_norm(k)
         if packed is not None:  # x [N, H]: the valid tokens only (``Packing``)
-            q, k, v = (packed.spread(y) for y in self.project(x))
+            q, k, v = (packed.spread(y) for y in (q, k, v))
             B, T = packed.shape
         else:
             B, T, _ = x.shape
-            q, k, v = self.project(x)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fast:  # the same computation in two fused calls
             from dspine.cpu import kernels
 
             kv.ensure(at.upto)
+            if cos is None:  # rotate nothing: zero rotary dims
+                cos = sin = q.new_zeros(B, 1, T, 0)
             q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
-            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.head_dim**-0.5)
+            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.scale)
             return self.o_proj(o if packed is None else packed.gather(o))
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, D], [B, Hkv, T, D]
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(at.pos, k, v.transpose(1, 2), upto=at.upto, rows=at.rows)
         keys, values = kv.view(at.upto)
-        o = attend(q, keys, values, at.mask(window), self.head_dim**-0.5)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        o = attend(q, keys, values, at.mask(window), self.scale)
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(o if packed is None else packed.gather(o))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: dict, qk_norm: bool):
+    """One decoder layer. ``spec.norms``: "pre" (Llama: norm -> sublayer -> residual), "sandwich" (Gemma: norm ->
+    sublayer -> norm -> residual, for attention and the MLP) or "post" (OLMo 2: sublayer -> norm -> residual). The
+    norms keep their checkpoint names, which mean different things per layout (Llama's ``post_attention_layernorm``
+    is the MLP's pre-norm; Gemma's and OLMo's is attention's post-norm)."""
+
+    def __init__(self, cfg: dict, spec: DenseSpec):
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = Attention(cfg, qk_norm)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = SwiGLU(cfg["hidden_size"], cfg["intermediate_size"])
+        h = cfg["hidden_size"]
+
+        def norm() -> RMSNorm:
+            return RMSNorm(h, eps, spec.norm_offset)
+
+        self.layout = spec.norms
+        self.residual_scale = spec.residual_scale
+        self.input_layernorm = norm() if spec.norms != "post" else None
+        self.self_attn = Attention(cfg, spec=spec)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if spec.norms == "sandwich" else None
+        self.post_feedforward_layernorm = norm() if spec.norms != "pre" else None
+        self.mlp = SwiGLU(h, cfg["intermediate_size"], act=spec.act, bias=spec.mlp_bias)
 
     def forward(self, x, cos, sin, at: Positions, kv, window, packed: Packing | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = x if self.input_layernorm is None else self.input_layernorm(x)
+        a = self.self_attn(h, cos, sin, at, kv, window, packed)
+        if self.layout != "pre":
+            a = self.post_attention_layernorm(a)
+        x = x + (a if self.residual_scale == 1.0 else a * self.residual_scale)
+        if self.layout == "pre":
+            h = self.post_attention_layernorm(x)
+        else:
+            h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+        m = self.mlp(h)
+        if self.post_feedforward_layernorm is not None:
+            m = self.post_feedforward_layernorm(m)
+        return x + (m if self.residual_scale == 1.0 else m * self.residual_scale)
 
 
 class DenseTarget(Target):
@@ -91,38 +139,85 @@ class DenseTarget(Target):
         super().__init__()
         self.config = cfg
         self.model_type = cfg.get("model_type", "llama")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"config.json: hidden_act {act!r} is not supported (only silu)")
-        qk_norm = self.model_type == "qwen3"
+        self.spec = spec = read_spec(cfg)
+        self.family = spec.family
         self.hidden_size = cfg["hidden_size"]
         self.vocab_size = cfg["vocab_size"]
         self.num_layers = cfg["num_hidden_layers"]
         self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, qk_norm) for _ in range(self.num_layers))
-        self.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6))
-        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.layers = nn.ModuleList(Block(cfg, spec) for _ in range(self.num_layers))
+        self.norm = RMSNorm(self.hidden_size, cfg.get("rms_norm_eps", 1e-6), spec.norm_offset)
+        self.tied = bool(cfg.get("tie_word_embeddings", spec.family in ("gemma3",)))
         self.lm_head = None if self.tied else nn.Linear(self.hidden_size, self.vocab_size, bias=False)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = Rotary(RopeSpec.from_config(cfg, head_dim))
-        # Qwen3 checkpoints may set use_sliding_window with per-layer windows; honour the simple form.
-        sw = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-        types = cfg.get("layer_types") or ["full_attention"] * self.num_layers
-        self.windows = [sw if t == "sliding_attention" else None for t in types]
+        # one RoPE table per distinct spec (Gemma 3: sliding and full layers differ), shared by the layers using it
+        distinct = list(dict.fromkeys(r for r in spec.ropes if r is not None))
+        self.rotaries = nn.ModuleList(Rotary(r) for r in distinct)
+        self.rope_index = [None if r is None else distinct.index(r) for r in spec.ropes]
+        self.rotary = self.rotaries[0] if distinct else None
+        self.windows = list(spec.windows)
+        if spec.fused_checkpoint:  # Phi-3 stores q/k/v and gate/up fused: build them fused, load them as such
+            self.fuse_projections()
 
     @classmethod
     def from_pretrained(cls, path: Path, cfg: dict, dtype=torch.float32, device="cpu") -> DenseTarget:
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-        model = cls.empty(cfg, dtype, device, path, required)
+        for key in required:
+            if key not in cfg:
+                raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
+        try:
+            model = cls.empty(cfg, dtype, device, path, required)
+        except ModelLoadError as e:
+            raise ModelLoadError(str(e).replace("config.json:", f"{path / 'config.json'}:", 1)) from None
 
         def rename(name: str) -> str | None:
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and model.tied:
                 return None
+            if model.spec.fused_checkpoint:
+                name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
             return name
 
         load_state(model, path, rename=rename, dtype=dtype)
         return model.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled where the family scales them (Gemma by sqrt(hidden) rounded to the model's
+        dtype, Granite by ``embedding_multiplier``): the draft embeds its block through this too."""
+        x = self.embed_tokens(ids)
+        scale = self.spec.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Granite divides the logits by ``logits_scaling``; Gemma may soft-cap them (``c * tanh(z / c)``)."""
+        out = super().logits(hidden)
+        if self.spec.logits_divisor != 1.0:
+            out = out / self.spec.logits_divisor
+        cap = self.spec.final_softcap
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def describe(self) -> dict:
+        """The family's options as ``dspine info`` prints them."""
+        sp = self.spec
+        ropes = ["none (NoPE)" if r is None else f"{r.rope_type} (theta {r.theta:g}, {r.rotary_dim} of "
+                 f"{self.layers[0].self_attn.head_dim} dims)" for r in sp.ropes]
+        return {
+            "options": {k: v for k, v in {
+                "qkv_bias": sp.qkv_bias, "o_bias": sp.o_bias, "mlp_bias": sp.mlp_bias, "qk_norm": sp.qk_norm or None,
+                "norms": sp.norms, "norm_offset": sp.norm_offset or None, "activation": sp.act,
+                "embed_scale": None if sp.embed_scale == 1.0 else sp.embed_scale,
+                "residual_scale": None if sp.residual_scale == 1.0 else sp.residual_scale,
+                "attn_scale": sp.attn_scale, "logits_divisor": None if sp.logits_divisor == 1.0 else sp.logits_divisor,
+                "final_softcap": sp.final_softcap}.items() if v not in (None, False)},
+            "layers_rope": ropes if len(set(ropes)) > 1 else ropes[0],
+            "layers_window": self.windows if len(set(self.windows)) > 1 else self.windows[0],
+        }
+
+    @property
+    def invariance_gaps(self) -> tuple[str, ...]:
+        """What of this target is not batch invariant on our kernels (``Target.invariance_gaps``)."""
+        return super().invariance_gaps + self.spec.gaps
 
     def fused_attention(self) -> bool:
         return all(layer.self_attn.fast for layer in self.layers)
@@ -150,12 +245,15 @@ class DenseTarget(Target):
             # instead of its whole context; what it writes at slot 0 of its own row is never read again (the slot
             # is overwritten whole when a newcomer takes it)
             pos = torch.where((n_valid == 0).to(pos.device)[:, None], torch.zeros_like(pos), pos)
-        cos, sin = self.rotary(pos, self.dtype)
-        x = self.embed_tokens(ids if packed is None else packed.gather(ids))
+        ends = cache.lengths + (T if n_valid is None else n_valid.to(cache.lengths))  # longrope's choice, per row
+        tables = [rot(pos, self.dtype, ends) for rot in self.rotaries]  # (cos, sin) per distinct RoPE
+        x = self.embed(ids if packed is None else packed.gather(ids))
         at = Positions.of(pos)
         tapped = []
         want = set(taps)
         for i, layer in enumerate(self.layers):
+            r = self.rope_index[i]
+            cos, sin = (None, None) if r is None else tables[r]
             x = layer(x, cos, sin, at, cache.layers[i], self.windows[i], packed)
             if i in want:
                 tapped.append(x)

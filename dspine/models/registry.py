@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dspine.models.checkpoint import ModelLoadError, read_config
+from dspine.models.families import FAMILIES, family_of
 from dspine.models.llama import DenseTarget
 from dspine.models.qwen3_5 import Qwen35Target
 from dspine.models.target import Target
@@ -26,7 +27,8 @@ def load_target(
     kernels: bool = True,
     kv_dtype: torch.dtype | None = None,
 ) -> Target:
-    """Load a Llama / Qwen3 dense / Qwen3.5-hybrid Hugging Face model directory as a reference target.
+    """Load a Hugging Face model directory of a supported family (``families.FAMILIES``: Llama, Qwen3, Qwen2/2.5,
+    Mistral, Gemma 3, SmolLM3, OLMo 2, Granite, Phi-3) or the Qwen3.5 hybrid as a reference target.
 
     ``fuse`` merges projections that share an input (see ``Target.fuse_projections``): off by default, since on
     the 2-core AVX-512 EPYC it measured 0.76-0.96x on one-token steps and 0.88-1.42x on 8-token verifies
@@ -83,13 +85,19 @@ def _target_class(cfg: dict, path: Path) -> type[Target]:
     model_type = cfg.get("model_type")
     if model_type in ("qwen3_5", "qwen3_5_text") or arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
         return Qwen35Target
-    if model_type in ("llama", "qwen3") or arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if family_of(cfg) is not None:
         return DenseTarget
     raise ModelLoadError(
         f"{path / 'config.json'}: unsupported architecture "
         f"(model_type={model_type!r}, architectures={cfg.get('architectures')!r}); "
-        "supported: llama, qwen3, qwen3_5/qwen3_5_text"
+        f"supported: {supported_families()}"
     )
+
+
+def supported_families() -> str:
+    """The families ``load_target`` reads, as one line (for refusals and ``dspine info``)."""
+    return ", ".join([*(f"{f.title} [{'/'.join(f.model_types)}]" for f in FAMILIES),
+                      "Qwen3.5 hybrid [qwen3_5/qwen3_5_text]"])
 
 
 def _q8_tiles(device) -> bool:

@@ -150,6 +150,16 @@ class Target(nn.Module):
         and values are stored in bf16 over fp32 weights (``-kvbf16dp``: and attention runs on bf16 dot products)."""
         return getattr(self, "_kernel", "torch")
 
+    @property
+    def invariance_gaps(self) -> tuple[str, ...]:
+        """Why a row's outputs on this target may depend on the other rows of its batch or on how its prompt was
+        split (empty: batch invariant). The features that need invariance (the prefix cache, chunked prefill) turn
+        off where this is not empty, and the run log names each gap. Base rule: our CPU kernels (``dspine-*``) are
+        invariant and torch's GEMMs are not; a family adds its own pieces (``families.DenseSpec.gaps``)."""
+        if self.kernel.startswith("dspine-"):
+            return ()
+        return (f"its linears run on {self.kernel}, whose blocking (and so rounding) follows the batch's shape",)
+
     def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
         """Inference only: every fp32 decoder linear and the head through ``dspine.cpu.kernels`` (decode-shaped
         GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
@@ -242,7 +252,9 @@ class Target(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         model = model.to_empty(device=device).to(dtype)
-        model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
+        for m in model.modules():  # the RoPE tables (one per distinct spec)
+            if hasattr(m, "spec") and callable(getattr(m, "reset", None)):
+                m.reset(device=device)
         return model
 
     def default_tap_ids(self, n: int = 5) -> list[int]:

@@ -27,7 +27,8 @@ def model_identity(path: Path) -> dict[str, Any]:
 
 
 def resolve_model(model: str) -> Path:
-    """``--model``: ``embedded`` (the shipped SmolLM2 target, converted on first use) or an HF model directory."""
+    """``--model``: ``embedded`` (the shipped SmolLM2 target, converted on first use), an HF model directory, or a
+    llama.cpp ``FILE.gguf`` of a supported architecture (converted once into the per-machine cache)."""
     if model == "embedded":
         try:
             from dspine.embedded.smollm2 import embedded_target_path
@@ -38,8 +39,17 @@ def resolve_model(model: str) -> Path:
         except Exception as e:  # EmbeddedModelMissing: its message says how to fix it
             raise UsageError(f"--model embedded: {e}") from e
     p = Path(model)
+    if p.suffix.lower() == ".gguf" and p.is_file():  # a llama.cpp file: converted once into the per-machine cache
+        try:
+            from dspine.embedded.gguf_convert import gguf_model_path
+
+            return gguf_model_path(p)
+        except ImportError as e:
+            raise UsageError(f"--model {model}: the dspine package is not available ({e})") from e
+        except ValueError as e:  # GGUFConversionError: one line naming the file and what is unsupported
+            raise UsageError(f"--model {model}: {' '.join(str(e).split())}") from e
     if not (p / "config.json").exists():
-        raise UsageError(f"--model {model}: not a model directory (no config.json)")
+        raise UsageError(f"--model {model}: not a model directory (no config.json) nor a .gguf file")
     return p
 
 

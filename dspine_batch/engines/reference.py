@@ -32,6 +32,7 @@ elsewhere (hybrids, torch's GEMMs) prompts go whole. Not part of the identity: i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,12 @@ class ReferenceEngine:
         # split invariant (our CPU kernels): there a hit never changes an output, so it is not part of the
         # identity; torch's GEMMs (bf16, quantized, no compiler) round differently for different token counts.
         mb = DEFAULT_CAP_MB if prefix_cache_mb is None else prefix_cache_mb
-        self.prefix = PrefixCache(mb << 20) if mb > 0 and str(kernel).startswith("dspine-") else None
+        gaps = getattr(target, "invariance_gaps", ())  # a family's pieces that are not invariant (longrope, ...)
+        self.prefix = PrefixCache(mb << 20) if mb > 0 and str(kernel).startswith("dspine-") and not gaps else None
+        if gaps and str(kernel).startswith("dspine-"):  # on our kernels these would be on: say why they are not
+            for gap in gaps:
+                print(f"dspine-batch: {getattr(target, 'family', 'this model')}: prefix cache and chunked prefill "
+                      f"off: {gap}", file=sys.stderr, flush=True)
         # Chunked prefill: exact on the same kernels (``decode.chunking_exact``), whole prompts elsewhere, so the
         # chunk size never changes an output and is not part of the identity either.
         from dspine.decoding.decode import chunking_exact

@@ -1,0 +1,124 @@
+"""``--model FILE.gguf`` for the GGUF architectures our families map to (llama, qwen2, qwen3, gemma3): tiny HF models
+written as GGUFs with the ``gguf`` package's writer in llama.cpp's layouts (``family_models.write_tiny_gguf``),
+converted once into the cache, loaded by ``load_target`` and compared with the HF originals; the tokenizer rebuilt
+per pre-tokenizer name, an unknown one (and an unknown architecture) refused in one line naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_models import save_tiny_family, write_tiny_gguf
+from helpers import SMOL_TEMPLATE, save_tiny_hf, tokenizer_dir
+
+from dspine import load_target
+from dspine.embedded import gguf_convert
+from dspine.embedded.gguf_convert import GGUFConversionError, gguf_model_path
+
+pytest.importorskip("gguf")
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+def _tiny_hf(path, arch: str) -> str:
+    vocab = tokenizer_dir(path, SMOL_TEMPLATE)
+    if arch in ("llama", "qwen3"):
+        return save_tiny_hf(path, arch, vocab=vocab, layers=2)
+    if arch == "qwen2":  # biases, yarn
+        return save_tiny_family(path, "qwen2", vocab_size=vocab, num_hidden_layers=2)
+    # gemma3 as llama.cpp knows it: layers 1-5 sliding, the 6th global, query scale head_dim ** -0.5, linear
+    # scaling on the global layer, no soft-capping (llama.cpp's gemma3 has none)
+    return save_tiny_family(path, "gemma3", vocab_size=vocab, num_hidden_layers=6, query_pre_attn_scalar=16,
+                            final_logit_softcapping=None,
+                            layer_types=["sliding_attention"] * 5 + ["full_attention"])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            hf = _tiny_hf(tmp_path_factory.mktemp(f"hf-{arch}"), arch)
+            gguf_file = write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf") / f"tiny-{arch}.gguf", arch,
+                                        pre={"qwen2": "qwen2", "qwen3": "qwen2"}.get(arch, "gpt2"))
+            made[arch] = hf, gguf_file, gguf_model_path(gguf_file, tmp_path_factory.mktemp(f"cache-{arch}") / "m")
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_gguf_matches_the_hf_original(arch, converted):
+    import transformers
+
+    hf, _, out = converted(arch)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == json.loads(open(f"{hf}/config.json").read())["model_type"]
+    ours = load_target(out)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ids = torch.randint(3, ours.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = ref(ids).logits
+    assert (ours.score(ids) - expect).abs().max().item() < 1e-4, arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tokenizer_rebuilt_equals_the_original(arch, converted):
+    from tokenizers import Tokenizer
+
+    hf, _, out = converted(arch)
+    mine, theirs = Tokenizer.from_file(str(out / "tokenizer.json")), Tokenizer.from_file(f"{hf}/tokenizer.json")
+    for text in ["hello world, what is two plus two?", "café ünïcode 1234", "<|im_start|>user\nhi<|im_end|>"]:
+        assert mine.encode(text).ids == theirs.encode(text).ids
+
+
+def test_pre_tokenizer_splits_per_llama_cpp_name():
+    splits = {}
+    for pre in ("qwen2", "llama-bpe"):
+        tok = gguf_convert._pre_tokenizer(pre, gguf_convert.Path("x.gguf"))
+        splits[pre] = [piece for piece, _ in tok.pre_tokenize_str("It's 12345 ok")]
+    assert splits["qwen2"] == ["It", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġok"]
+    assert splits["llama-bpe"] == ["It", "'s", "Ġ", "123", "45", "Ġok"]
+
+
+def test_unknown_pre_tokenizer_and_architecture_refused_by_name(converted, tmp_path):
+    hf, _, _ = converted("qwen3")
+    bad = write_tiny_gguf(hf, tmp_path / "bad-pre.gguf", "qwen3", pre="deepseek-llm")
+    with pytest.raises(GGUFConversionError, match="'deepseek-llm' is not supported") as e:
+        gguf_model_path(bad, tmp_path / "c1")
+    assert "\n" not in str(e.value)
+    other = write_tiny_gguf(hf, tmp_path / "phi2.gguf", "phi2")
+    with pytest.raises(GGUFConversionError, match="architecture 'phi2' is not supported"):
+        gguf_model_path(other, tmp_path / "c2")
+
+
+def test_converted_once_then_reused(converted, monkeypatch):
+    _, gguf_file, out = converted("qwen2")
+
+    def fail(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fail)
+    assert gguf_model_path(gguf_file, out) == out
+
+
+def test_model_flag_takes_a_gguf(converted, tmp_path, monkeypatch):
+    """``--model FILE.gguf`` (dspine-batch) and ``dspine info FILE.gguf``: the cache under $DSPINE_CACHE_DIR."""
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+    from dspine_batch.engines.models import resolve_model
+    from dspine_batch.errors import UsageError
+
+    monkeypatch.setenv("DSPINE_CACHE_DIR", str(tmp_path / "cache"))
+    _, gguf_file, _ = converted("gemma3")
+    path = resolve_model(str(gguf_file))
+    assert path.is_relative_to(tmp_path / "cache") and (path / "tokenizer.json").is_file()
+    res = CliRunner().invoke(main, ["info", str(gguf_file)])
+    assert res.exit_code == 0 and json.loads(res.output)["family"] == "gemma3"
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(UsageError, match="not a readable GGUF"):
+        resolve_model(str(bad))

@@ -1,0 +1,217 @@
+"""Tiny random models of the dense families beyond Llama/Qwen3, made with the installed ``transformers`` from each
+family's own config class with its distinctive options on (the oracle for ``tests/models/test_families.py`` and the
+GGUF tests). Small enough that a family's whole test runs in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# family -> (config class, model class, the family's distinctive options)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    # QKV biases, yarn scaling
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(tie_word_embeddings=False, max_position_embeddings=128,
+                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 32})),
+    # sliding window on every layer
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, head_dim=16, tie_word_embeddings=False)),
+    # 1+w norms, embedding scaling, local/global layers with their own RoPE bases, QK-norm, final soft-capping,
+    # linear scaling on the global layers
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1000000.0}})),
+    # NoPE layers (every 4th: layer 3 here), llama3 scaling
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                dict(tie_word_embeddings=True, no_rope_layer_interval=2,
+                     rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                      "rope_theta": 10000.0})),
+    # post-norms, QK-norm over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    # embedding / residual / attention multipliers, logits scaling
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                     logits_scaling=8.0, tie_word_embeddings=True)),
+    # fused qkv / gate_up, partial rotary, longrope (long factors past 32 positions)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(tie_word_embeddings=True, original_max_position_embeddings=32,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                   "long_factor": [2.0 + 0.5 * i for i in range(6)]})),
+}
+
+
+def save_tiny_family(path: str | Path, family: str, seed: int = 0, head_scale: float = 6.0, **kw) -> str:
+    """Save a tiny random ``family`` model (``FAMILIES``) to ``path``; ``kw`` overrides config values."""
+    import transformers
+
+    conf_name, model_name, options = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, conf_name)(**{**COMMON, **options, **kw})
+    model = getattr(transformers, model_name)(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and family in ("gemma3",):
+                p.normal_(0.0, 0.2)  # zero-initialised (1 + w) norms would test nothing
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+        model.lm_head.weight.mul_(head_scale)  # peaked distributions: greedy and sampled tests mean something
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+# -- sampled-law helpers (the method of tests/decoding/test_generate.py: exact joint by enumeration, χ² pooled) --
+
+
+def exact_joint3(target, prompt: list[int]) -> torch.Tensor:
+    """Exact p(x1, x2, x3 | prompt) at temperature 1 (small vocab: enumerate x1, x2)."""
+    V = target.vocab_size
+    p1 = target.score(torch.tensor([prompt]))[0, -1].softmax(-1)
+    p2 = target.score(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)
+    p3 = target.score(torch.tensor([prompt + [x, y] for x in range(V) for y in range(V)]))[:, -1].softmax(-1)
+    return (p1[:, None, None] * p2[:, :, None] * p3.view(V, V, V)).flatten().double()
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson χ² p-value of ``counts`` against ``probs``, cells with expected count < 5 pooled into one."""
+    from scipy.stats import chisquare
+
+    exp = probs * counts.sum()
+    order = exp.argsort(descending=True)
+    c, e = counts[order].double(), exp[order]
+    big = e >= 5
+    obs = [c[big]] + ([c[~big].sum(0, keepdim=True)] if bool((~big).any()) else [])
+    ex = [e[big]] + ([e[~big].sum(0, keepdim=True)] if bool((~big).any()) else [])
+    o, x = torch.cat(obs).numpy(), torch.cat(ex).numpy()
+    return float(chisquare(o, x * o.sum() / x.sum()).pvalue)
+
+
+def random_dspine(target, block_size: int, seed: int):
+    """A DSpine draft for ``target`` with its injection and confidence weights random too (so it proposes
+    varied, sometimes right, blocks)."""
+    from dspine import init_draft
+
+    d = init_draft(target, num_layers=2, block_size=block_size, seed=seed, intermediate_size=64, top_k=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "injection" in name or "confidence" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    d.confidence_trained = True
+    return d
+
+
+# -- tiny GGUFs written with the ``gguf`` package, in llama.cpp's layouts (tests/embedded/test_gguf_families.py) --
+
+_GGUF_BLOCK = {  # HF name within model.layers.N. -> GGUF name within blk.N. (llama.cpp's names)
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2") -> Path:
+    """Write the tiny HF model in ``hf_dir`` (with a byte-level BPE ``tokenizer.json``) as a GGUF of ``arch`` the
+    way llama.cpp's converter lays it out: Llama's Q/K rows permuted for adjacent-pair RoPE, Gemma's norms stored
+    as ``1 + w``, Gemma's pre-MLP norm as ``ffn_norm`` and its post-norms as ``post_attention_norm`` /
+    ``post_ffw_norm``; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if rope.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+        if rope["rope_type"] == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [1] * len(tokens)
+    for added in tok.get("added_tokens", []):
+        types[added["id"]] = 3 if added.get("special") else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg.get("bos_token_id") or 0)
+    w.add_eos_token_id(cfg.get("eos_token_id") or 0)
+    w.add_vocab_size(cfg["vocab_size"])
+
+    def permute(t: np.ndarray, heads: int) -> np.ndarray:  # HF rotate-half rows -> llama.cpp's pairs
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    gemma_names = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                   "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                   "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+    for name, t in state.items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.get("tie_word_embeddings"):
+                continue
+            g = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            if arch == "gemma3" and rest in gemma_names:
+                local = gemma_names[rest]
+            elif rest == "post_attention_layernorm.weight":
+                local = "ffn_norm.weight"
+            else:
+                local = _GGUF_BLOCK[rest]
+            g = f"blk.{layer}.{local}"
+        if arch == "llama" and g.endswith("attn_q.weight"):
+            a = permute(a, n_heads)
+        elif arch == "llama" and g.endswith("attn_k.weight"):
+            a = permute(a, n_kv)
+        if arch == "gemma3" and g.endswith("norm.weight"):
+            a = a + np.float32(1.0)
+        w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
