@@ -679,13 +679,13 @@ def _propose_refining_chosen_only(draft, cache, anchor, target, temperature, gen
 
 def test_refining_chosen_only_equals_transition_cache():
     """Refining only the chosen predecessor, slot by slot == walking the full transition cache (``propose``)."""
-    import conftest
     import torch as _t
+    from helpers import save_tiny_hf  # not `conftest`: with a conftest.py in tests/objstore/ too that name is ambiguous
 
     from dspine import init_draft
     from dspine.models.registry import load_target
 
-    tgt = load_target(conftest.save_tiny_hf(__import__("tempfile").mkdtemp(), "qwen3", layers=4))
+    tgt = load_target(save_tiny_hf(__import__("tempfile").mkdtemp(), "qwen3", layers=4))
     d = init_draft(tgt, num_layers=2, block_size=8, seed=3, top_k=5)
     g = _t.Generator().manual_seed(0)
     with _t.no_grad():
