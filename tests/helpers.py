@@ -777,3 +777,42 @@ def cache_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: to
     scores = torch.einsum("bthd,bhsd->bhts", q, keys) * D**-0.5
     out = torch.einsum("bhts,bhsd->bthd", scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1), values)
     return out.reshape(B, T, Hq * D)
+
+
+# -- exact laws and random drafts for χ² tests (decoding and model families) -------------------------------------
+def exact_joint3(target, prompt: list[int]) -> torch.Tensor:
+    """Exact p(x1, x2, x3 | prompt) at temperature 1 (small vocab: enumerate x1, x2)."""
+    V = target.vocab_size
+    p1 = target.score(torch.tensor([prompt]))[0, -1].softmax(-1)
+    p2 = target.score(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)
+    p3 = target.score(torch.tensor([prompt + [x, y] for x in range(V) for y in range(V)]))[:, -1].softmax(-1)
+    return (p1[:, None, None] * p2[:, :, None] * p3.view(V, V, V)).flatten().double()
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson χ² p-value of ``counts`` against ``probs``, cells with expected count < 5 pooled into one."""
+    from scipy.stats import chisquare
+
+    exp = probs * counts.sum()
+    order = exp.argsort(descending=True)
+    c, e = counts[order].double(), exp[order]
+    big = e >= 5
+    obs = [c[big]] + ([c[~big].sum(0, keepdim=True)] if bool((~big).any()) else [])
+    ex = [e[big]] + ([e[~big].sum(0, keepdim=True)] if bool((~big).any()) else [])
+    o, x = torch.cat(obs).numpy(), torch.cat(ex).numpy()
+    return float(chisquare(o, x * o.sum() / x.sum()).pvalue)
+
+
+def random_dspine(target, block_size: int, seed: int):
+    """A DSpine draft for ``target`` with its injection and confidence weights random too (so it proposes
+    varied, sometimes right, blocks)."""
+    from dspine import init_draft
+
+    d = init_draft(target, num_layers=2, block_size=block_size, seed=seed, intermediate_size=64, top_k=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "injection" in name or "confidence" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    d.confidence_trained = True
+    return d

@@ -12,6 +12,9 @@ from helpers import (
     random_mistakes,
     token_prompts,
 )
+from helpers import chi2_pvalue as _chi2_pvalue  # the names the decoding tests import from here
+from helpers import exact_joint3 as _exact_joint3
+from helpers import random_dspine as _random_dspine
 
 from dspine import generate
 from dspine.decoding.cost import CostModel, Grid
@@ -177,21 +180,6 @@ def _exact_joint(target, prompt, temperature):
     return (p1[:, None] * p2).flatten().double()
 
 
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    from scipy.stats import chisquare
-
-    n = counts.sum()
-    exp = probs * n
-    order = exp.argsort(descending=True)
-    c, e = counts[order].double(), exp[order]
-    big = e >= 5  # pool the tail so every cell has expected count >= 5
-    tail = [c[~big].sum(0, keepdim=True)] if bool((~big).any()) else []  # no empty pooled cell (0 / 0)
-    obs = torch.cat([c[big], *tail]).numpy()
-    ex = torch.cat([e[big], *([e[~big].sum(0, keepdim=True)] if tail else [])]).numpy()
-    ex = ex * obs.sum() / ex.sum()
-    return float(chisquare(obs, ex).pvalue)
-
-
 def _joint_counts(target, draft, prompt, n, temperature, **kw):
     outs = generate(target, draft, [prompt] * n, max_new_tokens=2, temperature=temperature, seed=list(range(n)), **kw)
     V = target.vocab_size
@@ -223,20 +211,6 @@ def test_lookahead_truncation_is_detected(small_vocab_target):
     exact = _exact_joint(small_vocab_target, prompt, 1.0)
     counts = _joint_counts(small_vocab_target, LookaheadDraft(16, 4, sharp=3.0), prompt, 12000, 1.0)
     assert _chi2_pvalue(counts, exact) < 1e-3
-
-
-def _random_dspine(target, bs: int, seed: int):
-    """A real DSpine draft with every weight random (writes and G_pred too) and a 'trained' confidence head."""
-    from dspine import init_draft
-
-    d = init_draft(target, num_layers=2, block_size=bs, seed=seed, intermediate_size=64, top_k=4)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if "injection" in name or "confidence" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    d.confidence_trained = True
-    return d
 
 
 @pytest.mark.parametrize("bs", [4, 16])
@@ -285,16 +259,6 @@ def test_draft_vocab_sampled_matches_target_distribution(small_vocab_target):
     d = _vocab_dspine(small_vocab_target, 4, seed=2, vocab=[0, 2, 5, 7, 8, 11, 13, 14])
     counts = _joint_counts(small_vocab_target, d, prompt, 8000, 1.0)
     assert _chi2_pvalue(counts, exact) > 1e-3
-
-
-def _exact_joint3(target, prompt):
-    """Exact p(x1, x2, x3 | prompt) at temperature 1 (small vocab: enumerate x1, x2)."""
-    V = target.vocab_size
-    p1 = target.score(torch.tensor([prompt]))[0, -1].softmax(-1)
-    p2 = target.score(torch.tensor([prompt + [x] for x in range(V)]))[:, -1].softmax(-1)  # [V, V]
-    ids = torch.tensor([prompt + [x, y] for x in range(V) for y in range(V)])
-    p3 = target.score(ids)[:, -1].softmax(-1).view(V, V, V)
-    return (p1[:, None, None] * p2[:, :, None] * p3).flatten().double()
 
 
 def _joint3_counts(target, draft, prompt, n, **kw):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_models import FAMILIES, chi2_pvalue, exact_joint3, random_dspine, save_tiny_family
-from helpers import token_prompts
+from family_models import FAMILIES, save_tiny_family
+from helpers import chi2_pvalue, exact_joint3, random_dspine, token_prompts
 
 from dspine import generate, load_target
 from dspine.decoding.cost import CostModel
