@@ -7,20 +7,16 @@ stage's own ``explode`` as its manifest recorded it: each present exactly once, 
 
 from __future__ import annotations
 
-import json
 import os
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_OK
 from dspine_batch.ops.finalize import finalize
 from dspine_batch.pipeline.job import _write_success, log
 from dspine_batch.pipeline.manifest import read_manifest
 from dspine_batch.pipeline.resume import list_parts
-from dspine_batch.stages.rows import Parent, child_ids
-
-_COLS = ["row_id", "sample_index", "output", "status", "structure_kind", "root_id", "lineage", "context", "kept"]
+from dspine_batch.stages.rows import child_ids, committed_parents
 
 
 def expected_children(parent_dir: str):
@@ -30,14 +26,8 @@ def expected_children(parent_dir: str):
 
     def expected(manifest: dict) -> pa.Array:
         explode = (manifest["fingerprint_fields"].get("stage") or {}).get("explode")
-        ids: list[str] = []
-        for part in list_parts(parent_dir):
-            for r in pq.read_table(part.path, columns=_COLS).to_pylist():
-                if r["kept"] and r["status"] == "ok" and r["output"] is not None:
-                    p = Parent(r["row_id"], r["sample_index"], samples, r["output"], r["structure_kind"],
-                               r["root_id"], {}, json.loads(r["context"] or "{}"))
-                    ids += child_ids(p, explode)
-        return pa.array(ids, pa.string())
+        parents = committed_parents([p.path for p in list_parts(parent_dir)], samples)
+        return pa.array([cid for p in parents for cid in child_ids(p, explode)], pa.string())
 
     return expected
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
 from dspine_batch.errors import RowError
@@ -49,6 +50,13 @@ class Parent:
     lineage: dict[str, str]
     context: dict[str, Any]
 
+    @property
+    def base(self) -> str:
+        """The id its children start from: the row id, with ``#<sample>`` when the parent stage draws several
+        samples per row (``samples``: the stage's --num-samples) or this is a later sample of a row's own ``n``.
+        It depends on the committed row alone, so a resume makes the same ids."""
+        return self.row_id if self.samples == 1 and self.sample_index == 0 else f"{self.row_id}#{self.sample_index}"
+
 
 def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
     """What a child's template and ``where`` see of its parent: the parent's own context, ``output``, the parsed
@@ -67,7 +75,7 @@ def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
 
 def child_ids(p: Parent, explode: str | None) -> list[str]:
     """The ids of a parent's children (what ``children`` makes, without building rows): for ``finalize``."""
-    base = p.row_id if p.samples == 1 else f"{p.row_id}#{p.sample_index}"
+    base = p.base
     if explode is None:
         return [base]
     items = parent_fields(p, "").get(explode)
@@ -78,7 +86,7 @@ def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[st
     """(child id, row) of a parent for stage ``spec``: one child (the parent's id; ``#s`` per sample when the
     parent stage drew several), or with ``explode`` one per item of the named list field (``<id>/<i>``, stable
     across resumes). A field that is not a list gives one error row naming it."""
-    base = p.row_id if p.samples == 1 else f"{p.row_id}#{p.sample_index}"
+    base = p.base
     lineage = {**p.lineage, parent_stage: base}
     ctx = parent_fields(p, parent_stage)
     if spec.explode is None:
@@ -92,6 +100,21 @@ def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[st
     for i, item in enumerate(items):
         row = {**ctx, spec.explode: item, "explode_index": i}
         yield f"{base}/{i}", carried(row, p.root_id, lineage, row)
+
+
+PARENT_COLUMNS = ["row_id", "sample_index", "output", "status", "structure_kind", "root_id", "lineage", "context",
+                  "kept"]
+
+
+def committed_parents(paths: Iterable[str], samples: int) -> Iterator[Parent]:
+    """The kept rows of a stage's committed parts (``paths``, in commit order) as parents of the next stage:
+    what a resume queues again and what ``finalize`` expects the next stage to hold."""
+    for path in paths:
+        for r in pq.read_table(path, columns=PARENT_COLUMNS).to_pylist():
+            if r["kept"] and r["status"] == "ok" and r["output"] is not None:
+                yield Parent(r["row_id"], r["sample_index"], samples, r["output"], r["structure_kind"],
+                             r["root_id"] or r["row_id"], json.loads(r["lineage"] or "{}"),
+                             json.loads(r["context"] or "{}"))
 
 
 _SPACE = re.compile(r"\s+")

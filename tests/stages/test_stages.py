@@ -252,3 +252,14 @@ def test_the_recipe_on_the_embedded_model(tmp_path):
     answers = read_output(out / "answers")
     assert answers and all(r["root_id"] in ("resume", "speculation", "suffix") for r in answers)
     assert {r["row_id"] for r in read_output(out / "judge")} <= {r["row_id"] for r in answers}
+
+
+def test_child_ids_depend_on_the_committed_row_alone():
+    """A parent's children get the same ids whether made as its part commits or from the committed part on resume:
+    the id reads the row and the stage's --num-samples only (a row's own n marks its later samples)."""
+    from dspine_batch.stages.rows import Parent, child_ids
+
+    one = Parent("r", 0, 1, '{"q": ["a", "b"]}', "json_schema", "r", {}, {})
+    assert child_ids(one, None) == ["r"] and child_ids(one, "q") == ["r/0", "r/1"]
+    assert child_ids(Parent("r", 2, 1, "x", None, "r", {}, {}), None) == ["r#2"]  # a row's own n > 1
+    assert child_ids(Parent("r", 0, 3, "x", None, "r", {}, {}), None) == ["r#0"]  # --num-samples 3
