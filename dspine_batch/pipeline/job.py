@@ -267,10 +267,7 @@ def generate(cfg: GenerateConfig) -> int:
             return _nothing_left(job, pre)
         _check_row_structures(job, base)  # every distinct grammar compiled once, before the model loads
         _check_free_space(job, total)
-        t0 = time.monotonic()
-        log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft})")
-        engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
-        log(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.name} engine)")
+        engine = load_engine(cfg)
         try:
             return _run(job, engine, shutdown, total, pre)
         finally:
@@ -281,6 +278,15 @@ def generate(cfg: GenerateConfig) -> int:
     finally:
         lock.release()
         shutdown.restore()
+
+
+def load_engine(cfg: GenerateConfig, why: str = "") -> Engine:
+    """The job's engine, opened with a line before and after (the load time is what a user waits for first)."""
+    t0 = time.monotonic()
+    log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft}){why}")
+    engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
+    log(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.name} engine)")
+    return engine
 
 
 def _check_job_structure(job: Job) -> Defaults:

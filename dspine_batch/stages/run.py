@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -27,7 +26,6 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Engine, Result, SamplingParams
-from dspine_batch.engines.registry import open_engine
 from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, EngineDied, Interrupted, UsageError
 from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
@@ -41,6 +39,7 @@ from dspine_batch.pipeline.job import (
     _use_chat,
     _write_success,
     job_defaults,
+    load_engine,
     log,
 )
 from dspine_batch.pipeline.keyset import key_hash
@@ -55,7 +54,15 @@ from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
-from dspine_batch.stages.rows import LINEAGE_FIELDS, LINEAGE_TYPES, Judge, Parent, carried, children
+from dspine_batch.stages.rows import (
+    LINEAGE_FIELDS,
+    LINEAGE_TYPES,
+    Judge,
+    Parent,
+    carried,
+    children,
+    committed_parents,
+)
 from dspine_batch.stages.spec import StageSpec, parse_stages
 from dspine_batch.storage.urls import is_url, redact
 
@@ -151,10 +158,7 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             compact.recover(st.job.outdir)
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
-        t0 = time.monotonic()
-        log(f"loading the model ({cfg.engine} engine, model {cfg.model}, draft {cfg.draft}), once for every stage")
-        engine = open_engine(cfg.engine, cfg.model, cfg.draft, cfg.engine_args)
-        log(f"model loaded in {time.monotonic() - t0:.1f}s ({engine.name} engine)")
+        engine = load_engine(cfg, ", once for every stage")
         try:
             return _run(stages, engine, shutdown, columns)
         finally:
@@ -249,20 +253,13 @@ def _parents(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterat
             continue
         kind = item.requests[0].params.structure.kind if item.requests and item.requests[0].params.structure \
             else None
-        yield Parent(item.row_id, r.sample_index, max(samples, len(item.requests) or 1), r.text, kind,
+        yield Parent(item.row_id, r.sample_index, samples, r.text, kind,
                      v["root_id"] or item.row_id, json.loads(v["lineage"] or "{}"), json.loads(v["context"] or "{}"))
 
 
 def _committed_parents(st: Stage) -> Iterator[Parent]:
-    """Every kept row ``st`` has committed (a resume's parents), part by part in commit order."""
-    cols = ["row_id", "sample_index", "output", "status", "structure_kind", "root_id", "lineage", "context", "kept"]
-    samples = st.job.cfg.num_samples
-    for part in list_parts(st.job.outdir, st.job.tag):
-        for r in pq.read_table(part.path, columns=cols).to_pylist():
-            if r["kept"] and r["status"] == "ok" and r["output"] is not None:
-                yield Parent(r["row_id"], r["sample_index"], samples, r["output"], r["structure_kind"],
-                             r["root_id"] or r["row_id"], json.loads(r["lineage"] or "{}"),
-                             json.loads(r["context"] or "{}"))
+    """Every kept row ``st`` has committed in this shard (a resume's parents), part by part in commit order."""
+    return committed_parents([p.path for p in list_parts(st.job.outdir, st.job.tag)], st.job.cfg.num_samples)
 
 
 def _offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
