@@ -276,7 +276,8 @@ def cli() -> None:
                  "aside to OUTDIR/_dspine/damaged/ and generate its rows again, or stop (exit 1) and leave it.")
 @env_option("--resume/--no-resume", help="Continue a run found in OUTDIR.")
 @env_option("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
-@env_option("--commit-rows", type=click.IntRange(min=1), help="Commit a part after this many rows...")
+@env_option("--commit-rows", type=click.IntRange(min=1),
+            help="Commit a part after this many rows (default 1,000; 10,000 on an object store)...")
 @env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
 @env_option("--grace-seconds", type=FiniteFloatRange(min=0),
             help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")

@@ -816,3 +816,25 @@ def random_dspine(target, block_size: int, seed: int):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     d.confidence_trained = True
     return d
+
+
+class Counting:
+    """The scripted engine, counting how often it is opened and which rows it is asked for."""
+
+    def __init__(self) -> None:
+        self.opens, self.rows = 0, []
+
+    def __call__(self, model, draft, args):
+        self.opens += 1
+        engine = scripted_engine(model, draft, args)
+        run = engine.run
+
+        def counted(requests, max_in_flight):
+            def seen():
+                for r in requests:
+                    self.rows.append(r.row_id)
+                    yield r
+            return run(seen(), max_in_flight)
+
+        engine.run = counted
+        return engine

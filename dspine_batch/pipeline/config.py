@@ -67,7 +67,7 @@ class GenerateConfig:
     max_error_rate: float = 0.05
     resume: bool = True
     overwrite: bool = False
-    commit_rows: int = 1000
+    commit_rows: int | None = None  # None: the OUTDIR's own default (``Output.commit_rows``)
     commit_seconds: float = 5.0
     grace_seconds: float = 20.0
     stall_seconds: float = 1800.0  # nothing produced this long with requests in flight: commit, exit 75 (0: off)

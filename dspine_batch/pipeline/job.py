@@ -40,11 +40,12 @@ from dspine_batch.errors import (
     disk_full_named,
     human_bytes,
 )
-from dspine_batch.pipeline import deaths, retry, supersede
+from dspine_batch.pipeline import deaths, retry
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.errorlog import ErrorLog, committed_kinds, part_paths, top_kinds
+from dspine_batch.pipeline.heap import setup_frozen
 from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.manifest import build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
@@ -231,9 +232,6 @@ def generate(cfg: GenerateConfig) -> int:
     shard = parse_shard(cfg.shard)
     cfg.inputs = [p if is_url(p) else os.path.abspath(p) for p in cfg.inputs]  # finalize re-reads them
     out = open_output(cfg.output)  # an output URL we cannot commit to is refused before inputs are read
-    if (cfg.retry_errors or cfg.retry_length) and out.remote:
-        raise UsageError(f"{out.display}: --retry-errors / --retry-length are not available on an object-store "
-                         "output yet (they replace committed parts); copy it to a local directory for them")
     files = resolve_inputs(cfg.inputs, cfg.split)
     for inp in files:
         if inp.kind in ("jsonl", "openai") and input_size(inp.path) == 0:
@@ -258,10 +256,10 @@ def generate(cfg: GenerateConfig) -> int:
         found = f"{len(files)} input file(s)" if total is None else \
             f"{'~' if shard[1] > 1 else ''}{total:,} input rows{' in this shard' if shard[1] > 1 else ''}"
         log(f"{found}; output -> {job.outdir}")
-        if not out.remote and (said := supersede.recover(job.outdir, job.tag)) is not None:  # a crashed retry
+        if (said := out.recover_retry(job.tag)) is not None:  # a crashed retry
             log(f"--retry-errors interrupted: {said}")
         if cfg.retry_errors or cfg.retry_length:
-            retry.prepare(cfg, files, columns, job.outdir, job.tag, job.request, log)
+            retry.prepare(cfg, files, columns, out, job.tag, job.request, log)
         pre = precheck(cfg, files, columns, out, shard, job.tag, log, job.request)
         if pre is not None and pre.missing == 0:
             return _nothing_left(job, pre)
@@ -435,8 +433,9 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     decisions = DecisionLog(engine, state.fields.get("decisions"), log)
     state.decisions = decisions.record
     decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
-    sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples, cfg.commit_rows, cfg.commit_seconds,
-                    attempt_from_env(), state.save, commit=job.output.commit_part)
+    sink = PartSink(outdir, schema, job.tag, done.next_seq, cfg.num_samples,
+                    cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(), state.save,
+                    commit=job.output.commit_part)
     selector = RowSelector(mapper, job.shard, done.keys, position=ReadPosition.of(job.files),
                            recorder=None if job.output.remote else RowRecorder(outdir, job.files, job.tag))
     progress = Progress(cfg.progress, total, done.rows, cfg.log_interval, taken=lambda: sink.taken,
@@ -450,10 +449,12 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     interrupted = False
     death = deaths.Death.of(state.fields.get(deaths.STATE_KEY))
     try:
-        if death is not None:
-            _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions, fail_fast)
-        _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
-                fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight, errors, inflight)
+        with setup_frozen():
+            if death is not None:
+                _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions,
+                         fail_fast)
+            _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
+                    fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight, errors, inflight)
     except Interrupted:
         interrupted = True
     except DiskFull:

@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from dspine_batch.errors import disk_full_named, free_bytes
-from dspine_batch.pipeline import compact
-from dspine_batch.pipeline.manifest import create_or_check, read_manifest
+from dspine_batch.pipeline import compact, supersede
+from dspine_batch.pipeline.manifest import MANIFEST, create_or_check, read_manifest
 from dspine_batch.pipeline.resume import (
     STATE_DIR,
     DoneSet,
@@ -47,6 +47,7 @@ class Output(Protocol):
 
     display: str
     remote: bool
+    commit_rows: int  # --commit-rows when not given (see ``remote.ObjectOutput.commit_rows`` for why they differ)
 
     def prepare(self) -> None: ...
     def lock(self, tag: str) -> Any: ...
@@ -68,12 +69,18 @@ class Output(Protocol):
                     rows: int | None = None) -> dict[str, Any]: ...
     def part_urls(self) -> list[str]: ...
     def flush(self) -> None: ...
+    # --retry-errors: failed rows taken out of committed parts, a crash's half-done take-out settled
+    def recover_retry(self, tag: str) -> str | None: ...
+    def drop_rows(self, tag: str, part: str, ids: set[str]) -> int: ...
+    def update_manifest(self, manifest: dict[str, Any]) -> None: ...
+    def remove_success(self) -> None: ...
 
 
 class LocalOutput:
     """A local directory: today's protocol (``sink``/``resume``), wrapped."""
 
     remote = False
+    commit_rows = 1000
 
     def __init__(self, path: str):
         self.path = os.path.abspath(local_path(path))
@@ -145,6 +152,28 @@ class LocalOutput:
 
     def part_urls(self) -> list[str]:
         return [p.path for p in list_parts(self.path)]
+
+    def recover_retry(self, tag: str) -> str | None:
+        return supersede.recover(self.path, tag)
+
+    def drop_rows(self, tag: str, part: str, ids: set[str]) -> int:
+        return supersede.drop_rows(self.path, tag, part, ids)
+
+    def update_manifest(self, manifest: dict[str, Any]) -> None:
+        path = os.path.join(self.path, MANIFEST)
+        tmp = os.path.join(self.path, f".{MANIFEST}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.path)
+
+    def remove_success(self) -> None:
+        try:
+            os.unlink(os.path.join(self.path, SUCCESS))
+        except FileNotFoundError:
+            pass
 
     def flush(self) -> None:
         """Commits here are synchronous: nothing is ever queued."""

@@ -46,34 +46,28 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FatalError, UsageError
+from dspine_batch.pipeline import remote_supersede
 from dspine_batch.pipeline.keyset import KeySet, fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
+from dspine_batch.pipeline.remote_layout import DAMAGED, KEYS, STAGING, STATE, SUCCESS, record_rel, stem
 from dspine_batch.pipeline.resume import OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
 from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter, keys_checksum
 from dspine_batch.storage.fs import retrying
 from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
 from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
 
-STATE = "_dspine"
-STAGING = f"{STATE}/staging"
-KEYS = f"{STATE}/keys"
-DAMAGED = f"{STATE}/damaged"
-SUCCESS = "_SUCCESS"
-
-
-def stem(name: str) -> str:
-    """``train-X.parquet`` -> ``X``."""
-    return name.removeprefix(PART_PREFIX).removesuffix(".parquet")
-
-
-def record_rel(name: str) -> str:
-    return f"{KEYS}/commit-{stem(name)}.json"
-
 
 class ObjectOutput:
     """The ``Output`` of an object-store OUTDIR (see ``outputs.LocalOutput`` for the local one)."""
 
     remote = True
+    # --commit-rows when not given: ten times a local disk's. A part here costs three requests (upload, record,
+    # copy), one more object to list and one GET on every resume, and the client's CPU per request; a local part
+    # costs an fsync. For any real engine --commit-seconds (5 s) ends a part long before 10,000 rows, so the work a
+    # crash can lose is the same as on a local disk; only a very fast job (cheap rows, cheap to redo) gets fewer,
+    # larger parts: on the zero-cost pipeline 10x fewer requests, and a resume over 1M rows reads 100 records
+    # instead of 1,000 (BENCHMARKS.md, issue 39).
+    commit_rows = 10_000
 
     def __init__(self, url: str):
         check_outdir_url(url)
@@ -150,6 +144,24 @@ class ObjectOutput:
 
     def recover(self) -> None:
         """Nothing to do across shards (``finalize --compact`` is not offered on object stores)."""
+
+    def forget_records(self) -> None:
+        """The records this start read are stale (a retry changed some): read them again when next asked."""
+        self._records.clear()
+
+    # -- --retry-errors (``remote_supersede``) ----------------------------------------------------------------------
+    def recover_retry(self, tag: str) -> str | None:
+        return remote_supersede.recover(self, tag)
+
+    def drop_rows(self, tag: str, part: str, ids: set[str]) -> int:
+        return remote_supersede.drop_rows(self, tag, part.rsplit("/", 1)[-1], ids)
+
+    def update_manifest(self, manifest: dict[str, Any]) -> None:
+        """Replace the manifest (a retry's accepted change) with a compare-and-swap on the one read."""
+        got = self.store.get_with_etag(MANIFEST)
+        body = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+        if got is None or self.store.replace(MANIFEST, body, got[1]) is None:
+            raise FatalError(f"{self.store.url_of(MANIFEST)}: changed or gone while a retry updated it; run again")
 
     # -- state ----------------------------------------------------------------------------------------------------
     def read_state(self, tag: str) -> dict[str, Any]:

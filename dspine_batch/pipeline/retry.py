@@ -17,7 +17,6 @@ Everything here runs before the model loads, and a refusal leaves OUTDIR as it w
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,15 +26,15 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FingerprintMismatch, UsageError
-from dspine_batch.pipeline import rowrecord, supersede
+from dspine_batch.pipeline import rowrecord
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
-from dspine_batch.pipeline.manifest import MANIFEST, describe_inputs, fingerprint, read_manifest
+from dspine_batch.pipeline.manifest import describe_inputs, fingerprint
 from dspine_batch.pipeline.mapping import Columns, RowIds
+from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.rerun import run_changes
-from dspine_batch.pipeline.resume import held_locks, list_parts
-from dspine_batch.pipeline.sink import fsync_dir
+from dspine_batch.pipeline.resume import held_locks
 from dspine_batch.pipeline.sources import InputFile, iter_inputs
 
 
@@ -55,14 +54,17 @@ class Failed:
 
 def find_failed(outdir: str, tag: str, lengths: bool, id_column: bool) -> Failed:
     """Rows whose status is error (or, with ``lengths``, finish_reason length): of this shard for the parts to
-    change, of every shard for the proof that a fixed input touched only failed rows."""
+    change, of every shard for the proof that a fixed input touched only failed rows. ``outdir``: a local
+    directory or an object-store URL (its parts read through the store, ranged)."""
     out = Failed()
     every: list[str] = []
-    for part in list_parts(outdir):
-        meta = json.loads((pq.read_metadata(part.path).metadata or {}).get(b"dspine_batch.part", b"{}"))
+    for part in committed_parts(outdir):
+        src = arrow_path(part.path)
+        meta = json.loads((pq.read_metadata(src["source"], filesystem=src.get("filesystem")).metadata or {})
+                          .get(b"dspine_batch.part", b"{}"))
         if not lengths and meta.get("error_rows", 1) == 0:
             continue
-        t = pq.read_table(part.path, columns=["row_id", "status", "finish_reason"]).to_pydict()
+        t = pq.read_table(**src, columns=["row_id", "status", "finish_reason"]).to_pydict()
         errors, cut = set(), set()
         for rid, status, finish in zip(t["row_id"], t["status"], t["finish_reason"], strict=True):
             if status != "ok":
@@ -79,31 +81,35 @@ def find_failed(outdir: str, tag: str, lengths: bool, id_column: bool) -> Failed
     return out
 
 
-def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdir: str, tag: str,
+def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: Output, tag: str,
             request: RowRequest, log: Callable[[str], None]) -> None:
     """Before the model loads, with the shard's lock held: accept a fixed input (or refuse, naming what changed),
-    then take the failed rows out of this shard's parts so the run generates them again."""
-    manifest = read_manifest(outdir)
+    then take the failed rows out of this shard's parts so the run generates them again (on a local disk or an
+    object store: ``Output.drop_rows``)."""
+    manifest = out.read_manifest()
     if manifest is None:
         log("--retry-errors: OUTDIR holds no run yet; nothing to retry")
         return
-    failed = find_failed(outdir, tag, cfg.retry_length, columns.id is not None)
+    failed = find_failed(cfg.output if out.remote else out.path, tag, cfg.retry_length,  # type: ignore[attr-defined]
+                         columns.id is not None)
     changed = _changed_inputs(cfg, files, columns, manifest, request)
+    if changed and out.remote:
+        raise FingerprintMismatch(f"{out.display}: the inputs changed; fixed input lines are accepted on a local "
+                                  "OUTDIR only (the proof that only failed lines changed reads a per-row record an "
+                                  "object-store OUTDIR does not keep): retry with the original inputs")
     if changed:
-        manifest = _accept_fixed_inputs(outdir, files, columns, manifest, changed, failed, cfg.limit, tag, log)
+        manifest = _accept_fixed_inputs(out, files, columns, manifest, changed, failed, cfg.limit, tag, log)
     old_limit = manifest["fingerprint_fields"]["settings"].get("max_new_tokens")
     if cfg.retry_length and old_limit != cfg.max_new_tokens and run_changes(cfg, files, columns, manifest, request):
-        _update_manifest(outdir, manifest, files, {}, {"max_new_tokens": cfg.max_new_tokens})
+        _update_manifest(out, manifest, files, {}, {"max_new_tokens": cfg.max_new_tokens})
         log(f"--retry-length: --max-new-tokens {old_limit} -> {cfg.max_new_tokens} for the retried rows (the others "
             "stopped before the old limit: a larger one does not change them)")
     if not failed.rows:
         log("--retry-errors: no failed rows in this shard's committed parts")
         return
-    success = os.path.join(outdir, "_SUCCESS")
-    if os.path.exists(success):  # no longer true once rows are taken out; the run that finishes writes it again
-        os.unlink(success)
+    out.remove_success()  # no longer true once rows are taken out; the run that finishes writes it again
     for path, ids in failed.parts.items():
-        supersede.drop_rows(outdir, tag, path, ids)
+        out.drop_rows(tag, path, ids)
     what = f"{failed.errors:,} error rows" + (f" and {failed.lengths:,} cut by length" if cfg.retry_length else "")
     log(f"--retry-errors: {what} taken out of {len(failed.parts)} committed part(s); they are generated again "
         "(readers see each row once: its latest committed attempt)")
@@ -133,9 +139,10 @@ def _changed_inputs(cfg: GenerateConfig, files: list[InputFile], columns: Column
     return content
 
 
-def _accept_fixed_inputs(outdir: str, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
+def _accept_fixed_inputs(out: Output, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
                          changed: list[int], failed: Failed, limit: int | None, tag: str,
                          log: Callable[[str], None]) -> dict[str, Any]:
+    outdir = out.path  # type: ignore[attr-defined] - a local OUTDIR (refused on an object store above)
     for k in changed:
         if files[k].kind not in ("jsonl", "openai"):
             raise FingerprintMismatch(f"{files[k].name}: changed; only a JSON Lines input's failed lines can be fixed "
@@ -171,7 +178,7 @@ def _accept_fixed_inputs(outdir: str, files: list[InputFile], columns: Columns, 
             raise FingerprintMismatch(f"{name}: line {line} changed, but its row did not fail (only failed rows' lines "
                                       "may change for --retry-errors); use the original line, or --overwrite")
         notes[name] = int(edited.sum())
-    manifest = _update_manifest(outdir, manifest, files, notes)
+    manifest = _update_manifest(out, manifest, files, notes)
     for k in changed:
         rowrecord.save(outdir, k, new_rows[k])
     log("--retry-errors: accepted the fixed input(s): " + ", ".join(f"{n} ({c:,} failed line(s) changed, every other "
@@ -193,7 +200,7 @@ def _read_rows(files: list[InputFile], columns: Columns, limit: int | None, want
     return {k: np.concatenate(v) if v else np.zeros(0, dtype=rowrecord.ROW) for k, v in parts.items()}
 
 
-def _update_manifest(outdir: str, manifest: dict[str, Any], files: list[InputFile], notes: dict[str, int],
+def _update_manifest(out: Output, manifest: dict[str, Any], files: list[InputFile], notes: dict[str, int],
                      settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest with the fixed inputs' digests (and a larger max_new_tokens): so a plain resume accepts them
     too; a ``retries`` entry keeps what changed and the fingerprint before."""
@@ -205,12 +212,5 @@ def _update_manifest(outdir: str, manifest: dict[str, Any], files: list[InputFil
              "changed_lines": notes, "settings": settings or {}}
     manifest = {**manifest, "fingerprint_fields": fields, "fingerprint": fingerprint(fields),
                 "retries": [*manifest.get("retries", []), entry]}
-    path = os.path.join(outdir, MANIFEST)
-    tmp = os.path.join(outdir, f".{MANIFEST}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(outdir)
+    out.update_manifest(manifest)
     return manifest

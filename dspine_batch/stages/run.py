@@ -30,6 +30,7 @@ from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, En
 from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.heap import setup_frozen
 from dspine_batch.pipeline.job import (
     Job,
     RowSelector,
@@ -220,8 +221,9 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
     st.state = ShardState(job.outdir, job.tag)
     st.state.start(job.shard, st.fingerprint, st.done)
-    st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples, cfg.commit_rows,
-                        cfg.commit_seconds, attempt_from_env(), st.state.save)
+    st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples,
+                        cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
+                        st.state.save)
     st.judge = Judge(st.spec, _committed_keys(job.outdir, job.tag))
     st.answers = Answers(tokenizer, cfg.reasoning_parser, cfg.tool_call_parser, log)
     st.file = InputFile(job.outdir if parent is None else parent.job.outdir,
@@ -324,22 +326,23 @@ def _run(stages: list[Stage], engine: Engine, shutdown: Shutdown, columns: Colum
     feed = _Feed(stages, selector.run(iter_inputs(first.job.files, read_cols, first.job.cfg.limit)))
     max_in_flight = first.job.cfg.max_in_flight
     try:
-        while True:
-            for item, results in schedule(feed.items(), engine, max_in_flight, shutdown):
-                k, item, results = _untagged(item, results)
-                st = stages[k]
-                for answered, rs in st.answers.run(iter([(item, results)])):
-                    st.sink.add(st.judge.decide(answered, rs, st.sink.keep_names), rs)
-                if st.sink.due():
-                    st.sink.commit()
-                if shutdown.expired:
+        with setup_frozen():
+            while True:
+                for item, results in schedule(feed.items(), engine, max_in_flight, shutdown):
+                    k, item, results = _untagged(item, results)
+                    st = stages[k]
+                    for answered, rs in st.answers.run(iter([(item, results)])):
+                        st.sink.add(st.judge.decide(answered, rs, st.sink.keep_names), rs)
+                    if st.sink.due():
+                        st.sink.commit()
+                    if shutdown.expired:
+                        break
+                if shutdown.requested:
                     break
-            if shutdown.requested:
-                break
-            for st in stages:  # commit all: the parents' children become ready
-                st.sink.commit()
-            if feed.exhausted and not any(s.ready for s in stages):
-                break
+                for st in stages:  # commit all: the parents' children become ready
+                    st.sink.commit()
+                if feed.exhausted and not any(s.ready for s in stages):
+                    break
     except Interrupted:
         pass
     except EngineDied as e:

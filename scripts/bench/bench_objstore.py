@@ -59,11 +59,13 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto server did not start")
 
 
-def generate(inputs: list[str], out: str, env: dict[str, str], commit_rows: int = 1000) -> dict:
-    """One generate run; wall time, peak RSS (sampled every 0.1 s), stderr."""
+def generate(inputs: list[str], out: str, env: dict[str, str], commit_rows: int | None = None) -> dict:
+    """One generate run; wall time, peak RSS (sampled every 0.1 s), stderr. ``commit_rows`` None: the tool's
+    default for that OUTDIR (what a user gets)."""
     cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", *inputs, "-o", out, "--engine", "scripted",
-           "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--commit-rows", str(commit_rows),
-           "--progress", "none"]
+           "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--progress", "none"]
+    if commit_rows is not None:
+        cmd += ["--commit-rows", str(commit_rows)]
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
@@ -116,6 +118,8 @@ def main() -> None:
     ap.add_argument("--resume-rows", type=int, default=1_000_000, help="committed rows the resume is timed over")
     ap.add_argument("--stream-rows", type=int, default=1_000_000, help="rows of the s3:// input streamed for RSS")
     ap.add_argument("--commit-parts", type=int, default=50, help="parts committed for the latency figure")
+    ap.add_argument("--commit-rows", type=int, help="--commit-rows of the throughput and resume runs (default: the "
+                    "tool's default for each OUTDIR)")
     ap.add_argument("--json", help="also write the report here")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_objstore_"))
@@ -137,7 +141,7 @@ def main() -> None:
         for r in range(a.repeats):
             for where in ("local", "s3"):  # alternating: drift in the machine's load hits both alike
                 out = str(tmp / f"out-{r}") if where == "local" else f"s3://{BUCKET}/out-{r}"
-                res = generate([str(src)], out, env)
+                res = generate([str(src)], out, env, a.commit_rows)
                 runs[where].append(a.rows / res["wall_s"])
                 cpu[where].append(a.rows / res["cpu_s"])
                 print(f"{where} run {r}: {a.rows / res['wall_s']:,.0f} rows/s ({res['wall_s']:.1f}s)", file=sys.stderr)
@@ -153,12 +157,12 @@ def main() -> None:
         res_src = tmp / "resume.parquet"
         make_input(res_src, a.resume_rows)
         t = time.perf_counter()
-        generate([str(res_src)], f"s3://{BUCKET}/resume", env)
+        generate([str(res_src)], f"s3://{BUCKET}/resume", env, a.commit_rows)
         report["resume_commit_run_s"] = round(time.perf_counter() - t, 1)
         for where, out in (("s3", f"s3://{BUCKET}/resume"), ("local", str(tmp / "resume-local"))):
             if where == "local":
-                generate([str(res_src)], out, env)
-            res = generate([str(res_src)], out, env)
+                generate([str(res_src)], out, env, a.commit_rows)
+            res = generate([str(res_src)], out, env, a.commit_rows)
             m = re.search(r"checked in ([\d.]+)s", res["log"])
             report[f"resume_{where}_checked_s"] = float(m.group(1)) if m else None
             report[f"resume_{where}_wall_s"] = round(res["wall_s"], 2)

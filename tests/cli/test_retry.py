@@ -10,7 +10,7 @@ import time
 
 import pyarrow.dataset as ds
 import pytest
-from helpers import prompts, read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import Counting, prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.pipeline import supersede
 from dspine_batch.pipeline.resume import list_parts, load_done
@@ -29,28 +29,6 @@ def _write(path, rows: list) -> None:
 
 GOOD = [_line(f"req-{i}") for i in range(12)]
 BAD = {3: _line("req-3", temperature="hot"), 6: _line("req-6", frobnicate=1), 9: b'{"custom_id": "req-9", oops'}
-
-
-class Counting:
-    """The scripted engine, counting how often it is opened and which rows it is asked for."""
-
-    def __init__(self) -> None:
-        self.opens, self.rows = 0, []
-
-    def __call__(self, model, draft, args):
-        self.opens += 1
-        engine = scripted_engine(model, draft, args)
-        run = engine.run
-
-        def counted(requests, max_in_flight):
-            def seen():
-                for r in requests:
-                    self.rows.append(r.row_id)
-                    yield r
-            return run(seen(), max_in_flight)
-
-        engine.run = counted
-        return engine
 
 
 def _ids_every_reader_sees(out) -> dict[str, list[str]]:

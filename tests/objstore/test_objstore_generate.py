@@ -179,3 +179,17 @@ def test_no_secret_in_any_log_manifest_state_or_report(tmp_path, s3, s3env, buck
         assert s not in logs.out and s not in logs.err
         assert s.encode() not in stored
     assert "***" in logs.err
+
+
+def test_default_part_size_is_the_outdirs_own(tmp_path, s3, bucket):
+    """Without --commit-rows a local OUTDIR commits every 1,000 rows and an object store every 10,000 (a part
+    there costs requests and a GET on every resume); a given --commit-rows is taken as given on both."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(prompts(2500)), src)
+    fast = ["--engine-arg", "zero_cost=1", "--commit-seconds", "3600"]
+    assert run_cli(["generate", str(src), *fast, "-o", str(tmp_path / "local")]) == 0
+    assert len(list((tmp_path / "local").glob("*.parquet"))) == 3  # 1000 + 1000 + 500
+    assert run_cli(["generate", str(src), *fast, "-o", f"s3://{bucket}/one"]) == 0
+    assert len(s3.glob(f"{bucket}/one/*.parquet")) == 1
+    assert run_cli(["generate", str(src), *fast, "--commit-rows", "1000", "-o", f"s3://{bucket}/three"]) == 0
+    assert len(s3.glob(f"{bucket}/three/*.parquet")) == 3
