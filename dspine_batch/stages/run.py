@@ -27,7 +27,6 @@ import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Engine, Result, SamplingParams
 from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, EngineDied, Interrupted, UsageError
-from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.heap import setup_frozen
@@ -38,17 +37,16 @@ from dspine_batch.pipeline.job import (
     _check_job_structure,
     _check_previous_run,
     _use_chat,
-    _write_success,
     job_defaults,
     load_engine,
     log,
 )
 from dspine_batch.pipeline.keyset import key_hash
-from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest, create_or_check
+from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
 from dspine_batch.pipeline.requests import job_request
 from dspine_batch.pipeline.rerun import run_fields
-from dspine_batch.pipeline.resume import Lock, list_parts, load_done, prepare_outdir, remove_staging
 from dspine_batch.pipeline.scheduler import schedule
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
@@ -65,7 +63,8 @@ from dspine_batch.stages.rows import (
     committed_parents,
 )
 from dspine_batch.stages.spec import StageSpec, parse_stages
-from dspine_batch.storage.urls import is_url, redact
+from dspine_batch.storage.objects import ObjectStore
+from dspine_batch.storage.urls import is_url
 
 
 class FirstStageMapper(RowMapper):
@@ -84,10 +83,14 @@ class StageSink(PartSink):
 
     on_part: Any = None
 
+    flush: Any = None  # an object store's: the part's record created before its rows feed the next stage
+
     def commit(self) -> bool:
         owners, results = self.owners, self.results
         wrote = super().commit()
         if wrote and self.on_part is not None:
+            if self.flush is not None:  # a child must never be made from a parent row that is not committed
+                self.flush()
             self.on_part(owners, results)
         return wrote
 
@@ -98,7 +101,7 @@ class Stage:
 
     spec: StageSpec
     job: Job
-    lock: Lock
+    lock: Any  # the output's: a local ``resume.Lock`` or an object store's lease
     mapper: RowMapper | None = None
     sink: StageSink | None = None
     state: ShardState | None = None
@@ -114,11 +117,8 @@ class Stage:
 
 def run_stages(cfg: GenerateConfig, raw: Any) -> int:
     """``generate`` with ``[[stages]]``: the whole job, every stage resumed where it stopped."""
-    if is_url(cfg.output) or any(is_url(p) for p in cfg.inputs):
-        raise UsageError(f"{redact(cfg.output)}: a job of several stages reads and writes local paths only for now "
-                         "(object stores: a one-stage job, or copy the finished output there)")
-    outdir = os.path.abspath(cfg.output)
-    cfg.inputs = [os.path.abspath(p) for p in cfg.inputs]
+    outdir = cfg.output.rstrip("/") if is_url(cfg.output) else os.path.abspath(cfg.output)
+    cfg.inputs = [p if is_url(p) else os.path.abspath(p) for p in cfg.inputs]
     specs = parse_stages(raw, cfg, outdir)
     shard = parse_shard(cfg.shard)
     tag = shard_tag(*shard)
@@ -140,23 +140,23 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             cols = Columns(None, None, None, (), (), (), spec.templates)
             stage_files = []
         cols = replace(cols, keep=cols.keep + LINEAGE_FIELDS, keep_types=cols.keep_types + LINEAGE_TYPES)
-        job = Job(spec.cfg, stage_files, cols, spec.cfg.output, shard, tag, request)
+        out = open_output(spec.cfg.output)  # an object store that cannot create-if-absent: refused here
+        job = Job(spec.cfg, stage_files, cols, out.display, shard, tag, request, out=out)
         try:
             _check_job_structure(job)
         except UsageError as e:
             raise UsageError(f"stage {spec.name!r}: {e}") from e
-        stages.append(Stage(spec, job, Lock(job.outdir, tag)))
-    os.makedirs(outdir, exist_ok=True)
+        stages.append(Stage(spec, job, out.lock(tag)))
     _write_stages(outdir, specs)
     shutdown = Shutdown(cfg.grace_seconds)
-    held: list[Lock] = []
+    held: list[Any] = []
     try:
         for st in stages:
-            prepare_outdir(st.job.outdir)
+            st.job.output.prepare()
             st.lock.acquire()
             held.append(st.lock)
             _check_previous_run(st.job)
-            compact.recover(st.job.outdir)
+            st.job.output.recover()
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
         engine = load_engine(cfg, ", once for every stage")
@@ -187,8 +187,12 @@ def _input_names(files: list[InputFile]) -> list[str]:
 
 def _write_stages(outdir: str, specs: list[StageSpec]) -> None:
     """``OUTDIR/_stages.json``: the stages in order (what `status`/`report` and readers look for)."""
-    path = os.path.join(outdir, STAGES_FILE)
     body = json.dumps({"stages": [s.name for s in specs], "final": specs[-1].name}, indent=2)
+    if is_url(outdir):
+        ObjectStore(outdir).put(STAGES_FILE, body.encode())  # the same on every start: a plain overwrite is safe
+        return
+    os.makedirs(outdir, exist_ok=True)
+    path = os.path.join(outdir, STAGES_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(body)
@@ -205,12 +209,12 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     if parent is not None:
         fields["inputs"] = {"stage": parent.spec.name, "fingerprint": parent.fingerprint}
     schema = output_schema(job.columns.keep_schema(), cfg.save_token_ids)
-    manifest = create_or_check(job.outdir, build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
+    manifest = job.output.create_or_check(build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
     st.fingerprint = manifest["fingerprint"]
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": json.dumps({"fingerprint": st.fingerprint,
                                                                                 "stage": st.spec.name})})
-    remove_staging(job.outdir, job.tag)
-    st.done = load_done(job.outdir, job.tag, id_column=True, on_damaged=cfg.on_damaged_part, report=log)
+    job.output.remove_staging(job.tag)
+    st.done = job.output.load_done(job.tag, id_column=True, on_damaged=cfg.on_damaged_part, report=log)
     st.committed_before = st.done.rows
     defaults = job_defaults(job, SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p),
                                                 max(cfg.top_k, 0), cfg.seed, tokenizer.stop_token_ids(cfg.stop),
@@ -219,12 +223,14 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     settings = MapSettings(job.columns, defaults, cfg.system_prompt, use_chat, engine.name, features)
     kind = RowMapper if parent is not None else FirstStageMapper
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
-    st.state = ShardState(job.outdir, job.tag)
+    st.state = ShardState(job.outdir, job.tag, out=job.output)
     st.state.start(job.shard, st.fingerprint, st.done)
     st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples,
                         cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
-                        st.state.save)
-    st.judge = Judge(st.spec, _committed_keys(job.outdir, job.tag))
+                        st.state.save, commit=job.output.commit_part)
+    if job.output.remote:
+        st.sink.flush = job.output.flush
+    st.judge = Judge(st.spec, _committed_keys(st))
     st.answers = Answers(tokenizer, cfg.reasoning_parser, cfg.tool_call_parser, log)
     st.file = InputFile(job.outdir if parent is None else parent.job.outdir,
                         f"stage {parent.spec.name}" if parent else "input", "jsonl")
@@ -232,11 +238,16 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
         log(f"stage {st.spec.name}: resuming, {st.done.rows:,} rows already committed")
 
 
-def _committed_keys(outdir: str, tag: str) -> set[str]:
+def _part_paths(st: Stage) -> list[str]:
+    """This shard's committed parts of a stage in commit order: paths, or URLs on an object store."""
+    return [p.path for p in committed_parts(st.job.outdir) if p.shard == st.job.tag]
+
+
+def _committed_keys(st: Stage) -> set[str]:
     """The dedup keys of a stage's committed kept rows (the set a resume starts from)."""
     keys: set[str] = set()
-    for part in list_parts(outdir, tag):
-        t = pq.read_table(part.path, columns=["kept", "dedup_key"])
+    for path in _part_paths(st):
+        t = pq.read_table(**arrow_path(path), columns=["kept", "dedup_key"])
         for kept, key in zip(t.column("kept").to_pylist(), t.column("dedup_key").to_pylist(), strict=True):
             if kept and key:
                 keys.add(key)
@@ -261,7 +272,7 @@ def _parents(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterat
 
 def _committed_parents(st: Stage) -> Iterator[Parent]:
     """Every kept row ``st`` has committed in this shard (a resume's parents), part by part in commit order."""
-    return committed_parents([p.path for p in list_parts(st.job.outdir, st.job.tag)], st.job.cfg.num_samples)
+    return committed_parents(_part_paths(st), st.job.cfg.num_samples)
 
 
 def _offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
@@ -376,7 +387,7 @@ def _finish(stages: list[Stage], selector: RowSelector) -> int:
             f"{extra} this run -> {st.job.outdir}")
         worst = max(worst, errors / done if done else 0.0)
         if st.job.shard[1] == 1:
-            _write_success(st.job.outdir)
+            st.job.output.write_success()
     limit = stages[0].job.cfg.max_error_rate
     if worst > limit:
         log(f"a stage's error rate {worst:.1%} is over --max-error-rate {limit:.1%}; see `dspine-batch report "

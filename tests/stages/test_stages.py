@@ -14,58 +14,15 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from helpers import read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import A_TEMPLATE, J_TEMPLATE, JUDGE, read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import stage_docs as _docs
+from helpers import staged_job as _job
 
 from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.stages.where import parse_where
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS, RECIPE = str(ROOT / "examples" / "docs.jsonl"), str(ROOT / "jobs" / "recipes" / "qa-from-docs.toml")
-QUESTIONS = {"type": "object", "properties": {"questions": {"type": "array", "items": {"type": "string"},
-                                                            "minItems": 1, "maxItems": 3}},
-             "required": ["questions"]}
-JUDGE = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5},
-                                          "reason": {"type": "string"}}, "required": ["score", "reason"]}
-Q_TEMPLATE = "Write questions about: {{ text }}"
-A_TEMPLATE = "Text: {{ text }}\\nQuestion: {{ questions }}\\nAnswer briefly."
-J_TEMPLATE = "Q: {{ questions }} A: {{ output }} Rate it."
-
-
-def _docs(tmp_path, n=12):
-    rows = [{"doc_id": f"d{i:02d}", "text": f"Document {i} says the tides follow the moon, part {i % 4}."}
-            for i in range(n)]
-    return write_jsonl(tmp_path / "docs.jsonl", rows)
-
-
-def _job(tmp_path, src, out, extra: str = "", where: str = "len(reason) > 3") -> str:
-    job = tmp_path / "job.toml"
-    job.write_text(f'''inputs = ["{src}"]
-output = "{out}"
-id-column = "doc_id"
-max-new-tokens = 48
-commit-rows = 3
-{extra}
-[[stages]]
-name = "questions"
-template = "{Q_TEMPLATE}"
-json-schema = '{json.dumps(QUESTIONS)}'
-
-[[stages]]
-name = "answers"
-explode = "questions"
-template = "{A_TEMPLATE}"
-
-[[stages]]
-name = "judge"
-template = "{J_TEMPLATE}"
-json-schema = '{json.dumps(JUDGE)}'
-where = "{where}"
-dedup = "exact"
-dedup-on = "score"
-''')
-    return str(job)
-
-
 def _stage(out, name) -> dict[str, dict]:
     return {r["row_id"]: r for r in read_output(out / name)}
 
