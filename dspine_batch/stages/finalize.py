@@ -13,8 +13,8 @@ import pyarrow as pa
 
 from dspine_batch.errors import EXIT_OK
 from dspine_batch.ops.finalize import finalize
-from dspine_batch.pipeline.job import _write_success, log
 from dspine_batch.pipeline.outputs import SUCCESS, committed_parts, open_output
+from dspine_batch.pipeline.preflight import log, write_success
 from dspine_batch.stages.rows import child_ids, committed_parents
 from dspine_batch.storage.objects import ObjectStore
 from dspine_batch.storage.urls import is_url
@@ -38,7 +38,7 @@ def _root_success(outdir: str) -> None:
     if is_url(outdir):
         ObjectStore(outdir).create(SUCCESS, b"")
     else:
-        _write_success(outdir)
+        write_success(outdir)
 
 
 def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: int, on_damaged: str) -> int:

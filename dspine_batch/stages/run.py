@@ -30,21 +30,20 @@ from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, En
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.heap import setup_frozen
-from dspine_batch.pipeline.job import (
-    Job,
-    RowSelector,
-    ShardState,
-    _check_job_structure,
-    _check_previous_run,
-    _use_chat,
-    job_defaults,
-    load_engine,
-    log,
-)
+from dspine_batch.pipeline.job import RowSelector, ShardState
 from dspine_batch.pipeline.keyset import key_hash
 from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
 from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
+from dspine_batch.pipeline.preflight import (
+    Job,
+    check_job_structure,
+    check_previous_run,
+    job_defaults,
+    load_engine,
+    log,
+    wants_chat,
+)
 from dspine_batch.pipeline.requests import job_request
 from dspine_batch.pipeline.rerun import run_fields
 from dspine_batch.pipeline.scheduler import schedule
@@ -143,7 +142,7 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
         out = open_output(spec.cfg.output)  # an object store that cannot create-if-absent: refused here
         job = Job(spec.cfg, stage_files, cols, out.display, shard, tag, request, out=out)
         try:
-            _check_job_structure(job)
+            check_job_structure(job)
         except UsageError as e:
             raise UsageError(f"stage {spec.name!r}: {e}") from e
         stages.append(Stage(spec, job, out.lock(tag)))
@@ -155,7 +154,7 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             st.job.output.prepare()
             st.lock.acquire()
             held.append(st.lock)
-            _check_previous_run(st.job)
+            check_previous_run(st.job)
             st.job.output.recover()
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
@@ -203,7 +202,7 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     """The stage's output checked or created (its fingerprint: its settings, template and stage rules, and for a
     later stage the fingerprint of the stage it reads), done-set loaded, mapper and sink made."""
     job, cfg, tokenizer = st.job, st.job.cfg, engine.tokenizer
-    use_chat = _use_chat(cfg, job.columns, tokenizer)
+    use_chat = wants_chat(cfg, job.columns, tokenizer)
     fields = run_fields(cfg, job.files, job.columns, use_chat, job.request) | {"engine": engine.identity(),
                                                                                "stage": st.spec.identity()}
     if parent is not None:
