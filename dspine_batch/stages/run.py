@@ -158,11 +158,18 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             st.job.output.recover()
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
-        engine = load_engine(cfg, ", once for every stage")
-        try:
-            return _run(stages, engine, shutdown, columns)
-        finally:
-            engine.close()
+        segments = _segments(stages)
+        for n, seg in enumerate(segments):
+            names = ", ".join(s.spec.name for s in seg)
+            engine = load_engine(seg[0].job.cfg, ", once for every stage" if len(segments) == 1 else
+                                 f", once for stage(s) {names}: model {n + 1} of {len(segments)}")
+            try:
+                rc = _run(stages, seg, engine, shutdown, columns)
+            finally:
+                engine.close()  # before the next model loads: two models rarely fit one machine's memory
+            if rc is not None:
+                return rc
+        return _finish(stages)
     except Interrupted:
         log("interrupted before work started; run the same command again")
         return EXIT_INTERRUPTED
@@ -323,17 +330,40 @@ def _untagged(item: WorkItem, results: list[Result] | None) -> tuple[int, WorkIt
     return int(k), item, results
 
 
-def _run(stages: list[Stage], engine: Engine, shutdown: Shutdown, columns: Columns) -> int:
-    for i, st in enumerate(stages):
-        _open(st, engine, stages[i - 1] if i else None)
-    for i, st in enumerate(stages[:-1]):  # committed parts feed the next stage; a resume rebuilds its queue
-        nxt = stages[i + 1]
+def _engine_key(cfg: GenerateConfig) -> tuple[Any, ...]:
+    return cfg.engine, cfg.model, cfg.draft, tuple(sorted(cfg.engine_args.items()))
+
+
+def _segments(stages: list[Stage]) -> list[list[Stage]]:
+    """Runs of consecutive stages on the same engine (engine, model, draft, engine arguments): one engine each."""
+    out: list[list[Stage]] = []
+    for st in stages:
+        if out and _engine_key(out[-1][-1].job.cfg) == _engine_key(st.job.cfg):
+            out[-1].append(st)
+        else:
+            out.append([st])
+    return out
+
+
+def _run(stages: list[Stage], seg: list[Stage], engine: Engine, shutdown: Shutdown, columns: Columns) -> int | None:
+    """The stages of one segment (``_segments``) on their engine, until every row they can make is committed
+    (None) or the run stops (its exit code). A segment after the first starts from every kept row its parent
+    stage committed: that stage, on the model before, is done."""
+    for st in seg:
+        _open(st, engine, stages[st.spec.index - 1] if st.spec.index else None)
+    for st in seg[:-1]:  # committed parts feed the next stage; a resume rebuilds its queue
+        nxt = stages[st.spec.index + 1]
         st.sink.on_part = lambda owners, results, st=st, nxt=nxt: _offer(nxt, st, _parents(st, owners, results))
         _offer(nxt, st, _committed_parents(st))
-    first = stages[0]
-    selector = RowSelector(first.mapper, first.job.shard, first.done.keys)
-    read_cols = columns.read_columns()
-    feed = _Feed(stages, selector.run(iter_inputs(first.job.files, read_cols, first.job.cfg.limit)))
+    first = seg[0]
+    if first.spec.index == 0:
+        selector = RowSelector(first.mapper, first.job.shard, first.done.keys)
+        rows: Iterator[WorkItem] = selector.run(iter_inputs(first.job.files, columns.read_columns(),
+                                                            first.job.cfg.limit))
+    else:
+        _offer(first, stages[first.spec.index - 1], _committed_parents(stages[first.spec.index - 1]))
+        rows = iter(())
+    feed = _Feed(seg, rows)
     max_in_flight = first.job.cfg.max_in_flight
     try:
         with setup_frozen():
@@ -349,31 +379,32 @@ def _run(stages: list[Stage], engine: Engine, shutdown: Shutdown, columns: Colum
                         break
                 if shutdown.requested:
                     break
-                for st in stages:  # commit all: the parents' children become ready
+                for st in seg:  # commit all: the parents' children become ready
                     st.sink.commit()
-                if feed.exhausted and not any(s.ready for s in stages):
+                if feed.exhausted and not any(s.ready for s in seg):
                     break
     except Interrupted:
         pass
     except EngineDied as e:
-        for st in stages:
+        for st in seg:
             st.sink.commit()
             st.state.save(st.sink.stats, "interrupted")
         log(f"the engine died ({str(e)[:300]}); finished rows of every stage are committed; run the same command "
             "again to resume")
         return EXIT_INTERRUPTED
-    for st in stages:
+    for st in seg:
         st.sink.commit()
-    if shutdown.requested and not (feed.exhausted and not any(s.ready for s in stages)):
+    if shutdown.requested and not (feed.exhausted and not any(s.ready for s in seg)):
         for st in stages:
-            st.state.save(st.sink.stats, "interrupted")
+            if st.sink is not None:
+                st.state.save(st.sink.stats, "interrupted")
         log(f"stopped ({shutdown.reason or 'grace period over'}); every stage's finished rows are committed; run the "
             "same command again to resume")
         return EXIT_INTERRUPTED
-    return _finish(stages, selector)
+    return None
 
 
-def _finish(stages: list[Stage], selector: RowSelector) -> int:
+def _finish(stages: list[Stage]) -> int:
     worst = 0.0
     for st in stages:
         done = st.committed_before + st.sink.stats.rows

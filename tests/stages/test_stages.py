@@ -80,6 +80,39 @@ def test_a_three_stage_job_equals_the_stages_run_by_hand(tmp_path):
     assert set(t.column_names) >= {"row_id", "output", "root_id", "lineage", "kept"} and t.num_rows > 0
 
 
+def test_a_stage_on_another_model_runs_after_the_stages_before_it(tmp_path, capfd):
+    """The judge on its own model: two engines, each loaded once and closed before the next loads; the rows are
+    those of the one-model job (the scripted engine answers alike whatever the model), and a rerun resumes both."""
+    src = _docs(tmp_path)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_cli(["generate", "--config", _job(tmp_path, src, ref)]) == 0
+    job = _job(tmp_path, src, out)
+    with open(job, "a") as f:
+        f.write('model = "judge-model"\n')  # the last table of the file: the judge stage
+    opened, closed = [], []
+
+    def counting(model, draft, args):
+        engine = scripted_engine(model, draft, args)
+        opened.append((model, draft, len(closed)))
+        close = engine.close
+        engine.close = lambda: (closed.append(model), close())[1]
+        return engine
+
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 0
+    assert opened == [("embedded", "embedded", 0), ("judge-model", "none", 1)]  # the first closed before
+    err = capfd.readouterr().err
+    assert "once for stage(s) questions, answers: model 1 of 2" in err and "judge: model 2 of 2" in err
+    for name in ("questions", "answers", "judge"):
+        assert {r["row_id"]: (r["output"], r["kept"]) for r in read_output(out / name)} == \
+            {r["row_id"]: (r["output"], r["kept"]) for r in read_output(ref / name)}, name
+    manifest = json.loads((out / "judge" / "_manifest.json").read_text())
+    assert manifest["config"]["model"] == "judge-model"
+    assert run_cli(["generate", "--config", job], loader=counting) == 0  # resumes: nothing new committed
+    assert len(read_output(out / "judge")) == len(read_output(ref / "judge"))
+    assert run_cli(["finalize", str(out)]) == 0
+
+
 def _decisions(out) -> tuple[dict, dict]:
     """Per row: its output and the filter's verdict; per stage: how many rows dedup kept and dropped (which of two
     equal rows is kept depends on the commit order, which a kill changes; how many does not)."""
@@ -137,7 +170,7 @@ def test_kill9_in_every_stage_resumes_each_exactly_once(tmp_path):
 @pytest.mark.parametrize("stage, why", [
     ('where = "__import__(\'os\')"', "stage 3 ('judge'): where"),
     ('where = "score >="', "not a predicate"),
-    ('model = "other"', "its own model is not supported yet"),
+    ('model = 3', "`model` must be a model name or path"),
     ('frobnicate = 1', "unknown key 'frobnicate'"),
     ('dedup = "fuzzy"', "dedup 'fuzzy'"),
 ])
