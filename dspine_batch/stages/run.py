@@ -52,6 +52,7 @@ from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
+from dspine_batch.stages.rerun import nothing_left
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
     LINEAGE_TYPES,
@@ -158,6 +159,8 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             st.job.output.recover()
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
+        if (rc := nothing_left(stages, files, columns, log)) is not None:  # a finished job's rerun: no model
+            return rc
         segments = _segments(stages)
         for n, seg in enumerate(segments):
             names = ", ".join(s.spec.name for s in seg)

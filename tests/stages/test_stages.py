@@ -108,9 +108,34 @@ def test_a_stage_on_another_model_runs_after_the_stages_before_it(tmp_path, capf
             {r["row_id"]: (r["output"], r["kept"]) for r in read_output(ref / name)}, name
     manifest = json.loads((out / "judge" / "_manifest.json").read_text())
     assert manifest["config"]["model"] == "judge-model"
-    assert run_cli(["generate", "--config", job], loader=counting) == 0  # resumes: nothing new committed
+    assert run_cli(["generate", "--config", job], loader=counting) == 0  # resumes: nothing left, no model loaded
+    assert len(opened) == 2 and "nothing left to do: every stage's rows are committed" in capfd.readouterr().err
     assert len(read_output(out / "judge")) == len(read_output(ref / "judge"))
     assert run_cli(["finalize", str(out)]) == 0
+
+
+def test_a_finished_staged_job_reruns_without_loading_a_model(tmp_path, capfd):
+    src, out = _docs(tmp_path, 6), tmp_path / "out"
+    job = _job(tmp_path, src, out)
+    opened = []
+
+    def counting(*a):
+        opened.append(1)
+        return scripted_engine(*a)
+
+    assert run_cli(["generate", "--config", job], loader=counting) == 0 and len(opened) == 1
+    before = {name: read_output(out / name) for name in ("questions", "answers", "judge")}
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 0
+    assert len(opened) == 1 and "no model was loaded" in capfd.readouterr().err
+    assert {name: read_output(out / name) for name in before} == before and (out / "judge" / "_SUCCESS").exists()
+    # the input changed: refused naming the stage and the change, as the normal start would, but before any load
+    write_jsonl(src, [*(json.loads(x) for x in src.read_text().splitlines()),
+                      {"doc_id": "d99", "text": "A new document about the tides."}])
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 2  # the input changed: a different run
+    err = capfd.readouterr().err
+    assert len(opened) == 1 and "stage 'questions'" in err and "docs.jsonl changed" in err  # before any load
 
 
 def _decisions(out) -> tuple[dict, dict]:
