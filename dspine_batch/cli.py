@@ -308,8 +308,8 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
 
     Without -o the output goes to ./<first input's name>-out (printed at start); the same command again
     resumes there."""
-    from dspine_batch.pipeline.job import default_output
     from dspine_batch.pipeline.job import generate as run_generate
+    from dspine_batch.pipeline.preflight import default_output
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:

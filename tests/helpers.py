@@ -838,3 +838,51 @@ class Counting:
 
         engine.run = counted
         return engine
+
+
+# a staged job (issue 41), shared by tests/stages and tests/objstore
+QUESTIONS = {"type": "object", "properties": {"questions": {"type": "array", "items": {"type": "string"},
+                                                            "minItems": 1, "maxItems": 3}},
+             "required": ["questions"]}
+JUDGE = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5},
+                                          "reason": {"type": "string"}}, "required": ["score", "reason"]}
+Q_TEMPLATE = "Write questions about: {{ text }}"
+A_TEMPLATE = "Text: {{ text }}\\nQuestion: {{ questions }}\\nAnswer briefly."
+J_TEMPLATE = "Q: {{ questions }} A: {{ output }} Rate it."
+
+
+def stage_docs(tmp_path, n=12):
+    """Documents for a staged job (``staged_job``): ``doc_id`` and ``text``."""
+    rows = [{"doc_id": f"d{i:02d}", "text": f"Document {i} says the tides follow the moon, part {i % 4}."}
+            for i in range(n)]
+    return write_jsonl(tmp_path / "docs.jsonl", rows)
+
+
+def staged_job(tmp_path, src, out, extra: str = "", where: str = "len(reason) > 3") -> str:
+    """A three-stage job file (questions -> explode answers -> judge with where and dedup) reading ``src``."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'''inputs = ["{src}"]
+output = "{out}"
+id-column = "doc_id"
+max-new-tokens = 48
+commit-rows = 3
+{extra}
+[[stages]]
+name = "questions"
+template = "{Q_TEMPLATE}"
+json-schema = '{json.dumps(QUESTIONS)}'
+
+[[stages]]
+name = "answers"
+explode = "questions"
+template = "{A_TEMPLATE}"
+
+[[stages]]
+name = "judge"
+template = "{J_TEMPLATE}"
+json-schema = '{json.dumps(JUDGE)}'
+where = "{where}"
+dedup = "exact"
+dedup-on = "score"
+''')
+    return str(job)

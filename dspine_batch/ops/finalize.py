@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
 from dspine_batch.pipeline import compact as compaction
-from dspine_batch.pipeline.job import log
 from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.mapping import RowIds
 from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts, open_output
+from dspine_batch.pipeline.preflight import log
 from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.pipeline.shard import shard_tag
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs

@@ -11,6 +11,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from dspine_batch.pipeline.manifest import stage_names
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts
+from dspine_batch.storage.urls import is_url
 
 
 def funnel(outdir: str) -> list[dict[str, Any]] | None:
@@ -20,14 +22,15 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
         return None
     out = []
     for name in names:
-        path = os.path.join(outdir, name)
+        path = f"{outdir.rstrip('/')}/{name}" if is_url(outdir) else os.path.join(outdir, name)
         row = {"stage": name, "rows": 0, "ok": 0, "errors": 0, "filtered": 0, "duplicates": 0, "kept": 0,
                "completion_tokens": 0}
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.startswith("train-")
-                       and f.endswith(".parquet")) if os.path.isdir(path) else []
+        files = [p.path for p in committed_parts(path)] if is_url(path) or os.path.isdir(path) else []
         if files:
-            t = ds.dataset(files, format="parquet").to_table(columns=["status", "kept", "dropped_by",
-                                                                        "completion_tokens"])
+            fs = arrow_path(files[0]).get("filesystem")
+            paths = [arrow_path(f)["source"] for f in files]
+            t = ds.dataset(paths, format="parquet", filesystem=fs).to_table(
+                columns=["status", "kept", "dropped_by", "completion_tokens"])
             dropped = [d or "" for d in t.column("dropped_by").to_pylist()]
             row.update(rows=t.num_rows, ok=int(pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0),
                        errors=int(pc.sum(pc.equal(t.column("status"), "error")).as_py() or 0),

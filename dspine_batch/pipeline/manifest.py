@@ -23,7 +23,7 @@ from dspine_batch.digest import content_digest
 from dspine_batch.errors import FingerprintMismatch, UsageError, disk_full_named
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.storage import fs as store
-from dspine_batch.storage.urls import redact
+from dspine_batch.storage.urls import is_url, redact
 
 MANIFEST = "_manifest.json"
 def describe_inputs(files: list[InputFile]) -> list[dict[str, Any]]:
@@ -173,8 +173,14 @@ STAGES_FILE = "_stages.json"  # a job of several stages: OUTDIR/<stage>/ each an
 def stage_names(outdir: str) -> list[str] | None:
     """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output."""
     try:
-        with open(os.path.join(outdir, STAGES_FILE)) as f:
-            names = json.load(f)["stages"]
+        if is_url(outdir):
+            from dspine_batch.storage.objects import ObjectStore
+
+            body = ObjectStore(outdir).get(STAGES_FILE)
+            names = json.loads(body)["stages"] if body is not None else None
+        else:
+            with open(os.path.join(outdir, STAGES_FILE)) as f:
+                names = json.load(f)["stages"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return [str(n) for n in names] if isinstance(names, list) else None

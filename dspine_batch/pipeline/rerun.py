@@ -80,7 +80,7 @@ def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outd
     t0 = time.monotonic()
     removed = out.remove_staging(tag)
     done = out.load_done(tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=report)
-    rows, missing = _count_missing(cfg, files, columns, shard, done.keys)
+    rows, missing = count_missing(cfg, files, columns, shard, done.keys)
     return Precheck(manifest, done, removed, rows, missing, time.monotonic() - t0)
 
 
@@ -123,7 +123,7 @@ def _canon(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
 
 
-def _count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns, shard: tuple[int, int],
+def count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns, shard: tuple[int, int],
                    done: KeySet) -> tuple[int, int]:
     """(this shard's input rows, those not in ``done``), from the row ids alone (``mapping.RowIds``: the same ids,
     duplicates and fallbacks included, that a run assigns). Stops after the first batch with a missing row: one

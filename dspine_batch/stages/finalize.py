@@ -13,23 +13,32 @@ import pyarrow as pa
 
 from dspine_batch.errors import EXIT_OK
 from dspine_batch.ops.finalize import finalize
-from dspine_batch.pipeline.job import _write_success, log
-from dspine_batch.pipeline.manifest import read_manifest
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.pipeline.outputs import SUCCESS, committed_parts, open_output
+from dspine_batch.pipeline.preflight import log, write_success
 from dspine_batch.stages.rows import child_ids, committed_parents
+from dspine_batch.storage.objects import ObjectStore
+from dspine_batch.storage.urls import is_url
 
 
 def expected_children(parent_dir: str):
     """``finalize``'s expected ids for a stage whose parent stage is in ``parent_dir``."""
-    parent = read_manifest(parent_dir) or {}
+    parent = open_output(parent_dir).read_manifest() or {}
     samples = int((parent.get("config") or {}).get("num_samples", 1))
 
     def expected(manifest: dict) -> pa.Array:
         explode = (manifest["fingerprint_fields"].get("stage") or {}).get("explode")
-        parents = committed_parents([p.path for p in list_parts(parent_dir)], samples)
+        parents = committed_parents([p.path for p in committed_parts(parent_dir)], samples)
         return pa.array([cid for p in parents for cid in child_ids(p, explode)], pa.string())
 
     return expected
+
+
+def _root_success(outdir: str) -> None:
+    """``OUTDIR/_SUCCESS`` of the whole staged job (on an object store: a create-only write)."""
+    if is_url(outdir):
+        ObjectStore(outdir).create(SUCCESS, b"")
+    else:
+        write_success(outdir)
 
 
 def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: int, on_damaged: str) -> int:
@@ -43,6 +52,6 @@ def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: i
                           expected_children(os.path.join(outdir, names[k - 1])))
         if rc != EXIT_OK:
             return rc
-    _write_success(outdir)
+    _root_success(outdir)
     log(f"every stage complete ({' -> '.join(names)}); {outdir}/_SUCCESS written")
     return EXIT_OK

@@ -27,34 +27,32 @@ import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Engine, Result, SamplingParams
 from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, EngineDied, Interrupted, UsageError
-from dspine_batch.pipeline import compact
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.heap import setup_frozen
-from dspine_batch.pipeline.job import (
+from dspine_batch.pipeline.job import RowSelector, ShardState
+from dspine_batch.pipeline.keyset import key_hash
+from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest
+from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
+from dspine_batch.pipeline.preflight import (
     Job,
-    RowSelector,
-    ShardState,
-    _check_job_structure,
-    _check_previous_run,
-    _use_chat,
-    _write_success,
+    check_job_structure,
+    check_previous_run,
     job_defaults,
     load_engine,
     log,
+    wants_chat,
 )
-from dspine_batch.pipeline.keyset import key_hash
-from dspine_batch.pipeline.manifest import STAGES_FILE, build_manifest, create_or_check
-from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem, resolve_columns
 from dspine_batch.pipeline.requests import job_request
 from dspine_batch.pipeline.rerun import run_fields
-from dspine_batch.pipeline.resume import Lock, list_parts, load_done, prepare_outdir, remove_staging
 from dspine_batch.pipeline.scheduler import schedule
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
+from dspine_batch.stages.rerun import nothing_left
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
     LINEAGE_TYPES,
@@ -65,7 +63,8 @@ from dspine_batch.stages.rows import (
     committed_parents,
 )
 from dspine_batch.stages.spec import StageSpec, parse_stages
-from dspine_batch.storage.urls import is_url, redact
+from dspine_batch.storage.objects import ObjectStore
+from dspine_batch.storage.urls import is_url
 
 
 class FirstStageMapper(RowMapper):
@@ -84,10 +83,14 @@ class StageSink(PartSink):
 
     on_part: Any = None
 
+    flush: Any = None  # an object store's: the part's record created before its rows feed the next stage
+
     def commit(self) -> bool:
         owners, results = self.owners, self.results
         wrote = super().commit()
         if wrote and self.on_part is not None:
+            if self.flush is not None:  # a child must never be made from a parent row that is not committed
+                self.flush()
             self.on_part(owners, results)
         return wrote
 
@@ -98,7 +101,7 @@ class Stage:
 
     spec: StageSpec
     job: Job
-    lock: Lock
+    lock: Any  # the output's: a local ``resume.Lock`` or an object store's lease
     mapper: RowMapper | None = None
     sink: StageSink | None = None
     state: ShardState | None = None
@@ -114,11 +117,8 @@ class Stage:
 
 def run_stages(cfg: GenerateConfig, raw: Any) -> int:
     """``generate`` with ``[[stages]]``: the whole job, every stage resumed where it stopped."""
-    if is_url(cfg.output) or any(is_url(p) for p in cfg.inputs):
-        raise UsageError(f"{redact(cfg.output)}: a job of several stages reads and writes local paths only for now "
-                         "(object stores: a one-stage job, or copy the finished output there)")
-    outdir = os.path.abspath(cfg.output)
-    cfg.inputs = [os.path.abspath(p) for p in cfg.inputs]
+    outdir = cfg.output.rstrip("/") if is_url(cfg.output) else os.path.abspath(cfg.output)
+    cfg.inputs = [p if is_url(p) else os.path.abspath(p) for p in cfg.inputs]
     specs = parse_stages(raw, cfg, outdir)
     shard = parse_shard(cfg.shard)
     tag = shard_tag(*shard)
@@ -140,30 +140,39 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             cols = Columns(None, None, None, (), (), (), spec.templates)
             stage_files = []
         cols = replace(cols, keep=cols.keep + LINEAGE_FIELDS, keep_types=cols.keep_types + LINEAGE_TYPES)
-        job = Job(spec.cfg, stage_files, cols, spec.cfg.output, shard, tag, request)
+        out = open_output(spec.cfg.output)  # an object store that cannot create-if-absent: refused here
+        job = Job(spec.cfg, stage_files, cols, out.display, shard, tag, request, out=out)
         try:
-            _check_job_structure(job)
+            check_job_structure(job)
         except UsageError as e:
             raise UsageError(f"stage {spec.name!r}: {e}") from e
-        stages.append(Stage(spec, job, Lock(job.outdir, tag)))
-    os.makedirs(outdir, exist_ok=True)
+        stages.append(Stage(spec, job, out.lock(tag)))
     _write_stages(outdir, specs)
     shutdown = Shutdown(cfg.grace_seconds)
-    held: list[Lock] = []
+    held: list[Any] = []
     try:
         for st in stages:
-            prepare_outdir(st.job.outdir)
+            st.job.output.prepare()
             st.lock.acquire()
             held.append(st.lock)
-            _check_previous_run(st.job)
-            compact.recover(st.job.outdir)
+            check_previous_run(st.job)
+            st.job.output.recover()
         shutdown.install()
         log(f"{len(stages)} stages ({' -> '.join(s.spec.name for s in stages)}); output -> {outdir}/<stage>")
-        engine = load_engine(cfg, ", once for every stage")
-        try:
-            return _run(stages, engine, shutdown, columns)
-        finally:
-            engine.close()
+        if (rc := nothing_left(stages, files, columns, log)) is not None:  # a finished job's rerun: no model
+            return rc
+        segments = _segments(stages)
+        for n, seg in enumerate(segments):
+            names = ", ".join(s.spec.name for s in seg)
+            engine = load_engine(seg[0].job.cfg, ", once for every stage" if len(segments) == 1 else
+                                 f", once for stage(s) {names}: model {n + 1} of {len(segments)}")
+            try:
+                rc = _run(stages, seg, engine, shutdown, columns)
+            finally:
+                engine.close()  # before the next model loads: two models rarely fit one machine's memory
+            if rc is not None:
+                return rc
+        return _finish(stages)
     except Interrupted:
         log("interrupted before work started; run the same command again")
         return EXIT_INTERRUPTED
@@ -187,8 +196,12 @@ def _input_names(files: list[InputFile]) -> list[str]:
 
 def _write_stages(outdir: str, specs: list[StageSpec]) -> None:
     """``OUTDIR/_stages.json``: the stages in order (what `status`/`report` and readers look for)."""
-    path = os.path.join(outdir, STAGES_FILE)
     body = json.dumps({"stages": [s.name for s in specs], "final": specs[-1].name}, indent=2)
+    if is_url(outdir):
+        ObjectStore(outdir).put(STAGES_FILE, body.encode())  # the same on every start: a plain overwrite is safe
+        return
+    os.makedirs(outdir, exist_ok=True)
+    path = os.path.join(outdir, STAGES_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(body)
@@ -199,18 +212,18 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     """The stage's output checked or created (its fingerprint: its settings, template and stage rules, and for a
     later stage the fingerprint of the stage it reads), done-set loaded, mapper and sink made."""
     job, cfg, tokenizer = st.job, st.job.cfg, engine.tokenizer
-    use_chat = _use_chat(cfg, job.columns, tokenizer)
+    use_chat = wants_chat(cfg, job.columns, tokenizer)
     fields = run_fields(cfg, job.files, job.columns, use_chat, job.request) | {"engine": engine.identity(),
                                                                                "stage": st.spec.identity()}
     if parent is not None:
         fields["inputs"] = {"stage": parent.spec.name, "fingerprint": parent.fingerprint}
     schema = output_schema(job.columns.keep_schema(), cfg.save_token_ids)
-    manifest = create_or_check(job.outdir, build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
+    manifest = job.output.create_or_check(build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
     st.fingerprint = manifest["fingerprint"]
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": json.dumps({"fingerprint": st.fingerprint,
                                                                                 "stage": st.spec.name})})
-    remove_staging(job.outdir, job.tag)
-    st.done = load_done(job.outdir, job.tag, id_column=True, on_damaged=cfg.on_damaged_part, report=log)
+    job.output.remove_staging(job.tag)
+    st.done = job.output.load_done(job.tag, id_column=True, on_damaged=cfg.on_damaged_part, report=log)
     st.committed_before = st.done.rows
     defaults = job_defaults(job, SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p),
                                                 max(cfg.top_k, 0), cfg.seed, tokenizer.stop_token_ids(cfg.stop),
@@ -219,12 +232,14 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     settings = MapSettings(job.columns, defaults, cfg.system_prompt, use_chat, engine.name, features)
     kind = RowMapper if parent is not None else FirstStageMapper
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
-    st.state = ShardState(job.outdir, job.tag)
+    st.state = ShardState(job.outdir, job.tag, out=job.output)
     st.state.start(job.shard, st.fingerprint, st.done)
     st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples,
                         cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
-                        st.state.save)
-    st.judge = Judge(st.spec, _committed_keys(job.outdir, job.tag))
+                        st.state.save, commit=job.output.commit_part)
+    if job.output.remote:
+        st.sink.flush = job.output.flush
+    st.judge = Judge(st.spec, _committed_keys(st))
     st.answers = Answers(tokenizer, cfg.reasoning_parser, cfg.tool_call_parser, log)
     st.file = InputFile(job.outdir if parent is None else parent.job.outdir,
                         f"stage {parent.spec.name}" if parent else "input", "jsonl")
@@ -232,11 +247,16 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
         log(f"stage {st.spec.name}: resuming, {st.done.rows:,} rows already committed")
 
 
-def _committed_keys(outdir: str, tag: str) -> set[str]:
+def _part_paths(st: Stage) -> list[str]:
+    """This shard's committed parts of a stage in commit order: paths, or URLs on an object store."""
+    return [p.path for p in committed_parts(st.job.outdir) if p.shard == st.job.tag]
+
+
+def _committed_keys(st: Stage) -> set[str]:
     """The dedup keys of a stage's committed kept rows (the set a resume starts from)."""
     keys: set[str] = set()
-    for part in list_parts(outdir, tag):
-        t = pq.read_table(part.path, columns=["kept", "dedup_key"])
+    for path in _part_paths(st):
+        t = pq.read_table(**arrow_path(path), columns=["kept", "dedup_key"])
         for kept, key in zip(t.column("kept").to_pylist(), t.column("dedup_key").to_pylist(), strict=True):
             if kept and key:
                 keys.add(key)
@@ -261,7 +281,7 @@ def _parents(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterat
 
 def _committed_parents(st: Stage) -> Iterator[Parent]:
     """Every kept row ``st`` has committed in this shard (a resume's parents), part by part in commit order."""
-    return committed_parents([p.path for p in list_parts(st.job.outdir, st.job.tag)], st.job.cfg.num_samples)
+    return committed_parents(_part_paths(st), st.job.cfg.num_samples)
 
 
 def _offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
@@ -313,17 +333,40 @@ def _untagged(item: WorkItem, results: list[Result] | None) -> tuple[int, WorkIt
     return int(k), item, results
 
 
-def _run(stages: list[Stage], engine: Engine, shutdown: Shutdown, columns: Columns) -> int:
-    for i, st in enumerate(stages):
-        _open(st, engine, stages[i - 1] if i else None)
-    for i, st in enumerate(stages[:-1]):  # committed parts feed the next stage; a resume rebuilds its queue
-        nxt = stages[i + 1]
+def _engine_key(cfg: GenerateConfig) -> tuple[Any, ...]:
+    return cfg.engine, cfg.model, cfg.draft, tuple(sorted(cfg.engine_args.items()))
+
+
+def _segments(stages: list[Stage]) -> list[list[Stage]]:
+    """Runs of consecutive stages on the same engine (engine, model, draft, engine arguments): one engine each."""
+    out: list[list[Stage]] = []
+    for st in stages:
+        if out and _engine_key(out[-1][-1].job.cfg) == _engine_key(st.job.cfg):
+            out[-1].append(st)
+        else:
+            out.append([st])
+    return out
+
+
+def _run(stages: list[Stage], seg: list[Stage], engine: Engine, shutdown: Shutdown, columns: Columns) -> int | None:
+    """The stages of one segment (``_segments``) on their engine, until every row they can make is committed
+    (None) or the run stops (its exit code). A segment after the first starts from every kept row its parent
+    stage committed: that stage, on the model before, is done."""
+    for st in seg:
+        _open(st, engine, stages[st.spec.index - 1] if st.spec.index else None)
+    for st in seg[:-1]:  # committed parts feed the next stage; a resume rebuilds its queue
+        nxt = stages[st.spec.index + 1]
         st.sink.on_part = lambda owners, results, st=st, nxt=nxt: _offer(nxt, st, _parents(st, owners, results))
         _offer(nxt, st, _committed_parents(st))
-    first = stages[0]
-    selector = RowSelector(first.mapper, first.job.shard, first.done.keys)
-    read_cols = columns.read_columns()
-    feed = _Feed(stages, selector.run(iter_inputs(first.job.files, read_cols, first.job.cfg.limit)))
+    first = seg[0]
+    if first.spec.index == 0:
+        selector = RowSelector(first.mapper, first.job.shard, first.done.keys)
+        rows: Iterator[WorkItem] = selector.run(iter_inputs(first.job.files, columns.read_columns(),
+                                                            first.job.cfg.limit))
+    else:
+        _offer(first, stages[first.spec.index - 1], _committed_parents(stages[first.spec.index - 1]))
+        rows = iter(())
+    feed = _Feed(seg, rows)
     max_in_flight = first.job.cfg.max_in_flight
     try:
         with setup_frozen():
@@ -339,31 +382,32 @@ def _run(stages: list[Stage], engine: Engine, shutdown: Shutdown, columns: Colum
                         break
                 if shutdown.requested:
                     break
-                for st in stages:  # commit all: the parents' children become ready
+                for st in seg:  # commit all: the parents' children become ready
                     st.sink.commit()
-                if feed.exhausted and not any(s.ready for s in stages):
+                if feed.exhausted and not any(s.ready for s in seg):
                     break
     except Interrupted:
         pass
     except EngineDied as e:
-        for st in stages:
+        for st in seg:
             st.sink.commit()
             st.state.save(st.sink.stats, "interrupted")
         log(f"the engine died ({str(e)[:300]}); finished rows of every stage are committed; run the same command "
             "again to resume")
         return EXIT_INTERRUPTED
-    for st in stages:
+    for st in seg:
         st.sink.commit()
-    if shutdown.requested and not (feed.exhausted and not any(s.ready for s in stages)):
+    if shutdown.requested and not (feed.exhausted and not any(s.ready for s in seg)):
         for st in stages:
-            st.state.save(st.sink.stats, "interrupted")
+            if st.sink is not None:
+                st.state.save(st.sink.stats, "interrupted")
         log(f"stopped ({shutdown.reason or 'grace period over'}); every stage's finished rows are committed; run the "
             "same command again to resume")
         return EXIT_INTERRUPTED
-    return _finish(stages, selector)
+    return None
 
 
-def _finish(stages: list[Stage], selector: RowSelector) -> int:
+def _finish(stages: list[Stage]) -> int:
     worst = 0.0
     for st in stages:
         done = st.committed_before + st.sink.stats.rows
@@ -376,7 +420,7 @@ def _finish(stages: list[Stage], selector: RowSelector) -> int:
             f"{extra} this run -> {st.job.outdir}")
         worst = max(worst, errors / done if done else 0.0)
         if st.job.shard[1] == 1:
-            _write_success(st.job.outdir)
+            st.job.output.write_success()
     limit = stages[0].job.cfg.max_error_rate
     if worst > limit:
         log(f"a stage's error rate {worst:.1%} is over --max-error-rate {limit:.1%}; see `dspine-batch report "

@@ -9,9 +9,11 @@
     explode = "questions"                    # a list field of the parent's output: one row per item
     where = "score >= 4"                     # keep only the rows whose output passes (the rest go no further)
     dedup = "exact"                          # drop rows whose `dedup-on` field (default: output) was seen before
+    model = "path/to/judge-model"            # optional: this stage on another model (and `draft`)
 
 Every stage after the first reads the committed, kept rows of the stage before it. A stage's settings are the
-job's, overridden by its own.
+job's, overridden by its own. Consecutive stages on the same model share one engine, loaded once, with no barrier
+between them; a stage on another model starts when the stages before it are done (``run``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ STAGE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "st
                   "logit_bias", "response_format", "json_schema", "regex", "choice", "grammar", "tools",
                   "tool_choice", "chat_template_kwargs", "reasoning_parser", "tool_call_parser", "system_prompt",
                   "chat_template")
-_OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "model")
+_OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "model", "draft")
 DEDUP = ("exact",)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -78,11 +80,13 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
     if unknown:
         raise UsageError(f"{label}: unknown key {unknown[0]!r} (a stage takes {', '.join(_OWN)} and the request "
                          f"settings {', '.join(STAGE_SETTINGS)})")
-    model = t.get("model")
-    if model is not None and model != job.model:
-        raise UsageError(f"{label}: a stage with its own model is not supported yet (every stage runs on the job's "
-                         f"model {job.model!r}, loaded once)")
-    settings = {k: _setting(k, v) for k, v in t.items() if k in STAGE_SETTINGS}
+    model, draft = t.get("model", job.model), t.get("draft")
+    for key, value in (("model", model), ("draft", draft)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise UsageError(f"{label}: `{key}` must be a model name or path")
+    if draft is None:  # the job's draft pairs with the job's model; another model's stage brings its own or none
+        draft = job.draft if model == job.model else ("embedded" if model == "embedded" else "none")
+    settings = {k: _setting(k, v) for k, v in t.items() if k in STAGE_SETTINGS} | {"model": model, "draft": draft}
     template = t.get("template")
     user, system = (template.get("user"), template.get("system")) if isinstance(template, dict) else (template, None)
     if user is None and i > 0:

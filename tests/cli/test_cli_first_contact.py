@@ -16,7 +16,7 @@ from dspine_batch.cli import cli
 from dspine_batch.engines.registry import ENGINES, engines_replaced, open_engine
 from dspine_batch.errors import UsageError
 from dspine_batch.ops.status import format_status, read_status
-from dspine_batch.pipeline.job import default_output
+from dspine_batch.pipeline.preflight import default_output
 from dspine_batch.pipeline.resume import STATE_DIR, Lock, held_locks, write_state
 
 

@@ -14,58 +14,15 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from helpers import read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import A_TEMPLATE, J_TEMPLATE, JUDGE, read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import stage_docs as _docs
+from helpers import staged_job as _job
 
 from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.stages.where import parse_where
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS, RECIPE = str(ROOT / "examples" / "docs.jsonl"), str(ROOT / "jobs" / "recipes" / "qa-from-docs.toml")
-QUESTIONS = {"type": "object", "properties": {"questions": {"type": "array", "items": {"type": "string"},
-                                                            "minItems": 1, "maxItems": 3}},
-             "required": ["questions"]}
-JUDGE = {"type": "object", "properties": {"score": {"type": "integer", "minimum": 1, "maximum": 5},
-                                          "reason": {"type": "string"}}, "required": ["score", "reason"]}
-Q_TEMPLATE = "Write questions about: {{ text }}"
-A_TEMPLATE = "Text: {{ text }}\\nQuestion: {{ questions }}\\nAnswer briefly."
-J_TEMPLATE = "Q: {{ questions }} A: {{ output }} Rate it."
-
-
-def _docs(tmp_path, n=12):
-    rows = [{"doc_id": f"d{i:02d}", "text": f"Document {i} says the tides follow the moon, part {i % 4}."}
-            for i in range(n)]
-    return write_jsonl(tmp_path / "docs.jsonl", rows)
-
-
-def _job(tmp_path, src, out, extra: str = "", where: str = "len(reason) > 3") -> str:
-    job = tmp_path / "job.toml"
-    job.write_text(f'''inputs = ["{src}"]
-output = "{out}"
-id-column = "doc_id"
-max-new-tokens = 48
-commit-rows = 3
-{extra}
-[[stages]]
-name = "questions"
-template = "{Q_TEMPLATE}"
-json-schema = '{json.dumps(QUESTIONS)}'
-
-[[stages]]
-name = "answers"
-explode = "questions"
-template = "{A_TEMPLATE}"
-
-[[stages]]
-name = "judge"
-template = "{J_TEMPLATE}"
-json-schema = '{json.dumps(JUDGE)}'
-where = "{where}"
-dedup = "exact"
-dedup-on = "score"
-''')
-    return str(job)
-
-
 def _stage(out, name) -> dict[str, dict]:
     return {r["row_id"]: r for r in read_output(out / name)}
 
@@ -121,6 +78,64 @@ def test_a_three_stage_job_equals_the_stages_run_by_hand(tmp_path):
     # readers see the final stage as one dataset with its lineage columns
     t = ds.dataset(str(out / "judge"), format="parquet").to_table(filter=ds.field("kept"))
     assert set(t.column_names) >= {"row_id", "output", "root_id", "lineage", "kept"} and t.num_rows > 0
+
+
+def test_a_stage_on_another_model_runs_after_the_stages_before_it(tmp_path, capfd):
+    """The judge on its own model: two engines, each loaded once and closed before the next loads; the rows are
+    those of the one-model job (the scripted engine answers alike whatever the model), and a rerun resumes both."""
+    src = _docs(tmp_path)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_cli(["generate", "--config", _job(tmp_path, src, ref)]) == 0
+    job = _job(tmp_path, src, out)
+    with open(job, "a") as f:
+        f.write('model = "judge-model"\n')  # the last table of the file: the judge stage
+    opened, closed = [], []
+
+    def counting(model, draft, args):
+        engine = scripted_engine(model, draft, args)
+        opened.append((model, draft, len(closed)))
+        close = engine.close
+        engine.close = lambda: (closed.append(model), close())[1]
+        return engine
+
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 0
+    assert opened == [("embedded", "embedded", 0), ("judge-model", "none", 1)]  # the first closed before
+    err = capfd.readouterr().err
+    assert "once for stage(s) questions, answers: model 1 of 2" in err and "judge: model 2 of 2" in err
+    for name in ("questions", "answers", "judge"):
+        assert {r["row_id"]: (r["output"], r["kept"]) for r in read_output(out / name)} == \
+            {r["row_id"]: (r["output"], r["kept"]) for r in read_output(ref / name)}, name
+    manifest = json.loads((out / "judge" / "_manifest.json").read_text())
+    assert manifest["config"]["model"] == "judge-model"
+    assert run_cli(["generate", "--config", job], loader=counting) == 0  # resumes: nothing left, no model loaded
+    assert len(opened) == 2 and "nothing left to do: every stage's rows are committed" in capfd.readouterr().err
+    assert len(read_output(out / "judge")) == len(read_output(ref / "judge"))
+    assert run_cli(["finalize", str(out)]) == 0
+
+
+def test_a_finished_staged_job_reruns_without_loading_a_model(tmp_path, capfd):
+    src, out = _docs(tmp_path, 6), tmp_path / "out"
+    job = _job(tmp_path, src, out)
+    opened = []
+
+    def counting(*a):
+        opened.append(1)
+        return scripted_engine(*a)
+
+    assert run_cli(["generate", "--config", job], loader=counting) == 0 and len(opened) == 1
+    before = {name: read_output(out / name) for name in ("questions", "answers", "judge")}
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 0
+    assert len(opened) == 1 and "no model was loaded" in capfd.readouterr().err
+    assert {name: read_output(out / name) for name in before} == before and (out / "judge" / "_SUCCESS").exists()
+    # the input changed: refused naming the stage and the change, as the normal start would, but before any load
+    write_jsonl(src, [*(json.loads(x) for x in src.read_text().splitlines()),
+                      {"doc_id": "d99", "text": "A new document about the tides."}])
+    capfd.readouterr()
+    assert run_cli(["generate", "--config", job], loader=counting) == 2  # the input changed: a different run
+    err = capfd.readouterr().err
+    assert len(opened) == 1 and "stage 'questions'" in err and "docs.jsonl changed" in err  # before any load
 
 
 def _decisions(out) -> tuple[dict, dict]:
@@ -180,7 +195,7 @@ def test_kill9_in_every_stage_resumes_each_exactly_once(tmp_path):
 @pytest.mark.parametrize("stage, why", [
     ('where = "__import__(\'os\')"', "stage 3 ('judge'): where"),
     ('where = "score >="', "not a predicate"),
-    ('model = "other"', "its own model is not supported yet"),
+    ('model = 3', "`model` must be a model name or path"),
     ('frobnicate = 1', "unknown key 'frobnicate'"),
     ('dedup = "fuzzy"', "dedup 'fuzzy'"),
 ])
