@@ -102,6 +102,12 @@ class EngineDied(Exception):
     in_flight: list[str] = []  # row ids in flight when it died (``pipeline.scheduler`` sets it)
 
 
+def engine_side(error: str) -> bool:
+    """Whether a row's error is the engine's doing (it hung past --request-timeout, or died on the row), not the
+    request's: OpenAI's batch output calls these ``engine_error``, the request's own ``invalid_request``."""
+    return error.startswith(("request timed out after", "the engine died"))
+
+
 def request_timed_out(seconds: float) -> str:
     """The error of a row whose request outlived --request-timeout: one wording for every engine."""
     return f"request timed out after {seconds:g}s (--request-timeout); the engine's answer, if any, was dropped"

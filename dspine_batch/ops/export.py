@@ -32,7 +32,7 @@ from typing import IO, Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from dspine_batch.errors import UsageError
+from dspine_batch.errors import UsageError, engine_side
 from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
 from dspine_batch.storage.fs import filesystem, retrying
 from dspine_batch.storage.objects import local_tmp_dir
@@ -125,7 +125,9 @@ def openai_line(group: list[dict[str, Any]], model: str, created: int) -> dict[s
     line: dict[str, Any] = {"id": _hash("batch_req_", row_id), "custom_id": row_id}
     failed = next((r for r in group if r["status"] != "ok"), None)
     if failed is not None:
-        code = "engine_error" if failed.get("prompt_tokens") else "invalid_request"
+        # a row the engine took (it counted the prompt), or one it hung or died on, failed on the engine's side
+        code = "engine_error" if failed.get("prompt_tokens") or engine_side(failed.get("error") or "") \
+            else "invalid_request"
         return line | {"response": None, "error": {"code": code, "message": failed.get("error") or "failed"}}
     prompt = int(group[0].get("prompt_tokens") or 0)
     completion = sum(int(r.get("completion_tokens") or 0) for r in group)

@@ -158,3 +158,20 @@ def test_export_writes_each_tokens_own_bytes_and_strict_json(tmp_path, capsys):
     assert "NaN" in got["nan"].message.content and "1e400" in got["big"].message.content
     (call,) = got["good"].message.tool_calls
     assert _strict(call.function.arguments) == {"x": 1.5} and got["good"].message.content == TEXT
+
+
+def test_rows_the_engine_hung_on_are_engine_errors_and_bad_requests_invalid(tmp_path):
+    """A row ended by --request-timeout never got a prompt count from the engine, yet failed on the engine's side:
+    OpenAI's batch output says ``engine_error``; a row refused before generation says ``invalid_request``."""
+    rows = prompts(10)
+    rows[4]["prompt"] = ""  # refused before generation
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out, res = tmp_path / "out", tmp_path / "results.jsonl"
+    assert run_cli(["generate", str(src), "-o", str(out), "--max-error-rate", "1", "--request-timeout", "0.2",
+                    "--engine-arg", "hang_every=3", "--engine-arg", "latency=0.001"]) == 0
+    assert run_cli(["export", str(out), "-o", str(res)]) == 0
+    codes = {x["custom_id"]: (x["error"] or {}).get("code") for x in map(json.loads, res.read_text().splitlines())}
+    assert codes["r00004"] == "invalid_request"
+    hung = {rid for rid, c in codes.items() if c == "engine_error"}
+    assert hung and "r00004" not in hung
+    assert all(c in (None, "engine_error") for rid, c in codes.items() if rid != "r00004")
