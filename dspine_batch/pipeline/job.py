@@ -314,7 +314,7 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
         with setup_frozen():
             if death is not None:
                 _isolate(job, engine, death, mapper, done.keys, state, sink, progress, shutdown, decisions,
-                         fail_fast)
+                         fail_fast, errors, inflight)
             _stream(job, engine, selector.run(iter_inputs(job.files, job.columns.read_columns(), job.cfg.limit)),
                     fail_fast, sink, progress, shutdown, decisions, job.cfg.max_in_flight, errors, inflight)
     except Interrupted:
@@ -375,12 +375,13 @@ def _stream(job: Job, engine: Engine, items: Iterator[WorkItem], fail_fast: Stop
 
 def _isolate(job: Job, engine: Engine, death: deaths.Death, mapper: RowMapper, done: KeySet, state: ShardState,
              sink: PartSink, progress: Progress, shutdown: Shutdown, decisions: DecisionLog,
-             fail_fast: StopOnRowError) -> None:
+             fail_fast: StopOnRowError, errors: ErrorLog, inflight: InFlight) -> None:
     """The rows the last engine death left, each run alone and committed before any other row (``deaths``); each
     one committed joins ``done`` so the run's own pass skips it. The inputs are read with a mapper of its own
-    (a mapper remembers the ids it has seen: a second reading would find every id a duplicate)."""
+    (a mapper remembers the ids it has seen: a second reading would find every id a duplicate). A row run alone
+    is under the same --request-timeout, watchdog record and error log as the run's own rows."""
     def run_alone(item: WorkItem) -> None:
-        _stream(job, engine, iter([item]), fail_fast, sink, progress, shutdown, decisions, 1)
+        _stream(job, engine, iter([item]), fail_fast, sink, progress, shutdown, decisions, 1, errors, inflight)
         sink.commit()
         done.add(item.row_hash)
 

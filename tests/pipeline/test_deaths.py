@@ -71,3 +71,21 @@ def test_the_record_of_a_death():
     assert d.rows == ["b", "a"] and d.deaths == 1 and "\n" not in d.message
     assert after_death(d, EngineDied("x")).deaths == 2 and after_death(d, EngineDied("x")).rows == []
     assert Death.of(d.as_dict()) == d and Death.of(None) is None and Death.of({"rows": 5}) is None
+
+
+def test_rows_run_alone_after_a_death_are_logged_like_any_other(tmp_path, capsys):
+    """The suspects of a death run first, alone; their errors go through the same error log as the run's (the
+    first of a kind is logged, the kinds are counted at the end), under the same --request-timeout record."""
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(20))
+    out = tmp_path / "out"
+    base = ["generate", str(src), "-o", str(out), "--commit-rows", "4", "--max-in-flight", "3",
+            "--engine-arg", "latency=0.002", "--max-error-rate", "1", "--engine-arg", "error_every=1"]
+    assert run_cli([*base, "--engine-arg", "crash_after=7"]) == 75  # every request fails; then the engine dies
+    suspects = _state(out)["engine_death"]["rows"]
+    assert suspects
+    capsys.readouterr()
+    assert run_cli([*base, "--request-timeout", "30"]) == 0
+    err = capsys.readouterr().err
+    first = next(line for line in err.splitlines() if "error row: row " in line)
+    assert first.split("row '")[1].split("'")[0] in suspects  # the suspects ran first, through the error log
+    assert "error row(s) this run, by kind" in err
