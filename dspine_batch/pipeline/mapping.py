@@ -338,9 +338,10 @@ class RowMapper:
         cols = self.settings.columns
         if cols.messages:
             value = row.get(cols.messages, _MISSING)
+            label = f"body.{cols.messages}" if file.kind == "openai" else cols.messages  # as the line spells it
             if value is _MISSING:
-                raise RowError(file.name, index, cols.messages, "missing")
-            messages = check_messages(file.name, index, cols.messages, value)
+                raise RowError(file.name, index, label, "missing")
+            messages = check_messages(file.name, index, label, value)
             if self.settings.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.settings.system_prompt}, *messages]
             field = cols.messages

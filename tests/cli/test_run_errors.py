@@ -37,7 +37,7 @@ def test_three_kinds_of_bad_row_are_named_once_and_counted_in_the_same_words_eve
     temp = "batch.jsonl: line 4 (custom_id 'req-3'), field 'body.temperature': expected a number"
     assert err.count(temp) == 1 and "line 9 (custom_id 'req-8')" not in err  # the first of its kind only
     assert err.count("batch.jsonl: line 7 (custom_id 'req-6'), field 'body.frobnicate': not a request field") == 1
-    assert err.count("batch.jsonl: line 10 (custom_id 'req-9'), field 'messages'") == 1
+    assert err.count("batch.jsonl: line 10 (custom_id 'req-9'), field 'body.messages'") == 1
     assert "4 error row(s) this run, by kind:" in err
     assert "     2 x field 'body.temperature': expected a number" in err
     over = next(line for line in err.splitlines() if "is over --max-error-rate" in line)

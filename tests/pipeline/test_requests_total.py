@@ -171,7 +171,7 @@ def test_the_two_hidden_inputs_are_one_error_each_naming_the_field(openai_mapper
     for body, field in (({"logit_bias": {"²": 1}}, "body.logit_bias"), ({"temperature": BIG}, "body.temperature"),
                         ({"logit_bias": {"5": BIG}}, "body.logit_bias"), ({"top_p": -BIG}, "body.top_p"),
                         ({"seed": BIG}, "body.seed"), ({"logit_bias": {"9" * 5000: 1}}, "body.logit_bias"),
-                        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
+                        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, "body.messages[0].role"),
                         ({"response_format": "[" * 100_000}, "body.response_format"), ({"stop": ""}, "body.stop")):
         item = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, **body}})
         err = item.error
