@@ -141,7 +141,7 @@ def point_proposals(rows: list[Row], src: SuffixSource, width: int, job: JobAcce
         room = min(width, r.sp.max_new_tokens - len(r.tokens) - 1)
         if room <= 0:
             continue
-        toks, certain = forced(st.matcher, r.sp.grammar.encode, st.vocab_size, room)
+        toks, certain = forced(st.matcher, r.sp.grammar.encode, st.vocab_size, room, st.head)
         surv, out = 1.0, []
         rate = job.forced_rate()
         for j, t in enumerate(toks):

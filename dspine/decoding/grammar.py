@@ -72,14 +72,18 @@ def allowed_count(bitmask_row: torch.Tensor, vocab_size: int) -> tuple[int, int]
     return n, (int(np.argmax(bits)) if n else -1)
 
 
-def walk(matcher: Any, proposal: list[int], vocab_size: int) -> tuple[torch.Tensor, int]:
+def walk(matcher: Any, proposal: list[int], vocab_size: int,
+         head: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """The masks of slots 0..ℓ of a verify of ``proposal`` [ℓ + 1, words] and ℓ, how many proposed tokens the
     grammar allows in a row (a refused token ends the verify before it: fewer masks then). After a token that ends
     the grammar the next slot's mask allows everything (the row stops at that token; the slot is never used).
-    The matcher is left as it was."""
+    The matcher is left as it was. ``head``: the mask at the matcher's state, already filled this round
+    (``processors.RowState.head``): slot 0 is copied from it, not filled again."""
     masks = new_bitmask(len(proposal) + 1, vocab_size)
     taken = 0
-    if not matcher.is_terminated():
+    if head is not None:
+        masks[0] = head()[0]
+    elif not matcher.is_terminated():
         matcher.fill_next_token_bitmask(masks, 0)
     for t in proposal:
         if matcher.is_terminated() or not matcher.accept_token(int(t)):
@@ -92,10 +96,12 @@ def walk(matcher: Any, proposal: list[int], vocab_size: int) -> tuple[torch.Tens
     return masks[: taken + 1], taken
 
 
-def forced(matcher: Any, encode: Callable[[str], list[int]], vocab_size: int, limit: int) -> tuple[list[int], int]:
+def forced(matcher: Any, encode: Callable[[str], list[int]], vocab_size: int, limit: int,
+           head: Callable[[], torch.Tensor] | None = None) -> tuple[list[int], int]:
     """Tokens the grammar forces from the matcher's state, up to ``limit``: the jump-forward string's canonical
     tokens (as far as the grammar accepts them), then single allowed tokens. Returns (tokens, how many of them are
-    single allowed tokens: the tail, certain). The matcher is left as it was."""
+    single allowed tokens: the tail, certain). The matcher is left as it was. ``head``: the mask at the matcher's
+    state (``walk``), used for the first single-token step when no string was forced."""
     out: list[int] = []
     text = matcher.find_jump_forward_string() if limit > 0 else ""
     if text:
@@ -106,8 +112,12 @@ def forced(matcher: Any, encode: Callable[[str], list[int]], vocab_size: int, li
     lead = len(out)
     mask = new_bitmask(1, vocab_size)
     while len(out) < limit and not matcher.is_terminated():
-        matcher.fill_next_token_bitmask(mask, 0)
-        n, t = allowed_count(mask[0], vocab_size)
+        if not out and head is not None:
+            now = head()  # the state's own mask, filled once a round (read here, never written)
+        else:
+            matcher.fill_next_token_bitmask(mask, 0)
+            now = mask
+        n, t = allowed_count(now[0], vocab_size)
         if n != 1 or not matcher.accept_token(t):
             break
         out.append(t)

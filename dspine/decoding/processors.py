@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dspine.decoding.grammar import apply_masks, walk
+from dspine.decoding.grammar import apply_masks, new_bitmask, walk
 from dspine.decoding.history import slot_history
 from dspine.decoding.sampling import SamplingParams
 
@@ -51,6 +51,7 @@ class RowState:
     matcher: Any = None  # xgrammar.GrammarMatcher
     generated: int = 0
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    head_mask: torch.Tensor | None = None  # [1, words]: the grammar's mask at the matcher's state (``head``)
 
     @staticmethod
     def of(sp: SamplingParams, prompt: list[int], vocab_size: int) -> RowState | None:
@@ -68,6 +69,15 @@ class RowState:
             st.matcher = sp.grammar.matcher()
         return st
 
+    def head(self) -> torch.Tensor:
+        """The grammar's mask at the matcher's current state, filled once and kept until the row commits: the
+        forced-token look-ahead and the verify's slot 0 read the same state in one round (one fill, not two)."""
+        if self.head_mask is None:
+            self.head_mask = new_bitmask(1, self.vocab_size)
+            if not self.matcher.is_terminated():
+                self.matcher.fill_next_token_bitmask(self.head_mask, 0)
+        return self.head_mask
+
     @property
     def shapes(self) -> bool:
         """Whether this row changes its logits (logprobs alone do not)."""
@@ -75,6 +85,8 @@ class RowState:
 
     def commit(self, tokens: list[int]) -> None:
         """The row committed ``tokens``: they join its history (and its grammar's state)."""
+        if tokens:
+            self.head_mask = None  # the matcher moves: its mask is another
         for t in tokens:
             if self.counts is not None:
                 self.counts[t] += 1
@@ -97,7 +109,7 @@ def grammar_masks(states: list[RowState | None], props: torch.Tensor | None, ell
             continue
         e = 0 if ell is None else int(ell[b])
         prop = [] if e == 0 else props[b, :e].tolist()
-        m, taken = walk(st.matcher, prop, st.vocab_size)
+        m, taken = walk(st.matcher, prop, st.vocab_size, st.head)
         masks[b] = m
         if taken < e:
             if cut is None:
@@ -150,7 +162,7 @@ def process(logits: torch.Tensor, states: list[RowState | None], b_idx: list[int
         if st.matcher is not None:
             m = masks.get(b) if masks else None
             if m is None:
-                m, _ = walk(st.matcher, [], st.vocab_size)
+                m, _ = walk(st.matcher, [], st.vocab_size, st.head)
             for n, j in zip(ns, js):
                 masked_rows.append(n)
                 mask_list.append(m[min(j, m.shape[0] - 1)])
