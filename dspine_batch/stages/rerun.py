@@ -82,6 +82,13 @@ def nothing_left(stages: list[Any], files: list[InputFile], columns: Columns,
         state.save(SinkStats(), "done", total_rows=done.rows)
         log(f"stage {st.spec.name}: {done.rows:,} rows, {done.error_rows:,} with errors -> {st.job.outdir}")
         worst = max(worst, done.error_rows / done.rows if done.rows else 0.0)
+    return ended(stages, worst, log)
+
+
+def ended(stages: list[Any], worst: float, log: Callable[[str], None]) -> int:
+    """A staged job's end, after every stage is complete: each stage's ``_SUCCESS`` (one shard), and the exit code
+    of the worst stage's error rate against --max-error-rate."""
+    for st in stages:
         if st.job.shard[1] == 1:
             st.job.output.write_success()
     limit = stages[0].job.cfg.max_error_rate

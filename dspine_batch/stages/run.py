@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Engine, Result, SamplingParams
-from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_INTERRUPTED, EXIT_OK, EngineDied, Interrupted, UsageError
+from dspine_batch.errors import EXIT_INTERRUPTED, EngineDied, Interrupted, UsageError
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.heap import setup_frozen
@@ -52,7 +52,7 @@ from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
-from dspine_batch.stages.rerun import nothing_left
+from dspine_batch.stages.rerun import ended, nothing_left
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
     LINEAGE_TYPES,
@@ -419,11 +419,4 @@ def _finish(stages: list[Stage]) -> int:
         log(f"stage {st.spec.name}: {done:,} rows ({st.sink.stats.rows:,} this run), {errors:,} with errors"
             f"{extra} this run -> {st.job.outdir}")
         worst = max(worst, errors / done if done else 0.0)
-        if st.job.shard[1] == 1:
-            st.job.output.write_success()
-    limit = stages[0].job.cfg.max_error_rate
-    if worst > limit:
-        log(f"a stage's error rate {worst:.1%} is over --max-error-rate {limit:.1%}; see `dspine-batch report "
-            "OUTDIR/<stage>`")
-        return EXIT_ERROR_BUDGET
-    return EXIT_OK
+    return ended(stages, worst, log)
