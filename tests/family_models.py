@@ -71,6 +71,39 @@ def save_tiny_family(path: str | Path, family: str, seed: int = 0, head_scale: f
     return str(path)
 
 
+# Gemma 4's text decoder with its distinctive options on: sliding/full layers (full: their own head size and one KV
+# head, keys = values, proportional RoPE over a quarter of the frequencies), per-layer inputs, the last two layers
+# sharing the KV of the last earlier layer of their type with a double-wide MLP, final soft-capping
+GEMMA4 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=8,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"],
+              num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=256, final_logit_softcapping=30.0, max_position_embeddings=1024,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_gemma4(path: str | Path, seed: int = 0, head_scale: float = 4.0, **kw) -> str:
+    """A tiny random ``Gemma4ForCausalLM`` (``GEMMA4`` with ``kw`` over it): norms around 1 (Gemma 4's are
+    ``x * w``), each layer's ``layer_scalar`` random, weights at 4x the default scale so that every piece moves the
+    logits."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma4TextConfig(**{**GEMMA4, "initializer_range": 0.08, **kw})
+    model = transformers.Gemma4ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 # -- sampled-law helpers (the method of tests/decoding/test_generate.py: exact joint by enumeration, χ² pooled) --
 
 
