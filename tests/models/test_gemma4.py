@@ -92,8 +92,11 @@ def test_greedy_generate_equals_transformers(gemma4, hf):
         assert o.token_ids == theirs
 
 
-def test_suffix_speculation_equals_plain(gemma4):
-    """Suffix proposals (no draft; greedy and sampled rows): the plain tokens, with suffix steps really taken."""
+def test_speculation_equals_plain(gemma4):
+    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens, with
+    suffix steps and verifies really taken."""
+    from dspine import init_draft
+
     target = load_target(gemma4)
     base = token_prompts(4, 256, seed=7, lo=3, hi=12)
     first = generate(target, None, base, max_new_tokens=10)
@@ -104,6 +107,11 @@ def test_suffix_speculation_equals_plain(gemma4):
                       batch_size=2, **params)
     assert [s.token_ids for s in suffix] == [p.token_ids for p in plain]
     assert sum(s.stats.suffix_steps for s in suffix) > 0
+    draft = init_draft(target, num_layers=1, block_size=4, seed=1, intermediate_size=64)
+    greedy = generate(target, None, prompts, max_new_tokens=20)
+    spec = generate(target, draft, prompts, max_new_tokens=20)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in greedy]
+    assert sum(s.stats.verify_steps for s in spec) > 0
 
 
 def test_dspine_info_lists_gemma4(gemma4, tmp_path):
