@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -70,6 +71,39 @@ def save_tiny_family(path: str | Path, family: str, seed: int = 0, head_scale: f
     return str(path)
 
 
+# Gemma 4's text decoder with its distinctive options on: sliding/full layers (full: their own head size and one KV
+# head, keys = values, proportional RoPE over a quarter of the frequencies), per-layer inputs, the last two layers
+# sharing the KV of the last earlier layer of their type with a double-wide MLP, final soft-capping
+GEMMA4 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=8,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"],
+              num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=256, final_logit_softcapping=30.0, max_position_embeddings=1024,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_gemma4(path: str | Path, seed: int = 0, head_scale: float = 4.0, **kw) -> str:
+    """A tiny random ``Gemma4ForCausalLM`` (``GEMMA4`` with ``kw`` over it): norms around 1 (Gemma 4's are
+    ``x * w``), each layer's ``layer_scalar`` random, weights at 4x the default scale so that every piece moves the
+    logits."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma4TextConfig(**{**GEMMA4, "initializer_range": 0.08, **kw})
+    model = transformers.Gemma4ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 # -- sampled-law helpers (the method of tests/decoding/test_generate.py: exact joint by enumeration, χ² pooled) --
 
 
@@ -83,18 +117,30 @@ _GGUF_BLOCK = {  # HF name within model.layers.N. -> GGUF name within blk.N. (ll
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Phi-3: fused as Hugging Face stores them (gate first in ffn_up)
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+_PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and subclasses permute Q/K
+_POST_NORMS = {  # HF -> GGUF, for the families whose post_attention_layernorm follows attention
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+    "olmo2": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }
 
 
-def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2") -> Path:
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2", customize=None) -> Path:
     """Write the tiny HF model in ``hf_dir`` (with a byte-level BPE ``tokenizer.json``) as a GGUF of ``arch`` the
     way llama.cpp's converter lays it out: Llama's Q/K rows permuted for adjacent-pair RoPE, Gemma's norms stored
-    as ``1 + w``, Gemma's pre-MLP norm as ``ffn_norm`` and its post-norms as ``post_attention_norm`` /
-    ``post_ffw_norm``; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name."""
+    as ``1 + w``, Gemma's pre-MLP norm as ``ffn_norm`` and its post-norms (and OLMo 2's) as ``post_attention_norm``
+    / ``post_ffw_norm``; Phi-3's fused tensors as they are, its partial rotary as ``rope.dimension_count`` and
+    longrope as ``rope_factors_long`` / ``rope_factors_short`` tensors; Granite's multipliers as ``granite.*_scale``
+    keys; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name; ``customize(writer)``: more metadata."""
     import json
+    import math
 
     import gguf
-    import numpy as np
     from safetensors.torch import load_file
 
     hf_dir, out = Path(hf_dir), Path(out)
@@ -109,10 +155,30 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch != "phi3":  # llama.cpp's Phi3 converter writes no head size
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     rope = cfg.get("rope_parameters") or {}
+    extra: dict[str, np.ndarray] = {}
+    if arch == "phi3":
+        rope_dims = int(rope.get("partial_rotary_factor", 1.0) * cfg["hidden_size"]) // n_heads
+        w.add_rope_dimension_count(rope_dims)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        original = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            extra = {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                     "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
+        rope = {"rope_theta": rope.get("rope_theta", 10000.0)}
+    if arch == "granite":
+        for key, add in (("attention_multiplier", w.add_attention_scale),
+                         ("embedding_multiplier", w.add_embedding_scale),
+                         ("residual_multiplier", w.add_residual_scale), ("logits_scaling", w.add_logit_scale)):
+            if cfg.get(key):
+                add(cfg[key])
     if arch == "gemma3":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -143,9 +209,10 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "
     def permute(t: np.ndarray, heads: int) -> np.ndarray:  # HF rotate-half rows -> llama.cpp's pairs
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
-    gemma_names = {"post_attention_layernorm.weight": "post_attention_norm.weight",
-                   "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-                   "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+    if customize is not None:
+        customize(w)
+    for name, a in extra.items():
+        w.add_tensor(name, a)
     for name, t in state.items():
         a = t.float().numpy()
         if name == "model.embed_tokens.weight":
@@ -158,16 +225,16 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "
             g = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
-            if arch == "gemma3" and rest in gemma_names:
-                local = gemma_names[rest]
+            if rest in _POST_NORMS.get(arch, {}):
+                local = _POST_NORMS[arch][rest]
             elif rest == "post_attention_layernorm.weight":
                 local = "ffn_norm.weight"
             else:
                 local = _GGUF_BLOCK[rest]
             g = f"blk.{layer}.{local}"
-        if arch == "llama" and g.endswith("attn_q.weight"):
+        if arch in _PERMUTED and g.endswith("attn_q.weight"):
             a = permute(a, n_heads)
-        elif arch == "llama" and g.endswith("attn_k.weight"):
+        elif arch in _PERMUTED and g.endswith("attn_k.weight"):
             a = permute(a, n_kv)
         if arch == "gemma3" and g.endswith("norm.weight"):
             a = a + np.float32(1.0)

@@ -12,6 +12,16 @@ integration also encodes them; the code is ours:
   back; sliding layers every ``attention.sliding_window_pattern`` (llama.cpp's default for gemma3: 6, the 6th
   layer global) with their own RoPE base (``rope.freq_base_swa``, default 10000); the query scale is
   head_dim ** -0.5 except for the 62-layer (27B) model, where it is (hidden / heads) ** -0.5.
+- **phi3** (Phi-3, Phi-4-mini): q/k/v fused in ``attn_qkv`` and gate/up in ``ffn_up`` (gate first), as Hugging Face
+  stores them; NEOX RoPE over ``rope.dimension_count`` dims (partial rotary); longrope as two tensors,
+  ``rope_factors_long`` / ``rope_factors_short``, with ``rope.scaling.original_context_length`` and
+  ``rope.scaling.attn_factor``; ``attention.sliding_window`` 0 for none.
+- **olmo2**: no pre-norms, ``post_attention_norm`` / ``post_ffw_norm`` after each sublayer, q/k norms over the whole
+  projection; NEOX RoPE (nothing permuted). Sliding-window layers (OLMo 3 written as olmo2) are refused.
+- **granite** (dense): the Llama layout (Q/K permuted) plus ``granite.embedding_scale``, ``granite.residual_scale``,
+  ``granite.logit_scale`` and ``granite.attention.scale``, each written only when set (llama.cpp's defaults when
+  absent: 1, 1, 1 and head_dim ** -0.5).
+- **smollm3**: the Llama layout (Q/K permuted); NoPE on every 4th layer, fixed in llama.cpp (no metadata key).
 
 Anything else (another architecture, a RoPE scaling type, llama.cpp's ``rope_freqs`` tensor for Llama 3 scaling) is
 refused in one line naming it, never guessed.
@@ -19,11 +29,12 @@ refused in one line naming it, never guessed.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "olmo2", "granite", "smollm3")
 
 _ATTN = {
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -46,13 +57,29 @@ BLOCK_TENSORS: dict[str, dict[str, str]] = {
     "gemma3": {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight":
                "post_attention_layernorm.weight", "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight", **_ATTN, **_QK_NORMS, **_MLP},
+    "phi3": {**_PRE_NORMS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "attn_output.weight": "self_attn.o_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight"},
+    "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight", **_ATTN, **_QK_NORMS, **_MLP},
+    "granite": {**_PRE_NORMS, **_ATTN, **_MLP},
+    "smollm3": {**_PRE_NORMS, **_ATTN, **_MLP},
 }
+
+# Tensors outside the blocks that become config values, not weights (Phi-3's longrope factors)
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Architectures whose Q/K rows llama.cpp's converter permutes (``LlamaModel`` and its subclasses)
+PERMUTED = ("llama", "granite", "smollm3")
 
 _HF = {  # architecture -> (model_type, HF class)
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "granite": ("granite", "GraniteForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
 
 
@@ -70,16 +97,18 @@ def check_architecture(arch: str) -> None:
         raise ArchError(f"architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
 
 
-def config(arch: str, meta: Any, tensor_names: set[str]) -> dict[str, Any]:
-    """The HF ``config.json`` of a GGUF of ``arch`` (``meta``: ``.get(key, default)`` / ``.require(key)``)."""
+def config(arch: str, meta: Any, tensor_names: set[str], extra: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` of a GGUF of ``arch`` (``meta``: ``.get(key, default)`` / ``.require(key)``;
+    ``extra``: the ``CONFIG_TENSORS`` the file holds, dequantized)."""
     check_architecture(arch)
+    extra = extra or {}
     if "rope_freqs.weight" in tensor_names:
         raise ArchError("rope_freqs (llama.cpp's precomputed Llama 3 RoPE scaling) is not supported")
     n_heads = int(meta.require(f"{arch}.attention.head_count"))
     hidden = int(meta.require(f"{arch}.embedding_length"))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise ArchError(f"partial rotary ({rope_dim} of {head_dim} dims) is not supported")
     theta = f32_value(meta.get(f"{arch}.rope.freq_base", 10000.0))
     rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(arch, meta)}
@@ -112,7 +141,60 @@ def config(arch: str, meta: Any, tensor_names: set[str]) -> dict[str, Any]:
     }
     if arch == "gemma3":
         cfg.update(_gemma3(meta, cfg, rope))
+    elif arch == "phi3":
+        cfg.update(_phi3(meta, cfg, rope, rope_dim, extra))
+    elif arch == "olmo2":
+        if meta.get("olmo2.attention.sliding_window") or meta.get("olmo2.attention.sliding_window_pattern"):
+            raise ArchError("olmo2 with sliding-window layers (OLMo 3) is not supported (OLMo 2 only)")
+    elif arch == "granite":
+        cfg.update(_granite(meta, head_dim))
+    elif arch == "smollm3":  # llama.cpp: no RoPE where (layer + 1) % 4 == 0, a constant of its loader
+        cfg.update(no_rope_layer_interval=4,
+                   no_rope_layers=[int((i + 1) % 4 != 0) for i in range(cfg["num_hidden_layers"])])
     return cfg
+
+
+def _phi3(meta: Any, cfg: dict[str, Any], rope: dict[str, Any], rope_dim: int,
+          extra: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Phi-3's partial rotary, longrope (factors as tensors) and optional window over every layer."""
+    if rope.get("rope_type") != "default":
+        raise ArchError(f"phi3 with RoPE scaling {rope['rope_type']!r} is not supported (longrope only)")
+    rope = {**rope, "partial_rotary_factor": rope_dim / cfg["head_dim"]}
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    long, short = extra.get("rope_factors_long.weight"), extra.get("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise ArchError("phi3 with only one of rope_factors_long / rope_factors_short")
+    out: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False}
+    if long is not None:
+        if original is None:
+            raise ArchError("phi3 longrope without rope.scaling.original_context_length")
+        original = int(original)
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    long_factor=[f32_value(x) for x in np.asarray(long).reshape(-1)],
+                    short_factor=[f32_value(x) for x in np.asarray(short).reshape(-1)])
+        scale = cfg["max_position_embeddings"] / original
+        default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        attn = meta.get("phi3.rope.scaling.attn_factor")
+        if attn is not None and np.float32(attn) != np.float32(default):  # HF recomputes it when absent
+            rope["attention_factor"] = f32_value(attn)
+        out["original_max_position_embeddings"] = original
+    window = int(meta.get("phi3.attention.sliding_window") or 0)
+    out.update(rope_parameters=rope, partial_rotary_factor=rope["partial_rotary_factor"],
+               sliding_window=window or None)
+    return out
+
+
+def _granite(meta: Any, head_dim: int) -> dict[str, Any]:
+    """Granite's multipliers: llama.cpp's ``*_scale`` keys, each absent when unset (llama.cpp's defaults then)."""
+
+    def scale(key: str, default: float) -> float:
+        value = meta.get(key)
+        return default if value is None else f32_value(value)
+
+    return {"embedding_multiplier": scale("granite.embedding_scale", 1.0),
+            "residual_multiplier": scale("granite.residual_scale", 1.0),
+            "logits_scaling": scale("granite.logit_scale", 1.0),
+            "attention_multiplier": scale("granite.attention.scale", head_dim**-0.5)}
 
 
 def _rope_scaling(arch: str, meta: Any) -> dict[str, Any]:
@@ -158,9 +240,9 @@ def _gemma3(meta: Any, cfg: dict[str, Any], full_rope: dict[str, Any]) -> dict[s
 
 def transform(arch: str, gguf_name: str, w: np.ndarray, cfg: dict[str, Any], unpermute) -> np.ndarray:
     """A dequantized tensor as Hugging Face stores it (``unpermute``: ``gguf_convert.unpermute_qk``)."""
-    if arch == "llama" and gguf_name.endswith("attn_q.weight"):
+    if arch in PERMUTED and gguf_name.endswith("attn_q.weight"):
         return unpermute(w, cfg["num_attention_heads"])
-    if arch == "llama" and gguf_name.endswith("attn_k.weight"):
+    if arch in PERMUTED and gguf_name.endswith("attn_k.weight"):
         return unpermute(w, cfg["num_key_value_heads"])
     if arch == "gemma3" and gguf_name.endswith("norm.weight"):
         return w - np.float32(1.0)

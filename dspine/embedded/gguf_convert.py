@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF (llama, qwen2, qwen3, gemma3; byte-level BPE tokenizer) into a Hugging Face model dir.
+"""Convert a llama.cpp GGUF (``gguf_arch.ARCHITECTURES``; byte-level BPE tokenizer) into a Hugging Face model dir.
 
 Why convert at all: our reference targets load plain HF directories (``config.json`` + safetensors), and
 speculative decoding is checked for identity against fp32 logits, so a quantized GGUF is dequantized to
@@ -60,6 +60,8 @@ _GPT2_ONLY = {"default", "gpt-2", "gpt2", "mpt", "olmo", "jais"}
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _REGEX_SPLITS = {"qwen2": _CONTRACTIONS + r"\p{N}" + _REST, "llama-bpe": _CONTRACTIONS + r"\p{N}{1,3}" + _REST}
+# llama.cpp splits these as Llama 3 does (one case in llama-vocab.cpp): SmolLM3's smaug-bpe, dbrx
+_REGEX_SPLITS.update({name: _REGEX_SPLITS["llama-bpe"] for name in ("smaug-bpe", "dbrx")})
 
 _TOP_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -140,10 +142,13 @@ def _read_gguf(path: Path) -> tuple[Any, _Metadata]:
     return reader, meta
 
 
-def _config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
+def _config(meta: _Metadata, reader: Any) -> dict[str, Any]:
     """The HF config of the GGUF's architecture (``gguf_arch.config``), errors naming the file."""
+    gguf = _import_gguf()
+    extra = {t.name: np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+             for t in reader.tensors if t.name in gguf_arch.CONFIG_TENSORS}
     try:
-        return gguf_arch.config(meta.require("general.architecture"), meta, tensor_names)
+        return gguf_arch.config(meta.require("general.architecture"), meta, {t.name for t in reader.tensors}, extra)
     except gguf_arch.ArchError as e:
         raise GGUFConversionError(f"{meta.path}: {e}") from None
 
@@ -156,6 +161,8 @@ def _state_dict(reader: Any, cfg: dict[str, Any], path: Path, arch: str = "llama
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = t.name
+        if name in gguf_arch.CONFIG_TENSORS:  # read into the config (``_config``)
+            continue
         parts = name.split(".", 2)  # "blk.7.attn_q.weight" -> ["blk", "7", "attn_q.weight"]
         if name in _TOP_TENSORS:
             hf = _TOP_TENSORS[name]
@@ -251,7 +258,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader, meta = _read_gguf(gguf_path)
-    cfg = _config(meta, {t.name for t in reader.tensors})
+    cfg = _config(meta, reader)
     state = _state_dict(reader, cfg, gguf_path, meta.require("general.architecture"))
     tokenizer, tok_cfg = build_tokenizer(meta)
     if tokenizer.get_vocab_size(with_added_tokens=True) != cfg["vocab_size"]:

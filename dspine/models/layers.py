@@ -42,7 +42,8 @@ class RopeSpec:
     ``transformers.modeling_rope_utils``, our code): ``linear`` (positions / factor), ``llama3`` (per-wavelength
     blend), ``yarn`` (NTK-by-parts ramp between interpolated and extrapolated frequencies, cos/sin scaled by an
     attention factor) and ``longrope`` (per-frequency short or long factors, the long ones for a forward that
-    reaches past ``original_max_position``, cos/sin scaled by an attention factor).
+    reaches past ``original_max_position``, cos/sin scaled by an attention factor) and ``proportional`` (Gemma 4's
+    full layers: the whole head rotates half-by-half, only the first ``proportion`` of its frequencies non-zero).
     """
 
     theta: float = 10000.0
@@ -58,8 +59,9 @@ class RopeSpec:
     attention_factor: float = 1.0  # yarn / longrope: cos and sin are multiplied by it
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()  # longrope
+    proportion: float = 1.0  # proportional (Gemma 4's full layers): the share of frequencies that rotate
 
-    TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+    TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
     @staticmethod
     def from_config(cfg: dict, head_dim: int, params: dict | None = None) -> RopeSpec:
@@ -73,7 +75,7 @@ class RopeSpec:
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type not in RopeSpec.TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(RopeSpec.TYPES)})")
-        rotary_dim = int(head_dim * partial)
+        rotary_dim = int(head_dim * partial) if rope_type != "proportional" else head_dim
         original = int(params.get("original_max_position_embeddings")
                        or cfg.get("original_max_position_embeddings") or 8192)
         factor = params.get("factor")
@@ -103,6 +105,7 @@ class RopeSpec:
             attention_factor=float(1.0 if attention is None else attention),
             short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
             long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
+            proportion=float(partial) if rope_type == "proportional" else 1.0,
         )
 
     def inv_freq(self, device=None, long: bool = False) -> torch.Tensor:
@@ -128,6 +131,11 @@ class RopeSpec:
         elif self.rope_type == "longrope":
             ext = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32, device=device)
             inv = 1.0 / (ext * self.theta**exponents)
+        elif self.rope_type == "proportional":
+            # Hugging Face's: the first proportion * d / 2 frequencies of a d-dim rotation (exponents over the
+            # whole head), the rest zero (cos 1, sin 0: those pairs pass through), all divided by ``factor``
+            angles = int(self.proportion * d // 2)
+            inv = torch.cat([inv[:angles], torch.zeros(d // 2 - angles, device=device)]) / self.factor
         return inv
 
     def _yarn(self, device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dspine.embedded.gguf_convert import GGUFConversionError, gguf_model_path
 
 pytest.importorskip("gguf")
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3", "olmo2", "granite", "smollm3"]
 
 
 def _tiny_hf(path, arch: str) -> str:
@@ -27,6 +27,15 @@ def _tiny_hf(path, arch: str) -> str:
         return save_tiny_hf(path, arch, vocab=vocab, layers=2)
     if arch == "qwen2":  # biases, yarn
         return save_tiny_family(path, "qwen2", vocab_size=vocab, num_hidden_layers=2)
+    if arch in ("phi3", "olmo2"):  # fused qkv / gate_up, partial rotary, longrope; post-norms, QK-norm over q / k
+        return save_tiny_family(path, arch, vocab_size=vocab, num_hidden_layers=2)
+    if arch == "granite":  # the four multipliers; weights 5x the default scale so that attention (scaled by
+        # 0.0625) moves the logits well past 1e-4 (a wrong Q/K permutation must show)
+        return save_tiny_family(path, arch, vocab_size=vocab, num_hidden_layers=2, initializer_range=0.1)
+    if arch == "smollm3":  # NoPE on the 4th layer, the one pattern llama.cpp knows (no llama3 scaling: llama.cpp
+        # stores it as a rope_freqs tensor, which we refuse)
+        return save_tiny_family(path, "smollm3", vocab_size=vocab, no_rope_layer_interval=4,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     # gemma3 as llama.cpp knows it: layers 1-5 sliding, the 6th global, query scale head_dim ** -0.5, linear
     # scaling on the global layer, no soft-capping (llama.cpp's gemma3 has none)
     return save_tiny_family(path, "gemma3", vocab_size=vocab, num_hidden_layers=6, query_pre_attn_scalar=16,
@@ -57,11 +66,56 @@ def test_converted_gguf_matches_the_hf_original(arch, converted):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == json.loads(open(f"{hf}/config.json").read())["model_type"]
     ours = load_target(out)
+    assert ours.family == {"llama": "llama"}.get(arch, arch)
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    ids = torch.randint(3, ours.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expect = ref(ids).logits
-    assert (ours.score(ids) - expect).abs().max().item() < 1e-4, arch
+    # phi3: 30 tokens on longrope's short factors, 40 past its original 32 positions on the long ones
+    for length in (30, 40) if arch == "phi3" else (30,):
+        ids = torch.randint(3, ours.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expect = ref(ids).logits
+        assert (ours.score(ids) - expect).abs().max().item() < 1e-4, (arch, length)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "olmo2", "granite", "smollm3"])
+def test_converted_gguf_greedy_generate_equals_the_hf_original(arch, converted):
+    import transformers
+
+    from dspine import generate
+
+    hf, _, out = converted(arch)
+    ours = load_target(out)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None  # run to max_new_tokens, as dspine does without stops
+    ref.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, ours.vocab_size, (n,), generator=g).tolist() for n in (5, 17)]
+    mine = generate(ours, None, prompts, max_new_tokens=12)
+    for p, o in zip(prompts, mine):
+        with torch.no_grad():
+            theirs = ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        assert o.token_ids == theirs, arch
+
+
+def test_converted_config_reads_back_each_family(converted):
+    """What llama.cpp keeps in metadata or tensors comes back as the HF config had it."""
+    read = {a: json.loads((converted(a)[2] / "config.json").read_text()) for a in ("phi3", "granite", "smollm3")}
+    phi = read["phi3"]["rope_parameters"]
+    assert phi["rope_type"] == "longrope" and phi["partial_rotary_factor"] == 0.75
+    assert phi["long_factor"] == [2.0 + 0.5 * i for i in range(6)] and phi["original_max_position_embeddings"] == 32
+    assert "attention_factor" not in phi  # the default, recomputed by HF
+    gr = read["granite"]
+    assert (gr["embedding_multiplier"], gr["residual_multiplier"], gr["attention_multiplier"],
+            gr["logits_scaling"]) == (12.0, 0.22, 0.0625, 8.0)
+    assert read["smollm3"]["no_rope_layers"] == [1, 1, 1, 0]
+
+
+def test_olmo3_sliding_window_refused_in_one_line(converted, tmp_path):
+    hf, _, _ = converted("olmo2")
+    # llama.cpp writes OLMo 3 as olmo2 with a sliding window
+    write_tiny_gguf(hf, tmp_path / "olmo3-swa.gguf", "olmo2", customize=lambda w: w.add_sliding_window(8))
+    with pytest.raises(GGUFConversionError, match="OLMo 3") as e:
+        gguf_model_path(tmp_path / "olmo3-swa.gguf", tmp_path / "c")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -76,11 +130,11 @@ def test_tokenizer_rebuilt_equals_the_original(arch, converted):
 
 def test_pre_tokenizer_splits_per_llama_cpp_name():
     splits = {}
-    for pre in ("qwen2", "llama-bpe"):
+    for pre in ("qwen2", "llama-bpe", "smaug-bpe"):
         tok = gguf_convert._pre_tokenizer(pre, gguf_convert.Path("x.gguf"))
         splits[pre] = [piece for piece, _ in tok.pre_tokenize_str("It's 12345 ok")]
     assert splits["qwen2"] == ["It", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġok"]
-    assert splits["llama-bpe"] == ["It", "'s", "Ġ", "123", "45", "Ġok"]
+    assert splits["llama-bpe"] == splits["smaug-bpe"] == ["It", "'s", "Ġ", "123", "45", "Ġok"]
 
 
 def test_unknown_pre_tokenizer_and_architecture_refused_by_name(converted, tmp_path):

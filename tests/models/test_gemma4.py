@@ -1,0 +1,166 @@
+"""Gemma 4's text decoder (``dspine/models/gemma4.py``) against Hugging Face's ``Gemma4ForCausalLM``.
+
+A tiny random model from ``Gemma4TextConfig`` (``family_models.GEMMA4``: sliding and full layers with their own
+head sizes, keys = values and proportional RoPE on the full layers, per-layer inputs, KV-shared layers with a
+double-wide MLP, soft-capping) loaded by ``load_target``: fp32 logits within 1e-4 of HF over a ragged batched
+prefill, decode steps and a speculative verify, on torch's linears and on our kernels; greedy ``generate`` equal to
+HF's; suffix speculation equal to plain; ``dspine info``; the pieces we do not run refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from family_models import GEMMA4, save_tiny_gemma4
+from helpers import token_prompts
+
+from dspine import generate, load_target
+from dspine.decoding.cost import CostModel
+from dspine.models.checkpoint import ModelLoadError
+
+CHEAP = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    return save_tiny_gemma4(tmp_path_factory.mktemp("gemma4"))
+
+
+@pytest.fixture(scope="module")
+def hf(gemma4):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(gemma4, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, as dspine does without stops
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("mode", ["torch", "kernels"])
+def test_logits_match_transformers_ragged_prefill_decode_verify(mode, gemma4, hf):
+    """Rows of 5, 19 and 40 tokens (past the window of 8) prefilled together, two decode steps, a 3-token
+    speculative verify of which 1-3 tokens are kept, one more step: every logit within 1e-4 of HF's forward over the
+    row's whole sequence (the KV-shared layers read keys their source layer wrote in the same forward)."""
+    if mode == "kernels":
+        from dspine.cpu import kernels
+
+        if kernels.load() is None:
+            pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    ours = load_target(gemma4, kernels=mode == "kernels")
+    assert ours.family == "gemma4" and ours.kernel.startswith("dspine-") == (mode == "kernels")
+    g = torch.Generator().manual_seed(4)
+    lens = [5, 19, 40]
+    ids = torch.zeros(3, 40, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n] = torch.randint(3, 256, (n,), generator=g)
+    cache = ours.new_cache(3, 8)
+    out = ours.logits(ours.forward(ids, cache, n_valid=torch.tensor(lens)).hidden)
+    got = [[out[b, :n]] for b, n in enumerate(lens)]
+    seqs = [ids[b, :n] for b, n in enumerate(lens)]
+    for _ in range(2):
+        step = torch.randint(3, 256, (3, 1), generator=g)
+        out = ours.logits(ours.forward(step, cache).hidden)
+        for b in range(3):
+            got[b].append(out[b])
+            seqs[b] = torch.cat([seqs[b], step[b]])
+    block = torch.randint(3, 256, (3, 3), generator=g)
+    out = ours.logits(ours.forward(block, cache, speculative=True).hidden)
+    keep = [1, 3, 2]
+    ours.commit(cache, torch.tensor(keep))
+    for b in range(3):
+        got[b].append(out[b, : keep[b]])
+        seqs[b] = torch.cat([seqs[b], block[b, : keep[b]]])
+    last = torch.randint(3, 256, (3, 1), generator=g)
+    out = ours.logits(ours.forward(last, cache).hidden)
+    for b in range(3):
+        got[b].append(out[b])
+        seqs[b] = torch.cat([seqs[b], last[b]])
+        with torch.no_grad():
+            expect = hf(seqs[b][None]).logits[0]
+        assert (torch.cat(got[b]) - expect).abs().max().item() < 1e-4, b
+
+
+def test_greedy_generate_equals_transformers(gemma4, hf):
+    ours = load_target(gemma4)
+    prompts = token_prompts(2, 256, seed=3, lo=4, hi=20)
+    for p, o in zip(prompts, generate(ours, None, prompts, max_new_tokens=16)):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+        assert o.token_ids == theirs
+
+
+def test_speculation_equals_plain(gemma4):
+    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens, with
+    suffix steps and verifies really taken."""
+    from dspine import init_draft
+
+    target = load_target(gemma4)
+    base = token_prompts(4, 256, seed=7, lo=3, hi=12)
+    first = generate(target, None, base, max_new_tokens=10)
+    prompts = [p + o.token_ids + p for p, o in zip(base, first)]
+    params = dict(max_new_tokens=20, temperature=[0.0, 0.8, 0.0, 1.0], seed=[1, 2, 3, 4], top_k=40)
+    plain = generate(target, None, prompts, **params)
+    suffix = generate(target, None, prompts, verify="cost", cost=CHEAP, prices="static", proposers="suffix",
+                      batch_size=2, **params)
+    assert [s.token_ids for s in suffix] == [p.token_ids for p in plain]
+    assert sum(s.stats.suffix_steps for s in suffix) > 0
+    draft = init_draft(target, num_layers=1, block_size=4, seed=1, intermediate_size=64)
+    greedy = generate(target, None, prompts, max_new_tokens=20)
+    spec = generate(target, draft, prompts, max_new_tokens=20)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in greedy]
+    assert sum(s.stats.verify_steps for s in spec) > 0
+
+
+def test_dspine_info_lists_gemma4(gemma4, tmp_path):
+    from click.testing import CliRunner
+
+    from dspine.cli import main
+
+    res = CliRunner().invoke(main, ["info", gemma4])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["family"] == "gemma4" and info["class"] == "Gemma4Target"
+    assert info["layers_head_dim"] == [16, 16, 32, 16, 16, 32] and info["options"]["kv_shared_layers"] == [4, 5]
+    assert info["layers_window"] == [8, 8, None, 8, 8, None] and "proportional" in info["layers_rope"][2]
+    assert info["features"]["prefix_cache"] is False and "Gemma 4" in info["features"]["not_batch_invariant_because"][0]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    res = CliRunner().invoke(main, ["info", str(tmp_path)])
+    assert res.exit_code == 1 and "Gemma 4" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_moe_and_bidirectional_refused_in_one_line(gemma4, tmp_path):
+    cfg = json.loads(open(f"{gemma4}/config.json").read())
+    for key, value, words in (("enable_moe_block", True, "enable_moe_block"),
+                              ("use_bidirectional_attention", "all", "use_bidirectional_attention")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ModelLoadError, match=words) as e:
+            load_target(tmp_path)
+        assert "\n" not in str(e.value)
+
+
+def test_the_multimodal_checkpoint_loads_its_text_decoder(tmp_path):
+    """Gemma 4's small models ship as ``Gemma4ForConditionalGeneration`` (``text_config``; the decoder under
+    ``model.language_model``, beside the vision tower): the text decoder alone, its logits those of HF's model."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    text = transformers.Gemma4TextConfig(**{**GEMMA4, "initializer_range": 0.08})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(str(tmp_path))
+    ours = load_target(tmp_path)
+    assert ours.family == "gemma4" and ours.num_layers == GEMMA4["num_hidden_layers"]
+    ids = torch.randint(3, 256, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expect = model(input_ids=ids).logits
+    assert (ours.score(ids) - expect).abs().max().item() < 1e-4
