@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's dspine, and the tests' model builders
 
-from family_models import FAMILIES, save_tiny_family  # noqa: E402
+from family_models import FAMILIES, save_tiny_family, save_tiny_gemma4  # noqa: E402
 
 from dspine import generate, load_target  # noqa: E402
 
@@ -52,7 +52,14 @@ def bench(family: str, root: Path, args) -> dict:
         size.update(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                      "short_factor": [1.0] * 24, "long_factor": [2.0] * 24},
                     original_max_position_embeddings=4096)
-    path = save_tiny_family(root / family, family, **size)
+    if family == "gemma4":  # its own builder (tests/family_models.py): the 6-layer pattern at the benchmark width
+        path = save_tiny_gemma4(root / family, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                                num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
+                                head_dim=64, global_head_dim=128, vocab_size=args.vocab,
+                                vocab_size_per_layer_input=args.vocab, hidden_size_per_layer_input=64,
+                                max_position_embeddings=4096)
+    else:
+        path = save_tiny_family(root / family, family, **size)
     ours = load_target(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref.generation_config.eos_token_id = None
@@ -88,7 +95,7 @@ def bench(family: str, root: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--families", nargs="*", default=[*FAMILIES, "gemma4"])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=8192)
