@@ -297,17 +297,32 @@ def _fp16_grid(estimate: torch.Tensor, step: int) -> torch.Tensor:
     return bits.clamp(0, 0x7BFF).short().view(torch.float16).float()
 
 
+_PROBE_BLOCKS = 256  # blocks searched first: a weight on no grid (a bf16 draft's) fails there, not after all of it
+
+
 def _search(blocks: torch.Tensor, estimate: torch.Tensor, decode) -> torch.Tensor | None:
     """Per block, the first float16 scale near ``estimate`` for which ``decode(scale)`` -> (q, values) gives
-    back the block's values exactly; None when some block has none (not a quantized weight)."""
-    scale = torch.full_like(estimate, float("nan"))
-    todo = torch.arange(estimate.numel())
+    back the block's values exactly; None when some block has none (not a quantized weight).
+
+    The first ``_PROBE_BLOCKS`` blocks are searched alone first: every block must pass, so a weight whose first
+    blocks fail is refused without searching the rest (same answer; packing a bf16 draft went from seconds to
+    milliseconds)."""
     flat_b, flat_e = blocks.reshape(-1, QK), estimate.reshape(-1)
+    if flat_e.numel() > 2 * _PROBE_BLOCKS and _search_some(flat_b, flat_e, decode, _PROBE_BLOCKS) is None:
+        return None
+    scale = _search_some(flat_b, flat_e, decode, flat_e.numel())
+    return None if scale is None else scale.view_as(estimate)
+
+
+def _search_some(flat_b: torch.Tensor, flat_e: torch.Tensor, decode, n: int) -> torch.Tensor | None:
+    """``_search`` over the first ``n`` blocks (the others' scales stay NaN)."""
+    scale = torch.full_like(flat_e, float("nan"))
+    todo = torch.arange(n, device=flat_e.device)
     for step in (0, -1, 1, -2, 2, -3, 3):
         d = _fp16_grid(flat_e[todo], step)
         _, values = decode(flat_b[todo], d, todo)
         ok = (values == flat_b[todo]).all(-1)
-        scale.view(-1)[todo[ok]] = d[ok]
+        scale[todo[ok]] = d[ok]
         todo = todo[~ok]
         if todo.numel() == 0:
             return scale
