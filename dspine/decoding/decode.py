@@ -28,6 +28,7 @@ by a rule of their own (``schedule.row_rule``), which keeps that true for a give
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,8 @@ def decode_stream(
     own round times, seeded by ``cost`` (``prices.LivePrices``); "static" keeps ``cost``'s calibrated prices
     (``prices.StaticPrices``: tests that must not depend on timing); or a prices object. Prices only choose
     between choices whose tokens are identical, so no output depends on them.
-    ``decisions`` (a dict the caller keeps): filled every ``EXPLAIN_EVERY`` rounds and at the end with what each
+    ``decisions`` (a dict the caller keeps; ``"_first_token"``: ``time.monotonic()`` when the first prefill sampled
+    its rows' first tokens): filled every ``EXPLAIN_EVERY`` rounds and at the end with what each
     proposer did and, where one did not run, why (``explain.explain``), and the live prices (``"prices"``).
     ``prefill_chunk`` (> 0) prefills newcomers in forwards of at most that many prompt tokens, one per round of
     the rows in flight (``chunks``, ``_decode_loop``); 0 prefills each newcomer's prompt in one forward. Only
@@ -228,6 +230,8 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
         fresh = _advance(jobs[0], not cfg.chunk) if jobs else None
         if fresh is not None:
             jobs.pop(0)
+            if decisions is not None and "_first_token" not in decisions:  # the stream's first sampled tokens
+                decisions["_first_token"] = time.monotonic()
             if cfg.suffix is not None:
                 for r in fresh.rows:
                     cfg.suffix.start(r.index, r.prompt)

@@ -107,7 +107,7 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         )
     model = (model if on_cpu else model.to_empty(device=device)).to(dtype)
     model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
-    load_state(model, path, rename=_checkpoint_name)
+    load_state(model, path, rename=_checkpoint_name, mmap=on_cpu, assign=False)  # converted to fp32 from the map
     model.check_vocab(str(path / "model.safetensors"))
     return model.eval()
 

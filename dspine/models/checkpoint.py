@@ -108,6 +108,7 @@ def load_state(
     optional: Iterable[str] = (),
     dtype: torch.dtype | None = None,
     mmap: bool = False,
+    assign: bool = True,
 ) -> None:
     """Copy tensors from a model dir into ``module``'s parameters/buffers, strictly.
 
@@ -115,7 +116,9 @@ def load_state(
     Names in ``optional`` may be absent (their initial values stay). ``mmap`` (a CPU module): a tensor stored in
     the dtype the module holds becomes a view of the file's memory map instead of a copy (``mapped_tensors``), so
     a weight that is never read (a linear replaced by its packed form from the cache) never costs memory; tensors
-    of another dtype, and parameters shared under two names, are copied as before.
+    of another dtype are converted from the map, and parameters shared under two names copied, as before. With
+    ``assign=False`` every tensor is copied out of the map (which goes when this returns): for a checkpoint whose
+    every weight is converted or repacked anyway (a bf16 draft), where a view would keep its pages resident.
     """
     path = Path(path)
     files = weight_files(path)
@@ -137,11 +140,13 @@ def load_state(
                 if f not in mapped:
                     mapped[f] = mapped_tensors(f)
                 t = (mapped[f] or {}).get(ckpt_name)
-                if t is not None and t.dtype != want.dtype:
-                    t = None
             if t is not None:
                 _check_shape(f, ckpt_name, t, want)
-                _assign(module, name, t)
+                if t.dtype == want.dtype and assign:
+                    _assign(module, name, t)
+                else:  # converted straight from the map (no second, unconverted copy first)
+                    with torch.no_grad():
+                        want.copy_(t)
                 seen.add(name)
                 continue
             if f not in opened:
