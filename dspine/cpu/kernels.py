@@ -329,6 +329,22 @@ def _search_some(flat_b: torch.Tensor, flat_e: torch.Tensor, decode, n: int) -> 
     return None
 
 
+_CHUNK_ROWS = 1024  # rows searched at a time: the search's temporaries are a few fp32 copies of what it looks at
+
+
+def _by_rows(find, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """``find`` (``exact_q4_1`` / ``exact_q8_0``) over ``_CHUNK_ROWS`` rows at a time, the parts concatenated (its
+    outputs are all row-major); None as soon as one part is. The same answer as one search over the whole weight,
+    with temporaries bounded by a chunk's size instead of a few copies of the weight (a 49k-row head: ~600 MB)."""
+    parts = []
+    for i in range(0, weight.shape[0], _CHUNK_ROWS):
+        part = find(weight[i:i + _CHUNK_ROWS])
+        if part is None:
+            return None
+        parts.append(part)
+    return tuple(torch.cat(xs) for xs in zip(*parts))
+
+
 def exact_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """W [N, K] whose every block of 32 columns is ``d * q + m`` (q in 0..15, d and m float16), as GGUF Q4_1
     stores it -> (q bytes [N, K/32, 16] in GGUF order, d [N, K/32], m [N, K/32]); None if W is not such a weight.
@@ -340,6 +356,8 @@ def exact_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     n, k = weight.shape
     if k % QK or weight.dtype != torch.float32:
         return None
+    if n > _CHUNK_ROWS:
+        return _by_rows(exact_q4_1, weight)  # type: ignore[return-value]
     blocks = weight.detach().reshape(n, k // QK, QK)
     m = blocks.amin(-1)
     if not torch.equal(m.half().float(), m):
@@ -365,6 +383,8 @@ def exact_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     n, k = weight.shape
     if k % QK or weight.dtype != torch.float32:
         return None
+    if n > _CHUNK_ROWS:
+        return _by_rows(exact_q8_0, weight)  # type: ignore[return-value]
     blocks = weight.detach().reshape(n, k // QK, QK)
 
     def decode(b, d, idx):

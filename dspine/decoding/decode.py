@@ -90,6 +90,7 @@ def decode_stream(
     prefill_chunk: int = 0,
     prices: str | LivePrices | StaticPrices = "live",
     decisions: dict | None = None,
+    release_retired: bool = False,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -115,6 +116,8 @@ def decode_stream(
     ``prefill_chunk`` (> 0) prefills newcomers in forwards of at most that many prompt tokens, one per round of
     the rows in flight (``chunks``, ``_decode_loop``); 0 prefills each newcomer's prompt in one forward. Only
     where it is exact (``chunking_exact``); elsewhere prompts go whole, so outputs never depend on it either.
+    ``release_retired``: a draft retired under ``auto`` (``rounds.retire_draft``) also frees its weights
+    (``DSpineDraft.release``), so it cannot serve another stream: for owners that load it again when they need it.
     """
     if prefill_chunk < 0:
         raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {prefill_chunk}")
@@ -150,6 +153,7 @@ def decode_stream(
         cfg.job = JobAcceptance(PRIOR_ACCEPT if accept_prior is None else accept_prior, bs - 1 if use_draft else 0)
     # finished rows stay in their slots (they cost nothing on a packing target) where the round knows them
     cfg.keep_dead = target.packs and (use_suffix or cfg.draft is None)
+    cfg.release_retired = release_retired
     if prefix_cache is not None:
         prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor

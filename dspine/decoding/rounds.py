@@ -203,8 +203,8 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     upkeep = draft is not None and batch.dcache is not None and bool((greedy & live).any())
     if upkeep and retire_draft(cfg, bool(pl.draft_block), R):
         batch.drop_draft()
-        if callable(release := getattr(draft, "release", None)):  # its weights too: never read again this stream
-            release()
+        if cfg.release_retired and callable(release := getattr(draft, "release", None)):  # its weights too:
+            release()  # never read again this stream
         draft, upkeep = None, False
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell

@@ -287,7 +287,7 @@ class ReferenceEngine:
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
                                suffix_max=self.suffix_max, prefix_cache=self.prefix,
-                               prefill_chunk=self.prefill_chunk, decisions=self.decisions)
+                               prefill_chunk=self.prefill_chunk, decisions=self.decisions, release_retired=True)
         try:
             for i, out in stream:
                 req = pending.pop(i)

@@ -188,7 +188,7 @@ def test_a_draft_that_never_pays_is_retired_and_changes_no_token(target_name, ll
     weights = [weakref.ref(t) for t in [*draft.parameters(), *draft.buffers()] if t.numel() > 1000]
     assert weights and not draft.released
     got = dict(decode_stream(target, draft, zip(prompts, params), batch_size=3, verify="cost", cost=CAL,
-                             proposers="auto", prices=dear, decisions=decisions))
+                             proposers="auto", prices=dear, decisions=decisions, release_retired=True))
     assert [got[i].token_ids for i in range(len(prompts))] == want
     assert decisions["dspine"]["why"].startswith("retired after round"), decisions["dspine"]
     assert decisions["dspine"]["rounds"] == 0
