@@ -194,6 +194,9 @@ class ReferenceEngine:
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = open_tokenizer(model_path)
+        from dspine.cpu.memory import trim
+
+        trim()  # what loading converted and repacked (the draft's fp32 copy of its bf16 checkpoint) given back
         if drafter is None and proposers == "auto":
             proposers = "suffix"  # no draft for this model: suffix matches alone
         # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
