@@ -15,7 +15,7 @@ from dspine.models.checkpoint import ModelLoadError, read_config
 from dspine.models.families import FAMILIES, family_of
 from dspine.models.llama import DenseTarget
 from dspine.models.qwen3_5 import Qwen35Target
-from dspine.models.target import StalePackCache, Target
+from dspine.models.target import StalePackCache, Target, pack_entry
 
 
 def load_target(
@@ -72,11 +72,20 @@ def _use_kernels(model: Target, cls: type[Target], path: Path, cfg: dict, device
     """``model.use_kernels`` with the packed cache; an entry that does not match the checkpoint (``StalePackCache``)
     costs a reload and a repack, which writes a good entry over it."""
     key = checkpoint_key(path)
+    entry = pack_entry(key, formats)
+    hit = entry is not None and entry.is_file()
     try:
-        return model.use_kernels(formats=formats, cache_key=key)
+        packed = model.use_kernels(formats=formats, cache_key=key)
     except StalePackCache:
         model = cls.from_pretrained(path, cfg, dtype=torch.float32, device=device)
-        return model.use_kernels(formats=formats, cache_key=key, trust_cache=False)
+        packed = model.use_kernels(formats=formats, cache_key=key, trust_cache=False)
+    if not hit and entry is not None and entry.is_file() and packed.kernel.startswith("dspine-"):
+        # packed here: every float linear was read, and those pages stay resident while the checkpoint's map lives
+        # (the embeddings are views of it); loaded again from the entry just written, the old map goes with them
+        del model, packed
+        model = cls.from_pretrained(path, cfg, dtype=torch.float32, device=device)
+        packed = model.use_kernels(formats=formats, cache_key=key)
+    return packed
 
 
 def auto_dtype(path: str | Path, quant: str = "none", device: str | torch.device = "cpu") -> str:

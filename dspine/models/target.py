@@ -176,7 +176,7 @@ class Target(nn.Module):
         shapes before the fusion), so no fp32 master copy exists at any point; a cache entry that does not
         match raises ``StalePackCache`` (``load_target`` then reloads and repacks, ``trust_cache=False``). On a
         miss the layers are fused and packed one at a time, each float weight freed once packed."""
-        from dspine.cpu.kernels import PackedLinear, load, load_packed, pack_cache_path, pack_linears, save_packed
+        from dspine.cpu.kernels import PackedLinear, load, load_packed, pack_linears, save_packed
         from dspine.models.layers import fuse_norms
 
         if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
@@ -185,7 +185,7 @@ class Target(nn.Module):
         if isa is None:
             return self
         fused = any(getattr(m, "qkv_proj", None) is not None for m in self.modules())
-        cached = None if cache_key is None else pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
+        cached = pack_entry(cache_key, formats)
         if cached is not None and trust_cache and not fused and cached.is_file():
             _linears_to_meta(self.layers)
             self.fuse_projections()  # shapes only: the cache holds the fused linears
@@ -290,6 +290,15 @@ class Target(nn.Module):
 
     def default_tap_ids(self, n: int = 5) -> list[int]:
         return default_tap_ids(self.num_layers, n)
+
+
+def pack_entry(cache_key: str | None, formats: tuple[str, ...] | None) -> Path | None:
+    """The packed-weights cache entry of a checkpoint (``cache_key``) packed in ``formats``; None without a key."""
+    if cache_key is None:
+        return None
+    from dspine.cpu.kernels import pack_cache_path
+
+    return pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
 
 
 class StalePackCache(ValueError):

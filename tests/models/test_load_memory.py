@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import save_random_draft, save_tiny_hf, token_prompts
+from helpers import save_random_draft, save_tiny_hf, to_gguf_grids, token_prompts
 from safetensors.torch import load_file
 from torch import nn
 
@@ -99,11 +99,13 @@ def test_a_stale_cache_entry_is_repacked(gguf_dir, pack_cache, tmp_path, damage)
     want = _logits(load_target(gguf_dir, kernels=True))  # writes the entry
     (entry,) = pack_cache.iterdir()
     if damage == "garbage":
+        entry.unlink()  # replaced, as our writers do (a map of the old file stays valid)
         entry.write_bytes(b"not a safetensors file")
     else:  # a well-formed entry of another checkpoint (other shapes)
         other = save_tiny_hf(tmp_path / "other", "llama", hidden_size=64, intermediate_size=96)
         load_target(other)
         (donor,) = [p for p in pack_cache.iterdir() if p != entry]
+        entry.unlink()
         entry.write_bytes(donor.read_bytes())
     assert torch.equal(_logits(load_target(gguf_dir)), want)
     assert torch.equal(_logits(load_target(gguf_dir)), want)  # the repack rewrote it: a hit now
@@ -128,3 +130,27 @@ def test_the_cached_draft_changes_no_token(tmp_path, pack_cache, llama_dir):
     outs = [[(o.token_ids, o.stats.verify_steps) for o in generate(target, d, prompts, max_new_tokens=24)]
             for d in (fresh, warm)]
     assert outs[0] == outs[1]  # the same proposals, so the same schedule
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_grid_search_in_chunks_and_probes_finds_what_one_search_does(monkeypatch, fmt):
+    """``exact_q8_0`` / ``exact_q4_1`` searched a chunk of rows at a time (bounded temporaries) and refused early on
+    their first blocks give the whole search's answer: the same blocks, and None for a weight one value off its grid
+    (in the last chunk, past the probe) or on no grid at all (a bf16 weight)."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 700, 256
+    grid = nn.Module()
+    grid.register_parameter("embed" if fmt == "q8_0" else "proj", nn.Parameter(torch.randn(n, k, generator=g)))
+    with torch.no_grad():
+        to_gguf_grids(grid)  # Q8_0 for embeddings, Q4_1 for the rest, as a GGUF converter leaves them
+    w = next(grid.parameters()).detach()
+    find = kernels.exact_q8_0 if fmt == "q8_0" else kernels.exact_q4_1
+    whole = find(w)
+    assert whole is not None
+    monkeypatch.setattr(kernels, "_CHUNK_ELEMS", 64 * k)  # 11 chunks of 64 rows
+    chunked = find(w)
+    assert chunked is not None and all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    off = w.clone()
+    off[-1, 5] += 1e-4  # past the probe blocks, in the last chunk
+    assert find(off) is None
+    assert find(torch.randn(n, k, generator=g).bfloat16().float()) is None
