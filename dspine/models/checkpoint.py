@@ -85,7 +85,10 @@ def mapped_tensors(f: str | Path) -> dict[str, torch.Tensor] | None:
     meta = {k: v for k, v in header.items() if k != "__metadata__"}
     if not meta:
         return {}
-    storage = torch.UntypedStorage.from_file(str(f), False, size)
+    try:
+        storage = torch.UntypedStorage.from_file(str(f), False, size)
+    except RuntimeError:  # a file torch cannot map (a filesystem without mmap): copied instead
+        return None
     out = {}
     for name, info in meta.items():
         dtype = _ST_DTYPES.get(info.get("dtype"))
