@@ -28,6 +28,7 @@ by a rule of their own (``schedule.row_rule``), which keeps that true for a give
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ def decode_stream(
     prefill_chunk: int = 0,
     prices: str | LivePrices | StaticPrices = "live",
     decisions: dict | None = None,
+    release_retired: bool = False,
 ) -> Iterator[tuple[int, GenerationOutput]]:
     """Decode ``(prompt ids, SamplingParams)`` requests, at most ``batch_size`` at a time; yields
     ``(request index, GenerationOutput)`` as each finishes (finish order, not input order).
@@ -108,11 +110,14 @@ def decode_stream(
     own round times, seeded by ``cost`` (``prices.LivePrices``); "static" keeps ``cost``'s calibrated prices
     (``prices.StaticPrices``: tests that must not depend on timing); or a prices object. Prices only choose
     between choices whose tokens are identical, so no output depends on them.
-    ``decisions`` (a dict the caller keeps): filled every ``EXPLAIN_EVERY`` rounds and at the end with what each
+    ``decisions`` (a dict the caller keeps; ``"_first_token"``: ``time.monotonic()`` when the first prefill sampled
+    its rows' first tokens): filled every ``EXPLAIN_EVERY`` rounds and at the end with what each
     proposer did and, where one did not run, why (``explain.explain``), and the live prices (``"prices"``).
     ``prefill_chunk`` (> 0) prefills newcomers in forwards of at most that many prompt tokens, one per round of
     the rows in flight (``chunks``, ``_decode_loop``); 0 prefills each newcomer's prompt in one forward. Only
     where it is exact (``chunking_exact``); elsewhere prompts go whole, so outputs never depend on it either.
+    ``release_retired``: a draft retired under ``auto`` (``rounds.retire_draft``) also frees its weights
+    (``DSpineDraft.release``), so it cannot serve another stream: for owners that load it again when they need it.
     """
     if prefill_chunk < 0:
         raise ValueError(f"prefill_chunk must be >= 0 (0 = whole prompts), got {prefill_chunk}")
@@ -148,6 +153,7 @@ def decode_stream(
         cfg.job = JobAcceptance(PRIOR_ACCEPT if accept_prior is None else accept_prior, bs - 1 if use_draft else 0)
     # finished rows stay in their slots (they cost nothing on a packing target) where the round knows them
     cfg.keep_dead = target.packs and (use_suffix or cfg.draft is None)
+    cfg.release_retired = release_retired
     if prefix_cache is not None:
         prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor
@@ -228,6 +234,8 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
         fresh = _advance(jobs[0], not cfg.chunk) if jobs else None
         if fresh is not None:
             jobs.pop(0)
+            if decisions is not None and "_first_token" not in decisions:  # the stream's first sampled tokens
+                decisions["_first_token"] = time.monotonic()
             if cfg.suffix is not None:
                 for r in fresh.rows:
                     cfg.suffix.start(r.index, r.prompt)

@@ -7,6 +7,7 @@ holds decode settings measured for a draft on some hardware (engines use them wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from dspine.draft.config import make_draft_config
 from dspine.draft.model import DSpineDraft
 from dspine.draft.transfer import compute_transfer_space
 from dspine.models.checkpoint import ModelLoadError, load_state, read_config, weight_files
+from dspine.models.layers import skip_init
 from dspine.models.target import Target
 
 
@@ -94,15 +96,18 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     cfg = read_config(path)
     names = [_checkpoint_name(n) for n in weight_files(path)]
     has_head = any(n is not None and n.startswith("confidence_head.") for n in names)
-    with torch.device("meta"):
+    on_cpu = torch.device(device).type == "cpu"
+    # on the CPU built in place, uninitialised (the checkpoint overwrites every value): on the meta device the
+    # constructor's arithmetic would go through torch's reference ops, whose first call imports torch._dynamo
+    with contextlib.nullcontext() if on_cpu else torch.device("meta"), skip_init():
         model = DSpineDraft(cfg, confidence_head=has_head, where=str(cfg_file))
     if model.confidence_trained and not has_head:
         raise ModelLoadError(
             f"{cfg_file}: dspine_config.confidence_trained is true but {path} has no 'confidence_head.proj.weight'"
         )
-    model = model.to_empty(device=device).to(dtype)
+    model = (model if on_cpu else model.to_empty(device=device)).to(dtype)
     model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
-    load_state(model, path, rename=_checkpoint_name)
+    load_state(model, path, rename=_checkpoint_name, mmap=on_cpu, assign=False)  # converted to fp32 from the map
     model.check_vocab(str(path / "model.safetensors"))
     return model.eval()
 

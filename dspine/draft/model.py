@@ -274,6 +274,7 @@ class DSpineDraft(nn.Module):
             self.draft_vocab = None
         self._head_rows: tuple[tuple, torch.Tensor, nn.Module | None] | None = None
         self._kernels = False  # ``use_kernels`` ran: inference only
+        self.released = False  # ``release`` ran: weights freed (retired), load again to propose
         self.rotary = Rotary(RopeSpec.from_config(cfg, spec.head_dim))
 
     # -- basics ----------------------------------------------------------------------------------------------
@@ -286,11 +287,13 @@ class DSpineDraft(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def use_kernels(self) -> DSpineDraft:
+    def use_kernels(self, cache_key: str | None = None) -> DSpineDraft:
         """Inference only: the fp32 linears and the draft-vocabulary head through ``dspine.cpu.kernels`` (see
         ``Target.use_kernels``); a no-op off the CPU, for other dtypes or where the kernels cannot be built. A
-        draft so packed can no longer be trained or saved."""
-        from dspine.cpu.kernels import load, pack_linears
+        draft so packed can no longer be trained or saved. With ``cache_key`` (``registry.checkpoint_key`` of the
+        draft's directory) the packed linears are kept on disk and the next load reads them instead of
+        recognising each weight's format again (what a cached entry lacks is packed here)."""
+        from dspine.cpu.kernels import load, load_packed, pack_cache_path, pack_linears, save_packed
         from dspine.models.layers import fuse_norms
 
         if self._kernels or self.dtype != torch.float32 or self.device.type != "cpu" or load() is None:
@@ -298,11 +301,32 @@ class DSpineDraft(nn.Module):
         for layer in self.layers:  # gate/up as one streamed weight and the fused SiLU gate
             layer.mlp.fuse()
             layer.mlp.fast = True
-        pack_linears(self)
+        cached = None if cache_key is None else pack_cache_path(f"draft-{cache_key}")
+        if cached is None or not cached.is_file() or not load_packed(self, cached):
+            pack_linears(self)
+            if cached is not None:
+                save_packed(self, cached)
+        pack_linears(self)  # none left after a complete cache entry
         fuse_norms(self)
         self._kernels = True
         self._head_rows = None
         return self
+
+    def release(self) -> None:
+        """Free the weights of a draft retired for the rest of its stream (``rounds.retire_draft``): every
+        parameter and buffer becomes a shape-only meta tensor and the gathered head rows go; the config and sizes
+        stay for the stream's bookkeeping. A released draft cannot propose again (``released``: an engine that
+        needs it for a later stream loads it again)."""
+        for m in self.modules():
+            for name, t in list(m._parameters.items()):
+                if t is not None:
+                    m._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
+                                                       requires_grad=False)
+            for name, t in list(m._buffers.items()):
+                if t is not None:
+                    m._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        self._head_rows = None
+        self.released = True
 
     @property
     def confidence_enabled(self) -> bool:

@@ -8,6 +8,7 @@ half-loaded model produces plausible garbage, which is the worst failure a specu
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -60,23 +61,75 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     return out
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def mapped_tensors(f: str | Path) -> dict[str, torch.Tensor] | None:
+    """Every tensor of one safetensors file as a view of a single private, read-on-demand memory map of it (no
+    copy: a page enters the process's RSS only when something reads it, and the map goes when the last view does);
+    None where the file cannot be mapped so (an unknown dtype, an offset the dtype cannot be viewed at), and then
+    the caller copies as before. Private (copy-on-write): writing a view never changes the file. A file truncated
+    in place while mapped faults its readers (SIGBUS), as any mmap'd checkpoint would; ours are written whole
+    (``disk_cache.atomic_file``), a new file replacing the old one, which the map keeps."""
+    f = Path(f)
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    base = 8 + n
+    meta = {k: v for k, v in header.items() if k != "__metadata__"}
+    if not meta:
+        return {}
+    try:
+        storage = torch.UntypedStorage.from_file(str(f), False, size)
+    except RuntimeError:  # a file torch cannot map (a filesystem without mmap): copied instead
+        return None
+    out = {}
+    for name, info in meta.items():
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        start, end = info["data_offsets"]
+        if dtype is None or end > size - base:
+            return None
+        item = torch.empty((), dtype=dtype).element_size()
+        if (base + start) % item:
+            return None
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, base + start, (end - start,))
+        shape = tuple(info["shape"])
+        out[name] = raw.view(dtype).view(shape) if end > start else torch.empty(shape, dtype=dtype)
+    return out
+
+
 def load_state(
     module: nn.Module,
     path: str | Path,
     rename: Callable[[str], str | None] = lambda n: n,
     optional: Iterable[str] = (),
     dtype: torch.dtype | None = None,
+    mmap: bool = False,
+    assign: bool = True,
 ) -> None:
     """Copy tensors from a model dir into ``module``'s parameters/buffers, strictly.
 
     ``rename`` maps a checkpoint name to a module name, or to None to ignore it (e.g. ``lm_head`` of a draft).
-    Names in ``optional`` may be absent (their initial values stay).
+    Names in ``optional`` may be absent (their initial values stay). ``mmap`` (a CPU module): a tensor stored in
+    the dtype the module holds becomes a view of the file's memory map instead of a copy (``mapped_tensors``), so
+    a weight that is never read (a linear replaced by its packed form from the cache) never costs memory; tensors
+    of another dtype are converted from the map, and parameters shared under two names copied, as before. With
+    ``assign=False`` every tensor is copied out of the map (which goes when this returns): for a checkpoint whose
+    every weight is converted or repacked anyway (a bf16 draft), where a view would keep its pages resident.
     """
     path = Path(path)
     files = weight_files(path)
-    expected = dict(module.state_dict())
+    expected = dict(module.state_dict(keep_vars=True))
     seen: set[str] = set()
     opened: dict[Path, object] = {}
+    mapped: dict[Path, dict[str, torch.Tensor] | None] = {}
+    shared = _shared_names(expected) if mmap else set()
     try:
         for ckpt_name, f in files.items():
             name = rename(ckpt_name)
@@ -84,14 +137,25 @@ def load_state(
                 continue
             if name not in expected:
                 raise ModelLoadError(f"{f}: unexpected tensor {ckpt_name!r} (not part of this architecture)")
+            want = expected[name]
+            t = None
+            if mmap and want.device.type == "cpu" and name not in shared:
+                if f not in mapped:
+                    mapped[f] = mapped_tensors(f)
+                t = (mapped[f] or {}).get(ckpt_name)
+            if t is not None:
+                _check_shape(f, ckpt_name, t, want)
+                if t.dtype == want.dtype and assign:
+                    _assign(module, name, t)
+                else:  # converted straight from the map (no second, unconverted copy first)
+                    with torch.no_grad():
+                        want.copy_(t)
+                seen.add(name)
+                continue
             if f not in opened:
                 opened[f] = safe_open(str(f), framework="pt")
             t = opened[f].get_tensor(ckpt_name)
-            want = expected[name]
-            if tuple(t.shape) != tuple(want.shape):
-                raise ModelLoadError(
-                    f"{f}: tensor {ckpt_name!r} has shape {list(t.shape)}, expected {list(want.shape)}"
-                )
+            _check_shape(f, ckpt_name, t, want)
             with torch.no_grad():
                 want.copy_(t.to(want.dtype if want.dtype == torch.bool or dtype is None else want.dtype))
             seen.add(name)
@@ -103,3 +167,27 @@ def load_state(
         raise ModelLoadError(
             f"{path}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
         )
+
+
+def _check_shape(f: Path, ckpt_name: str, t: torch.Tensor, want: torch.Tensor) -> None:
+    if tuple(t.shape) != tuple(want.shape):
+        raise ModelLoadError(f"{f}: tensor {ckpt_name!r} has shape {list(t.shape)}, expected {list(want.shape)}")
+
+
+def _shared_names(expected: dict[str, torch.Tensor]) -> set[str]:
+    """Names of tensors held under more than one name (tied weights): assigning one would untie them."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in expected.items():
+        by_id.setdefault(id(t), []).append(name)
+    return {n for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def _assign(module: nn.Module, name: str, t: torch.Tensor) -> None:
+    """Make ``t`` the parameter or buffer ``name`` of ``module`` (instead of copying into the one there)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(t, requires_grad=bool(old is not None and old.requires_grad))
+    else:
+        owner._buffers[leaf] = t

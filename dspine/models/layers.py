@@ -10,6 +10,7 @@ is just ``lengths = n``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -303,18 +304,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return o.reshape(B, Hq, T, D)
 
 
+@contextlib.contextmanager
+def skip_init():
+    """``torch.nn.init``'s fills as no-ops, for modules whose values the checkpoint replaces (``Target.empty``;
+    shape-only linears on the meta device):
+    initialising 135M parameters only to overwrite them costs seconds."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose output is the concatenation of ``linears``' outputs (same input).
 
     For inference: one GEMM reads the input once and pays one call's overhead instead of several, which is
     most of a small model's CPU decode step. The weights are copied, so the originals can be dropped.
     """
-    weight = torch.cat([lin.weight.detach() for lin in linears])
     has_bias = linears[0].bias is not None
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    if any(lin.weight.is_meta for lin in linears):  # shape only (the packed cache fills it): no arithmetic on meta
+        # tensors, whose first op imports torch._dynamo
+        weight = torch.empty((sum(lin.out_features for lin in linears), linears[0].in_features), device="meta")
+        bias = torch.empty(weight.shape[0], device="meta") if has_bias else None
+    else:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    with skip_init():
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if has_bias:
-        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+        fused.bias = nn.Parameter(bias, requires_grad=False)
     return fused
 
 

@@ -177,7 +177,7 @@ class DenseTarget(Target):
                 name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
             return name
 
-        load_state(model, path, rename=rename, dtype=dtype)
+        load_state(model, path, rename=rename, dtype=dtype, mmap=torch.device(device).type == "cpu")
         return model.eval()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -272,7 +272,7 @@ class Qwen35Target(Target):
                     return name.removeprefix(prefix)
             return name
 
-        load_state(model, path, rename=rename, dtype=dtype)
+        load_state(model, path, rename=rename, dtype=dtype, mmap=torch.device(device).type == "cpu")
         return model.eval()
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:

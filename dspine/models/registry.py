@@ -16,7 +16,7 @@ from dspine.models.families import FAMILIES, family_of
 from dspine.models.gemma4 import Gemma4Target
 from dspine.models.llama import DenseTarget
 from dspine.models.qwen3_5 import Qwen35Target
-from dspine.models.target import Target
+from dspine.models.target import StalePackCache, Target, pack_entry
 
 
 def load_target(
@@ -59,15 +59,35 @@ def load_target(
 
         # q8/q16: the GGUF-block weights on integer dot products, any other weight in the bf16 family where it runs
         formats = (*k.INT_FORMATS[quant], *(k.BF16_FORMATS if k.bf16dp_ok() else ())) if q8 else k.BF16_FORMATS
-        model.use_kernels(formats=formats, cache_key=checkpoint_key(path))
+        model = _use_kernels(model, cls, path, cfg, device, formats)
         # the bf16 policy's KV cache is bf16 too (half the memory; attention still computes in fp32)
         model.set_kv_dtype(torch.bfloat16 if kv_dtype is None else kv_dtype)
     else:
         if kernels and quant == "none":
-            model.use_kernels(cache_key=checkpoint_key(path))
+            model = _use_kernels(model, cls, path, cfg, device, None)
         if kv_dtype is not None:
             model.set_kv_dtype(kv_dtype)
     return model
+
+
+def _use_kernels(model: Target, cls: type[Target], path: Path, cfg: dict, device, formats) -> Target:
+    """``model.use_kernels`` with the packed cache; an entry that does not match the checkpoint (``StalePackCache``)
+    costs a reload and a repack, which writes a good entry over it."""
+    key = checkpoint_key(path)
+    entry = pack_entry(key, formats)
+    hit = entry is not None and entry.is_file()
+    try:
+        packed = model.use_kernels(formats=formats, cache_key=key)
+    except StalePackCache:
+        model = cls.from_pretrained(path, cfg, dtype=torch.float32, device=device)
+        packed = model.use_kernels(formats=formats, cache_key=key, trust_cache=False)
+    if not hit and entry is not None and entry.is_file() and packed.kernel.startswith("dspine-"):
+        # packed here: every float linear was read, and those pages stay resident while the checkpoint's map lives
+        # (the embeddings are views of it); loaded again from the entry just written, the old map goes with them
+        del model, packed
+        model = cls.from_pretrained(path, cfg, dtype=torch.float32, device=device)
+        packed = model.use_kernels(formats=formats, cache_key=key)
+    return packed
 
 
 def auto_dtype(path: str | Path, quant: str = "none", device: str | torch.device = "cpu") -> str:

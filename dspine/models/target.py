@@ -22,6 +22,7 @@ from torch import nn
 
 from dspine.models.cache import ModelCache
 from dspine.models.checkpoint import ModelLoadError
+from dspine.models.layers import skip_init
 
 
 def head_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -160,15 +161,22 @@ class Target(nn.Module):
             return ()
         return (f"its linears run on {self.kernel}, whose blocking (and so rounding) follows the batch's shape",)
 
-    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None) -> Target:
+    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None,
+                    trust_cache: bool = True) -> Target:
         """Inference only: every fp32 decoder linear and the head through ``dspine.cpu.kernels`` (decode-shaped
         GEMMs that stream each weight once per forward and are batch invariant). A no-op off the CPU, for other
         dtypes, after ``quantize``, or where the kernels cannot be built (then torch's linears stay). Weights
         that are exactly GGUF Q4_1/Q8_0 blocks are stored as such (``formats``: which to try; outputs are the
         fp32 weights' either way, see ``kernels.PackedLinear``). With ``cache_key`` (a digest of the checkpoint)
         the packed weights are kept on disk (``kernels.pack_cache_path``) and reused by the next load, which
-        then skips recognising and packing them."""
-        from dspine.cpu.kernels import PackedLinear, load, load_packed, pack_cache_path, pack_linears, save_packed
+        then skips recognising and packing them.
+
+        One copy of each weight, the packed one: on a cache hit the float linears are never read (loaded from a
+        memory map, ``checkpoint.load_state(mmap=True)``, their pages never enter memory; they are dropped to
+        shapes before the fusion), so no fp32 master copy exists at any point; a cache entry that does not
+        match raises ``StalePackCache`` (``load_target`` then reloads and repacks, ``trust_cache=False``). On a
+        miss the layers are fused and packed one at a time, each float weight freed once packed."""
+        from dspine.cpu.kernels import PackedLinear, load, load_packed, pack_linears, save_packed
         from dspine.models.layers import fuse_norms
 
         if self.dtype != torch.float32 or self.device.type != "cpu" or hasattr(self, "infer_head"):
@@ -176,13 +184,29 @@ class Target(nn.Module):
         isa = load()
         if isa is None:
             return self
-        if not any(getattr(m, "qkv_proj", None) is not None for m in self.modules()):
-            self.fuse_projections()  # one streamed weight per input instead of two or three
-        cached = None if cache_key is None else pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
-        if cached is not None:  # a shape-only stand-in for the head, so the cache can name and check it
-            self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
-        if cached is None or not load_packed(self, cached):
-            pack_linears(self.layers, formats)
+        fused = any(getattr(m, "qkv_proj", None) is not None for m in self.modules())
+        cached = pack_entry(cache_key, formats)
+        if cached is not None and trust_cache and not fused and cached.is_file():
+            _linears_to_meta(self.layers)
+            self.fuse_projections()  # shapes only: the cache holds the fused linears
+            with skip_init():
+                self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+            if not load_packed(self, cached) or any(t.is_meta for t in self.parameters()):
+                raise StalePackCache(f"{cached}: does not match this checkpoint's linears")
+        elif fused:  # fused before (``load_target(fuse=True)``): the old way, whole
+            if cached is not None:  # a shape-only stand-in for the head, so the cache can name and check it
+                self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
+            if cached is None or not trust_cache or not load_packed(self, cached):
+                pack_linears(self.layers, formats)
+                self.infer_head = PackedLinear(self.head_weight, formats=formats)
+                if cached is not None:
+                    save_packed(self, cached)
+        else:
+            for layer in self.layers:  # one layer's float weights (and fused copies) alive at a time
+                for m in layer.modules():
+                    if callable(fuse := getattr(m, "fuse", None)):
+                        fuse()
+                pack_linears(layer, formats)
             self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one
             # stays for embed and the draft
             if cached is not None:
@@ -249,9 +273,16 @@ class Target(nn.Module):
         for key in required:
             if key not in cfg:
                 raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
-        with torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device).to(dtype)
+        if torch.device(device).type == "cpu" and dtype == torch.float32:
+            # built where it runs, left uninitialised: no allocation is touched before the checkpoint (mapped or
+            # copied) replaces it; the meta device would route the constructors' arithmetic through torch's
+            # reference ops, whose first call imports torch._dynamo (1-2 s and ~150 MB at start-up)
+            with skip_init():
+                model = cls(cfg)
+        else:
+            with torch.device("meta"), skip_init():
+                model = cls(cfg)
+            model = model.to_empty(device=device).to(dtype)
         for m in model.modules():  # the RoPE tables (one per distinct spec)
             if hasattr(m, "spec") and callable(getattr(m, "reset", None)):
                 m.reset(device=device)
@@ -259,6 +290,29 @@ class Target(nn.Module):
 
     def default_tap_ids(self, n: int = 5) -> list[int]:
         return default_tap_ids(self.num_layers, n)
+
+
+def pack_entry(cache_key: str | None, formats: tuple[str, ...] | None) -> Path | None:
+    """The packed-weights cache entry of a checkpoint (``cache_key``) packed in ``formats``; None without a key."""
+    if cache_key is None:
+        return None
+    from dspine.cpu.kernels import pack_cache_path
+
+    return pack_cache_path(f"{cache_key}-{','.join(formats or ('default',))}")
+
+
+class StalePackCache(ValueError):
+    """A packed-weights cache entry that does not match the checkpoint it is keyed on (``Target.use_kernels``)."""
+
+
+def _linears_to_meta(module: nn.Module) -> None:
+    """Every float32 CPU ``nn.Linear`` under ``module``: its weight (and bias) replaced by a shape-only meta tensor,
+    so fusing them reads nothing (their packed form comes from the cache)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+            m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"), requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(torch.empty(m.bias.shape, device="meta"), requires_grad=False)
 
 
 def default_tap_ids(num_layers: int, n: int) -> list[int]:

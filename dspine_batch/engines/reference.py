@@ -52,6 +52,15 @@ PROPOSERS = ("auto", "dspine", "suffix")
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module docstring)
 
 
+def _open_draft(path: Path) -> Any:
+    """The draft as the engine runs it: packed for the CPU kernels, the packed form read from the per-machine cache
+    (keyed on the checkpoint's files) where an earlier load left it."""
+    from dspine import load_draft
+    from dspine.models.registry import checkpoint_key
+
+    return load_draft(path).use_kernels(checkpoint_key(path))
+
+
 class ReferenceEngine:
     name = "reference"
     # request features beyond plain sampling (base.FEATURES): all of them, through the decoding loop's processing
@@ -156,7 +165,7 @@ class ReferenceEngine:
             raise UsageError(f"--engine-arg prefix_cache_mb={opts['prefix_cache_mb']}: expected MB >= 0 (0 = off)")
         if draft in ("none", ""):
             proposers = None  # --draft none: plain decoding, no speculation of any kind
-        from dspine import load_draft, load_target
+        from dspine import load_target
         from dspine.cpu.precision import resolve
         from dspine.cpu.threads import configure_torch
         from dspine.draft.io import read_decode_defaults
@@ -180,11 +189,14 @@ class ReferenceEngine:
         precision = resolve(dtype, quant)
         try:
             target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
-            drafter = load_draft(draft_path).use_kernels() if draft_path else None
+            drafter = _open_draft(draft_path) if draft_path else None
             defaults = read_decode_defaults(draft_path) if draft_path else {}
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = open_tokenizer(model_path)
+        from dspine.cpu.memory import trim
+
+        trim()  # what loading converted and repacked (the draft's fp32 copy of its bf16 checkpoint) given back
         if drafter is None and proposers == "auto":
             proposers = "suffix"  # no draft for this model: suffix matches alone
         # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
@@ -198,6 +210,11 @@ class ReferenceEngine:
 
     def identity(self) -> dict[str, Any]:
         return self._identity
+
+    @property
+    def first_token_at(self) -> float | None:
+        """``time.monotonic()`` when this engine's first rows got their first tokens (None before any did)."""
+        return self.decisions.get("_first_token")
 
     @property
     def max_context(self) -> int | None:
@@ -246,6 +263,8 @@ class ReferenceEngine:
 
         size = max(1, min(self.batch_size, max_in_flight))
         room = int(self.target.max_position) - 1
+        if self.draft is not None and getattr(self.draft, "released", False):  # retired by an earlier stream,
+            self.draft = _open_draft(self.draft_path)  # its weights freed then: this stream may want it again
         pending: dict[int, Request] = {}
         refused: dict[int, str] = {}
 
@@ -271,7 +290,7 @@ class ReferenceEngine:
                                self.verify if self.proposers else "fixed", self._cost(size), self.accept_prior,
                                proposers=self.proposers or "dspine", suffix_cap=self.suffix_cap,
                                suffix_max=self.suffix_max, prefix_cache=self.prefix,
-                               prefill_chunk=self.prefill_chunk, decisions=self.decisions)
+                               prefill_chunk=self.prefill_chunk, decisions=self.decisions, release_retired=True)
         try:
             for i, out in stream:
                 req = pending.pop(i)

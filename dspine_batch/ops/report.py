@@ -96,12 +96,15 @@ def summarize(outdir: str) -> dict[str, Any]:
     shards = {p.shard for p in parts}
     states = dict(shard_states(outdir))
     elapsed = max((states.get(tag, {}).get("elapsed_s", 0.0) for tag in shards), default=0.0)
+    firsts = [st["first_token_s"] for tag in shards if isinstance((st := states.get(tag, {})).get("first_token_s"),
+                                                                    (int, float))]
     decided = combine([st["decisions"] for st in states.values() if isinstance(st.get("decisions"), dict)])
     total_steps = int(hist.sum())
     by_pos = [float(hist[j:].sum() / total_steps) for j in range(1, len(hist))] if total_steps else []
     return {
         "outdir": open_output(outdir).display, "input_rows": len(rows), "output_rows": n, "ok": ok, "errors": n - ok,
         "prompt_tokens": prompt_toks, "completion_tokens": comp_toks, "elapsed_s": round(elapsed, 3),
+        "first_token_s": min(firsts) if firsts else None,
         "prefix_cache": {"rows": cache_rows, "prompt_tokens": cache_prompt, "cached_prompt_tokens": cached,
                          "hit_rate": _r(cached / cache_prompt) if cache_prompt else None},
         "tokens_per_s": round(comp_toks / elapsed, 2) if elapsed else None,
@@ -164,7 +167,8 @@ def format_report(s: dict[str, Any]) -> str:
         f"  rows        {s['input_rows']:,} input rows, {s['output_rows']:,} outputs ({s['ok']:,} ok, "
         f"{s['errors']:,} errors)",
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
-        f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s",
+        f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s"
+        + (f"; first token {s['first_token_s']:.1f}s after the command" if s.get("first_token_s") is not None else ""),
         _prefix_cache_line(s),
         f"  tau         tokens committed per verify step: mean {f(s['tau_mean'])} over rows, median "
         f"{f(s['tau_median'])}, token-weighted {f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])} of "

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -245,6 +246,26 @@ def generate(cfg: GenerateConfig) -> int:
         shutdown.restore()
 
 
+_IMPORTED = time.monotonic()
+
+
+def since_start() -> float:
+    """Seconds since this process started: the kernel's record on Linux (so Python's own start-up and the imports
+    count), else since this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
+def first_token_s(engine: Engine) -> float | None:
+    """Seconds from the command's start to the first token the engine sampled, where the engine records it
+    (``first_token_at``, a ``time.monotonic()``); None where it does not, or before any row got a token."""
+    at = getattr(engine, "first_token_at", None)
+    return None if at is None else max(0.0, since_start() - (time.monotonic() - at))
+
+
 def _open_output(job: Job, engine: Engine, use_chat: bool,
                  pre: Precheck | None) -> tuple[Any, dict[str, Any], DoneSet]:
     """Create or check the manifest (refusing a different run), drop staging leftovers, load the done-set (or
@@ -350,6 +371,10 @@ def _run(job: Job, engine: Engine, shutdown: Shutdown, total: int | None, pre: P
     progress.close()
     for line in decisions.summary():  # the final record, in the words of `dspine-batch report`
         log(line)
+    if (first := first_token_s(engine)) is not None:  # start-up as the user waits for it: published, in the
+        state.fields["first_token_s"] = round(first, 3)  # state (``report``) and here
+        log(f"first token {first:.1f}s after the command started (Python's start-up, imports, checks and the model "
+            "load included)")
     if fail_fast.failure:
         state.save(sink.stats, "failed")
         raise FatalError(f"{fail_fast.failure} (--on-error fail; rows before it are committed)")

@@ -279,6 +279,10 @@ def test_packed_weights_are_cached_on_disk_and_reused(llama_dir, tmp_path, monke
     assert kernels.weight_formats(second) == kernels.weight_formats(first)
     ids = torch.randint(0, first.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     assert torch.equal(first.score(ids), second.score(ids))
-    files[0].write_bytes(b"not a safetensors file")  # a damaged cache entry: packed afresh, same outputs
+    # a damaged cache entry: packed afresh, same outputs. Replaced (a new file under the name), as our writers do
+    # (``atomic_file``): the loads above read their packed weights from a map of the old file, which truncating it
+    # in place would pull from under them (SIGBUS)
+    files[0].unlink()
+    files[0].write_bytes(b"not a safetensors file")
     third = load_target(llama_dir)
     assert torch.equal(third.score(ids), first.score(ids))

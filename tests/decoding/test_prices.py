@@ -3,7 +3,9 @@ is corrected by the job, stale prices are refreshed by bounded exploration, and 
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -183,11 +185,17 @@ def test_a_draft_that_never_pays_is_retired_and_changes_no_token(target_name, ll
     dear.packed = target.packs
     params = [SamplingParams(n, t, seed=s) for n, t, s in zip(kw["max_new_tokens"], temps, kw["seed"])]
     decisions: dict = {}
+    weights = [weakref.ref(t) for t in [*draft.parameters(), *draft.buffers()] if t.numel() > 1000]
+    assert weights and not draft.released
     got = dict(decode_stream(target, draft, zip(prompts, params), batch_size=3, verify="cost", cost=CAL,
-                             proposers="auto", prices=dear, decisions=decisions))
+                             proposers="auto", prices=dear, decisions=decisions, release_retired=True))
     assert [got[i].token_ids for i in range(len(prompts))] == want
     assert decisions["dspine"]["why"].startswith("retired after round"), decisions["dspine"]
     assert decisions["dspine"]["rounds"] == 0
+    # retired, its memory goes with its context: every weight freed (shapes kept for the bookkeeping)
+    gc.collect()
+    assert draft.released and all(ref() is None for ref in weights)
+    assert all(t.is_meta for t in [*draft.parameters(), *draft.buffers()])
 
 
 def test_suffix_estimates_are_calibrated_by_what_the_job_keeps():

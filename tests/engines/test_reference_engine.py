@@ -275,6 +275,23 @@ def test_proposers_auto_is_the_default_and_reports_stats_by_source(tiny):
     assert not plain_why["dspine"]["ran"] and "plain decoding" in plain_why["dspine"]["why"]
 
 
+def test_a_released_draft_is_loaded_again_for_the_next_run_and_changes_no_token(tiny):
+    """A stream that retires the draft frees its weights (``release_retired``); the engine's next run loads it again
+    (the same proposals: the same tokens and schedule as a fresh engine's), and records when its first token came."""
+    reqs = chat_requests(reference_engine(tiny), n=4)
+    for r in reqs:
+        r.params = SamplingParams(max_new_tokens=16, stop_token_ids=())
+    fresh = reference_engine(tiny, batch_size="3", proposers="dspine")
+    want = [(r.token_ids, r.verify_steps) for r in sorted(fresh.run(iter(reqs), 8), key=lambda r: r.row_id)]
+    eng = reference_engine(tiny, batch_size="3", proposers="dspine")
+    assert eng.first_token_at is None
+    eng.draft.release()  # as a retiring stream leaves it
+    assert eng.draft.released
+    got = [(r.token_ids, r.verify_steps) for r in sorted(eng.run(iter(reqs), 8), key=lambda r: r.row_id)]
+    assert got == want and not eng.draft.released
+    assert eng.first_token_at is not None
+
+
 @pytest.mark.parametrize("args,msg", [
     ({"proposers": "ngram"}, "proposers=ngram: expected one of auto, dspine, suffix"),
     ({"proposers": "suffix", "verify": "fixed"}, "proposers=suffix needs verify=cost"),
