@@ -109,6 +109,8 @@ class _RowsPrice:
     since_verify: int = 0  # rounds at this R since a verify last ran
     since_plain: int = 0  # rounds at this R since a plain step last ran
     theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fit, solved after each observation
+    look: float = 0.0  # seconds a round at this R spends looking for proposals and planning (decayed mean)
+    look_w: float = 0.0
 
 
 @dataclass
@@ -155,18 +157,22 @@ class LivePrices:
     # -- prices ----------------------------------------------------------------------------------------------
 
     def round_s(self, R: int, k: int | float) -> float:
-        """Seconds of a round at ``R`` live rows verifying ``k`` tokens beyond one per row."""
-        base, jump, per = self._at(R).theta
+        """Seconds of a round that looks for proposals at ``R`` live rows and verifies ``k`` tokens beyond one per
+        row: the fitted forward, sampling and bookkeeping, plus the looking (``look``), which every choice pays."""
+        base, jump, per = self.line(R)
         return max(base + (jump + per * k if k > 0 else 0.0), 1e-6)
 
     def round_many(self, R: int, ks: np.ndarray) -> np.ndarray:
         """``round_s`` for an array of k (all > 0)."""
-        base, jump, per = self._at(R).theta
+        base, jump, per = self.line(R)
         return np.maximum(base + jump + per * np.asarray(ks, dtype=np.float64), 1e-6)
 
     def line(self, R: int) -> tuple[float, float, float]:
-        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0."""
-        return self._at(R).theta
+        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0; ``base`` holds
+        the looking too."""
+        p = self._at(R)
+        base, jump, per = p.theta
+        return base + p.look, jump, per
 
     def draft_s(self, R: int, block: int) -> float:
         return self.cost.draft_s(R, block) * self.draft_ratio if block > 1 else 0.0
@@ -182,13 +188,20 @@ class LivePrices:
 
     # -- observations ----------------------------------------------------------------------------------------
 
-    def observe(self, R: int, k: int, seconds: float, draft_block: int = 0, draft_seconds: float = 0.0) -> None:
+    def observe(self, R: int, k: int, seconds: float, draft_block: int = 0, draft_seconds: float = 0.0,
+                look_seconds: float = 0.0) -> None:
         """A round at ``R`` live rows that verified ``k`` extra tokens took ``seconds`` (the draft's proposal,
-        when it ran with ``draft_block``, ``draft_seconds`` of them)."""
+        when it ran with ``draft_block``, ``draft_seconds`` of them), and ``look_seconds`` more looking for
+        proposals and planning (0: a quiet round that did not look). The looking is fitted apart: it is per row
+        and paid before the choice, by a plain step and a verify alike, and quiet rounds do not pay it; fitted
+        with the rest, a job's mix of quiet and looking plain steps would leave it in a verify's surcharge."""
         if R <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         self.rounds += 1
         p = self._at(R)
+        if look_seconds > 0 and math.isfinite(look_seconds):
+            p.look_w = p.look_w * _DECAY + 1.0
+            p.look += (look_seconds - p.look) / p.look_w
         rest = max(seconds - draft_seconds, 1e-6)
         # the job's scale against the calibration, from every round (seeds row counts not timed yet)
         self.ratio_w = self.ratio_w * _DECAY + 1.0
@@ -214,7 +227,7 @@ class LivePrices:
         for R, p in sorted(self.rows.items()):
             base, jump, per = p.theta
             out[R] = {"plain_ms": round(1e3 * base, 3), "verify_ms": round(1e3 * jump, 3),
-                      "token_ms": round(1e3 * per, 4)}
+                      "token_ms": round(1e3 * per, 4), "look_ms": round(1e3 * p.look, 4)}
         return {"rows": out, "draft_ratio": round(self.draft_ratio, 3), "rounds": self.rounds}
 
 
@@ -250,15 +263,18 @@ class StaticPrices:
 
 
 class Stopwatch:
-    """``perf_counter`` marks of one round: its start, the seconds spent in the draft's proposal, and those spent
-    on the draft's context upkeep (paid whichever choice is made, so priced as neither: left out)."""
+    """``perf_counter`` marks of one round: its start, the seconds spent in the draft's proposal, those spent on the
+    draft's context upkeep (paid whichever choice is made, so priced as neither: left out) and those spent
+    looking for proposals and planning (``look_s``: paid by every choice of a round that looks, priced apart,
+    ``LivePrices.observe``)."""
 
-    __slots__ = ("t0", "draft_s", "upkeep_s")
+    __slots__ = ("t0", "draft_s", "upkeep_s", "look_s")
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.draft_s = 0.0
         self.upkeep_s = 0.0
+        self.look_s = 0.0  # looking for proposals and planning (``rounds.mixed_round``): paid before the choice
 
     def elapsed(self) -> float:
         """The round's seconds, upkeep left out."""

@@ -22,6 +22,7 @@ from dspine.decoding.sampling import (
     make_generator,
 )
 from dspine.decoding.schedule import DRAFT, FORCED, SUFFIX, plan, plan_packed, plan_sources
+from dspine.decoding.suffix import SuffixSource
 from dspine.models.target import Target
 
 
@@ -31,6 +32,18 @@ def draft_generators(rows: list[Row], sampled: list[bool]) -> list[torch.Generat
     seeds, pos = seeds_positions(rows)
     h = keyed_hash(seeds, pos, STREAM_DRAFT, 2).tolist()
     return [make_generator((a << 32) | b) if s else None for (a, b), s in zip(h, sampled)]
+
+
+def feed_suffix(src: SuffixSource, rows: list[Row]) -> None:
+    """Give the suffix source the tokens each row committed since it last saw the row. Called where a lookup is
+    about to read the corpora (``mixed_round``, rounds that look for proposals) and when a row finishes (its
+    output joins the finished rows' corpus), not after every round: the tokens of quiet rounds
+    (``_quiet_round``) wait and go in with the next round that looks, so no index is fed that no lookup reads,
+    and what every lookup reads is what feeding after every round would have given it."""
+    for r in rows:
+        if len(r.tokens) > r.fed:
+            src.extend(r.index, r.tokens[r.fed :])
+            r.fed = len(r.tokens)
 
 
 def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()
@@ -180,12 +193,13 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     if (cfg.quiet >= QUIET_AFTER and cfg.rounds % QUIET_EVERY and not constrained
             and (draft is None or not any(r.finish is None and r.sp.greedy for r in rows))):  # no upkeep to keep
         return _quiet_round(target, batch, cfg)
+    t_look = time.perf_counter()
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
     R = int(live.sum())
     params = [r.sp for r in rows]
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
-    seeds, pos = seeds_positions(rows)
+    feed_suffix(src, rows)
     a_raw, pts, n_forced = point_proposals(rows, src, src.max_len, job)
     # the job's calibration of the suffix estimates (``JobAcceptance.suffix_scale``); forced tokens keep theirs
     scale = job.suffix_scale()
@@ -204,6 +218,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     if upkeep and retire_draft(cfg, bool(pl.draft_block), R):
         batch.drop_draft()
         draft, upkeep = None, False
+    watch.look_s += time.perf_counter() - t_look  # looking and planning: sunk whichever way the plan goes
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
     source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
@@ -254,6 +269,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
         return R, 0, pl.draft_block
     props = props.to(dev)
+    seeds, pos = seeds_positions(rows)
     ids = torch.cat([anchor[:, None], props], dim=1)
     n_valid = ((ell + 1) * live).to(dev) if packed else None
     out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=True, taps=taps)
