@@ -44,6 +44,7 @@ HALF_LIFE = 24.0  # rounds: the weight of an observation halves after this many 
 PRIOR_ROUNDS = 2.0  # pseudo-observations behind the calibration's prices
 EXPLORE_EVERY = 64  # rounds at one row count without any verify before one may be tried to refresh its price
 EXPLORE_SLACK = 0.25  # an exploring round may be priced at most this much below a plain step's rate
+ENTER_MARGIN = 0.03  # after a plain step, a verify must be priced this much above it (hysteresis: ``hurdle``)
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 
@@ -177,6 +178,15 @@ class LivePrices:
     def draft_s(self, R: int, block: int) -> float:
         return self.cost.draft_s(R, block) * self.draft_ratio if block > 1 else 0.0
 
+    def hurdle(self, R: int) -> float:
+        """How much better than a plain step a verify must be priced at ``R`` to run: ``1 + ENTER_MARGIN`` when the
+        last round timed at ``R`` was a plain step (or none was), 1 when it verified. Hysteresis: a verify priced
+        a hair above a plain step (its gain within the prices' own noise) does not start speculation, so one
+        noisy round cannot flip a stream between plain steps and verifies; while verifies run and pay they go on
+        at any priced gain."""
+        p = self._at(R)
+        return 1.0 if p.since_plain > 0 and p.since_verify == 0 else 1.0 + ENTER_MARGIN
+
     def explore_due(self, R: int) -> bool:
         """No verify has run at ``R`` for ``EXPLORE_EVERY`` rounds: one may run to refresh its price."""
         return self._at(R).since_verify >= EXPLORE_EVERY
@@ -254,6 +264,10 @@ class StaticPrices:
 
     def explore_due(self, R: int) -> bool:
         return False
+
+    def hurdle(self, R: int) -> float:
+        """No hysteresis: a verify runs whenever it is priced above a plain step (decisions read nothing live)."""
+        return 1.0
 
     def plain_due(self, R: int) -> bool:
         return False

@@ -226,3 +226,32 @@ def test_looking_is_priced_apart_from_the_forward():
     assert apart.round_s(8, 4) - apart.round_s(8, 0) == pytest.approx(0.014, rel=0.05)
     assert inside.round_s(8, 4) - inside.round_s(8, 0) > 0.0155
     assert apart.summary()["rows"][8]["look_ms"] == pytest.approx(5.0, rel=0.02)
+
+
+@pytest.mark.parametrize("last_k", [0, 4])
+def test_a_verify_a_hair_above_a_plain_step_does_not_start_speculation(last_k):
+    """Hysteresis (``LivePrices.hurdle``): a verify priced 1.5 % above a plain step runs while the stream is
+    verifying (the last round at this row count verified) but does not start one after a plain step; one priced
+    well above it starts at once. Static prices keep no hysteresis."""
+    from dspine.decoding.prices import ENTER_MARGIN
+    from dspine.decoding.schedule import SUFFIX, plan_packed
+
+    prices = LivePrices(CAL, packed=True)
+    for i in range(60):
+        k = [0, 4][i % 2]
+        prices.observe(8, k, 0.030 + 0.0001 * k)
+    prices.observe(8, last_k, 0.030 + 0.0001 * last_k)
+    live, greedy = torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
+
+    def plan_at(gain: float):
+        a = gain * 8 * prices.round_s(8, 1) / prices.round_s(8, 0) - 8  # one token whose verify is priced at gain
+        assert 0 < a < 1
+        surv = torch.zeros(8, 4)
+        surv[0, 0] = a
+        return plan_packed(None, surv, greedy, live, prices)
+
+    small = plan_at(1 + ENTER_MARGIN / 2)
+    assert small.ell.tolist() == ([1] + [0] * 7 if last_k else [0] * 8)
+    big = plan_at(1 + 2 * ENTER_MARGIN)
+    assert big.ell.tolist() == [1] + [0] * 7 and big.source[0] == SUFFIX
+    assert StaticPrices(CAL, packed=True).hurdle(8) == 1.0
