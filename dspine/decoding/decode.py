@@ -252,7 +252,8 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             R, k, block = mixed_round(target, batch, cfg, watch)
             # looking for proposals and planning (``watch.look_s``) is paid whichever way the plan goes: observed
             # apart, priced into every choice alike (``prices.LivePrices.observe``)
-            cfg.prices.observe(R, k, watch.elapsed() - watch.look_s, block, watch.draft_s, watch.look_s)
+            cfg.prices.observe(R, k, watch.elapsed() - watch.look_s, block, watch.draft_s, watch.look_s,
+                               watch.priced, watch.committed)
             rounds += 1
             row_rounds += R
             if decisions is not None:

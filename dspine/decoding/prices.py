@@ -45,6 +45,10 @@ PRIOR_ROUNDS = 2.0  # pseudo-observations behind the calibration's prices
 EXPLORE_EVERY = 64  # rounds at one row count without any verify before one may be tried to refresh its price
 EXPLORE_SLACK = 0.25  # an exploring round may be priced at most this much below a plain step's rate
 ENTER_MARGIN = 0.03  # after a plain step, a verify must be priced this much above it (hysteresis: ``hurdle``)
+OUTCOME_HALF_LIFE = 8.0  # verify rounds: the weight of a verify's outcome (realised / priced rate) halves after
+OUTCOME_PRIOR = 4.0  # pseudo-verifies at "priced right" (ratio 1) behind the outcome check
+OUTCOME_FLOOR = 0.5  # the outcome check raises the hurdle at most to 1 / this
+_OUTCOME_DECAY = 0.5 ** (1.0 / OUTCOME_HALF_LIFE)
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 
@@ -112,6 +116,8 @@ class _RowsPrice:
     theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fit, solved after each observation
     look: float = 0.0  # seconds a round at this R spends looking for proposals and planning (decayed mean)
     look_w: float = 0.0
+    outcome: float = OUTCOME_PRIOR  # decayed sums over verify rounds: realised / priced rate, and the weight
+    outcome_w: float = OUTCOME_PRIOR
 
 
 @dataclass
@@ -185,7 +191,17 @@ class LivePrices:
         noisy round cannot flip a stream between plain steps and verifies; while verifies run and pay they go on
         at any priced gain."""
         p = self._at(R)
-        return 1.0 if p.since_plain > 0 and p.since_verify == 0 else 1.0 + ENTER_MARGIN
+        enter = 1.0 if p.since_plain > 0 and p.since_verify == 0 else 1.0 + ENTER_MARGIN
+        return enter / self.outcome(R)
+
+    def outcome(self, R: int) -> float:
+        """What verifies at ``R`` realised against what they were priced at (committed tokens per second over the
+        plan's priced rate), a decayed mean over the last verify rounds (``OUTCOME_HALF_LIFE``) shrunk towards 1,
+        at most 1 and at least ``OUTCOME_FLOOR``. Below 1 (verifies priced as paying that did not) it raises the
+        hurdle every verify must clear, within a few verify rounds; it never lowers it (that is the estimates'
+        own calibration, ``acceptance.JobAcceptance.suffix_scale``, and the fitted prices)."""
+        p = self._at(R)
+        return min(1.0, max(OUTCOME_FLOOR, p.outcome / p.outcome_w))
 
     def explore_due(self, R: int) -> bool:
         """No verify has run at ``R`` for ``EXPLORE_EVERY`` rounds: one may run to refresh its price."""
@@ -199,12 +215,14 @@ class LivePrices:
     # -- observations ----------------------------------------------------------------------------------------
 
     def observe(self, R: int, k: int, seconds: float, draft_block: int = 0, draft_seconds: float = 0.0,
-                look_seconds: float = 0.0) -> None:
+                look_seconds: float = 0.0, priced_rate: float = 0.0, committed: int = 0) -> None:
         """A round at ``R`` live rows that verified ``k`` extra tokens took ``seconds`` (the draft's proposal,
         when it ran with ``draft_block``, ``draft_seconds`` of them), and ``look_seconds`` more looking for
         proposals and planning (0: a quiet round that did not look). The looking is fitted apart: it is per row
         and paid before the choice, by a plain step and a verify alike, and quiet rounds do not pay it; fitted
-        with the rest, a job's mix of quiet and looking plain steps would leave it in a verify's surcharge."""
+        with the rest, a job's mix of quiet and looking plain steps would leave it in a verify's surcharge.
+        ``priced_rate`` (a verify: the plan's priced tokens per second) and ``committed`` (the tokens the round
+        committed) check the decision against what it gave (``outcome``)."""
         if R <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         self.rounds += 1
@@ -212,6 +230,12 @@ class LivePrices:
         if look_seconds > 0 and math.isfinite(look_seconds):
             p.look_w = p.look_w * _DECAY + 1.0
             p.look += (look_seconds - p.look) / p.look_w
+        if k > 0 and priced_rate > 0 and committed > 0:
+            realised = committed / (seconds + max(look_seconds, 0.0))
+            # decayed towards the prior's pseudo-verifies at ratio 1, so old outcomes fade into "priced right"
+            keep = _OUTCOME_DECAY
+            p.outcome = p.outcome * keep + OUTCOME_PRIOR * (1 - keep) + min(realised / priced_rate, 2.0)
+            p.outcome_w = p.outcome_w * keep + OUTCOME_PRIOR * (1 - keep) + 1.0
         rest = max(seconds - draft_seconds, 1e-6)
         # the job's scale against the calibration, from every round (seeds row counts not timed yet)
         self.ratio_w = self.ratio_w * _DECAY + 1.0
@@ -237,7 +261,8 @@ class LivePrices:
         for R, p in sorted(self.rows.items()):
             base, jump, per = p.theta
             out[R] = {"plain_ms": round(1e3 * base, 3), "verify_ms": round(1e3 * jump, 3),
-                      "token_ms": round(1e3 * per, 4), "look_ms": round(1e3 * p.look, 4)}
+                      "token_ms": round(1e3 * per, 4), "look_ms": round(1e3 * p.look, 4),
+                      "outcome": round(self.outcome(R), 3)}
         return {"rows": out, "draft_ratio": round(self.draft_ratio, 3), "rounds": self.rounds}
 
 
@@ -282,13 +307,15 @@ class Stopwatch:
     looking for proposals and planning (``look_s``: paid by every choice of a round that looks, priced apart,
     ``LivePrices.observe``)."""
 
-    __slots__ = ("t0", "draft_s", "upkeep_s", "look_s")
+    __slots__ = ("t0", "draft_s", "upkeep_s", "look_s", "priced", "committed")
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.draft_s = 0.0
         self.upkeep_s = 0.0
         self.look_s = 0.0  # looking for proposals and planning (``rounds.mixed_round``): paid before the choice
+        self.priced = 0.0  # the round's verify, as priced by the plan (tokens per second; 0: a plain step)
+        self.committed = 0  # tokens the round's verify committed
 
     def elapsed(self) -> float:
         """The round's seconds, upkeep left out."""

@@ -219,6 +219,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
         batch.drop_draft()
         draft, upkeep = None, False
     watch.look_s += time.perf_counter() - t_look  # looking and planning: sunk whichever way the plan goes
+    watch.priced = pl.rate
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
     source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
@@ -274,6 +275,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     n_valid = ((ell + 1) * live).to(dev) if packed else None
     out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=True, taps=taps)
     point = (source == SUFFIX) | (source == FORCED)
+    before = sum(len(r.tokens) for r in rows)
     verdict, lp = verify_slots(target, out.hidden, rows, props, ell, live, point, seeds, pos, masks)
     n_commit = (verdict.n_accepted + 1) * live.to(dev)
     target.commit(batch.cache, n_commit)
@@ -285,6 +287,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     sfx = (source == SUFFIX) & live  # the estimates' expected kept tokens, over the tokens verified
     expected = float((a_raw * (torch.arange(a_raw.shape[1])[None, :] < ell[:, None]))[sfx].sum())
     ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced, expected)
+    watch.committed = sum(len(r.tokens) for r in rows) - before  # what the verify gave, against its price
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
     return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

@@ -178,6 +178,7 @@ class SourcePlan:
     ell: torch.Tensor  # [rows] long: tokens verified (0 for PLAIN)
     draft_block: int  # block the draft proposes (0: the draft does not run this round)
     explore: bool = False  # chosen to refresh a price (``prices.EXPLORE_EVERY``), not because it prices best
+    rate: float = 0.0  # the verify's priced tokens per second (0 for a plain plan): checked against the outcome
 
 
 def _hurdle(prices, R: int) -> float:
@@ -250,7 +251,7 @@ def plan_sources(
     own = torch.clamp((a_suffix > 0).sum(-1), max=w)
     ell = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
     draft_block = block if bool(pick_d.any()) else 0
-    return SourcePlan(source, ell, draft_block, explore)
+    return SourcePlan(source, ell, draft_block, explore, best_obj)
 
 
 def plan_packed(
@@ -323,4 +324,4 @@ def plan_packed(
     source = torch.where(ell > 0, torch.where(take, DRAFT, SUFFIX), PLAIN)
     on = source == DRAFT
     draft_block = int(ell[on].max()) + 1 if bool(on.any()) else 0
-    return SourcePlan(source, ell, draft_block, explore)
+    return SourcePlan(source, ell, draft_block, explore, rate)

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["samples", "mixed"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[8, 32])
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--limit", type=int, default=None, help="prompts of examples/prompts.jsonl (default: all; "
+                    "samples: 8)")
     args = ap.parse_args()
 
     from dspine.decoding import suffix
@@ -65,8 +67,8 @@ def main() -> None:
             return ok
 
         suffix.SuffixSource.could_match = could_match
-    work = {"mixed": (load_rows(REPO / "examples" / "prompts.jsonl", None), 1, 0.0),
-            "samples": (load_rows(REPO / "examples" / "prompts.jsonl", 8), 4, 0.8)}
+    work = {"mixed": (load_rows(REPO / "examples" / "prompts.jsonl", args.limit), 1, 0.0),
+            "samples": (load_rows(REPO / "examples" / "prompts.jsonl", args.limit or 8), 4, 0.8)}
 
     def run(variant: str, c: int, prof: bool, reqs) -> tuple:
         eng.proposers = None if variant == "none" else variant

@@ -255,3 +255,32 @@ def test_a_verify_a_hair_above_a_plain_step_does_not_start_speculation(last_k):
     big = plan_at(1 + 2 * ENTER_MARGIN)
     assert big.ell.tolist() == [1] + [0] * 7 and big.source[0] == SUFFIX
     assert StaticPrices(CAL, packed=True).hurdle(8) == 1.0
+
+
+def test_verifies_priced_as_paying_that_did_not_raise_the_hurdle_fast():
+    """The decision checked against what it gave (``LivePrices.outcome``): verify rounds that realise 70 % of their
+    priced rate raise the hurdle within a few of them, enough that a verify priced 20 % above a plain step no
+    longer runs; verifies that realise what they were priced at leave it at the hysteresis margin, and so do
+    verifies that do better (the outcome check never lowers it)."""
+    from dspine.decoding.prices import ENTER_MARGIN
+    from dspine.decoding.schedule import plan_packed
+
+    def job(realised: float) -> LivePrices:
+        prices = LivePrices(CAL, packed=True)
+        for _ in range(40):
+            prices.observe(8, 0, 0.030)
+        for _ in range(6):  # verify rounds priced at 400 tok/s: 0.030 s for 12 tokens
+            prices.observe(8, 4, 0.030, priced_rate=400.0, committed=round(12 * realised))
+        prices.observe(8, 0, 0.030)  # the last round a plain step: the entry margin applies
+        return prices
+
+    assert job(1.0).hurdle(8) == pytest.approx(1 + ENTER_MARGIN)
+    assert job(1.5).hurdle(8) == pytest.approx(1 + ENTER_MARGIN)
+    bad = job(0.7)
+    assert bad.hurdle(8) > 1.2 and bad.outcome(8) < 0.83
+    live, greedy = torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool)
+    for prices, runs in ((job(1.0), True), (bad, False)):
+        a = 1.2 * 8 * prices.round_s(8, 1) / prices.round_s(8, 0) - 8  # one token priced 20 % above plain
+        surv = torch.zeros(8, 4)
+        surv[0, 0] = min(a, 0.999)
+        assert bool(plan_packed(None, surv, greedy, live, prices).ell.any()) == runs
