@@ -135,25 +135,28 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
 
 RETIRE_ROUNDS = 16  # rounds in a row without the draft before retiring it is considered
 RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
+RETIRE_IDLE = 64  # rounds in a row without the draft after which it is retired whatever its outlook
 
 
 def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
     """Whether to stop keeping the draft's context for the rest of the stream (``proposers=auto``): when the planner
     has not chosen it for ``RETIRE_ROUNDS`` rounds in a row and its expected τ on this job, at the rows in flight,
-    is below ``RETIRE_MARGIN`` of the τ a round of it must reach to beat a plain step. Its upkeep (the context
-    forward over every committed token, the taps) is paid whichever source runs, so a draft that does not pay costs
-    a few per cent of every round (~3 % on free text at 8 rows, one thread); retired, the stream runs suffix
+    is below ``RETIRE_MARGIN`` of the τ a round of it must reach to beat a plain step, or when the planner has not
+    chosen it for ``RETIRE_IDLE`` rounds in a row whatever its outlook (an outlook within the margin that the plan,
+    which sees each round's rows, never takes: measured on 16 chat prompts at 8 rows, the draft ran once in 241
+    rounds and its upkeep ran in all of them). Its upkeep (the context forward over every committed token, the
+    taps) is paid whichever source runs, so a draft that does not pay costs a few per cent of every round (~3 % on
+    free text at 8 rows, one thread) and keeps the stream from its quiet rounds; retired, the stream runs suffix
     proposals and plain steps alone. Only greedy rows take the draft under ``auto``, so retiring it changes no
     token (the choice reads live prices, which never decide a token: docs/design.md, "Live prices")."""
     if ran:
         cfg.draft_idle = 0
         return False
     cfg.draft_idle += 1
-    if cfg.draft_idle < RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
-        return False
-    cfg.draft_idle = 0  # looked at again RETIRE_ROUNDS later, if it was not retired now
+    if cfg.draft_idle % RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
+        return False  # looked at every RETIRE_ROUNDS rounds in a row without it
     tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
-    if tau >= RETIRE_MARGIN * need:
+    if tau >= RETIRE_MARGIN * need and cfg.draft_idle < RETIRE_IDLE:
         return False
     cfg.draft_retired = cfg.rounds
     return True

@@ -284,3 +284,21 @@ def test_verifies_priced_as_paying_that_did_not_raise_the_hurdle_fast():
         surv = torch.zeros(8, 4)
         surv[0, 0] = min(a, 0.999)
         assert bool(plan_packed(None, surv, greedy, live, prices).ell.any()) == runs
+
+
+def test_a_draft_the_plan_never_takes_is_retired_whatever_its_outlook(llama_target, monkeypatch):
+    """A draft whose outlook says it would pay (expected tau at what a round needs) but which the plan never takes
+    is retired after ``RETIRE_IDLE`` rounds in a row without it: its upkeep (taps, context) stops, no token
+    changes, and the decisions say why."""
+    monkeypatch.setattr(rounds, "RETIRE_ROUNDS", 4)
+    monkeypatch.setattr(rounds, "RETIRE_IDLE", 12)
+    monkeypatch.setattr(rounds, "draft_outlook", lambda job, prices, R: (2.0, 2.0, 4))
+    prompts = token_prompts(4, llama_target.vocab_size, seed=44)
+    kw = dict(max_new_tokens=40, temperature=0.0)
+    want = [o.token_ids for o in generate(llama_target, None, prompts, **kw)]
+    decisions: dict = {}
+    got = sorted(decode_stream(llama_target, random_dspine(llama_target, 4, seed=4),
+                               [(p, SamplingParams(**kw)) for p in prompts], 4, verify="cost", cost=CAL,
+                               proposers="auto", prices=_dear(llama_target), decisions=decisions))
+    assert [o.token_ids for _, o in got] == want
+    assert decisions["dspine"]["why"].startswith("retired after round 12"), decisions["dspine"]
