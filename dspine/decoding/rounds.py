@@ -135,7 +135,7 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
 
 RETIRE_ROUNDS = 16  # rounds in a row without the draft before retiring it is considered
 RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
-RETIRE_IDLE = 64  # rounds in a row without the draft after which it is retired whatever its outlook
+RETIRE_IDLE = 32  # rounds in a row without the draft after which it is retired whatever its outlook
 
 
 def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
