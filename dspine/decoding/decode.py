@@ -250,8 +250,8 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
         if cfg.suffix is not None:
             watch = Stopwatch()
             R, k, block = mixed_round(target, batch, cfg, watch)
-            # looking for proposals and planning (``watch.look_s``) is paid whichever way the plan goes: observed
-            # apart, priced into every choice alike (``prices.LivePrices.observe``)
+            # looking for proposals and planning (``watch.look_s``): observed apart and priced as a verify's cost,
+            # since a round that verifies keeps the stream looking (``prices.LivePrices.observe``, ``round_s``)
             cfg.prices.observe(R, k, watch.elapsed() - watch.look_s, block, watch.draft_s, watch.look_s,
                                watch.priced, watch.committed)
             rounds += 1

@@ -164,8 +164,10 @@ class LivePrices:
     # -- prices ----------------------------------------------------------------------------------------------
 
     def round_s(self, R: int, k: int | float) -> float:
-        """Seconds of a round that looks for proposals at ``R`` live rows and verifies ``k`` tokens beyond one per
-        row: the fitted forward, sampling and bookkeeping, plus the looking (``look``), which every choice pays."""
+        """Seconds of a round at ``R`` live rows verifying ``k`` tokens beyond one per row. A verify also pays the
+        looking for proposals and planning (``look``): a round that verifies keeps the stream looking every round
+        (``rounds._quiet_round`` starts only after rounds that verify nothing), so the looking is the verify's
+        cost, not a plain step's."""
         base, jump, per = self.line(R)
         return max(base + (jump + per * k if k > 0 else 0.0), 1e-6)
 
@@ -175,11 +177,11 @@ class LivePrices:
         return np.maximum(base + jump + per * np.asarray(ks, dtype=np.float64), 1e-6)
 
     def line(self, R: int) -> tuple[float, float, float]:
-        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0; ``base`` holds
-        the looking too."""
+        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0; ``jump`` holds
+        the looking."""
         p = self._at(R)
         base, jump, per = p.theta
-        return base + p.look, jump, per
+        return base, jump + p.look, per
 
     def draft_s(self, R: int, block: int) -> float:
         return self.cost.draft_s(R, block) * self.draft_ratio if block > 1 else 0.0
@@ -218,9 +220,10 @@ class LivePrices:
                 look_seconds: float = 0.0, priced_rate: float = 0.0, committed: int = 0) -> None:
         """A round at ``R`` live rows that verified ``k`` extra tokens took ``seconds`` (the draft's proposal,
         when it ran with ``draft_block``, ``draft_seconds`` of them), and ``look_seconds`` more looking for
-        proposals and planning (0: a quiet round that did not look). The looking is fitted apart: it is per row
-        and paid before the choice, by a plain step and a verify alike, and quiet rounds do not pay it; fitted
-        with the rest, a job's mix of quiet and looking plain steps would leave it in a verify's surcharge.
+        proposals and planning (0: a quiet round that did not look). The looking is fitted apart and priced as a
+        verify's (``round_s``): fitted with the rest, a job's mix of quiet and looking plain steps put a share of
+        it in a plain step's base and the rest in a verify's surcharge, in proportions the job's quiet stretches
+        set.
         ``priced_rate`` (a verify: the plan's priced tokens per second) and ``committed`` (the tokens the round
         committed) check the decision against what it gave (``outcome``)."""
         if R <= 0 or not math.isfinite(seconds) or seconds <= 0:
@@ -304,8 +307,7 @@ class StaticPrices:
 class Stopwatch:
     """``perf_counter`` marks of one round: its start, the seconds spent in the draft's proposal, those spent on the
     draft's context upkeep (paid whichever choice is made, so priced as neither: left out) and those spent
-    looking for proposals and planning (``look_s``: paid by every choice of a round that looks, priced apart,
-    ``LivePrices.observe``)."""
+    looking for proposals and planning (``look_s``: fitted apart and priced as a verify's, ``LivePrices.observe``)."""
 
     __slots__ = ("t0", "draft_s", "upkeep_s", "look_s", "priced", "committed")
 

@@ -221,7 +221,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     if upkeep and retire_draft(cfg, bool(pl.draft_block), R):
         batch.drop_draft()
         draft, upkeep = None, False
-    watch.look_s += time.perf_counter() - t_look  # looking and planning: sunk whichever way the plan goes
+    watch.look_s += time.perf_counter() - t_look  # looking and planning: priced as a verify's (``LivePrices``)
     watch.priced = pl.rate
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
