@@ -166,24 +166,38 @@ def suffix_survival(rows: list[Row | None], src: SuffixSource, width: int, prior
                     ) -> tuple[torch.Tensor, list[list[int]]]:
     """Each running row's suffix proposal (tokens, capped by what the row may still generate) and its estimated
     survival a [rows, width]: per token, the corpus agreement (how often the n-gram before it was followed by the
-    same token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal and for finished rows."""
-    a_np = np.zeros((len(rows), width), dtype=np.float32)  # written element by element: numpy, not torch
-    props: list[list[int]] = []
+    same token) shrunk towards the row's own suffix acceptance rate; 0 past the proposal and for finished rows.
+
+    A row is looked up only when its text could match (``SuffixSource.could_match``: the n-gram of the smallest
+    order ending it is in a corpus it reads), which skips the lookups that would find nothing and changes no
+    proposal. The survival is computed for all proposals at once (numpy over [rows, tokens]), the same float64
+    products, token after token, as one row at a time."""
+    n = len(rows)
+    props: list[list[int]] = [[] for _ in range(n)]
+    counts = np.zeros((n, width), dtype=np.float64)
+    sames = np.zeros((n, width), dtype=np.float64)
+    lens = np.zeros(n, dtype=np.int64)
+    rates = np.zeros(n, dtype=np.float64)
     for b, r in enumerate(rows):
-        if r is None:  # a row that proposes otherwise (``point_proposals``)
-            props.append([])
+        if r is None or r.finish is not None:  # finished, or a row that proposes otherwise (``point_proposals``)
             continue
         room = r.sp.max_new_tokens - len(r.tokens) - 1  # a verify of ℓ commits up to ℓ + 1 tokens
-        sug = src.suggest(r.index, min(width, room)) if room > 0 and r.finish is None else None
-        if sug is None:
-            props.append([])
+        if room <= 0 or not src.could_match(r.index):
             continue
-        rate = row_suffix_rate(r, prior)
-        surv, out = 1.0, []
-        for j, (count, same) in enumerate(zip(sug.counts, sug.sames)):
-            agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
-            surv *= min(agree, rate + (1.0 - rate) * agree)
-            a_np[b, j] = surv
-            out.append(sug.tokens[j])
-        props.append(out)
-    return torch.from_numpy(a_np), props
+        sug = src.suggest(r.index, min(width, room))
+        if sug is None:
+            continue
+        k = len(sug.tokens)
+        props[b] = list(sug.tokens)
+        counts[b, :k] = sug.counts
+        sames[b, :k] = sug.sames
+        lens[b] = k
+        rates[b] = row_suffix_rate(r, prior)
+    if not lens.any():
+        return torch.zeros(n, width), props
+    rate = rates[:, None]
+    agree = (sames + AGREEMENT_WEIGHT * rate) / (np.maximum(counts - 1, 0) + AGREEMENT_WEIGHT)
+    step = np.minimum(agree, rate + (1.0 - rate) * agree)
+    inside = np.arange(width)[None, :] < lens[:, None]
+    surv = np.cumprod(np.where(inside, step, 1.0), axis=1) * inside
+    return torch.from_numpy(surv.astype(np.float32)), props

@@ -43,7 +43,7 @@ from dspine.decoding.explain import explain
 from dspine.decoding.prefill import chunking_exact, prefill
 from dspine.decoding.prefix import PrefixCache
 from dspine.decoding.prices import LivePrices, StaticPrices, Stopwatch
-from dspine.decoding.rounds import mixed_round, plain_round, spec_round
+from dspine.decoding.rounds import feed_suffix, mixed_round, plain_round, spec_round
 from dspine.decoding.rows import GenerationOutput, Row, SpecStats, check_request
 from dspine.decoding.running import RunningBatch, admit
 from dspine.decoding.sampling import SamplingParams, per_request
@@ -239,7 +239,7 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             if cfg.suffix is not None:
                 for r in fresh.rows:
                     cfg.suffix.start(r.index, r.prompt)
-                _feed(cfg.suffix, fresh.rows)
+                feed_suffix(cfg.suffix, fresh.rows)
             for r in fresh.rows:
                 if r.finish is not None:
                     if cfg.suffix is not None:
@@ -258,8 +258,10 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
         if cfg.suffix is not None:
             watch = Stopwatch()
             R, k, block = mixed_round(target, batch, cfg, watch)
-            cfg.prices.observe(R, k, watch.elapsed(), block, watch.draft_s)
-            _feed(cfg.suffix, batch.rows)
+            # looking for proposals and planning (``watch.look_s``): observed apart and priced as a verify's cost,
+            # since a round that verifies keeps the stream looking (``prices.LivePrices.observe``, ``round_s``)
+            cfg.prices.observe(R, k, watch.elapsed() - watch.look_s, block, watch.draft_s, watch.look_s,
+                               watch.priced, watch.committed)
             rounds += 1
             row_rounds += R
             if decisions is not None:
@@ -276,17 +278,9 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             if b in was:
                 continue
             if cfg.suffix is not None:
+                feed_suffix(cfg.suffix, [batch.rows[b]])  # its last tokens, for the finished rows' corpus
                 cfg.suffix.finish(batch.rows[b].index)
             yield batch.rows[b].index, batch.rows[b].output()
-
-
-
-def _feed(src: SuffixSource, rows: list[Row]) -> None:
-    """Give the suffix source the tokens each row committed since it last saw the row."""
-    for r in rows:
-        if len(r.tokens) > r.fed:
-            src.extend(r.index, r.tokens[r.fed :])
-            r.fed = len(r.tokens)
 
 
 

@@ -57,7 +57,12 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
                 why = "the draft's block is 1 (nothing to propose)"
             else:
                 tau, need, best = draft_outlook(job, prices, R)
-                if retired is not None:
+                if retired is not None and tau >= need:
+                    why = (f"retired after round {retired}: the plan did not take it for many rounds in a row "
+                           f"(its expected tau {tau:.2f} at block {best} against the {need:.2f} a round needs at "
+                           f"{R} rows: its rows took suffix proposals or plain steps), so its context was no longer "
+                           "kept")
+                elif retired is not None:
                     why = (f"retired after round {retired}: its expected tau {tau:.2f} (acceptance pooled over "
                            f"this job) at block {best} stayed below the {need:.2f} a round of it must reach to "
                            f"beat a plain step at {R} rows on this CPU, so its context was no longer kept")

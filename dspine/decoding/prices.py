@@ -44,6 +44,11 @@ HALF_LIFE = 24.0  # rounds: the weight of an observation halves after this many 
 PRIOR_ROUNDS = 2.0  # pseudo-observations behind the calibration's prices
 EXPLORE_EVERY = 64  # rounds at one row count without any verify before one may be tried to refresh its price
 EXPLORE_SLACK = 0.25  # an exploring round may be priced at most this much below a plain step's rate
+ENTER_MARGIN = 0.03  # after a plain step, a verify must be priced this much above it (hysteresis: ``hurdle``)
+OUTCOME_HALF_LIFE = 8.0  # verify rounds: the weight of a verify's outcome (realised / priced rate) halves after
+OUTCOME_PRIOR = 4.0  # pseudo-verifies at "priced right" (ratio 1) behind the outcome check
+OUTCOME_FLOOR = 0.5  # the outcome check raises the hurdle at most to 1 / this
+_OUTCOME_DECAY = 0.5 ** (1.0 / OUTCOME_HALF_LIFE)
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 
@@ -109,6 +114,10 @@ class _RowsPrice:
     since_verify: int = 0  # rounds at this R since a verify last ran
     since_plain: int = 0  # rounds at this R since a plain step last ran
     theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fit, solved after each observation
+    look: float = 0.0  # seconds a round at this R spends looking for proposals and planning (decayed mean)
+    look_w: float = 0.0
+    outcome: float = OUTCOME_PRIOR  # decayed sums over verify rounds: realised / priced rate, and the weight
+    outcome_w: float = OUTCOME_PRIOR
 
 
 @dataclass
@@ -155,21 +164,46 @@ class LivePrices:
     # -- prices ----------------------------------------------------------------------------------------------
 
     def round_s(self, R: int, k: int | float) -> float:
-        """Seconds of a round at ``R`` live rows verifying ``k`` tokens beyond one per row."""
-        base, jump, per = self._at(R).theta
+        """Seconds of a round at ``R`` live rows verifying ``k`` tokens beyond one per row. A verify also pays the
+        looking for proposals and planning (``look``): a round that verifies keeps the stream looking every round
+        (``rounds._quiet_round`` starts only after rounds that verify nothing), so the looking is the verify's
+        cost, not a plain step's."""
+        base, jump, per = self.line(R)
         return max(base + (jump + per * k if k > 0 else 0.0), 1e-6)
 
     def round_many(self, R: int, ks: np.ndarray) -> np.ndarray:
         """``round_s`` for an array of k (all > 0)."""
-        base, jump, per = self._at(R).theta
+        base, jump, per = self.line(R)
         return np.maximum(base + jump + per * np.asarray(ks, dtype=np.float64), 1e-6)
 
     def line(self, R: int) -> tuple[float, float, float]:
-        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0."""
-        return self._at(R).theta
+        """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0; ``jump`` holds
+        the looking."""
+        p = self._at(R)
+        base, jump, per = p.theta
+        return base, jump + p.look, per
 
     def draft_s(self, R: int, block: int) -> float:
         return self.cost.draft_s(R, block) * self.draft_ratio if block > 1 else 0.0
+
+    def hurdle(self, R: int) -> float:
+        """How much better than a plain step a verify must be priced at ``R`` to run: ``1 + ENTER_MARGIN`` when the
+        last round timed at ``R`` was a plain step (or none was), 1 when it verified. Hysteresis: a verify priced
+        a hair above a plain step (its gain within the prices' own noise) does not start speculation, so one
+        noisy round cannot flip a stream between plain steps and verifies; while verifies run and pay they go on
+        at any priced gain."""
+        p = self._at(R)
+        enter = 1.0 if p.since_plain > 0 and p.since_verify == 0 else 1.0 + ENTER_MARGIN
+        return enter / self.outcome(R)
+
+    def outcome(self, R: int) -> float:
+        """What verifies at ``R`` realised against what they were priced at (committed tokens per second over the
+        plan's priced rate), a decayed mean over the last verify rounds (``OUTCOME_HALF_LIFE``) shrunk towards 1,
+        at most 1 and at least ``OUTCOME_FLOOR``. Below 1 (verifies priced as paying that did not) it raises the
+        hurdle every verify must clear, within a few verify rounds; it never lowers it (that is the estimates'
+        own calibration, ``acceptance.JobAcceptance.suffix_scale``, and the fitted prices)."""
+        p = self._at(R)
+        return min(1.0, max(OUTCOME_FLOOR, p.outcome / p.outcome_w))
 
     def explore_due(self, R: int) -> bool:
         """No verify has run at ``R`` for ``EXPLORE_EVERY`` rounds: one may run to refresh its price."""
@@ -182,13 +216,29 @@ class LivePrices:
 
     # -- observations ----------------------------------------------------------------------------------------
 
-    def observe(self, R: int, k: int, seconds: float, draft_block: int = 0, draft_seconds: float = 0.0) -> None:
+    def observe(self, R: int, k: int, seconds: float, draft_block: int = 0, draft_seconds: float = 0.0,
+                look_seconds: float = 0.0, priced_rate: float = 0.0, committed: int = 0) -> None:
         """A round at ``R`` live rows that verified ``k`` extra tokens took ``seconds`` (the draft's proposal,
-        when it ran with ``draft_block``, ``draft_seconds`` of them)."""
+        when it ran with ``draft_block``, ``draft_seconds`` of them), and ``look_seconds`` more looking for
+        proposals and planning (0: a quiet round that did not look). The looking is fitted apart and priced as a
+        verify's (``round_s``): fitted with the rest, a job's mix of quiet and looking plain steps put a share of
+        it in a plain step's base and the rest in a verify's surcharge, in proportions the job's quiet stretches
+        set.
+        ``priced_rate`` (a verify: the plan's priced tokens per second) and ``committed`` (the tokens the round
+        committed) check the decision against what it gave (``outcome``)."""
         if R <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         self.rounds += 1
         p = self._at(R)
+        if look_seconds > 0 and math.isfinite(look_seconds):
+            p.look_w = p.look_w * _DECAY + 1.0
+            p.look += (look_seconds - p.look) / p.look_w
+        if k > 0 and priced_rate > 0 and committed > 0:
+            realised = committed / (seconds + max(look_seconds, 0.0))
+            # decayed towards the prior's pseudo-verifies at ratio 1, so old outcomes fade into "priced right"
+            keep = _OUTCOME_DECAY
+            p.outcome = p.outcome * keep + OUTCOME_PRIOR * (1 - keep) + min(realised / priced_rate, 2.0)
+            p.outcome_w = p.outcome_w * keep + OUTCOME_PRIOR * (1 - keep) + 1.0
         rest = max(seconds - draft_seconds, 1e-6)
         # the job's scale against the calibration, from every round (seeds row counts not timed yet)
         self.ratio_w = self.ratio_w * _DECAY + 1.0
@@ -214,7 +264,8 @@ class LivePrices:
         for R, p in sorted(self.rows.items()):
             base, jump, per = p.theta
             out[R] = {"plain_ms": round(1e3 * base, 3), "verify_ms": round(1e3 * jump, 3),
-                      "token_ms": round(1e3 * per, 4)}
+                      "token_ms": round(1e3 * per, 4), "look_ms": round(1e3 * p.look, 4),
+                      "outcome": round(self.outcome(R), 3)}
         return {"rows": out, "draft_ratio": round(self.draft_ratio, 3), "rounds": self.rounds}
 
 
@@ -242,6 +293,10 @@ class StaticPrices:
     def explore_due(self, R: int) -> bool:
         return False
 
+    def hurdle(self, R: int) -> float:
+        """No hysteresis: a verify runs whenever it is priced above a plain step (decisions read nothing live)."""
+        return 1.0
+
     def plain_due(self, R: int) -> bool:
         return False
 
@@ -250,15 +305,19 @@ class StaticPrices:
 
 
 class Stopwatch:
-    """``perf_counter`` marks of one round: its start, the seconds spent in the draft's proposal, and those spent
-    on the draft's context upkeep (paid whichever choice is made, so priced as neither: left out)."""
+    """``perf_counter`` marks of one round: its start, the seconds spent in the draft's proposal, those spent on the
+    draft's context upkeep (paid whichever choice is made, so priced as neither: left out) and those spent
+    looking for proposals and planning (``look_s``: fitted apart and priced as a verify's, ``LivePrices.observe``)."""
 
-    __slots__ = ("t0", "draft_s", "upkeep_s")
+    __slots__ = ("t0", "draft_s", "upkeep_s", "look_s", "priced", "committed")
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.draft_s = 0.0
         self.upkeep_s = 0.0
+        self.look_s = 0.0  # looking for proposals and planning (``rounds.mixed_round``): paid before the choice
+        self.priced = 0.0  # the round's verify, as priced by the plan (tokens per second; 0: a plain step)
+        self.committed = 0  # tokens the round's verify committed
 
     def elapsed(self) -> float:
         """The round's seconds, upkeep left out."""

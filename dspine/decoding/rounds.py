@@ -22,6 +22,7 @@ from dspine.decoding.sampling import (
     make_generator,
 )
 from dspine.decoding.schedule import DRAFT, FORCED, SUFFIX, plan, plan_packed, plan_sources
+from dspine.decoding.suffix import SuffixSource
 from dspine.models.target import Target
 
 
@@ -31,6 +32,18 @@ def draft_generators(rows: list[Row], sampled: list[bool]) -> list[torch.Generat
     seeds, pos = seeds_positions(rows)
     h = keyed_hash(seeds, pos, STREAM_DRAFT, 2).tolist()
     return [make_generator((a << 32) | b) if s else None for (a, b), s in zip(h, sampled)]
+
+
+def feed_suffix(src: SuffixSource, rows: list[Row]) -> None:
+    """Give the suffix source the tokens each row committed since it last saw the row. Called where a lookup is
+    about to read the corpora (``mixed_round``, rounds that look for proposals) and when a row finishes (its
+    output joins the finished rows' corpus), not after every round: the tokens of quiet rounds
+    (``_quiet_round``) wait and go in with the next round that looks, so no index is fed that no lookup reads,
+    and what every lookup reads is what feeding after every round would have given it."""
+    for r in rows:
+        if len(r.tokens) > r.fed:
+            src.extend(r.index, r.tokens[r.fed :])
+            r.fed = len(r.tokens)
 
 
 def plain_round(target: Target, batch: RunningBatch, taps: tuple[int, ...] = ()
@@ -122,25 +135,28 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
 
 RETIRE_ROUNDS = 16  # rounds in a row without the draft before retiring it is considered
 RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
+RETIRE_IDLE = 32  # rounds in a row without the draft after which it is retired whatever its outlook
 
 
 def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
     """Whether to stop keeping the draft's context for the rest of the stream (``proposers=auto``): when the planner
     has not chosen it for ``RETIRE_ROUNDS`` rounds in a row and its expected τ on this job, at the rows in flight,
-    is below ``RETIRE_MARGIN`` of the τ a round of it must reach to beat a plain step. Its upkeep (the context
-    forward over every committed token, the taps) is paid whichever source runs, so a draft that does not pay costs
-    a few per cent of every round (~3 % on free text at 8 rows, one thread); retired, the stream runs suffix
+    is below ``RETIRE_MARGIN`` of the τ a round of it must reach to beat a plain step, or when the planner has not
+    chosen it for ``RETIRE_IDLE`` rounds in a row whatever its outlook (an outlook within the margin that the plan,
+    which sees each round's rows, never takes: measured on 16 chat prompts at 8 rows, the draft ran once in 241
+    rounds and its upkeep ran in all of them). Its upkeep (the context forward over every committed token, the
+    taps) is paid whichever source runs, so a draft that does not pay costs a few per cent of every round (~3 % on
+    free text at 8 rows, one thread) and keeps the stream from its quiet rounds; retired, the stream runs suffix
     proposals and plain steps alone. Only greedy rows take the draft under ``auto``, so retiring it changes no
     token (the choice reads live prices, which never decide a token: docs/design.md, "Live prices")."""
     if ran:
         cfg.draft_idle = 0
         return False
     cfg.draft_idle += 1
-    if cfg.draft_idle < RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
-        return False
-    cfg.draft_idle = 0  # looked at again RETIRE_ROUNDS later, if it was not retired now
+    if cfg.draft_idle % RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
+        return False  # looked at every RETIRE_ROUNDS rounds in a row without it
     tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
-    if tau >= RETIRE_MARGIN * need:
+    if tau >= RETIRE_MARGIN * need and cfg.draft_idle < RETIRE_IDLE:
         return False
     cfg.draft_retired = cfg.rounds
     return True
@@ -180,12 +196,13 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     if (cfg.quiet >= QUIET_AFTER and cfg.rounds % QUIET_EVERY and not constrained
             and (draft is None or not any(r.finish is None and r.sp.greedy for r in rows))):  # no upkeep to keep
         return _quiet_round(target, batch, cfg)
+    t_look = time.perf_counter()
     B = len(rows)
     live = torch.tensor([r.finish is None for r in rows], dtype=torch.bool)
     R = int(live.sum())
     params = [r.sp for r in rows]
     greedy = torch.tensor([sp.greedy for sp in params], dtype=torch.bool)
-    seeds, pos = seeds_positions(rows)
+    feed_suffix(src, rows)
     a_raw, pts, n_forced = point_proposals(rows, src, src.max_len, job)
     # the job's calibration of the suffix estimates (``JobAcceptance.suffix_scale``); forced tokens keep theirs
     scale = job.suffix_scale()
@@ -209,6 +226,8 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             release()  # never read again this stream
             trim()  # and the pages they held given back (glibc keeps freed memory otherwise)
         draft, upkeep = None, False
+    watch.look_s += time.perf_counter() - t_look  # looking and planning: priced as a verify's (``LivePrices``)
+    watch.priced = pl.rate
     taps = cfg.taps if upkeep else ()
     source, ell = pl.source.clone(), pl.ell
     source[(source == SUFFIX) & torch.tensor([n > 0 for n in n_forced], dtype=torch.bool)] = FORCED
@@ -259,10 +278,12 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
             batch.hist.update(torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long))
         return R, 0, pl.draft_block
     props = props.to(dev)
+    seeds, pos = seeds_positions(rows)
     ids = torch.cat([anchor[:, None], props], dim=1)
     n_valid = ((ell + 1) * live).to(dev) if packed else None
     out = target.forward(ids, batch.cache, n_valid=n_valid, speculative=True, taps=taps)
     point = (source == SUFFIX) | (source == FORCED)
+    before = sum(len(r.tokens) for r in rows)
     verdict, lp = verify_slots(target, out.hidden, rows, props, ell, live, point, seeds, pos, masks)
     n_commit = (verdict.n_accepted + 1) * live.to(dev)
     target.commit(batch.cache, n_commit)
@@ -274,6 +295,7 @@ def mixed_round(target: Target, batch: RunningBatch, cfg: StreamConfig, watch: S
     sfx = (source == SUFFIX) & live  # the estimates' expected kept tokens, over the tokens verified
     expected = float((a_raw * (torch.arange(a_raw.shape[1])[None, :] < ell[:, None]))[sfx].sum())
     ell_l, acc_l = record(rows, verdict, ell, source.tolist(), live.tolist(), job, lp, n_forced, expected)
+    watch.committed = sum(len(r.tokens) for r in rows) - before  # what the verify gave, against its price
     if batch.hist is not None:
         batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
     return R, (int(ell[live].sum()) if packed else R * W), pl.draft_block

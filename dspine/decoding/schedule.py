@@ -178,6 +178,14 @@ class SourcePlan:
     ell: torch.Tensor  # [rows] long: tokens verified (0 for PLAIN)
     draft_block: int  # block the draft proposes (0: the draft does not run this round)
     explore: bool = False  # chosen to refresh a price (``prices.EXPLORE_EVERY``), not because it prices best
+    rate: float = 0.0  # the verify's priced tokens per second (0 for a plain plan): checked against the outcome
+
+
+def _hurdle(prices, R: int) -> float:
+    """How far above a plain step's rate a verify must be priced to run (``prices.LivePrices.hurdle``:
+    hysteresis); 1 for prices objects without one."""
+    hurdle = getattr(prices, "hurdle", None)
+    return 1.0 if hurdle is None else float(hurdle(R))
 
 
 def _plain_plan(rows: int) -> SourcePlan:
@@ -230,8 +238,9 @@ def plan_sources(
         o, x = float(obj.max()), int(obj.argmax())  # argmax: ties keep the narrower width (first maximum)
         if o > best_obj:
             best_obj, w, block = o, x, (min(x, n_d) + 1 if on else 0)
-    explore = best_obj <= plain_rate and prices.explore_due(rows) and best_obj >= (1 - EXPLORE_SLACK) * plain_rate
-    if best_obj <= plain_rate and not explore:
+    bar = plain_rate * _hurdle(prices, rows)
+    explore = best_obj <= bar and prices.explore_due(rows) and best_obj >= (1 - EXPLORE_SLACK) * plain_rate
+    if best_obj <= bar and not explore:
         return _plain_plan(rows)
     ts_w = tok_s[:, min(w, n_s)]
     td_w = _tokens(a_draft)[:, min(w, n_d)] if block else torch.zeros_like(ts_w)
@@ -242,7 +251,7 @@ def plan_sources(
     own = torch.clamp((a_suffix > 0).sum(-1), max=w)
     ell = torch.where(pick_d, min(w, n_d), torch.where(pick_s, own, 0))
     draft_block = block if bool(pick_d.any()) else 0
-    return SourcePlan(source, ell, draft_block, explore)
+    return SourcePlan(source, ell, draft_block, explore, best_obj)
 
 
 def plan_packed(
@@ -306,12 +315,13 @@ def plan_packed(
     if best is None:
         return _plain_plan(rows)
     rate, block, curve, take_d, thr = best
-    explore = rate <= plain_rate and explore and rate >= (1 - EXPLORE_SLACK) * plain_rate
-    if rate <= plain_rate and not explore:
+    bar = plain_rate * _hurdle(prices, R)
+    explore = rate <= bar and explore and rate >= (1 - EXPLORE_SLACK) * plain_rate
+    if rate <= bar and not explore:
         return _plain_plan(rows)
     ell = torch.from_numpy(((curve >= thr) & (curve > 0)).sum(-1).astype(np.int64))
     take = torch.from_numpy(take_d)
     source = torch.where(ell > 0, torch.where(take, DRAFT, SUFFIX), PLAIN)
     on = source == DRAFT
     draft_block = int(ell[on].max()) + 1 if bool(on.any()) else 0
-    return SourcePlan(source, ell, draft_block, explore)
+    return SourcePlan(source, ell, draft_block, explore, rate)

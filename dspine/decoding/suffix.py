@@ -223,6 +223,22 @@ class SuffixSource:
         if e.tokens:
             self.finished.add(e.prompt_tail + e.tokens)
 
+    def could_match(self, key: int) -> bool:
+        """Whether ``suggest(key)`` (no ``tail``) can return a proposal: some corpus the row reads holds the n-gram
+        of the smallest order that ends the row's text. A match of any order ends with that n-gram, and every
+        position a longer n-gram is indexed at indexes it too, so without it every order misses everywhere and
+        ``suggest`` returns None. One hash of a short tuple and a dict look-up per corpus, where ``suggest``
+        copies the row's text and hashes every order in every corpus: the cheap test a lookup is skipped on."""
+        e = self.rows[key]
+        idx, n = e.index, min(self.orders)
+        if not idx._open or len(idx.buf) - idx._start < n:
+            return False  # shorter than every order: nothing can match (``suggest`` skips such contexts too)
+        k = hash(tuple(idx.buf[-n:]))
+        if k in idx.table or k in self.finished.table:
+            return True
+        rows = self.rows
+        return any(k in rows[o].index.table for o in self.groups.get(e.group, ())[-MAX_SIBLINGS - 1 :] if o != key)
+
     def suggest(self, key: int, max_len: int | None = None, tail: Sequence[int] = ()) -> Suggestion | None:
         """The best continuation of row ``key``'s text (followed by ``tail``: tokens proposed before the match,
         e.g. those its grammar forces)."""
