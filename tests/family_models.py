@@ -104,6 +104,42 @@ def save_tiny_gemma4(path: str | Path, seed: int = 0, head_scale: float = 4.0, *
     return str(path)
 
 
+def check_ragged_prefill_decode_verify(ours, ref, seed: int, label: str = "") -> None:
+    """Rows of 5, 19 and 40 tokens prefilled together, two decode steps, a 3-token speculative verify of which 1-3
+    tokens are kept, one more step: every logit of ``ours`` within 1e-4 of ``ref``'s (HF) forward over the row's whole
+    sequence. Shared by every family's test and Gemma 4's."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [5, 19, 40]
+    ids = torch.zeros(3, 40, dtype=torch.long)
+    for b, n in enumerate(lens):
+        ids[b, :n] = torch.randint(3, 256, (n,), generator=g)
+    cache = ours.new_cache(3, 8)
+    out = ours.logits(ours.forward(ids, cache, n_valid=torch.tensor(lens)).hidden)
+    got = [[out[b, :n]] for b, n in enumerate(lens)]
+    seqs = [ids[b, :n] for b, n in enumerate(lens)]
+    for _ in range(2):
+        step = torch.randint(3, 256, (3, 1), generator=g)
+        out = ours.logits(ours.forward(step, cache).hidden)
+        for b in range(3):
+            got[b].append(out[b])
+            seqs[b] = torch.cat([seqs[b], step[b]])
+    block = torch.randint(3, 256, (3, 3), generator=g)
+    out = ours.logits(ours.forward(block, cache, speculative=True).hidden)
+    keep = [1, 3, 2]
+    ours.commit(cache, torch.tensor(keep))
+    for b in range(3):
+        got[b].append(out[b, : keep[b]])
+        seqs[b] = torch.cat([seqs[b], block[b, : keep[b]]])
+    last = torch.randint(3, 256, (3, 1), generator=g)
+    out = ours.logits(ours.forward(last, cache).hidden)
+    for b in range(3):
+        got[b].append(out[b])
+        seqs[b] = torch.cat([seqs[b], last[b]])
+        with torch.no_grad():
+            expect = ref(seqs[b][None]).logits[0]
+        assert (torch.cat(got[b]) - expect).abs().max().item() < 1e-4, (label, b)
+
+
 # -- sampled-law helpers (the method of tests/decoding/test_generate.py: exact joint by enumeration, χ² pooled) --
 
 

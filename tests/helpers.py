@@ -36,7 +36,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -570,6 +570,29 @@ def chat_requests(engine, n=4, **p):
     return [Request(f"r{i}", 0, engine.tokenizer.render_chat([{"role": "user", "content": texts[i % 5]}]),
                     SamplingParams(max_new_tokens=5, stop_token_ids=engine.tokenizer.stop_token_ids([]), **p))
             for i in range(n)]
+
+
+def teacher_forced_batch(target, draft, length: int, lo: int = 0, n: int = 2, seed: int = 2) -> list:
+    """``n`` random texts of ``length`` tokens in [lo, 255) the target never wrote, as teacher-forced training
+    examples (8-token prompts) with the target's captured features: what a draft-training test trains on."""
+    from dspine.training.train import capture, make_example
+
+    g = torch.Generator().manual_seed(seed)
+    texts = [torch.randint(lo, 255, (length,), generator=g).tolist() for _ in range(n)]
+    exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
+    return [(ex, capture(target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
+
+
+def grouped_requests(engine, groups: dict[str, dict], n: int = 2) -> list:
+    """``chat_requests`` per group, each with the group's sampling settings over it and its row ids prefixed by the
+    group's name (``lp-r0``): one batch mixing logprobs, structures, penalties ..."""
+    reqs = []
+    for name, p in groups.items():
+        for r in chat_requests(engine, n=n):
+            r.row_id = f"{name}-{r.row_id}"
+            r.params = replace(r.params, **p)
+            reqs.append(r)
+    return reqs
 
 
 # -- SGLang end to end on a CPU (tests/sglang_plugin/test_sglang_e2e.py, tests/cli/test_sglang_cli.py) -------------

@@ -7,10 +7,17 @@ the engine against direct ``dspine.generate`` calls. The embedded SmolLM2 run is
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
-from helpers import SMOL_TEMPLATE, chat_requests, read_output, reference_engine, tokenizer_dir, write_jsonl
+from helpers import (
+    SMOL_TEMPLATE,
+    chat_requests,
+    grouped_requests,
+    read_output,
+    reference_engine,
+    tokenizer_dir,
+    write_jsonl,
+)
 
 from dspine.models.tokenizer import HFTokenizer
 from dspine_batch.cli import main
@@ -403,12 +410,7 @@ def test_structured_penalties_and_logprobs_through_the_engine(tiny):
         groups = {"lp": dict(logprobs=True, top_logprobs=2, presence_penalty=0.4),
                   "choice": dict(structure=Structure("choice", '["hello", "world"]'), max_new_tokens=24),
                   "schema": dict(structure=Structure("json_schema", schema), min_tokens=2, max_new_tokens=24)}
-        reqs = []
-        for name, p in groups.items():
-            for r in chat_requests(eng, n=2):
-                r.row_id = f"{name}-{r.row_id}"
-                r.params = replace(r.params, **p)
-                reqs.append(r)
+        reqs = grouped_requests(eng, groups)
         got = {r.row_id: r for r in eng.run(iter(reqs), 4)}
         outs[draft] = {k: r.token_ids for k, r in got.items()}
         assert all(r.error is None for r in got.values())

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_models import FAMILIES, save_tiny_family
-from helpers import chi2_pvalue, exact_joint3, random_dspine, token_prompts
+from family_models import FAMILIES, check_ragged_prefill_decode_verify, save_tiny_family
+from helpers import chi2_pvalue, exact_joint3, random_dspine, teacher_forced_batch, token_prompts
 
 from dspine import generate, load_target
 from dspine.decoding.cost import CostModel
@@ -70,36 +70,7 @@ def test_logits_match_transformers_ragged_prefill_decode_verify(family, mode, fa
     ours, ref = load_target(path, kernels=mode == "kernels"), hf_model(path)
     assert ours.kernel.startswith("dspine-") == (mode == "kernels")
     assert ours.family == family
-    g = torch.Generator().manual_seed(len(family))
-    lens = [5, 19, 40]
-    ids = torch.zeros(3, 40, dtype=torch.long)
-    for b, n in enumerate(lens):
-        ids[b, :n] = torch.randint(3, 256, (n,), generator=g)
-    cache = ours.new_cache(3, 8)
-    out = ours.logits(ours.forward(ids, cache, n_valid=torch.tensor(lens)).hidden)
-    got = [[out[b, :n]] for b, n in enumerate(lens)]
-    seqs = [ids[b, :n] for b, n in enumerate(lens)]
-    for _ in range(2):
-        step = torch.randint(3, 256, (3, 1), generator=g)
-        out = ours.logits(ours.forward(step, cache).hidden)
-        for b in range(3):
-            got[b].append(out[b])
-            seqs[b] = torch.cat([seqs[b], step[b]])
-    block = torch.randint(3, 256, (3, 3), generator=g)
-    out = ours.logits(ours.forward(block, cache, speculative=True).hidden)
-    keep = [1, 3, 2]
-    ours.commit(cache, torch.tensor(keep))
-    for b in range(3):
-        got[b].append(out[b, : keep[b]])
-        seqs[b] = torch.cat([seqs[b], block[b, : keep[b]]])
-    last = torch.randint(3, 256, (3, 1), generator=g)
-    out = ours.logits(ours.forward(last, cache).hidden)
-    for b in range(3):
-        got[b].append(out[b])
-        seqs[b] = torch.cat([seqs[b], last[b]])
-        with torch.no_grad():
-            expect = ref(seqs[b][None]).logits[0]
-        assert (torch.cat(got[b]) - expect).abs().max().item() < 1e-4, (family, b)
+    check_ragged_prefill_decode_verify(ours, ref, len(family), family)
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -241,17 +212,14 @@ def test_a_draft_trains_for_the_family(family, family_dir):
     from helpers import train_stats
 
     from dspine import init_draft
-    from dspine.training.train import TrainConfig, capture, make_example
+    from dspine.training.train import TrainConfig
 
     target = load_target(family_dir(family))
     torch.manual_seed(0)
     draft = init_draft(target, num_layers=1, block_size=4, transfer_rank=16, message_size=32, top_k=4,
                        intermediate_size=96)
     draft.train()
-    g = torch.Generator().manual_seed(2)
-    texts = [torch.randint(3, 255, (32,), generator=g).tolist() for _ in range(2)]
-    exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
-    batch = [(ex, capture(target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
+    batch = teacher_forced_batch(target, draft, 32, lo=3)
     cfg = TrainConfig(steps=12, lr=3e-3, anchors_per_seq=32, replacement_probability=0.0, alignment_warmup_steps=3)
     loss = [s["backbone"] + s["refine"] for s in train_stats(draft, target, batch, cfg)]
     assert all(math.isfinite(x) for x in loss)

@@ -5,11 +5,10 @@ family whose invariance gap turns the prefix cache and chunked prefill off, name
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from family_models import save_tiny_family
-from helpers import SMOL_TEMPLATE, chat_requests, read_output, run_cli, tokenizer_dir, write_jsonl
+from helpers import SMOL_TEMPLATE, grouped_requests, read_output, run_cli, tokenizer_dir, write_jsonl
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["four", "two"]}}, "required": ["answer"]}
 
@@ -41,12 +40,7 @@ def test_schema_logprobs_and_speculation_through_the_engine(pair):
         assert eng.target.family == family and eng.prefix is not None and eng.prefill_chunk > 0
         groups = {"lp": dict(logprobs=True, top_logprobs=2),
                   "schema": dict(structure=Structure("json_schema", json.dumps(SCHEMA)), max_new_tokens=24)}
-        reqs = []
-        for name, p in groups.items():
-            for r in chat_requests(eng, n=2):
-                r.row_id = f"{name}-{r.row_id}"
-                r.params = replace(r.params, **p)
-                reqs.append(r)
+        reqs = grouped_requests(eng, groups)
         got = {r.row_id: r for r in eng.run(iter(reqs), 4)}
         assert all(r.error is None for r in got.values())
         for rid, r in got.items():

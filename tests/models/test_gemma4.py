@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from family_models import GEMMA4, save_tiny_gemma4
+from family_models import GEMMA4, check_ragged_prefill_decode_verify, save_tiny_gemma4
 from helpers import token_prompts
 
 from dspine import generate, load_target
@@ -51,36 +51,7 @@ def test_logits_match_transformers_ragged_prefill_decode_verify(mode, gemma4, hf
             pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
     ours = load_target(gemma4, kernels=mode == "kernels")
     assert ours.family == "gemma4" and ours.kernel.startswith("dspine-") == (mode == "kernels")
-    g = torch.Generator().manual_seed(4)
-    lens = [5, 19, 40]
-    ids = torch.zeros(3, 40, dtype=torch.long)
-    for b, n in enumerate(lens):
-        ids[b, :n] = torch.randint(3, 256, (n,), generator=g)
-    cache = ours.new_cache(3, 8)
-    out = ours.logits(ours.forward(ids, cache, n_valid=torch.tensor(lens)).hidden)
-    got = [[out[b, :n]] for b, n in enumerate(lens)]
-    seqs = [ids[b, :n] for b, n in enumerate(lens)]
-    for _ in range(2):
-        step = torch.randint(3, 256, (3, 1), generator=g)
-        out = ours.logits(ours.forward(step, cache).hidden)
-        for b in range(3):
-            got[b].append(out[b])
-            seqs[b] = torch.cat([seqs[b], step[b]])
-    block = torch.randint(3, 256, (3, 3), generator=g)
-    out = ours.logits(ours.forward(block, cache, speculative=True).hidden)
-    keep = [1, 3, 2]
-    ours.commit(cache, torch.tensor(keep))
-    for b in range(3):
-        got[b].append(out[b, : keep[b]])
-        seqs[b] = torch.cat([seqs[b], block[b, : keep[b]]])
-    last = torch.randint(3, 256, (3, 1), generator=g)
-    out = ours.logits(ours.forward(last, cache).hidden)
-    for b in range(3):
-        got[b].append(out[b])
-        seqs[b] = torch.cat([seqs[b], last[b]])
-        with torch.no_grad():
-            expect = hf(seqs[b][None]).logits[0]
-        assert (torch.cat(got[b]) - expect).abs().max().item() < 1e-4, b
+    check_ragged_prefill_decode_verify(ours, hf, 4, "gemma4")
 
 
 def test_greedy_generate_equals_transformers(gemma4, hf):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import train_stats
+from helpers import teacher_forced_batch, train_stats
 
 from dspine.draft.io import init_draft
 from dspine.training.teacher import greedy_next, teacher_forced_targets
@@ -67,10 +67,7 @@ def test_teacher_forced_examples_train(llama_target):
     draft = init_draft(llama_target, num_layers=1, block_size=4, transfer_rank=16, message_size=32, top_k=4,
                        intermediate_size=96)  # fmt: skip
     draft.train()
-    g = torch.Generator().manual_seed(2)
-    texts = [torch.randint(0, 255, (48,), generator=g).tolist() for _ in range(2)]
-    exs = [make_example(t[:8], t[8:], teacher_forced=True) for t in texts]
-    batch = [(ex, capture(llama_target, ex.ids, draft.target_layer_ids, greedy=True)) for ex in exs]
+    batch = teacher_forced_batch(llama_target, draft, 48)
     cfg = TrainConfig(steps=25, lr=3e-3, anchors_per_seq=64, replacement_probability=0.0, alignment_warmup_steps=5)
     stats = train_stats(draft, llama_target, batch, cfg)
     loss = [s["backbone"] + s["refine"] for s in stats]
@@ -78,8 +75,9 @@ def test_teacher_forced_examples_train(llama_target):
     assert max(loss[-3:]) < 0.75 * loss[0], loss
     assert stats[-1]["acc"] > stats[0]["acc"]
     with pytest.raises(ValueError, match="greedy"):
-        no_labels = capture(llama_target, exs[0].ids, draft.target_layer_ids)
-        train_step(draft, llama_target, [(exs[0], no_labels)], 0, cfg, torch.Generator())
+        ex = batch[0][0]
+        no_labels = capture(llama_target, ex.ids, draft.target_layer_ids)
+        train_step(draft, llama_target, [(ex, no_labels)], 0, cfg, torch.Generator())
 
 
 def test_load_examples_reads_teacher_forced_flag(tmp_path):
