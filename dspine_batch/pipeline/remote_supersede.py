@@ -30,12 +30,12 @@ import uuid
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FatalError
 from dspine_batch.pipeline.remote_layout import STAGING, STATE, record_rel
 from dspine_batch.pipeline.sink import CHECKSUM, ChecksumWriter, keys_checksum
+from dspine_batch.pipeline.supersede import rows_kept, without_rows
 from dspine_batch.storage.objects import local_tmp_dir
 
 # ``out`` below is a ``remote.ObjectOutput`` (not imported: it calls this module)
@@ -51,13 +51,10 @@ def drop_rows(out: Any, tag: str, name: str, drop: set[str]) -> int:
     store = out.store
     with store.open(name) as f:
         table = pq.read_table(f)
-    ids = table.column("row_id").to_pylist()
-    keep = np.array([rid not in drop for rid in ids], dtype=bool)
+    keep, kept_rows = rows_kept(table, drop)
     if keep.all():
         return 0
-    order = list(dict.fromkeys(ids))  # input rows in part order: the record's key order (``sink``)
-    kept_rows = np.array([rid not in drop for rid in order], dtype=bool)
-    gone = len(order) - int(kept_rows.sum())
+    gone = len(kept_rows) - int(kept_rows.sum())
     got = store.get_with_etag(record_rel(name))
     if got is None:
         raise FatalError(f"{store.url_of(record_rel(name))}: the commit record of a part being retried is gone")
@@ -69,7 +66,7 @@ def drop_rows(out: Any, tag: str, name: str, drop: set[str]) -> int:
         _remove(out, name)
         store.delete(journal)
         return gone
-    kept = _without(table, keep, int(kept_rows.sum()))
+    kept = without_rows(table, keep, int(kept_rows.sum()))
     token = uuid.uuid4().hex[:16]
     staged = f"{STAGING}/{name}.{token}"
     fd, tmp = tempfile.mkstemp(prefix=".dspine-retry-", suffix=".parquet", dir=local_tmp_dir())
@@ -97,19 +94,6 @@ def drop_rows(out: Any, tag: str, name: str, drop: set[str]) -> int:
     out.publish(record)
     store.delete(journal)
     return gone
-
-
-def _without(table: pa.Table, keep: np.ndarray, rows: int) -> pa.Table:
-    """The part's table without the dropped rows, its part metadata saying so."""
-    kept = table.filter(pa.array(keep))
-    meta = dict(kept.schema.metadata or {})
-    info = json.loads(meta.get(b"dspine_batch.part", b"{}"))
-    status = kept.column("status").to_pylist()
-    kept_ids = kept.column("row_id").to_pylist()
-    info.update(rows=rows, error_rows=len({r for r, s in zip(kept_ids, status, strict=True) if s != "ok"}),
-                superseded_at=time.time())
-    meta[b"dspine_batch.part"] = json.dumps(info).encode()
-    return kept.replace_schema_metadata(meta)
 
 
 def _remove(out: Any, name: str) -> None:

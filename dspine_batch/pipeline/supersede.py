@@ -70,18 +70,38 @@ def _unlink(path: str) -> None:
         pass
 
 
+def rows_kept(table: pa.Table, drop: set[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(whether each output row stays, whether each input row stays, input rows in part order: the key file's and
+    the commit record's key order, ``sink``) for taking the rows in ``drop`` out of a part's ``table``."""
+    ids = table.column("row_id").to_pylist()
+    order = dict.fromkeys(ids)
+    return (np.array([rid not in drop for rid in ids], dtype=bool),
+            np.array([rid not in drop for rid in order], dtype=bool))
+
+
+def without_rows(table: pa.Table, keep: np.ndarray, rows: int) -> pa.Table:
+    """The part's table with only the ``keep`` output rows, its part metadata saying so (``rows`` input rows)."""
+    kept = table.filter(pa.array(keep))
+    meta = dict(kept.schema.metadata or {})
+    info = json.loads(meta.get(b"dspine_batch.part", b"{}"))
+    status = kept.column("status").to_pylist()
+    kept_ids = kept.column("row_id").to_pylist()
+    info.update(rows=rows, error_rows=len({r for r, s in zip(kept_ids, status, strict=True) if s != "ok"}),
+                superseded_at=time.time())
+    meta[b"dspine_batch.part"] = json.dumps(info).encode()
+    return kept.replace_schema_metadata(meta)
+
+
 def drop_rows(outdir: str, tag: str, path: str, drop: set[str]) -> int:
     """Take the rows whose ``row_id`` is in ``drop`` (all their samples) out of the committed part ``path``;
     returns how many input rows went. Call with the shard's lock held."""
     name = os.path.basename(path)
     table = pq.read_table(path)
-    ids = table.column("row_id").to_pylist()
-    keep = np.array([rid not in drop for rid in ids], dtype=bool)
+    keep, kept_rows = rows_kept(table, drop)
     if keep.all():
         return 0
-    order = list(dict.fromkeys(ids))  # input rows in part order: the key file's order (``sink``)
-    kept_rows = [rid not in drop for rid in order]
-    gone = len(order) - sum(kept_rows)
+    rows = int(kept_rows.sum())
+    gone = len(kept_rows) - rows
     journal = journal_path(outdir, tag)
     if not keep.any():
         _write_json_durably(journal, {"part": name, "remove": True})
@@ -91,26 +111,18 @@ def drop_rows(outdir: str, tag: str, path: str, drop: set[str]) -> int:
         _unlink(journal)
         return gone
     old = read_record(outdir, name) or {}
-    kept = table.filter(pa.array(keep))
-    meta = dict(kept.schema.metadata or {})
-    info = json.loads(meta.get(b"dspine_batch.part", b"{}"))
-    status = kept.column("status").to_pylist()
-    kept_ids = kept.column("row_id").to_pylist()
-    info.update(rows=sum(kept_rows), error_rows=len({r for r, s in zip(kept_ids, status, strict=True) if s != "ok"}),
-                superseded_at=time.time())
-    meta[b"dspine_batch.part"] = json.dumps(info).encode()
-    kept = kept.replace_schema_metadata(meta)
+    kept = without_rows(table, keep, rows)
     staged = staged_path(outdir, name)
     with open(staged, "wb") as f:
         w = ChecksumWriter(f)
         pq.write_table(kept, w, compression="zstd", row_group_size=256 * 1024)
         f.flush()
         os.fsync(f.fileno())
-    record = {"part": name, "rows": sum(kept_rows), "outputs": kept.num_rows, "bytes": w.size, CHECKSUM: w.crc,
+    record = {"part": name, "rows": rows, "outputs": kept.num_rows, "bytes": w.size, CHECKSUM: w.crc,
               "committed_at": old.get("committed_at", time.time()), "superseded_at": time.time()}
-    keys = load_keys(outdir, name, len(order), old or None)
+    keys = load_keys(outdir, name, len(kept_rows), old or None)
     if keys is not None:
-        keys = keys[np.array(kept_rows, dtype=bool)]
+        keys = keys[kept_rows]
         record["keys_crc32"] = keys_checksum(keys)
         with open(keys_path(outdir, name) + ".retry", "wb") as f:
             np.save(f, keys.astype("<u8"), allow_pickle=False)
