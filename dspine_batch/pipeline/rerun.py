@@ -85,12 +85,14 @@ def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outd
 
 
 def run_changes(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
-                request: RowRequest) -> list[str]:
+                request: RowRequest, extra: dict[str, Any] | None = None) -> list[str]:
     """What differs between the run in OUTDIR and this one, in the fingerprint's fields an engine is not needed
-    for (``manifest.diff``'s words); empty: the same run as far as can be told before the model loads."""
+    for (``manifest.diff``'s words); empty: the same run as far as can be told before the model loads. ``extra``:
+    fields of the fingerprint beyond ``run_fields``' (a stage's rules and input, ``stages.rerun``)."""
     old = manifest.get("fingerprint_fields") or {}
     recorded_chat = (old.get("settings") or {}).get("chat_template")  # resolved from the model's tokenizer
-    new = run_fields(cfg, files, columns, recorded_chat if cfg.chat_template is None else cfg.chat_template, request)
+    new = run_fields(cfg, files, columns, recorded_chat if cfg.chat_template is None else cfg.chat_template,
+                     request) | (extra or {})
     if all(_canon(old.get(k)) == _canon(v) for k, v in new.items()):
         return []
     return diff({k: old.get(k) for k in new}, new) or ["(unknown)"]
@@ -113,8 +115,12 @@ def refuse_other_run(outdir: str, changes: list[str], manifest: dict[str, Any]) 
 
 def _same_run(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
               request: RowRequest) -> bool:
-    if run_changes(cfg, files, columns, manifest, request):
-        return False
+    return not run_changes(cfg, files, columns, manifest, request) and same_engine_asked(cfg, manifest)
+
+
+def same_engine_asked(cfg: GenerateConfig, manifest: dict[str, Any]) -> bool:
+    """The engine, model, draft and engine arguments asked for are the run's (the fingerprint holds the engine as
+    it resolved them, which needs the engine loaded)."""
     config = manifest.get("config") or {}
     return all(_canon(config.get(k)) == _canon(getattr(cfg, k)) for k in REQUEST)
 

@@ -11,7 +11,6 @@ here, before any model loads, naming the stage and what changed (as the normal s
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,33 +18,25 @@ from typing import Any
 from dspine_batch.errors import EXIT_ERROR_BUDGET, EXIT_OK
 from dspine_batch.pipeline.job import ShardState
 from dspine_batch.pipeline.keyset import key_hash
-from dspine_batch.pipeline.manifest import diff
 from dspine_batch.pipeline.mapping import Columns
 from dspine_batch.pipeline.outputs import committed_parts
-from dspine_batch.pipeline.rerun import REQUEST, count_missing, refuse_other_run, run_fields
+from dspine_batch.pipeline.rerun import count_missing, refuse_other_run, run_changes, same_engine_asked
 from dspine_batch.pipeline.sink import SinkStats
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.stages.rows import child_ids, committed_parents
 
 
-def _canon(v: Any) -> str:
-    return json.dumps(v, sort_keys=True, default=str)
-
-
 def _same_stage(st: Any, manifest: dict[str, Any], parent: tuple[str, str] | None) -> bool:
-    """The stage's manifest records this stage's run (settings, request, template, rules, engine as asked for)."""
-    job, cfg = st.job, st.job.cfg
-    old = manifest.get("fingerprint_fields") or {}
-    recorded_chat = (old.get("settings") or {}).get("chat_template")
-    new = run_fields(cfg, job.files, job.columns, recorded_chat if cfg.chat_template is None else cfg.chat_template,
-                     job.request) | {"stage": st.spec.identity()}
+    """The stage's manifest records this stage's run (settings, request, template, rules, engine as asked for); a
+    change is refused as the normal start would refuse it, but before any model loads."""
+    job = st.job
+    extra: dict[str, Any] = {"stage": st.spec.identity()}
     if parent is not None:  # a later stage's input is its parent stage's output (``run._open``)
-        new["inputs"] = {"stage": parent[0], "fingerprint": parent[1]}
-    if any(_canon(old.get(k)) != _canon(v) for k, v in new.items()):  # refused as the normal start would, but
-        changes = diff({k: old.get(k) for k in new}, new) or ["(unknown)"]  # before any model loads
+        extra["inputs"] = {"stage": parent[0], "fingerprint": parent[1]}
+    changes = run_changes(job.cfg, job.files, job.columns, manifest, job.request, extra)
+    if changes:
         refuse_other_run(f"stage {st.spec.name!r}: {job.outdir}", changes, manifest)
-    config = manifest.get("config") or {}
-    return all(_canon(config.get(k)) == _canon(getattr(cfg, k)) for k in REQUEST)
+    return same_engine_asked(job.cfg, manifest)
 
 
 def nothing_left(stages: list[Any], files: list[InputFile], columns: Columns,
