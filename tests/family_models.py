@@ -140,6 +140,26 @@ def check_ragged_prefill_decode_verify(ours, ref, seed: int, label: str = "") ->
         assert (torch.cat(got[b]) - expect).abs().max().item() < 1e-4, (label, b)
 
 
+def check_speculation_equals_plain(target, prompts: list[list[int]]) -> None:
+    """Suffix proposals (no draft; greedy and sampled rows, flat prices so they run) and an initialised DSpine
+    draft give the plain tokens, with suffix steps and verifies really taken."""
+    from dspine import generate, init_draft
+    from dspine.decoding.cost import CostModel
+
+    cheap = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
+    params = dict(max_new_tokens=20, temperature=[0.0, 0.8, 0.0, 1.0], seed=[1, 2, 3, 4], top_k=40)
+    plain = generate(target, None, prompts, **params)
+    suffix = generate(target, None, prompts, verify="cost", cost=cheap, prices="static", proposers="suffix",
+                      batch_size=2, **params)
+    assert [s.token_ids for s in suffix] == [p.token_ids for p in plain]
+    assert sum(s.stats.suffix_steps for s in suffix) > 0
+    draft = init_draft(target, num_layers=1, block_size=4, seed=1, intermediate_size=64)
+    greedy = generate(target, None, prompts, max_new_tokens=20)
+    spec = generate(target, draft, prompts, max_new_tokens=20)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in greedy]
+    assert sum(s.stats.verify_steps for s in spec) > 0
+
+
 # -- sampled-law helpers (the method of tests/decoding/test_generate.py: exact joint by enumeration, χ² pooled) --
 
 

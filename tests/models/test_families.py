@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_models import FAMILIES, check_ragged_prefill_decode_verify, save_tiny_family
+from family_models import FAMILIES, check_ragged_prefill_decode_verify, check_speculation_equals_plain, save_tiny_family
 from helpers import chi2_pvalue, exact_joint3, random_dspine, teacher_forced_batch, token_prompts
 
 from dspine import generate, load_target
-from dspine.decoding.cost import CostModel
 from dspine.models.checkpoint import ModelLoadError
 
 NAMES = list(FAMILIES)
-CHEAP = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +92,6 @@ def _repetitive_prompts(target, n: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("family", NAMES)
 def test_speculative_equals_plain(family, family_dir):
     """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens."""
-    from dspine import init_draft
 
     # Phi's tiny longrope switches at 32 positions: a verify crossing it would use the long factors for tokens a
     # plain step computes with the short ones (HF's per-forward rule), so keep its rows on one side here
@@ -102,17 +99,7 @@ def test_speculative_equals_plain(family, family_dir):
     path = save_tiny_family(family_dir(family) + "-spec", family, **kw) if kw else family_dir(family)
     target = load_target(path)
     prompts = _repetitive_prompts(target, 4, seed=7)
-    params = dict(max_new_tokens=20, temperature=[0.0, 0.8, 0.0, 1.0], seed=[1, 2, 3, 4], top_k=40)
-    plain = generate(target, None, prompts, **params)
-    suffix = generate(target, None, prompts, verify="cost", cost=CHEAP, prices="static", proposers="suffix",
-                      batch_size=2, **params)
-    assert [s.token_ids for s in suffix] == [p.token_ids for p in plain]
-    assert sum(s.stats.suffix_steps for s in suffix) > 0
-    draft = init_draft(target, num_layers=1, block_size=4, seed=1, intermediate_size=64)
-    greedy = generate(target, None, prompts, max_new_tokens=20)
-    spec = generate(target, draft, prompts, max_new_tokens=20)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in greedy]
-    assert sum(s.stats.verify_steps for s in spec) > 0
+    check_speculation_equals_plain(target, prompts)
 
 
 @pytest.mark.parametrize("family", NAMES)

@@ -13,14 +13,11 @@ import json
 
 import pytest
 import torch
-from family_models import GEMMA4, check_ragged_prefill_decode_verify, save_tiny_gemma4
+from family_models import GEMMA4, check_ragged_prefill_decode_verify, check_speculation_equals_plain, save_tiny_gemma4
 from helpers import token_prompts
 
 from dspine import generate, load_target
-from dspine.decoding.cost import CostModel
 from dspine.models.checkpoint import ModelLoadError
-
-CHEAP = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +63,12 @@ def test_greedy_generate_equals_transformers(gemma4, hf):
 def test_speculation_equals_plain(gemma4):
     """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens, with
     suffix steps and verifies really taken."""
-    from dspine import init_draft
 
     target = load_target(gemma4)
     base = token_prompts(4, 256, seed=7, lo=3, hi=12)
     first = generate(target, None, base, max_new_tokens=10)
     prompts = [p + o.token_ids + p for p, o in zip(base, first)]
-    params = dict(max_new_tokens=20, temperature=[0.0, 0.8, 0.0, 1.0], seed=[1, 2, 3, 4], top_k=40)
-    plain = generate(target, None, prompts, **params)
-    suffix = generate(target, None, prompts, verify="cost", cost=CHEAP, prices="static", proposers="suffix",
-                      batch_size=2, **params)
-    assert [s.token_ids for s in suffix] == [p.token_ids for p in plain]
-    assert sum(s.stats.suffix_steps for s in suffix) > 0
-    draft = init_draft(target, num_layers=1, block_size=4, seed=1, intermediate_size=64)
-    greedy = generate(target, None, prompts, max_new_tokens=20)
-    spec = generate(target, draft, prompts, max_new_tokens=20)
-    assert [s.token_ids for s in spec] == [p.token_ids for p in greedy]
-    assert sum(s.stats.verify_steps for s in spec) > 0
+    check_speculation_equals_plain(target, prompts)
 
 
 def test_dspine_info_lists_gemma4(gemma4, tmp_path):
