@@ -145,9 +145,9 @@ def test_suffix_proposals_identical_for_any_chunk(target, chunk):
     prompts += [p[:] for p in prompts[:3]]  # repeated text: suffix matches find something to propose
     for kw in (dict(), dict(temperature=0.9, seed=list(range(len(prompts))))):
         whole = generate(target, None, prompts, max_new_tokens=16, batch_size=4, verify="cost", cost=CHEAP,
-                         proposers="suffix", **kw)
+                         prices="static", proposers="suffix", **kw)
         cut = generate(target, None, prompts, max_new_tokens=16, batch_size=4, verify="cost", cost=CHEAP,
-                       proposers="suffix", prefill_chunk=chunk, **kw)
+                       prices="static", proposers="suffix", prefill_chunk=chunk, **kw)
         assert [o.token_ids for o in cut] == [o.token_ids for o in whole]
     assert sum(o.stats.suffix_steps for o in cut) > 0
 
