@@ -554,6 +554,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.dspine_cpu.silu_mul(gate_up)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] = [gate | up] -> gelu_tanh(gate) * up [..., I] (Gemma's MLP and per-layer gate). Why ours: torch's
+    elementwise GELU computes a tensor's tail (and each thread's) on a scalar path that rounds differently, so a
+    token's bits would follow its place in the batch; here each position of a row takes one path."""
+    return torch.ops.dspine_cpu.gelu_tanh_mul(gate_up)
+
+
 # -- packed weights cached on disk --------------------------------------------------------------------------
 
 

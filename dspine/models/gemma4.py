@@ -18,8 +18,10 @@ file (the facts, not the code):
   earlier layer of its type (so they write nothing), and with ``use_double_wide_mlp`` their MLP is twice as wide.
 
 Not run: the mixture-of-experts block (``enable_moe_block``, the 26B-A4B model) and fully bidirectional attention;
-both are refused by name. Attention runs on torch here (the fused CPU attention has no value norm or shared
-cache), so the target names that gap and the prefix cache / chunked prefill turn off for it.
+both are refused by name. On our CPU kernels attention is the fused pair every dense family uses
+(``kernels.rope_store`` / ``attend_cache``: the value norm is applied before the store, a KV-shared layer rotates
+its queries and reads its source layer's cache, scale 1), the per-layer input projection is packed too, and a
+ragged forward computes its valid tokens only: batch invariant, so the prefix cache and chunked prefill run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
 from dspine.models.checkpoint import ModelLoadError, load_state
-from dspine.models.layers import Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend
+from dspine.models.layers import Packing, Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -121,28 +123,70 @@ class Attention(nn.Module):
         h, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
         bias = bool(cfg.get("attention_bias", False))
         self.n_heads, self.head_dim, self.n_kv, self.eps = cfg["num_attention_heads"], plan.head_dim, plan.n_kv, eps
-        self.shared = plan.source is not None
+        self.shared, self.k_eq_v = plan.source is not None, plan.k_eq_v
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps)
         if not self.shared:
             self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-            self.v_proj = None if plan.k_eq_v else nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+            if not plan.k_eq_v:
+                self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.qkv_proj: nn.Linear | None = None
+        self.fast = False  # RoPE + cache store and attention through dspine.cpu.kernels (``Target.use_kernels``)
 
-    def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+    def fuse(self) -> None:
+        """Inference only: the projections of x as one GEMM (q, k and, unless keys are values, v); a KV-shared
+        layer projects queries only."""
+        if self.shared:
+            return
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, *(() if self.k_eq_v else (self.v_proj,)))
+        del self.q_proj, self.k_proj
+        if not self.k_eq_v:
+            del self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q, k, v projections (k and v None on a KV-shared layer; v is k's projection with ``attention_k_eq_v``)."""
+        if self.qkv_proj is None:
+            q = self.q_proj(x)
+            if self.shared:
+                return q, None, None
+            k = self.k_proj(x)
+            return q, k, k if self.k_eq_v else self.v_proj(x)
+        kv_width = self.n_kv * self.head_dim
+        parts = self.qkv_proj(x).split([self.n_heads * self.head_dim] + [kv_width] * (1 if self.k_eq_v else 2), -1)
+        return parts[0], parts[1], parts[-1]
+
+    def forward(self, x, cos, sin, at: Positions, kv: KVCache, window: int | None,
+                packed: Packing | None = None) -> torch.Tensor:
+        q, k, v = self.project(x)
+        if packed is not None:  # x [N, H]: the valid tokens only (``Packing``)
+            q, k, v = (None if y is None else packed.spread(y) for y in (q, k, v))
+            B, T = packed.shape
+        else:
+            B, T, _ = x.shape
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))
         if not self.shared:  # a KV-shared layer reads what its source layer wrote in this same forward
-            k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-            v = k if self.v_proj is None else self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
-            k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
-            v = _value_norm(v, self.eps).transpose(1, 2)
-            kv.write(at.pos, k, v, upto=at.upto, rows=at.rows)
+            v = v.view(B, T, self.n_kv, self.head_dim)
+            v = _value_norm(v, self.eps) if not self.fast else torch.ops.dspine_cpu.rms_norm(
+                v.contiguous(), v.new_ones(self.head_dim), self.eps, 0.0)  # ours: batch invariant
+            k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim))
+        if self.fast:  # the same computation in two fused calls
+            from dspine.cpu import kernels
+
+            if self.shared:  # rotate the queries only: no key or value heads to store
+                k = v = q.new_empty(B, T, 0, self.head_dim)
+            else:
+                kv.ensure(at.upto)
+            q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
+            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, 1.0)
+            return self.o_proj(o if packed is None else packed.gather(o))
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        if not self.shared:
+            kv.write(at.pos, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), upto=at.upto, rows=at.rows)
         keys, values = kv.view(at.upto)
-        o = attend(q, keys, values, at.mask(window), 1.0)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        o = attend(q, keys, values, at.mask(window), 1.0).transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(o if packed is None else packed.gather(o))
 
 
 class Block(nn.Module):
@@ -164,12 +208,18 @@ class Block(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x, per_layer, cos, sin, at, kv, window):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window))
+    def forward(self, x, per_layer, cos, sin, at, kv, window, packed=None):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, at, kv, window,
+                                                             packed))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         if per_layer is not None:
             g = self.per_layer_input_gate(x)
-            g = (F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")) * per_layer
+            if self.mlp.fast:  # the MLP's fused activation-gate op, batch invariant (``kernels.gelu_tanh_mul``)
+                from dspine.cpu.kernels import gelu_tanh_mul, silu_mul
+
+                g = (silu_mul if self.act == "silu" else gelu_tanh_mul)(torch.cat([g, per_layer], dim=-1))
+            else:
+                g = (F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")) * per_layer
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return x * self.layer_scalar
 
@@ -234,13 +284,13 @@ class Gemma4Target(Target):
         return self.embed_tokens(ids) * torch.tensor(self.hidden_size**0.5, dtype=torch.float32).to(self.dtype)
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, layers, P]: the per-layer embedding of each token and a projection of its scaled embedding."""
-        B, T = ids.shape
-        p = self.per_layer
+        """[..., layers, P] for ids [...] (``[B, T]``, or ``[N]`` packed): the per-layer embedding of each token and a
+        projection of its scaled embedding ``x``."""
+        p, lead = self.per_layer, ids.shape
         tok = self.embed_tokens_per_layer(ids) * torch.tensor(p**0.5, dtype=torch.float32).to(self.dtype)
         proj = self.per_layer_model_projection(x) * self.hidden_size**-0.5
-        proj = self.per_layer_projection_norm(proj.reshape(B, T, self.num_layers, p))
-        return (proj + tok.reshape(B, T, self.num_layers, p)) * 2.0**-0.5
+        proj = self.per_layer_projection_norm(proj.reshape(*lead, self.num_layers, p))
+        return (proj + tok.reshape(*lead, self.num_layers, p)) * 2.0**-0.5
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().logits(hidden)
@@ -260,11 +310,31 @@ class Gemma4Target(Target):
                                                                            for i in self.rope_index)],
             "layers_window": self.windows}
 
+    def fused_attention(self) -> bool:
+        return all(layer.self_attn.fast for layer in self.layers)
+
+    @property
+    def packs(self) -> bool:
+        return self.fused_attention()
+
+    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None,
+                    trust_cache: bool = True) -> Gemma4Target:
+        """``Target.use_kernels``, and the per-layer input projection (outside the layers) packed too: on torch's
+        GEMM its rounding would follow the batch's shape."""
+        super().use_kernels(formats, cache_key, trust_cache)
+        proj = getattr(self, "per_layer_model_projection", None)
+        if self.kernel.startswith("dspine-") and isinstance(proj, nn.Linear) and proj.weight.dtype == torch.float32:
+            from dspine.cpu.kernels import PackedLinear
+
+            self.per_layer_model_projection = PackedLinear(proj.weight, None, formats)
+        return self
+
     @property
     def invariance_gaps(self) -> tuple[str, ...]:
-        return super().invariance_gaps + (
-            "Gemma 4's attention (value norm, per-layer head sizes, KV-shared layers) runs on torch's ops, whose "
-            "rounding follows the batch's shape",)
+        gaps = super().invariance_gaps
+        if self.kernel.startswith("dspine-") and not self.fused_attention():  # pragma: no cover - set together
+            gaps += ("Gemma 4's attention runs on torch's ops, whose rounding follows the batch's shape",)
+        return gaps
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:
         caches = [KVCache.empty(batch, self.plans[i].n_kv, capacity, self.plans[i].head_dim, self.kv_dtype,
@@ -272,21 +342,30 @@ class Gemma4Target(Target):
         return ModelCache(torch.zeros(batch, dtype=torch.long, device=self.device), caches)
 
     def forward(self, ids, cache, n_valid=None, speculative=False, taps=()):
-        """See ``target.py``. Padded rows compute every slot (no packing); their outputs there are never read."""
+        """See ``target.py``. With ``n_valid`` on the fused CPU kernels only the valid tokens are computed
+        (``Packing``, as ``llama.DenseTarget``); on torch padded slots are computed and never read."""
         B, T = ids.shape
         pos = cache.lengths[:, None] + torch.arange(T, device=ids.device)  # [B, T]
+        packed = Packing.of(n_valid, B, T) if n_valid is not None and self.packs else None
+        if packed is not None and bool((n_valid == 0).any()):  # a finished row kept in its slot reads one key
+            pos = torch.where((n_valid == 0).to(pos.device)[:, None], torch.zeros_like(pos), pos)
         tables = [rot(pos, self.dtype) for rot in self.rotaries]
-        x = self.embed(ids)
-        per_layer = self.per_layer_inputs(ids, x) if self.per_layer else None
+        ids_in = ids if packed is None else packed.gather(ids)
+        x = self.embed(ids_in)
+        per_layer = self.per_layer_inputs(ids_in, x) if self.per_layer else None
         at = Positions.of(pos)
         want, tapped = set(taps), {}
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.rope_index[i]]
-            x = layer(x, None if per_layer is None else per_layer[:, :, i], cos, sin, at,
-                      cache.layers[self.cache_index[i]], self.windows[i])
+            x = layer(x, None if per_layer is None else per_layer[..., i, :], cos, sin, at,
+                      cache.layers[self.cache_index[i]], self.windows[i], packed)
             if i in want:
                 tapped[i] = x
         if not speculative:
             cache.lengths += T if n_valid is None else n_valid.to(cache.lengths)
         tap = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return TargetOutput(self.norm(x), tap)
+        hidden = self.norm(x)
+        if packed is not None:
+            hidden = packed.spread(hidden).view(B, T, -1)
+            tap = None if tap is None else packed.spread(tap).view(B, T, -1)
+        return TargetOutput(hidden, tap)

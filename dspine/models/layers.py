@@ -372,10 +372,10 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
-        if self.fast and self.act == "silu":
-            from dspine.cpu.kernels import silu_mul
+        if self.fast:  # our fused activation-gate ops: batch invariant (``kernels.gelu_tanh_mul`` says why)
+            from dspine.cpu.kernels import gelu_tanh_mul, silu_mul
 
-            return self.down_proj(silu_mul(self.gate_up(x)))
+            return self.down_proj((silu_mul if self.act == "silu" else gelu_tanh_mul)(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(self._act(gate).mul_(up))
 

@@ -43,11 +43,11 @@ def load_target(
     path = Path(path)
     cfg = read_config(path)
     cls = _target_class(cfg, path)
-    # dense targets only: there every op around the linears is our fp32 kernels; the hybrid's GDN and gated
-    # attention are torch modules, which keep their bf16 path
-    bf16_tiles = cls is DenseTarget and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
+    # dense targets only (and Gemma 4's): there every op around the linears is our fp32 kernels; the hybrid's GDN
+    # and gated attention are torch modules, which keep their bf16 path
+    bf16_tiles = cls in _OURS and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
     q8 = quant in ("q8", "q16")
-    if q8 and not (cls is DenseTarget and kernels and _q8_tiles(device)):
+    if q8 and not (cls in _OURS and kernels and _q8_tiles(device)):
         raise ValueError(f"{path}: quant={quant} runs on our CPU kernels over a dense target (Llama, Qwen3); "
                          f"use quant=none or int8 here")
     model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles or q8 else dtype, device=device)
@@ -68,6 +68,9 @@ def load_target(
         if kv_dtype is not None:
             model.set_kv_dtype(kv_dtype)
     return model
+
+
+_OURS = (DenseTarget, Gemma4Target)  # every op around the linears on our kernels: the bf16 / q8 / q16 policies run
 
 
 def _use_kernels(model: Target, cls: type[Target], path: Path, cfg: dict, device, formats) -> Target:
@@ -98,7 +101,7 @@ def auto_dtype(path: str | Path, quant: str = "none", device: str | torch.device
     if quant != "none":
         return "bfloat16"
     path = Path(path)
-    dense = _target_class(read_config(path), path) is DenseTarget
+    dense = _target_class(read_config(path), path) in _OURS
     return "bfloat16" if dense and _bf16_tiles(device) else "float32"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_models import save_tiny_gemma4
 from helpers import save_tiny_hf
 
 from dspine import load_target
@@ -14,14 +15,17 @@ from dspine.cpu import kernels
 pytestmark = pytest.mark.skipif(kernels.disabled() or kernels.load() is None, reason="no CPU kernels here")
 
 
-@pytest.fixture(scope="module", params=["llama-fp32", "qwen3-fp32", "llama-bf16"])
+@pytest.fixture(scope="module", params=["llama-fp32", "qwen3-fp32", "llama-bf16", "gemma4-fp32", "gemma4-bf16"])
 def target(request, tmp_path_factory):
     family, dtype = request.param.split("-")
     if dtype == "bf16" and not kernels.bf16dp_ok():
         pytest.skip("no AVX512-BF16 here")
     where = tmp_path_factory.mktemp(request.param)
-    path = save_tiny_hf(where, family, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                        num_key_value_heads=2)
+    if family == "gemma4":  # per-layer inputs, KV-shared layers, keys = values on the full layers (``GEMMA4``)
+        path = save_tiny_gemma4(where)
+    else:
+        path = save_tiny_hf(where, family, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2)
     t = load_target(path, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     assert t.fused_attention()
     return t

@@ -379,6 +379,41 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
+// gu [..., 2I] = [gate, up] -> gelu_tanh(gate) * up [..., I]. GELU's tanh form is x * sigmoid(z) with
+// z = 2 sqrt(2/pi) (x + 0.044715 x^3) (0.5 (1 + tanh(u)) = sigmoid(2u)): the same exp as silu_mul, one code path per
+// element position within a row, so a token's bits do not depend on its batch (torch's elementwise loop computes a
+// tensor's last elements, and each thread's, on a scalar path whose tanh rounds differently).
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+  auto g = gu.contiguous();
+  const int64_t I2 = g.size(-1), I = I2 / 2, R = g.numel() / std::max<int64_t>(I2, 1);
+  auto sizes = g.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr float c = 1.5957691216057308f, k = 0.044715f;  // 2 sqrt(2 / pi)
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = gp + r * I2;
+      const float* u = a + I;
+      float* o = op + r * I;
+      int64_t i = 0;
+      for (; i + dspine::VL <= I; i += dspine::VL) {
+        using namespace dspine;
+        const vec x = vload(a + i);
+        const vec z = vset(c) * (x + vset(k) * x * x * x);
+        const vec r = x / (vset(1.f) + vexp(vzero() - z)) * vload(u + i);
+        std::memcpy(o + i, &r, sizeof(r));
+      }
+      for (; i < I; ++i) {
+        const float x = a[i], z = c * (x + k * x * x * x);
+        o[i] = x / (1.f + std::exp(-z)) * u[i];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
@@ -388,6 +423,7 @@ TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("attend_cache(Tensor q, Tensor kc, Tensor vc, Tensor pos, int window, float scale) -> Tensor");
   m.def("attend_cache_ref(Tensor q, Tensor kc, Tensor vc, Tensor pos, int window, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
@@ -396,4 +432,5 @@ TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
   m.impl("attend_cache", &attend_cache);
   m.impl("attend_cache_ref", &attend_cache_ref);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
 }
