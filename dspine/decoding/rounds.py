@@ -133,7 +133,7 @@ def spec_round(target: Target, batch: RunningBatch, cfg: StreamConfig) -> None:
     batch.hist.update(torch.tensor(ell_l), torch.tensor(acc_l))
 
 
-RETIRE_ROUNDS = 16  # rounds in a row without the draft before retiring it is considered
+RETIRE_ROUNDS = 4  # rounds in a row without the draft before retiring it is considered (and every 4 after)
 RETIRE_MARGIN = 0.8  # ... and its expected τ must be below this share of what a round of it must reach
 RETIRE_IDLE = 32  # rounds in a row without the draft after which it is retired whatever its outlook
 
