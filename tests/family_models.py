@@ -186,13 +186,36 @@ _POST_NORMS = {  # HF -> GGUF, for the families whose post_attention_layernorm f
 }
 
 
-def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2", customize=None) -> Path:
+SPM_PIECES = ["\u2581", "t", "h", "e", "m", "i", "s", "o", "n", "a", "d", "r", "he", "\u2581t", "\u2581the", "\u2581a",
+              "is", "\u2581is", "on", "\u2581on", "an", "\u2581an", "\u2581and", "em", "them", "\u2581them", "me",
+              "\u2581theme", "or", "\u2581or", "\u2581s", "\u2581d", "\u2581h", "\u2581i", "\u2581m", "\u2581o"]
+
+
+def spm_vocab(arch: str = "llama") -> tuple[list[str], list[float], list[int], dict[str, int]]:
+    """A small SentencePiece vocabulary as llama.cpp stores one (``tokenizer.ggml.model`` "llama"): the special
+    tokens (Llama's ``<unk> <s> </s>``; Gemma's ``<pad> <eos> <bos> <unk> <mask>``), the 256 byte-fallback tokens,
+    then pieces best-first (score = minus their rank); and the special ids (``bos``, ``eos``, ``unk``, ``pad``)."""
+    if arch.startswith("gemma"):
+        specials, ids, types = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], dict(pad=0, eos=1, bos=2, unk=3), \
+            [3, 3, 3, 2, 3]
+    else:
+        specials, ids, types = ["<unk>", "<s>", "</s>"], dict(unk=0, bos=1, eos=2), [2, 3, 3]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(SPM_PIECES))]
+    types = types + [6] * 256 + [1] * len(SPM_PIECES)  # unknown 2, control 3, byte 6, normal 1
+    return tokens, scores, types, ids
+
+
+def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "gpt2", customize=None,
+                    vocab: str = "bpe") -> Path:
     """Write the tiny HF model in ``hf_dir`` (with a byte-level BPE ``tokenizer.json``) as a GGUF of ``arch`` the
     way llama.cpp's converter lays it out: Llama's Q/K rows permuted for adjacent-pair RoPE, Gemma's norms stored
     as ``1 + w``, Gemma's pre-MLP norm as ``ffn_norm`` and its post-norms (and OLMo 2's) as ``post_attention_norm``
     / ``post_ffw_norm``; Phi-3's fused tensors as they are, its partial rotary as ``rope.dimension_count`` and
     longrope as ``rope_factors_long`` / ``rope_factors_short`` tensors; Granite's multipliers as ``granite.*_scale``
-    keys; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name; ``customize(writer)``: more metadata."""
+    keys; F32 tensors; ``pre``: the ``tokenizer.ggml.pre`` name; ``customize(writer)``: more metadata; ``vocab``
+    "spm": ``spm_vocab()`` (SentencePiece, no merges: the model's vocabulary must be its size) instead of the
+    directory's byte-level BPE."""
     import json
     import math
 
@@ -246,20 +269,32 @@ def write_tiny_gguf(hf_dir: str | Path, out: str | Path, arch: str, pre: str = "
         if rope["rope_type"] == "yarn":
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    types = [1] * len(tokens)
-    for added in tok.get("added_tokens", []):
-        types[added["id"]] = 3 if added.get("special") else 4
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(cfg.get("bos_token_id") or 0)
-    w.add_eos_token_id(cfg.get("eos_token_id") or 0)
+    if vocab == "spm":
+        tokens, scores, types, ids = spm_vocab(arch)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(ids["bos"])
+        w.add_eos_token_id(ids["eos"])
+        w.add_unk_token_id(ids["unk"])
+        if "pad" in ids:
+            w.add_pad_token_id(ids["pad"])
+    else:
+        tok = json.loads((hf_dir / "tokenizer.json").read_text())
+        bpe = tok["model"]["vocab"]
+        tokens = [t for t, _ in sorted(bpe.items(), key=lambda kv: kv[1])]
+        types = [1] * len(tokens)
+        for added in tok.get("added_tokens", []):
+            types[added["id"]] = 3 if added.get("special") else 4
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(cfg.get("bos_token_id") or 0)
+        w.add_eos_token_id(cfg.get("eos_token_id") or 0)
     w.add_vocab_size(cfg["vocab_size"])
 
     def permute(t: np.ndarray, heads: int) -> np.ndarray:  # HF rotate-half rows -> llama.cpp's pairs

@@ -208,8 +208,11 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     both whole.
     """
     model = meta.require("tokenizer.ggml.model")
+    if model == "llama":
+        return _sentencepiece_tokenizer(meta)
     if model != "gpt2":
-        raise GGUFConversionError(f"{meta.path}: tokenizer model {model!r} is not supported (only byte-level BPE)")
+        raise GGUFConversionError(f"{meta.path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' "
+                                  f"and SentencePiece 'llama' are)")
     tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ")) for m in meta.require("tokenizer.ggml.merges")]
     if any(len(m) != 2 for m in merges):
@@ -243,6 +246,61 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(meta.require(f"{meta.require('general.architecture')}.context_length")),
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        tok_cfg["chat_template"] = template
+    return tok, tok_cfg
+
+
+def _sentencepiece_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
+    """``(tokenizer, tokenizer_config)`` for a SentencePiece GGUF vocabulary (``tokenizer.ggml.model`` "llama": Llama
+    2, Mistral, Gemma 3, Phi-3 files). Rebuilt by transformers' GGUF tokenizer converter (merges recovered from the
+    scores, or for Gemma from the vocabulary's order; Phi-3's prefix space as a normalizer; control and user-defined
+    tokens kept whole): the library made for it, fed from our reader so that every array is read in full."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        import transformers
+
+        raise GGUFConversionError(f"{meta.path}: a SentencePiece vocabulary (tokenizer model 'llama') is rebuilt by "
+                                  f"transformers' GGUF converter, which transformers {transformers.__version__} "
+                                  f"lacks (pip install 'transformers>=5.25')") from None
+    arch = meta.require("general.architecture")
+    tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
+    spec: dict[str, Any] = {"tokenizer_type": "llama", "tokens": tokens,
+                            "scores": [float(x) for x in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)],
+                            "token_type": [int(x) for x in meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)]}
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges:
+        spec["merges"] = list(merges)
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("unknown_token_id", "unk_token_id"), ("padding_token_id", "pad_token_id")):
+        if meta.get(f"tokenizer.ggml.{key}") is not None:
+            spec[name] = int(meta.get(f"tokenizer.ggml.{key}"))
+    try:
+        tok, _ = convert_gguf_tokenizer(arch, spec)
+    except Exception as e:  # the converter's own errors, named by file and one line
+        raise GGUFConversionError(f"{meta.path}: SentencePiece vocabulary: {str(e).splitlines()[0]}") from None
+    bos, eos = _token_name(tokens, meta, "bos_token_id"), _token_name(tokens, meta, "eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for SentencePiece
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    # BOS/EOS as tokenizer.json's post-processor (what a fast tokenizer reads; the converter leaves it empty)
+    first = [bos] if add_bos and bos else []
+    last = [eos] if add_eos and eos else []
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join([*first, "$A", *last]), pair=" ".join([*first, "$A", *last, *first, "$B:1", *last]),
+        special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(first + last)])
+    tok_cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": _token_name(tokens, meta, "unknown_token_id"),
+        "pad_token": _token_name(tokens, meta, "padding_token_id"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.require(f"{arch}.context_length")),
     }
     template = meta.get("tokenizer.chat_template")
     if template is not None:

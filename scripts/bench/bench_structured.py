@@ -14,6 +14,9 @@ accepted, and the share of rows that end with ``stop`` whose output validates ag
 not our code). Grammar cost: CPU ms per generated token of ``none`` minus ``plain`` over ``plain``'s ms per token.
 
     python scripts/bench/bench_structured.py --repeats 3 --concurrency 1 8
+    python scripts/bench/bench_structured.py --cli --repeats 3 --concurrency 1 8   # whole jobs, set-up included
+
+Each in-process run starts with the engine's prefix cache empty, as a fresh job does.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def run_once(engine, variant: str, reqs, c: int) -> dict:
     engine.proposers = None if variant in ("none", "plain") else "auto"
     engine.batch_size = c
     engine._cost(c)  # calibrated (or read from the cache) outside the timing
+    if engine.prefix is not None:  # every run starts as a fresh job does (``bench_suffix.run_once`` says why)
+        engine.prefix.clear()
     t0, c0 = time.perf_counter(), time.process_time()
     res = list(engine.run(iter(reqs), c))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -119,6 +124,64 @@ def validates(results, rows) -> tuple[int, int]:
     return ok, n
 
 
+def run_cli(variant: str, src: Path, c: int, out: Path, max_new: int) -> dict:
+    """The whole job as a user runs it (``dspine-batch generate``, a fresh process: imports, model and draft load,
+    schema checks, grammar set-up, generation, the output written); wall seconds from start to exit."""
+    import shutil
+    import subprocess
+
+    import pyarrow.dataset as ds
+
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", str(src), "-o", str(out), "--engine", "reference",
+           "--engine-arg", f"batch_size={c}", "--max-in-flight", str(c)] + (["--draft", "none"] if variant == "none"
+                                                                            else [])
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise SystemExit(f"{variant}: exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    cols = ["row_id", "output", "completion_tokens"]
+    parts = [str(p) for p in sorted(out.glob("*.parquet"))]
+    table = ds.dataset(parts, format="parquet").to_table(columns=cols).to_pylist()
+    return {"wall": wall, "outputs": {r["row_id"]: r["output"] for r in table},
+            "tokens": sum(r["completion_tokens"] or 0 for r in table), "load": os.getloadavg()[0]}
+
+
+def main_cli(args) -> None:
+    """``--cli``: defaults vs ``--draft none`` as whole jobs (set-up included), alternating, medians."""
+    import tempfile
+
+    rows = job()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_structured_"))
+    src = tmp / "schema_job.jsonl"
+    with src.open("w") as f:
+        for rid, msg, schema in rows:
+            f.write(json.dumps({"custom_id": rid, "method": "POST", "url": "/v1/chat/completions", "body": {
+                "model": "embedded", "messages": [{"role": "user", "content": msg}], "max_tokens": args.max_new_tokens,
+                "response_format": {"type": "json_schema", "json_schema": {"name": rid.split("-")[0],
+                                                                           "schema": schema}}}}) + "\n")
+    print(f"cpu: {cpu_line()}, {load_line()}; {len(rows)} rows, whole CLI jobs", flush=True)
+    report = {"cpu": cpu_line(), "cells": []}
+    variants = ["none", "auto"]
+    for c in args.concurrency:
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for rep in range(args.repeats):
+            for v in (variants if rep % 2 == 0 else variants[::-1]):
+                runs[v].append(run_cli(v, src, c, tmp / f"out_{v}", args.max_new_tokens))
+        med = {v: statistics.median(r["wall"] for r in rs) for v, rs in runs.items()}
+        pairs = [n["wall"] / a["wall"] for n, a in zip(runs["none"], runs["auto"])]
+        same = all(r["outputs"] == runs["none"][0]["outputs"] for rs in runs.values() for r in rs)
+        cell = {"concurrency": c, "none_s": [round(r["wall"], 2) for r in runs["none"]],
+                "auto_s": [round(r["wall"], 2) for r in runs["auto"]], "vs_none": round(med["none"] / med["auto"], 3),
+                "pairs": [round(p, 3) for p in pairs], "identical": same, "tokens": runs["none"][0]["tokens"],
+                "loads": [round(r["load"], 2) for rs in runs.values() for r in rs]}
+        report["cells"].append(cell)
+        print(f"c={c:<3} whole job: none median {med['none']:.2f} s, defaults {med['auto']:.2f} s: "
+              f"x{cell['vs_none']:.3f} (pairs {cell['pairs']})  identical={same}  loads {cell['loads']}", flush=True)
+    write_json(args.json, report)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
@@ -127,7 +190,10 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["plain", "none", "auto"])
     ap.add_argument("--threads", type=int, default=None, help="the engine's threads (1: CPU seconds hold under load)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cli", action="store_true", help="whole CLI jobs (set-up included): defaults vs --draft none")
     args = ap.parse_args()
+    if args.cli:
+        return main_cli(args)
 
     from dspine_batch.engines.reference import ReferenceEngine
 

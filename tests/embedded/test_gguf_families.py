@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from family_models import save_tiny_family, write_tiny_gguf
+from family_models import save_tiny_family, spm_vocab, write_tiny_gguf
 from helpers import SMOL_TEMPLATE, save_tiny_hf, tokenizer_dir
 
 from dspine import load_target
@@ -146,6 +146,38 @@ def test_unknown_pre_tokenizer_and_architecture_refused_by_name(converted, tmp_p
     other = write_tiny_gguf(hf, tmp_path / "phi2.gguf", "phi2")
     with pytest.raises(GGUFConversionError, match="architecture 'phi2' is not supported"):
         gguf_model_path(other, tmp_path / "c2")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_a_sentencepiece_vocabulary_converts(arch, tmp_path):
+    """Llama 2 / Mistral, Gemma 3 and Phi-3 GGUFs carry a SentencePiece vocabulary (``tokenizer.ggml.model``
+    "llama": pieces with scores, byte-fallback tokens, no merges): rebuilt so that a prompt gets BOS, its pieces
+    by merge rank and bytes for what the vocabulary lacks, and decodes back to its text; the same ids as
+    transformers' own GGUF loader gives, and the model's logits those of the HF original."""
+    transformers = pytest.importorskip("transformers")
+    tokens, _, _, special = spm_vocab(arch)
+    if arch == "llama":
+        hf = save_tiny_hf(tmp_path / "hf", "llama", vocab=len(tokens), layers=2)
+    else:
+        gemma = {"num_hidden_layers": 6, "final_logit_softcapping": None, "query_pre_attn_scalar": 16,  # as llama.cpp
+                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # knows it (``_tiny_hf``)
+        hf = save_tiny_family(tmp_path / "hf", arch, vocab_size=len(tokens), bos_token_id=special["bos"],
+                              eos_token_id=special["eos"], pad_token_id=0,
+                              **(gemma if arch == "gemma3" else {"num_hidden_layers": 2}))
+    gguf_file = write_tiny_gguf(hf, tmp_path / f"spm-{arch}.gguf", arch, vocab="spm")
+    out = gguf_model_path(gguf_file, tmp_path / "cache" / "m")
+    ours = transformers.AutoTokenizer.from_pretrained(out)  # what we wrote, read by another library
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf_file.name)
+    for text in ("the theme is on", "them and the d\u00e9", "a  or"):
+        ids = ours(text).input_ids
+        assert ids[0] == special["bos"] and ids == theirs(text).input_ids, (arch, text, ids)
+        assert ours.decode(ids, skip_special_tokens=True) == text
+    assert tokens.index("\u2581theme") in ours("the theme").input_ids  # merged up to the piece, not letters
+    assert "<0xC3>" in ours.convert_ids_to_tokens(ours("d\u00e9").input_ids)  # byte fallback
+    target, ref = load_target(out), transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    ids = torch.tensor([ours("the theme is on").input_ids])
+    with torch.no_grad():
+        assert (target.score(ids) - ref(ids).logits).abs().max().item() < 1e-4
 
 
 def test_converted_once_then_reused(converted, monkeypatch):
