@@ -16,8 +16,8 @@ import sys
 _LIBC: ctypes.CDLL | None | bool = False  # False: not looked up yet
 
 
-def trim() -> bool:
-    """Collect garbage, then return the heap's free pages to the system; whether glibc did it."""
+def trim(collect: bool = True) -> bool:
+    """Collect garbage (``collect``), then return the heap's free pages to the system; whether glibc did it."""
     global _LIBC
     if _LIBC is False:
         _LIBC = None
@@ -27,7 +27,8 @@ def trim() -> bool:
                 _LIBC = lib if hasattr(lib, "malloc_trim") else None
             except OSError:
                 _LIBC = None
-    gc.collect()
+    if collect:
+        gc.collect()
     if _LIBC is None:
         return False
     return bool(_LIBC.malloc_trim(0))

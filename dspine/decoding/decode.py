@@ -43,7 +43,7 @@ from dspine.decoding.explain import explain
 from dspine.decoding.prefill import chunking_exact, prefill
 from dspine.decoding.prefix import PrefixCache
 from dspine.decoding.prices import LivePrices, StaticPrices, Stopwatch
-from dspine.decoding.rounds import feed_suffix, mixed_round, plain_round, spec_round
+from dspine.decoding.rounds import QUIET_AFTER, feed_suffix, mixed_round, plain_round, spec_round
 from dspine.decoding.rows import GenerationOutput, Row, SpecStats, check_request
 from dspine.decoding.running import RunningBatch, admit
 from dspine.decoding.sampling import SamplingParams, per_request
@@ -240,6 +240,7 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
                 for r in fresh.rows:
                     cfg.suffix.start(r.index, r.prompt)
                 feed_suffix(cfg.suffix, fresh.rows)
+                cfg.quiet = min(cfg.quiet, QUIET_AFTER)  # new rows: look every 4th round again (``quiet_every``)
             for r in fresh.rows:
                 if r.finish is not None:
                     if cfg.suffix is not None:

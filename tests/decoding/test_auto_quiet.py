@@ -302,3 +302,8 @@ def test_a_draft_the_plan_never_takes_is_retired_whatever_its_outlook(llama_targ
                                proposers="auto", prices=_dear(llama_target), decisions=decisions))
     assert [o.token_ids for _, o in got] == want
     assert decisions["dspine"]["why"].startswith("retired after round 12"), decisions["dspine"]
+
+
+def test_a_quiet_stream_looks_less_often_the_longer_nothing_is_found():
+    """Every 4th round after 8 fruitless looks, every 8th after 16, every 16th after 24 (``rounds.quiet_every``)."""
+    assert [rounds.quiet_every(q) for q in (8, 15, 16, 23, 24, 1000)] == [4, 4, 8, 8, 16, 16]
