@@ -28,9 +28,11 @@ echo "cpu: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores; lo
 run() {  # name, then the command (gets -o OUT/name)
   local name=$1; shift
   rm -rf "${OUT:?}/$name"
-  local t0=$SECONDS
+  local t0 t1
+  t0=$(date +%s.%N)
   "$@" -o "$OUT/$name" > "$OUT/$name.log" 2>&1 || { echo "$name: failed, see $OUT/$name.log" >&2; return 1; }
-  echo "$name: $((SECONDS - t0)) s (load $(cut -d' ' -f1 /proc/loadavg)); $(tail -1 "$OUT/$name.log")"
+  t1=$(date +%s.%N)
+  echo "$name: $(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }') s (load $(cut -d' ' -f1 /proc/loadavg)); $(tail -1 "$OUT/$name.log")"
 }
 
 run defaults dspine-batch generate "$INPUT"
