@@ -113,7 +113,8 @@ class _RowsPrice:
     fit: _Fit
     since_verify: int = 0  # rounds at this R since a verify last ran
     since_plain: int = 0  # rounds at this R since a plain step last ran
-    theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fit, solved after each observation
+    theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # the fit, solved when read after an observation
+    solve_at: float | None = None  # the job's ratio at the last observation, while theta is not solved for it
     look: float = 0.0  # seconds a round at this R spends looking for proposals and planning (decayed mean)
     look_w: float = 0.0
     outcome: float = OUTCOME_PRIOR  # decayed sums over verify rounds: realised / priced rate, and the weight
@@ -141,14 +142,24 @@ class LivePrices:
         calibration measured them: padded rows of ``1 + k / R`` tokens)."""
         return self.cost.target_s(R, 1.0 + k / max(R, 1))
 
-    def _prior(self, R: int) -> _Fit:
-        """Pseudo-points on the calibrated curve at ``R``, at the job's observed scale (``ratio``), worth
-        ``PRIOR_ROUNDS`` rounds: the shape a row count starts from, and what a fit with few points leans on. They
-        do not decay: the job's rounds (worth up to ``1 / (1 - decay)`` ~ 35 at a time) outweigh them."""
+    def _prior(self, R: int, ratio: float | None = None) -> _Fit:
+        """Pseudo-points on the calibrated curve at ``R``, at the job's observed scale (``ratio``, default the
+        current one), worth ``PRIOR_ROUNDS`` rounds: the shape a row count starts from, and what a fit with few
+        points leans on. They do not decay: the job's rounds (worth up to ``1 / (1 - decay)`` ~ 35 at a time)
+        outweigh them."""
         fit = _Fit()
+        ratio = self.ratio if ratio is None else ratio
         for k in (0, R, 4 * R):
-            fit.add(float(k), self._cal_round(R, k) * self.ratio, PRIOR_ROUNDS / 3)
+            fit.add(float(k), self._cal_round(R, k) * ratio, PRIOR_ROUNDS / 3)
         return fit
+
+    def _theta(self, R: int, p: _RowsPrice) -> tuple[float, float, float]:
+        """The fit at ``R``, solved on first read after observations (with the prior of the last one's ratio: the
+        numbers an eager solve after each observation gave). Why lazily: a quiet stream observes every round
+        and reads no price; the solve and its prior were ~0.4 % of such a stream."""
+        if p.solve_at is not None:
+            p.theta, p.solve_at = p.fit.solve(self._prior(R, p.solve_at)), None
+        return p.theta
 
     def _start(self, R: int) -> _RowsPrice:
         p = _RowsPrice(_Fit())
@@ -180,7 +191,7 @@ class LivePrices:
         """(base, jump, per-token) at ``R``: ``round_s(R, k) = base + jump + per * k`` for k > 0; ``jump`` holds
         the looking."""
         p = self._at(R)
-        base, jump, per = p.theta
+        base, jump, per = self._theta(R, p)
         return base, jump + p.look, per
 
     def draft_s(self, R: int, block: int) -> float:
@@ -244,7 +255,7 @@ class LivePrices:
         self.ratio_w = self.ratio_w * _DECAY + 1.0
         self.ratio += (rest / self._cal_round(R, max(k, 0)) - self.ratio) / self.ratio_w
         p.fit.add(float(max(k, 0)), rest, 1.0, _DECAY)
-        p.theta = p.fit.solve(self._prior(R))
+        p.solve_at = self.ratio  # solved when a price is read (``_theta``)
         if k <= 0:
             p.since_verify += 1
             p.since_plain = 0
@@ -262,7 +273,7 @@ class LivePrices:
         surcharge and a verified token's price (ms)."""
         out = {}
         for R, p in sorted(self.rows.items()):
-            base, jump, per = p.theta
+            base, jump, per = self._theta(R, p)
             out[R] = {"plain_ms": round(1e3 * base, 3), "verify_ms": round(1e3 * jump, 3),
                       "token_ms": round(1e3 * per, 4), "look_ms": round(1e3 * p.look, 4),
                       "outcome": round(self.outcome(R), 3)}
