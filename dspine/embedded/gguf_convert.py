@@ -201,7 +201,8 @@ def _token_name(tokens: list[str], meta: _Metadata, key: str) -> str | None:
 
 
 def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
-    """``(tokenizer, tokenizer_config)`` for a byte-level BPE GGUF vocabulary.
+    """``(tokenizer, tokenizer_config)`` for a byte-level BPE GGUF vocabulary (a SentencePiece one: see
+    ``_sentencepiece_tokenizer``).
 
     Control tokens become special added tokens (so ``<|im_start|>`` in a chat prompt stays one token and
     ``skip_special_tokens`` drops it); user-defined ones become plain added tokens, as llama.cpp matches
@@ -232,25 +233,28 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     if user:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
-    names = {
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    return tok, _tokenizer_config(meta, tokens, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+
+
+def _tokenizer_config(meta: _Metadata, tokens: list[str], add_bos: bool, add_eos: bool) -> dict[str, Any]:
+    """``tokenizer_config.json`` for a rebuilt vocabulary: load ``tokenizer.json`` verbatim (a model-specific class
+    could rebuild the pre-tokenizer), the special tokens by name, the file's chat template."""
+    tok_cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": _token_name(tokens, meta, "bos_token_id"),
         "eos_token": _token_name(tokens, meta, "eos_token_id"),
         "unk_token": _token_name(tokens, meta, "unknown_token_id"),
         "pad_token": _token_name(tokens, meta, "padding_token_id"),
-    }
-    tok_cfg: dict[str, Any] = {
-        # Load tokenizer.json verbatim (a model-specific class could rebuild the pre-tokenizer).
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **names,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(meta.require(f"{meta.require('general.architecture')}.context_length")),
     }
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         tok_cfg["chat_template"] = template
-    return tok, tok_cfg
+    return tok_cfg
 
 
 def _sentencepiece_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
@@ -291,21 +295,7 @@ def _sentencepiece_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]
     tok.post_processor = processors.TemplateProcessing(
         single=" ".join([*first, "$A", *last]), pair=" ".join([*first, "$A", *last, *first, "$B:1", *last]),
         special_tokens=[(t, tokens.index(t)) for t in dict.fromkeys(first + last)])
-    tok_cfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "unk_token": _token_name(tokens, meta, "unknown_token_id"),
-        "pad_token": _token_name(tokens, meta, "padding_token_id"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.require(f"{arch}.context_length")),
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template is not None:
-        tok_cfg["chat_template"] = template
-    return tok, tok_cfg
+    return tok, _tokenizer_config(meta, tokens, add_bos, add_eos)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:

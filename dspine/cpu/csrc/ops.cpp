@@ -352,8 +352,31 @@ at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   return attend_cache_impl<float>(q, kc, vc, pos, window, scale);
 }
 
-// gu [..., 2I] = [gate, up] -> silu(gate) * up [..., I]
-at::Tensor silu_mul(const at::Tensor& gu) {
+// The gate activations of ``act_mul``: a vector and a scalar form of one function. SiLU is x * sigmoid(x); GELU's
+// tanh form is x * sigmoid(z) with z = 2 sqrt(2/pi) (x + 0.044715 x^3) (0.5 (1 + tanh(u)) = sigmoid(2u)), so both
+// ride on the same exp.
+struct Silu {
+  static dspine::vec v(dspine::vec x) {
+    using namespace dspine;
+    return x / (vset(1.f) + vexp(vzero() - x));
+  }
+  static float s(float x) { return x / (1.f + std::exp(-x)); }
+};
+struct GeluTanh {
+  static constexpr float c = 1.5957691216057308f, k = 0.044715f;  // 2 sqrt(2 / pi)
+  static dspine::vec v(dspine::vec x) {
+    using namespace dspine;
+    const vec z = vset(c) * (x + vset(k) * x * x * x);
+    return x / (vset(1.f) + vexp(vzero() - z));
+  }
+  static float s(float x) { return x / (1.f + std::exp(-(c * (x + k * x * x * x)))); }
+};
+
+// gu [..., 2I] = [gate, up] -> act(gate) * up [..., I]. Each position of a row takes one code path (vectors, then a
+// scalar tail per row), so a token's bits do not depend on its batch: torch's elementwise loop computes a tensor's
+// last elements, and each thread's, on a scalar path whose tanh rounds differently.
+template <class Act>
+at::Tensor act_mul(const at::Tensor& gu) {
   auto g = gu.contiguous();
   const int64_t I2 = g.size(-1), I = I2 / 2, R = g.numel() / std::max<int64_t>(I2, 1);
   auto sizes = g.sizes().vec();
@@ -368,51 +391,17 @@ at::Tensor silu_mul(const at::Tensor& gu) {
       float* o = op + r * I;
       int64_t i = 0;
       for (; i + dspine::VL <= I; i += dspine::VL) {
-        using namespace dspine;
-        const vec g = vload(a + i);
-        const vec r = g / (vset(1.f) + vexp(vzero() - g)) * vload(u + i);
-        std::memcpy(o + i, &r, sizeof(r));
+        const dspine::vec res = Act::v(dspine::vload(a + i)) * dspine::vload(u + i);
+        std::memcpy(o + i, &res, sizeof(res));
       }
-      for (; i < I; ++i) o[i] = a[i] / (1.f + std::exp(-a[i])) * u[i];
+      for (; i < I; ++i) o[i] = Act::s(a[i]) * u[i];
     }
   });
   return out;
 }
 
-// gu [..., 2I] = [gate, up] -> gelu_tanh(gate) * up [..., I]. GELU's tanh form is x * sigmoid(z) with
-// z = 2 sqrt(2/pi) (x + 0.044715 x^3) (0.5 (1 + tanh(u)) = sigmoid(2u)): the same exp as silu_mul, one code path per
-// element position within a row, so a token's bits do not depend on its batch (torch's elementwise loop computes a
-// tensor's last elements, and each thread's, on a scalar path whose tanh rounds differently).
-at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
-  auto g = gu.contiguous();
-  const int64_t I2 = g.size(-1), I = I2 / 2, R = g.numel() / std::max<int64_t>(I2, 1);
-  auto sizes = g.sizes().vec();
-  sizes.back() = I;
-  auto out = at::empty(sizes, g.options());
-  const float* gp = g.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  constexpr float c = 1.5957691216057308f, k = 0.044715f;  // 2 sqrt(2 / pi)
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = gp + r * I2;
-      const float* u = a + I;
-      float* o = op + r * I;
-      int64_t i = 0;
-      for (; i + dspine::VL <= I; i += dspine::VL) {
-        using namespace dspine;
-        const vec x = vload(a + i);
-        const vec z = vset(c) * (x + vset(k) * x * x * x);
-        const vec r = x / (vset(1.f) + vexp(vzero() - z)) * vload(u + i);
-        std::memcpy(o + i, &r, sizeof(r));
-      }
-      for (; i < I; ++i) {
-        const float x = a[i], z = c * (x + k * x * x * x);
-        o[i] = x / (1.f + std::exp(-z)) * u[i];
-      }
-    }
-  });
-  return out;
-}
+at::Tensor silu_mul(const at::Tensor& gu) { return act_mul<Silu>(gu); }
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return act_mul<GeluTanh>(gu); }
 
 }  // namespace
 
