@@ -48,7 +48,7 @@ def load_target(
     bf16_tiles = cls in _OURS and kernels and quant == "none" and dtype == torch.bfloat16 and _bf16_tiles(device)
     q8 = quant in ("q8", "q16")
     if q8 and not (cls in _OURS and kernels and _q8_tiles(device)):
-        raise ValueError(f"{path}: quant={quant} runs on our CPU kernels over a dense target (Llama, Qwen3); "
+        raise ValueError(f"{path}: quant={quant} runs on our CPU kernels over a dense target or Gemma 4; "
                          f"use quant=none or int8 here")
     model = cls.from_pretrained(path, cfg, dtype=torch.float32 if bf16_tiles or q8 else dtype, device=device)
     if fuse:
