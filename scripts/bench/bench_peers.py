@@ -109,6 +109,8 @@ def finish(col: Column, outs: list[list[int]], seconds: float, stops: set[int], 
 
 
 def run_ours(prompt_ids, stops, new, concurrency, draft, setting, label) -> Column:
+    from machine import fresh_job
+
     from dspine_batch.engines.base import Request, SamplingParams
     from dspine_batch.engines.reference import ReferenceEngine
 
@@ -124,6 +126,7 @@ def run_ours(prompt_ids, stops, new, concurrency, draft, setting, label) -> Colu
     # must not land inside the timed run. A warm-up window of ``concurrency`` calibrated 32 rows there, so the
     # timed run calibrated 16 itself on any machine whose cache did not hold it (a busy one never writes it)
     list(engine.run(iter(reqs[:1]), len(reqs)))
+    fresh_job(engine)  # the warm-up's retired draft reloaded, its prompt out of the prefix cache (``machine``)
     t0 = time.perf_counter()
     results = {r.row_id: list(r.token_ids) for r in engine.run(iter(reqs), len(reqs))}
     dt = time.perf_counter() - t0
@@ -392,6 +395,8 @@ def main() -> None:
     ap.add_argument("--prompt-reading", type=int, default=0, metavar="N", help="also read N ~1,390-token prompts")
     ap.add_argument("--interleave", action="store_true", help="run the columns concurrency by concurrency")
     ap.add_argument("--quick", action="store_true", help="4 prompts, 32 new tokens, concurrency 1 and 4")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each of our columns (order alternating; the "
+                    "median run is reported, the per-pair speculative / plain ratios printed)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -428,14 +433,28 @@ def main() -> None:
     server_threads = args.llamacpp_threads or threads
     header["llamacpp_threads"] = server_threads
 
+    def median(runs: list[Column]) -> Column:
+        """The run of median time (the lower middle for an even count)."""
+        return sorted(runs, key=lambda col: col.seconds)[(len(runs) - 1) // 2]
+
     def ours_at(c: int) -> None:
         for setting in args.settings:
-            col = add(run_ours(prompt_ids, stops, new, c, False, setting, f"ours plain {setting}"))
+            kinds = ["plain"] + (["spec"] if "spec" not in args.skip else [])
+            runs: dict[str, list[Column]] = {k: [] for k in kinds}
+            for rep in range(args.repeats):  # the order alternating, so a load that moves lands on both
+                for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+                    runs[kind].append(run_ours(prompt_ids, stops, new, c, kind == "spec", setting,
+                                               f"ours {'speculative' if kind == 'spec' else 'plain'} {setting}"))
+            col = add(median(runs["plain"]))
             plain_at.setdefault(c, col)
-            if "spec" not in args.skip:
-                spec = run_ours(prompt_ids, stops, new, c, True, setting, f"ours speculative {setting}")
+            if "spec" in runs:
+                spec = median(runs["spec"])
                 spec.own_plain = col
                 add(spec)
+                if args.repeats > 1:
+                    pairs = [p.seconds / q.seconds for p, q in zip(runs["plain"], runs["spec"])]
+                    print(json.dumps({"concurrency": c, "setting": setting, "speculative_vs_plain_pairs":
+                                      [round(x, 3) for x in pairs]}), flush=True)
 
     def peers_at(c: int) -> None:
         if server:

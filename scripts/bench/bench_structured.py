@@ -16,7 +16,8 @@ not our code). Grammar cost: CPU ms per generated token of ``none`` minus ``plai
     python scripts/bench/bench_structured.py --repeats 3 --concurrency 1 8
     python scripts/bench/bench_structured.py --cli --repeats 3 --concurrency 1 8   # whole jobs, set-up included
 
-Each in-process run starts with the engine's prefix cache empty, as a fresh job does.
+Each in-process run starts as a fresh job's generation does (``machine.fresh_job``: prefix cache empty, draft
+loaded).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
-from machine import cpu_line, load_line, write_json  # noqa: E402
+from machine import cpu_line, fresh_job, load_line, write_json  # noqa: E402
 
 PEOPLE = [("Alice Martin", 34, "Lyon", "France", ["python", "cooking"]),
           ("Bob Stone", 51, "Denver", "USA", ["carpentry", "fishing"]),
@@ -97,8 +98,7 @@ def run_once(engine, variant: str, reqs, c: int) -> dict:
     engine.proposers = None if variant in ("none", "plain") else "auto"
     engine.batch_size = c
     engine._cost(c)  # calibrated (or read from the cache) outside the timing
-    if engine.prefix is not None:  # every run starts as a fresh job does (``bench_suffix.run_once`` says why)
-        engine.prefix.clear()
+    fresh_job(engine)  # as a fresh job's generation starts (``machine.fresh_job``)
     t0, c0 = time.perf_counter(), time.process_time()
     res = list(engine.run(iter(reqs), c))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -4,8 +4,8 @@ Workloads (the reference engine on the embedded SmolLM2 pair, chat template, one
   edit     examples/edit_prompts.jsonl: answers that quote their input (docstrings, grammar, JSON -> YAML), greedy
   mixed    examples/prompts.jsonl: chat, code and math, greedy
   samples  the first prompts of examples/prompts.jsonl, 4 samples each at T = 0.8 (``--num-samples 4``)
-Each run starts with the engine's prefix cache empty, as a fresh job does. Each (workload, concurrency) cell runs
-every variant ``--repeats`` times, the variants' order alternating from one
+Each run starts as a fresh job's generation does (``machine.fresh_job``: prefix cache empty, draft loaded).
+Each (workload, concurrency) cell runs every variant ``--repeats`` times, the variants' order alternating from one
 repeat to the next (none, auto, then auto, none, ...), so a load that rises or falls during a cell lands on both:
 ``none`` (``--draft none``: plain decoding, the baseline), ``auto`` (the default: draft and suffix per row and
 round, priced live), and optionally ``dspine`` / ``suffix`` alone. Reported per variant: min and median wall
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
-from machine import cpu_line, load_line, write_json  # noqa: E402
+from machine import cpu_line, fresh_job, load_line, write_json  # noqa: E402
 
 
 def load_rows(path: Path, limit: int | None) -> list[dict]:
@@ -94,11 +94,7 @@ def run_once(engine, variant: str, reqs, concurrency: int, timer: SuffixTimer) -
     engine.proposers = None if variant == "none" else variant
     engine.batch_size = concurrency
     engine._cost(concurrency)  # calibrated (or read from the cache) outside the timing
-    if engine.prefix is not None:
-        # every run starts as a fresh job does, with no prompt cached: the tree outlives runs of one engine, and
-        # one of another variant empties it (its taps width differs), so a run right after a switch of variant
-        # paid every prefill and one after the same variant none (seen as a 5-30 % order effect in the pairs)
-        engine.prefix.clear()
+    fresh_job(engine)  # as a fresh job's generation starts (``machine.fresh_job``)
     t0, c0 = time.perf_counter(), time.process_time()
     results = list(engine.run(iter(reqs), concurrency))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0

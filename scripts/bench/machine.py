@@ -27,3 +27,16 @@ def write_json(path: str | None, report: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2))
+
+
+def fresh_job(engine) -> None:
+    """Put a reference engine in the state a fresh job's generation starts from, before a timed run of it: the
+    prefix cache empty (it outlives runs, and a run of another variant empties it: a run after a switch paid every
+    prefill, one after the same variant none) and the draft loaded (a stream that retired it released its weights,
+    and the engine reloads it inside the next run; a job loads it before its first row, outside generation)."""
+    if getattr(engine, "prefix", None) is not None:
+        engine.prefix.clear()
+    if engine.draft is not None and getattr(engine.draft, "released", False):
+        from dspine_batch.engines.reference import _open_draft
+
+        engine.draft = _open_draft(engine.draft_path)

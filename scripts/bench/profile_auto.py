@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 from bench_suffix import load_rows, requests  # noqa: E402
-from machine import cpu_line, load_line  # noqa: E402
+from machine import cpu_line, fresh_job, load_line  # noqa: E402
 
 KEYS = ("forward", "logits", "sample_first", "target_probs", "sample_from", "keyed_uniforms", "suggest", "extend",
         "could_match", "plan_packed", "point_proposals", "suffix_survival", "feed_suffix", "_feed", "hold",
@@ -74,8 +74,7 @@ def main() -> None:
         eng.proposers = None if variant == "none" else variant
         eng.batch_size = c
         eng._cost(c)
-        if eng.prefix is not None:  # every run starts as a fresh job does (``bench_suffix.run_once`` says why)
-            eng.prefix.clear()
+        fresh_job(eng)  # as a fresh job's generation starts (``machine.fresh_job``)
         shapes.clear()
         skipped[0] = 0
         pr = cProfile.Profile() if prof else None
