@@ -211,6 +211,11 @@ class ReferenceEngine:
     def identity(self) -> dict[str, Any]:
         return self._identity
 
+    def ensure_draft(self) -> None:
+        """The draft loaded again if an earlier stream retired it and freed its weights (``DSpineDraft.release``)."""
+        if self.draft is not None and getattr(self.draft, "released", False):
+            self.draft = _open_draft(self.draft_path)
+
     @property
     def first_token_at(self) -> float | None:
         """``time.monotonic()`` when this engine's first rows got their first tokens (None before any did)."""
@@ -263,8 +268,7 @@ class ReferenceEngine:
 
         size = max(1, min(self.batch_size, max_in_flight))
         room = int(self.target.max_position) - 1
-        if self.draft is not None and getattr(self.draft, "released", False):  # retired by an earlier stream,
-            self.draft = _open_draft(self.draft_path)  # its weights freed then: this stream may want it again
+        self.ensure_draft()  # an earlier stream may have retired and released it: this one may want it again
         pending: dict[int, Request] = {}
         refused: dict[int, str] = {}
 

@@ -36,7 +36,4 @@ def fresh_job(engine) -> None:
     and the engine reloads it inside the next run; a job loads it before its first row, outside generation)."""
     if getattr(engine, "prefix", None) is not None:
         engine.prefix.clear()
-    if engine.draft is not None and getattr(engine.draft, "released", False):
-        from dspine_batch.engines.reference import _open_draft
-
-        engine.draft = _open_draft(engine.draft_path)
+    engine.ensure_draft()
