@@ -162,9 +162,7 @@ class LivePrices:
         return p.theta
 
     def _start(self, R: int) -> _RowsPrice:
-        p = _RowsPrice(_Fit())
-        p.theta = p.fit.solve(self._prior(R))
-        return p
+        return _RowsPrice(_Fit(), solve_at=self.ratio)  # the prior alone, solved when first read (``_theta``)
 
     def _at(self, R: int) -> _RowsPrice:
         p = self.rows.get(R)
