@@ -226,6 +226,7 @@ class Block(nn.Module):
 
 class Gemma4Target(Target):
     family = "gemma4"
+    OUTSIDE_LINEARS = ("per_layer_model_projection",)  # packed with the layers (``Target.use_kernels``)
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -316,25 +317,6 @@ class Gemma4Target(Target):
     @property
     def packs(self) -> bool:
         return self.fused_attention()
-
-    def use_kernels(self, formats: tuple[str, ...] | None = None, cache_key: str | None = None,
-                    trust_cache: bool = True) -> Gemma4Target:
-        """``Target.use_kernels``, and the per-layer input projection (outside the layers) packed too: on torch's
-        GEMM its rounding would follow the batch's shape."""
-        super().use_kernels(formats, cache_key, trust_cache)
-        proj = getattr(self, "per_layer_model_projection", None)
-        if self.kernel.startswith("dspine-") and isinstance(proj, nn.Linear) and proj.weight.dtype == torch.float32:
-            from dspine.cpu.kernels import PackedLinear
-
-            self.per_layer_model_projection = PackedLinear(proj.weight, None, formats)
-        return self
-
-    @property
-    def invariance_gaps(self) -> tuple[str, ...]:
-        gaps = super().invariance_gaps
-        if self.kernel.startswith("dspine-") and not self.fused_attention():  # pragma: no cover - set together
-            gaps += ("Gemma 4's attention runs on torch's ops, whose rounding follows the batch's shape",)
-        return gaps
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:
         caches = [KVCache.empty(batch, self.plans[i].n_kv, capacity, self.plans[i].head_dim, self.kv_dtype,

@@ -188,6 +188,8 @@ class Target(nn.Module):
         cached = pack_entry(cache_key, formats)
         if cached is not None and trust_cache and not fused and cached.is_file():
             _linears_to_meta(self.layers)
+            for lin in self._outside_linears().values():
+                _linears_to_meta(lin)
             self.fuse_projections()  # shapes only: the cache holds the fused linears
             with skip_init():
                 self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
@@ -198,6 +200,7 @@ class Target(nn.Module):
                 self.infer_head = torch.nn.Linear(self.hidden_size, self.vocab_size, bias=False, device="meta")
             if cached is None or not trust_cache or not load_packed(self, cached):
                 pack_linears(self.layers, formats)
+                self._pack_outside(formats)
                 self.infer_head = PackedLinear(self.head_weight, formats=formats)
                 if cached is not None:
                     save_packed(self, cached)
@@ -207,6 +210,7 @@ class Target(nn.Module):
                     if callable(fuse := getattr(m, "fuse", None)):
                         fuse()
                 pack_linears(layer, formats)
+            self._pack_outside(formats)
             self.infer_head = PackedLinear(self.head_weight, formats=formats)  # a packed copy; the float one
             # stays for embed and the draft
             if cached is not None:
@@ -226,6 +230,21 @@ class Target(nn.Module):
         integer = next((name for name, fmts in INT_FORMATS.items() if formats and formats[0] in fmts), None)
         self._kernel = f"dspine-{isa}-{integer or 'bf16'}" if integer or bf16 else f"dspine-{isa}"
         return self
+
+    OUTSIDE_LINEARS: tuple[str, ...] = ()  # linears of the target itself, outside ``layers``, packed with them
+
+    def _outside_linears(self) -> dict[str, nn.Linear]:
+        """``OUTSIDE_LINEARS`` that are float32 CPU linears still (not packed yet), by name."""
+        return {n: m for n in self.OUTSIDE_LINEARS if isinstance(m := getattr(self, n, None), nn.Linear)
+                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"}
+
+    def _pack_outside(self, formats: tuple[str, ...] | None) -> None:
+        """``OUTSIDE_LINEARS`` packed like the layers' (so saved in, and read from, the same cache entry): on torch's
+        GEMM their rounding would follow the batch's shape."""
+        from dspine.cpu.kernels import PackedLinear
+
+        for name, lin in self._outside_linears().items():
+            setattr(self, name, PackedLinear(lin.weight, lin.bias, formats))
 
     def fuse_projections(self) -> Target:
         """Inference only: merge the projections that read the same input (q/k/v, gate/up, GDN inputs) into one
