@@ -909,3 +909,40 @@ dedup = "exact"
 dedup-on = "score"
 ''')
     return str(job)
+
+
+_BASE = ["the tides of the open sea follow the moon and the sun, rising twice a day along every coast we know",
+         "a binary search halves the interval at each step until the key is found or the interval is empty",
+         "bread rises because yeast turns sugar into carbon dioxide, which the gluten network holds as bubbles",
+         "rivers carry sediment downstream and drop it where the water slows, building deltas at their mouths"]
+
+
+def near_docs(tmp_path):
+    """Four groups of texts: each an original, its case/punctuation variant and a one-word edit (Jaccard of word
+    3-grams ~0.85), plus texts that share words with them but are no near duplicates."""
+    rows = []
+    for g, text in enumerate(_BASE):
+        words = text.split()
+        edited = " ".join([*words[:-1], "today"])
+        rows += [{"doc_id": f"g{g}-a", "text": text}, {"doc_id": f"g{g}-b", "text": text.upper() + "!"},
+                 {"doc_id": f"g{g}-c", "text": edited}]
+        rows.append({"doc_id": f"u{g}", "text": " ".join(reversed(words))})  # same words, other n-grams
+    return write_jsonl(tmp_path / "near.jsonl", rows)
+
+
+def near_job(tmp_path, src, out, extra=""):
+    job = tmp_path / f"near-{out.name}.toml"
+    job.write_text(f'''inputs = ["{src}"]
+output = "{out}"
+id-column = "doc_id"
+max-new-tokens = 8
+commit-rows = 2
+{extra}
+[[stages]]
+name = "notes"
+template = "Note on: {{{{ text }}}}"
+dedup = "minhash"
+dedup-on = "text"
+dedup-threshold = 0.7
+''')
+    return str(job)

@@ -137,6 +137,8 @@ class ObjectOutput:
         top = [n for n in self.store.list("") if OUTPUT_NAMES.match(n)]
         ours = [f"{KEYS}/{n}" for n in self.store.list(KEYS)] + [f"{STAGING}/{n}" for n in self.store.list(STAGING)]
         ours += [f"{STATE}/{n}" for n in self.store.list(STATE) if not n.startswith("lease-")]
+        ours += [f"{STATE}/{space}/{n}" for space in ("dedup", "minhash")  # a stage's dedup claims
+                 for n in self.store.list(f"{STATE}/{space}")]
         self.store.delete_many(ours + top)
 
     def free_bytes(self) -> int | None:

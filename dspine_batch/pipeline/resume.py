@@ -17,6 +17,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -189,6 +190,8 @@ def wipe(outdir: str) -> None:
                 if sub == "keys":
                     for k in os.listdir(os.path.join(path, sub)):
                         os.unlink(os.path.join(path, sub, k))
+                elif sub in ("dedup", "minhash"):  # a stage's dedup claims (``stages.claims``)
+                    shutil.rmtree(os.path.join(path, sub))
                 elif not sub.startswith("lock-"):
                     os.unlink(os.path.join(path, sub))
         elif OUTPUT_NAMES.match(name):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from dspine_batch.errors import EXIT_OK
+from dspine_batch.errors import EXIT_FATAL, EXIT_OK
 from dspine_batch.ops.finalize import finalize
-from dspine_batch.pipeline.outputs import SUCCESS, committed_parts, open_output
+from dspine_batch.pipeline.outputs import SUCCESS, arrow_path, committed_parts, open_output
 from dspine_batch.pipeline.preflight import log, write_success
 from dspine_batch.stages.rows import child_ids, committed_parents
 from dspine_batch.storage.objects import ObjectStore
@@ -41,6 +42,24 @@ def _root_success(outdir: str) -> None:
         write_success(outdir)
 
 
+def shared_keys(stage_dir: str) -> list[tuple[str, str]]:
+    """Pairs of kept rows of a dedup stage that share a dedup key, across every shard (there must be none)."""
+    manifest = open_output(stage_dir).read_manifest() or {}
+    if ((manifest.get("fingerprint_fields") or {}).get("stage") or {}).get("dedup") != "exact":
+        return []  # near duplicates are claimed by band: no key to compare
+    first: dict[str, str] = {}
+    pairs = []
+    for part in committed_parts(stage_dir):
+        t = pq.read_table(**arrow_path(part.path), columns=["row_id", "kept", "dedup_key"])
+        for rid, kept, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")), strict=True):
+            if kept and key:
+                if key in first:
+                    pairs.append((first[key], rid))
+                else:
+                    first[key] = rid
+    return pairs
+
+
 def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: int, on_damaged: str) -> int:
     for k, name in enumerate(names):
         path = os.path.join(outdir, name)
@@ -52,6 +71,10 @@ def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: i
                           expected_children(os.path.join(outdir, names[k - 1])))
         if rc != EXIT_OK:
             return rc
+        if pairs := shared_keys(path):
+            log(f"stage {name}: {len(pairs):,} kept rows duplicate another kept row's dedup key across shards "
+                f"(row {pairs[0][1]!r} and row {pairs[0][0]!r}); _SUCCESS not written")
+            return EXIT_FATAL
     _root_success(outdir)
     log(f"every stage complete ({' -> '.join(names)}); {outdir}/_SUCCESS written")
     return EXIT_OK

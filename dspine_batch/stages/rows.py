@@ -24,6 +24,8 @@ from dspine_batch.engines.base import Result
 from dspine_batch.errors import RowError
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.outputs import arrow_path
+from dspine_batch.stages import near
+from dspine_batch.stages.claims import Claims, Owner
 from dspine_batch.stages.spec import StageSpec
 
 LINEAGE_FIELDS = ("root_id", "lineage", "context", "kept", "dropped_by", "dedup_key")
@@ -121,10 +123,13 @@ def committed_parents(paths: Iterable[str], samples: int) -> Iterator[Parent]:
 _SPACE = re.compile(r"\s+")
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
 def dedup_key(value: Any) -> str:
     """The normalised text of a value (case folded, whitespace collapsed; JSON for non-strings), hashed."""
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
-    norm = _SPACE.sub(" ", text.casefold()).strip()
+    norm = _SPACE.sub(" ", _text(value).casefold()).strip()
     return hashlib.blake2b(norm.encode(), digest_size=12).hexdigest()
 
 
@@ -135,6 +140,8 @@ class Judge:
 
     spec: StageSpec
     seen: set[str] = field(default_factory=set)
+    claims: Claims | None = None  # a sharded job's: keys claimed across its shards (``claims``)
+    shard: str = ""
     filtered: int = 0
     duplicates: int = 0
 
@@ -154,12 +161,48 @@ class Judge:
             if self.spec.where is not None:
                 kept, why = self.spec.where.test(fields)
                 self.filtered += not kept
-            if kept and self.spec.dedup is not None:
+            if kept and self.spec.dedup == "minhash":
+                sig = near.signature(_text(fields.get(self.spec.dedup_on, "")), self.spec.dedup_ngram)
+                key = near.digest(sig)
+                if not self._near_claimed(sig, item.row_id):
+                    kept, why = False, f"dedup minhash on {self.spec.dedup_on}"
+                    self.duplicates += 1
+            elif kept and self.spec.dedup is not None:
                 key = dedup_key(fields.get(self.spec.dedup_on, ""))
-                if key in self.seen:
+                if key in self.seen or not self._claimed(key, item.row_id):
                     kept, why = False, f"dedup {self.spec.dedup} on {self.spec.dedup_on}"
                     self.duplicates += 1
                 else:
                     self.seen.add(key)
         values.update(kept=kept, dropped_by=why, dedup_key=key)
         return replace(item, keep=tuple(values[n] for n in keep_names))
+
+    def _near_claimed(self, sig: Any, row_id: str) -> bool:
+        """Whether no kept row of the job is a near-duplicate of this one: its LSH bands claimed in sorted order
+        (``near``), stopping at the first held by a near-duplicate and releasing what this row claimed."""
+        assert self.claims is not None
+        me, mine = Owner(self.shard, row_id), []
+        note = near.encode(sig)
+        for band in near.band_keys(sig, near.bands_for(self.spec.dedup_threshold)):
+            holder, theirs = self.claims.claim(band, me, note)
+            if holder == me:
+                mine.append(band)
+                continue
+            other = near.decode(theirs)
+            if other is None or near.similarity(sig, other) >= self.spec.dedup_threshold:
+                for claimed in mine:
+                    self.claims.release(claimed)
+                return False
+        return True
+
+    def _claimed(self, key: str, row_id: str) -> bool:
+        """Whether this row may keep ``key`` across every shard of the job (always, for a job of one shard)."""
+        if self.claims is None:
+            return True
+        me = Owner(self.shard, row_id)
+        holder, _ = self.claims.claim(key, me)
+        if holder != me and holder.shard == self.shard:
+            # a claim by a row of this shard, on a key none of its kept rows holds (``seen``): left by an attempt
+            # that died before committing that row — it kept nothing, so the key is free for this row
+            holder = self.claims.take(key, me)
+        return holder == me

@@ -9,6 +9,7 @@
     explode = "questions"                    # a list field of the parent's output: one row per item
     where = "score >= 4"                     # keep only the rows whose output passes (the rest go no further)
     dedup = "exact"                          # drop rows whose `dedup-on` field (default: output) was seen before
+                                             # ("minhash": near duplicates, `dedup-threshold` 0.8, `dedup-ngram` 3)
     model = "path/to/judge-model"            # optional: this stage on another model (and `draft`)
 
 Every stage after the first reads the committed, kept rows of the stage before it. A stage's settings are the
@@ -26,6 +27,7 @@ from typing import Any
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.templates import PromptTemplates, job_templates
+from dspine_batch.stages.near import need_datasketch
 from dspine_batch.stages.where import Predicate, parse_where
 
 # the request settings a stage may set (GenerateConfig names): what a row's answer depends on
@@ -34,8 +36,9 @@ STAGE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "st
                   "logit_bias", "response_format", "json_schema", "regex", "choice", "grammar", "tools",
                   "tool_choice", "chat_template_kwargs", "reasoning_parser", "tool_call_parser", "system_prompt",
                   "chat_template")
-_OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "model", "draft")
-DEDUP = ("exact",)
+_OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "dedup_threshold", "dedup_ngram", "model",
+        "draft")
+DEDUP = ("exact", "minhash")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -51,11 +54,16 @@ class StageSpec:
     where: Predicate | None = None
     dedup: str | None = None
     dedup_on: str = "output"
+    dedup_threshold: float = 0.8  # minhash: the Jaccard similarity of word n-grams that makes a duplicate
+    dedup_ngram: int = 3
 
     def identity(self) -> dict[str, Any]:
         """What of the stage, beyond its generate settings, decides its rows (part of its fingerprint)."""
-        return {"stage": self.name, "index": self.index, "explode": self.explode,
-                "where": self.where.text if self.where else None, "dedup": self.dedup, "dedup_on": self.dedup_on}
+        out = {"stage": self.name, "index": self.index, "explode": self.explode,
+               "where": self.where.text if self.where else None, "dedup": self.dedup, "dedup_on": self.dedup_on}
+        if self.dedup == "minhash":
+            out |= {"dedup_threshold": self.dedup_threshold, "dedup_ngram": self.dedup_ngram}
+        return out
 
 
 def parse_stages(raw: Any, job: GenerateConfig, outdir: str) -> list[StageSpec]:
@@ -116,7 +124,16 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
     dedup_on = t.get("dedup_on", "output")
     if not isinstance(dedup_on, str) or not dedup_on:
         raise UsageError(f"{label}: `dedup-on` names a field of the stage's rows")
-    return StageSpec(name, i, cfg, templates, explode, where, dedup, dedup_on)
+    threshold, ngram = t.get("dedup_threshold", 0.8), t.get("dedup_ngram", 3)
+    if dedup != "minhash" and ("dedup_threshold" in t or "dedup_ngram" in t):
+        raise UsageError(f'{label}: `dedup-threshold` and `dedup-ngram` go with dedup = "minhash"')
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 < threshold <= 1:
+        raise UsageError(f"{label}: `dedup-threshold` must be a number in (0, 1] (a Jaccard similarity)")
+    if isinstance(ngram, bool) or not isinstance(ngram, int) or not 1 <= ngram <= 32:
+        raise UsageError(f"{label}: `dedup-ngram` must be a whole number of words from 1 to 32")
+    if dedup == "minhash":
+        need_datasketch()
+    return StageSpec(name, i, cfg, templates, explode, where, dedup, dedup_on, float(threshold), ngram)
 
 
 def _setting(key: str, value: Any) -> Any:

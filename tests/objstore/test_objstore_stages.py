@@ -10,7 +10,7 @@ import random
 import signal
 import time
 
-from helpers import read_output, run_cli, scripted_engine, spawn, stage_docs, staged_job
+from helpers import near_docs, near_job, read_output, run_cli, scripted_engine, spawn, stage_docs, staged_job
 from test_objstore_crash import _expired, _wait
 from test_objstore_generate import read_s3_output
 
@@ -89,3 +89,44 @@ def test_kill9_during_a_staged_s3_job_resumes_each_stage_exactly_once(tmp_path, 
     assert summary(lambda name: read_s3_output(s3, f"{prefix}/{name}")) == \
         summary(lambda name: read_output(local / name))
     assert run_cli(["finalize", f"s3://{prefix}"]) == 0
+
+
+def test_dedup_holds_across_shards_on_s3(tmp_path, s3, s3env, bucket):
+    """Two shards of one staged job at once on an s3:// OUTDIR: their dedup claims are create-only objects, so no
+    two kept rows of the whole job share a key; ``finalize`` audits it; ``--overwrite`` clears the claims."""
+    src = stage_docs(tmp_path, 24)
+    local = tmp_path / "local"
+    assert run_cli(["generate", "--config", staged_job(tmp_path, src, local)]) == 0
+    prefix = f"{bucket}/sharded"
+    job = staged_job(tmp_path, src, f"s3://{prefix}", 'engine-args = {latency = "0.01"}\n')
+    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **s3env) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    keys = [r["dedup_key"] for r in read_s3_output(s3, f"{prefix}/judge") if r["kept"]]
+    assert keys and len(keys) == len(set(keys))
+    assert sorted(keys) == sorted(r["dedup_key"] for r in read_output(local / "judge") if r["kept"])
+    assert len(s3.ls(f"{prefix}/judge/_dspine/dedup", refresh=True)) == len(keys)
+    assert run_cli(["finalize", f"s3://{prefix}"]) == 0
+    assert run_cli(["generate", "--config", job, "--shard", "0/2", "--overwrite"]) == 0  # wipes every shard's
+    kept = [r["dedup_key"] for r in read_s3_output(s3, f"{prefix}/judge") if r["kept"]]
+    assert sorted(kept) == sorted(n.rsplit("/", 1)[-1] for n in s3.ls(f"{prefix}/judge/_dspine/dedup", refresh=True))
+
+
+def test_minhash_dedup_on_s3(tmp_path, s3, s3env, bucket):
+    """Near-duplicate dedup on an s3:// OUTDIR, two shards at once: band claims are create-only objects, a
+    duplicate's claims are deleted again, one row per group of near duplicates is kept."""
+    src = near_docs(tmp_path)
+    prefix = f"{bucket}/near"
+    job = near_job(tmp_path, src, tmp_path / "unused", 'engine-args = {latency = "0.01"}\n')
+    job_text = open(job).read().replace(f'output = "{tmp_path / "unused"}"', f'output = "s3://{prefix}"')
+    open(job, "w").write(job_text)
+    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **s3env) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    rows = read_s3_output(s3, f"{prefix}/notes")
+    kept = {r["row_id"] for r in rows if r["kept"]}
+    assert sorted(k.split("-")[0] for k in kept) == ["g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3"]
+    holders = {json.loads(s3.cat_file(p))["row"] for p in s3.ls(f"{prefix}/notes/_dspine/minhash", refresh=True)}
+    assert holders == kept  # every kept row holds its bands; no dropped row holds one

@@ -14,7 +14,18 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
-from helpers import A_TEMPLATE, J_TEMPLATE, JUDGE, read_output, run_cli, scripted_engine, spawn, write_jsonl
+from helpers import (
+    A_TEMPLATE,
+    J_TEMPLATE,
+    JUDGE,
+    near_docs,
+    near_job,
+    read_output,
+    run_cli,
+    scripted_engine,
+    spawn,
+    write_jsonl,
+)
 from helpers import stage_docs as _docs
 from helpers import staged_job as _job
 
@@ -278,3 +289,106 @@ def test_child_ids_depend_on_the_committed_row_alone():
     assert child_ids(one, None) == ["r"] and child_ids(one, "q") == ["r/0", "r/1"]
     assert child_ids(Parent("r", 2, 1, "x", None, "r", {}, {}), None) == ["r#2"]  # a row's own n > 1
     assert child_ids(Parent("r", 0, 3, "x", None, "r", {}, {}), None) == ["r#0"]  # --num-samples 3
+
+
+def _kept_keys(out) -> list[str]:
+    return [r["dedup_key"] for r in read_output(out / "judge") if r["kept"]]
+
+
+def test_dedup_holds_across_the_shards_of_an_array(tmp_path):
+    """Two shards of one staged job, run at the same time in their own processes: no two kept rows of the whole
+    job share a dedup key (each shard alone would keep one row per score), and every duplicate is counted."""
+    src = _docs(tmp_path, 24)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_cli(["generate", "--config", _job(tmp_path, src, ref)]) == 0
+    job = _job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
+    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"]) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    keys = _kept_keys(out)
+    assert keys and len(keys) == len(set(keys))  # unique across the whole job
+    assert sorted(keys) == sorted(_kept_keys(ref))  # the same keys kept as by one unsharded run
+    by_shard = {}
+    for r in read_output(out / "judge"):
+        by_shard.setdefault(r["row_id"].split("/")[0], []).append(r)
+    judged = [r for r in read_output(out / "judge") if not (r["dropped_by"] or "").startswith("where")]
+    assert sum(r["kept"] for r in judged) + sum(r["dropped_by"] == "dedup exact on score" for r in judged) == \
+        len(judged)
+    claims = list((out / "judge" / "_dspine" / "dedup").rglob("*"))
+    assert sum(c.is_file() for c in claims) == len(keys)  # one claim per kept key, nothing else left
+    assert run_cli(["finalize", str(out)]) == 0
+
+
+def test_a_claim_left_by_a_crash_is_taken_by_its_own_shard_only(tmp_path):
+    """Claims (``stages.claims``) as a sharded judge meets them: its own earlier claim keeps the key; a claim that an
+    earlier attempt of its own shard left (a key none of its kept rows holds) is taken over; another shard's holds."""
+    from types import SimpleNamespace
+
+    from dspine_batch.stages.claims import UNKNOWN, Claims, Owner
+    from dspine_batch.stages.rows import Judge
+
+    claims = Claims(SimpleNamespace(path=str(tmp_path), remote=False))
+    a, b = Owner("00000-of-00002", "r1"), Owner("00001-of-00002", "r2")
+    assert claims.claim("k1", a) == (a, "") and claims.claim("k1", a)[0] == a  # a retry finds its own claim
+    assert claims.claim("k1", b, "note")[0] == a  # first claim wins
+    judge = Judge(SimpleNamespace(), claims=claims, shard=b.shard)
+    assert judge._claimed("k2", "r2") and not judge._claimed("k1", "r3")  # another shard's claim holds
+    claims.claim("k3", Owner(b.shard, "r9"))  # left by a crashed attempt of shard 1: r9 kept nothing
+    assert judge._claimed("k3", "r4") and claims.claim("k3", a)[0] == Owner(b.shard, "r4")
+    (tmp_path / "_dspine" / "dedup" / "k4"[:2]).mkdir(exist_ok=True)
+    (tmp_path / "_dspine" / "dedup" / "k4"[:2] / "k4").write_bytes(b"not json")
+    assert claims.claim("k4", a)[0] == UNKNOWN  # unreadable: held by nobody known, never kept twice
+    claims.release("k2")
+    assert claims.claim("k2", a)[0] == a
+
+
+def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, capsys):
+    """The audit behind the claims: shards that dedup alone (claims switched off) keep one row per score each;
+    ``finalize`` names the shared key's rows and writes no ``_SUCCESS``."""
+    import dspine_batch.stages.run as run
+
+    monkeypatch.setattr(run, "Claims", lambda output: None)
+    src, out = _docs(tmp_path, 24), tmp_path / "out"
+    job = _job(tmp_path, src, out)
+    for i in range(2):
+        assert run_cli(["generate", "--config", job, "--shard", f"{i}/2"]) == 0
+    keys = _kept_keys(out)
+    assert len(keys) > len(set(keys))
+    capsys.readouterr()
+    assert run_cli(["finalize", str(out)]) == 1
+    assert "duplicate another kept row's dedup key across shards" in capsys.readouterr().err
+    assert not (out / "_SUCCESS").exists()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_minhash_keeps_one_row_of_each_group_of_near_duplicates(tmp_path, shards):
+    """``dedup = "minhash"``: one kept row per group of near duplicates (case, punctuation, one word changed),
+    every text that only shares words kept, on one shard or two at once; the index lives in band claims on disk."""
+    src, out = near_docs(tmp_path), tmp_path / "out"
+    job = near_job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
+    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/{shards}"]) for i in range(shards)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    rows = read_output(out / "notes")
+    assert len(rows) == 16
+    kept = sorted(r["row_id"].split("-")[0] for r in rows if r["kept"])
+    assert kept == ["g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3"], kept
+    assert {r["dropped_by"] for r in rows if not r["kept"]} == {"dedup minhash on text"}
+    claims = [c for c in (out / "notes" / "_dspine" / "minhash").rglob("*") if c.is_file()]
+    assert claims and all(json.loads(c.read_text())["row"] in {r["row_id"] for r in rows if r["kept"]}
+                          for c in claims)  # a dropped row's claims were released
+    assert run_cli(["generate", "--config", job, "--shard", f"0/{shards}"]) == 0  # a rerun decides nothing anew
+    assert read_output(out / "notes") == rows
+
+
+def test_minhash_settings_are_checked(tmp_path, capsys):
+    src, out = near_docs(tmp_path), tmp_path / "out"
+    job = Path(near_job(tmp_path, src, out))
+    job.write_text(job.read_text().replace("dedup-threshold = 0.7", "dedup-threshold = 1.5"))
+    assert run_cli(["generate", "--config", str(job)]) == 2
+    assert "`dedup-threshold` must be a number in (0, 1]" in capsys.readouterr().err
+    job.write_text(job.read_text().replace('dedup = "minhash"', 'dedup = "exact"').replace("1.5", "0.7"))
+    assert run_cli(["generate", "--config", str(job)]) == 2
+    assert '`dedup-threshold` and `dedup-ngram` go with dedup = "minhash"' in capsys.readouterr().err
