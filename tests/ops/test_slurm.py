@@ -311,6 +311,8 @@ json-schema = '''{"type": "object", "required": ["questions"],
 name = "answers"
 explode = "questions"
 template = "Answer: {{ questions }}"
+dedup = "exact"
+dedup-on = "questions"
 """
 
 
@@ -334,6 +336,10 @@ def test_a_staged_job_as_an_array_is_exactly_once_per_stage(cluster, tmp_path):
         assert len(keys) == len(set(keys)), stage
         assert [(r["row_id"], r["output"]) for r in got] == [(r["row_id"], r["output"]) for r in
                                                               read_output(ref / stage)], stage
+    kept = [r["dedup_key"] for r in read_output(out / "answers") if r["kept"]]
+    assert len(kept) == len(set(kept))  # dedup held across the array's shards (claims)
+    assert sorted(kept) == sorted(r["dedup_key"] for r in read_output(ref / "answers") if r["kept"])
+    assert len(kept) < len(read_output(out / "answers"))  # there were duplicates to drop
     shard_of = {}
     for p in (out / "questions").glob("train-*.parquet"):
         for rid in pq.read_table(p, columns=["row_id"]).column("row_id").to_pylist():
