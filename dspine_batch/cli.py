@@ -415,16 +415,21 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
 
     stages = funnel(outdir)
     if stages is not None:  # a job of several stages: its funnel, then the last stage's report
-        click.echo(json.dumps(stages, indent=2) if as_json else format_funnel(stages))
+        if not as_json:
+            click.echo(format_funnel(stages))
         if plot:
             plot_funnel(stages, plot, os.path.basename(os.path.abspath(outdir)))
             click.echo(f"stage funnel written to {plot}", err=True)
             plot = None
         outdir = os.path.join(outdir, stages[-1]["stage"])
-        click.echo(f"\nthe final stage ({stages[-1]['stage']}); `dspine-batch report {outdir}` for any stage:")
+        if not as_json:
+            click.echo(f"\nthe final stage ({stages[-1]['stage']}); `dspine-batch report {outdir}` for any stage:")
     summary = summarize(outdir)
     write_report(outdir, summary)
-    click.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
+    if as_json:  # one JSON document: a staged job's is its funnel and its final stage's summary
+        click.echo(json.dumps(summary if stages is None else {"stages": stages, "final": summary}, indent=2))
+    else:
+        click.echo(format_report(summary))
     if plot:
         plot_report(summary, plot)
         click.echo(f"plot written to {plot}", err=True)

@@ -1,6 +1,8 @@
-"""A staged job's funnel (``dspine_batch.stages``): per stage, the rows it made, answered, failed, filtered
-(``where``), dropped as duplicates (``dedup``) and kept for the next stage, with its tokens, read from the
-committed parts. ``report OUTDIR`` prints it for a staged OUTDIR, then each stage's own report."""
+"""A staged job's funnel (``dspine_batch.stages``): per stage, the rows it received (``in``: the input's rows, or
+the kept rows of the stage before it) and made (more than ``in`` where it explodes a list), answered, failed,
+filtered (``where``), dropped as duplicates (``dedup``) and kept for the next stage, with its tokens, throughput
+and tokens per verify step (``tau``, overall and by proposal source), read from the committed parts (each stage's
+``report.summarize``). ``report OUTDIR`` prints it for a staged OUTDIR, then the final stage's own report."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from dspine_batch.ops.report import summarize
 from dspine_batch.pipeline.manifest import stage_names
 from dspine_batch.pipeline.outputs import arrow_path, committed_parts
 from dspine_batch.storage.urls import is_url
@@ -23,10 +26,16 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
     out = []
     for name in names:
         path = f"{outdir.rstrip('/')}/{name}" if is_url(outdir) else os.path.join(outdir, name)
-        row = {"stage": name, "rows": 0, "ok": 0, "errors": 0, "filtered": 0, "duplicates": 0, "kept": 0,
-               "completion_tokens": 0}
+        row = {"stage": name, "in": out[-1]["kept"] if out else 0, "rows": 0, "ok": 0, "errors": 0, "filtered": 0,
+               "duplicates": 0, "kept": 0, "completion_tokens": 0, "tokens_per_s": None, "tau": None,
+               "tau_by_source": {}}
         files = [p.path for p in committed_parts(path)] if is_url(path) or os.path.isdir(path) else []
         if files:
+            s = summarize(path)
+            row.update(tokens_per_s=s["tokens_per_s"], tau=s["tau_token_weighted"],
+                       tau_by_source={k: v["tau"] for k, v in s["by_source"].items() if v["tau"] is not None})
+            if not out:
+                row["in"] = s["input_rows"]
             fs = arrow_path(files[0]).get("filesystem")
             paths = [arrow_path(f)["source"] for f in files]
             t = ds.dataset(paths, format="parquet", filesystem=fs).to_table(
@@ -43,13 +52,18 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
 
 
 def format_funnel(rows: list[dict[str, Any]]) -> str:
-    """The funnel as a table: each column says its unit (rows, tokens)."""
-    head = f"{'stage':<16} {'rows':>8} {'ok':>8} {'errors':>8} {'filtered':>9} {'duplicates':>10} {'kept':>8} " \
-           f"{'tokens':>10}"
-    lines = ["stages (rows; kept rows go on to the next stage, the last stage's are the dataset):", head]
+    """The funnel as a table: each column says its unit (rows, tokens, tokens a second, tokens a verify step)."""
+    head = f"{'stage':<16} {'in':>7} {'rows':>7} {'ok':>7} {'errors':>7} {'filtered':>9} {'duplicates':>10} " \
+           f"{'kept':>7} {'tokens':>9} {'tok/s':>7} {'tau':>6}  tau by source"
+    lines = ["stages (rows; `in` is what the stage received, more rows than that were exploded from a list; kept "
+             "rows go on to the next stage, the last stage's are the dataset):", head]
     for r in rows:
-        lines.append(f"{r['stage']:<16} {r['rows']:>8,} {r['ok']:>8,} {r['errors']:>8,} {r['filtered']:>9,} "
-                     f"{r['duplicates']:>10,} {r['kept']:>8,} {r['completion_tokens']:>10,}")
+        speed = f"{r['tokens_per_s']:>7.1f}" if r["tokens_per_s"] is not None else f"{'-':>7}"
+        tau = f"{r['tau']:>6.2f}" if r["tau"] is not None else f"{'-':>6}"
+        by = ", ".join(f"{k} {v:.2f}" for k, v in r["tau_by_source"].items()) or "-"
+        lines.append(f"{r['stage']:<16} {r['in']:>7,} {r['rows']:>7,} {r['ok']:>7,} {r['errors']:>7,} "
+                     f"{r['filtered']:>9,} {r['duplicates']:>10,} {r['kept']:>7,} {r['completion_tokens']:>9,} "
+                     f"{speed} {tau}  {by}")
     return "\n".join(lines)
 
 

@@ -244,12 +244,20 @@ def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
     capsys.readouterr()
     assert run_cli(["report", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text.splitlines()[1].split() == ["stage", "rows", "ok", "errors", "filtered", "duplicates", "kept",
-                                            "tokens"]
+    assert text.splitlines()[1].split() == ["stage", "in", "rows", "ok", "errors", "filtered", "duplicates", "kept",
+                                            "tokens", "tok/s", "tau", "tau", "by", "source"]
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:5]}
-    assert list(rows) == ["questions", "answers", "judge"] and rows["questions"][0] == "6"
-    assert int(rows["answers"][0]) == sum(len(json.loads(r["output"])["questions"])
-                                          for r in read_output(out / "questions"))
+    assert list(rows) == ["questions", "answers", "judge"] and rows["questions"][:2] == ["6", "6"]
+    assert int(rows["answers"][1]) == sum(len(json.loads(r["output"])["questions"])
+                                          for r in read_output(out / "questions"))  # exploded
+    assert rows["answers"][0] == rows["questions"][6] and rows["judge"][0] == rows["answers"][6]  # in = kept before
+    assert int(rows["judge"][5]) == sum(r["dropped_by"] == "dedup exact on output" for r in read_output(out / "judge"))
+    capsys.readouterr()
+    assert run_cli(["report", str(out), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    stages = doc["stages"]
+    assert doc["final"]["output_rows"] == stages[-1]["rows"]
+    assert all(st["tokens_per_s"] > 0 and set(st) >= {"in", "tau", "tau_by_source"} for st in stages)
     png = tmp_path / "funnel.png"
     assert run_cli(["report", str(out), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
