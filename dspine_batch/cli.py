@@ -5,7 +5,9 @@ precedence is flag > env > job file > default. Errors print one line and exit wi
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import gc
 import json
 import math
 import os
@@ -563,10 +565,18 @@ def _redact(text: str) -> str:
     return redact(text)
 
 
+# Why ``gc.freeze`` at exit: the interpreter's shutdown runs full collections over everything alive, and with
+# torch and xgrammar imported that alone took 0.3-0.5 s after a job's last line (2-core AMD EPYC; ``import torch``
+# then exit: 0.36 s of teardown, 0.10 s frozen) — a few per cent of a small job's wall time. Frozen objects are
+# still torn down with their modules; only cycles go uncollected, as a process that is exiting loses nothing by.
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every failure ends in one line on stderr and a documented exit code (tracebacks only
     with DSPINE_BATCH_DEBUG=1): usage 2, bugs and fatal errors 1, interrupted 75."""
     debug = bool(os.environ.get("DSPINE_BATCH_DEBUG"))
+    if argv is None:  # the console script: this process ends when the command does
+        atexit.register(gc.freeze)  # before the interpreter's own teardown (why: the comment above ``main``)
     try:
         rv = cli.main(args=argv, prog_name="dspine-batch", standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -95,7 +95,7 @@ def requests(tok, rows, with_schema: bool, max_new: int):
 
 
 def run_once(engine, variant: str, reqs, c: int) -> dict:
-    engine.proposers = None if variant in ("none", "plain") else "auto"
+    engine.proposers = None if variant in ("none", "plain") else ("suffix" if variant == "suffix" else "auto")
     engine.batch_size = c
     engine._cost(c)  # calibrated (or read from the cache) outside the timing
     fresh_job(engine)  # as a fresh job's generation starts (``machine.fresh_job``)
