@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
 from dspine_batch.pipeline import compact as compaction
+from dspine_batch.pipeline import remote_compact
 from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.mapping import RowIds
 from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts, open_output
@@ -106,9 +107,6 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
     manifest = out.read_manifest()
     if manifest is None:
         raise UsageError(f"{out.display}: no _manifest.json (not a dspine-batch output)")
-    if compact and out.remote:
-        raise UsageError(f"{out.display}: --compact is not available on an object store yet (parts cannot be "
-                         "replaced atomically there); finalize without it")
     shards = int(manifest.get("num_shards", 1))
     locks = []
     try:
@@ -118,7 +116,10 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
         out.remove_staging()  # on an object store this also finishes any publish a crash interrupted
         good = out.verify_parts(None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
         log(f"checked {len(good)} part(s) against their commit records")
-        if compact:
+        if compact and out.remote:
+            merged = remote_compact.compact(out, target_rows)
+            log(f"compacted {merged} parts into {len(out.part_urls())}")
+        elif compact:
             merged = compaction.compact(outdir, target_rows)
             log(f"compacted {merged} parts into {len(list_parts(outdir))}")
         problems = audit(outdir, manifest, expected)

@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FatalError, UsageError
-from dspine_batch.pipeline import remote_supersede
+from dspine_batch.pipeline import remote_compact, remote_supersede
 from dspine_batch.pipeline.keyset import KeySet, fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
 from dspine_batch.pipeline.remote_layout import DAMAGED, KEYS, STAGING, STATE, SUCCESS, record_rel, stem
@@ -145,7 +145,8 @@ class ObjectOutput:
         return None
 
     def recover(self) -> None:
-        """Nothing to do across shards (``finalize --compact`` is not offered on object stores)."""
+        """Finish a ``finalize --compact`` a crash interrupted (``remote_compact``), before any record is read."""
+        remote_compact.recover(self)
 
     def forget_records(self) -> None:
         """The records this start read are stale (a retry changed some): read them again when next asked."""

@@ -1,0 +1,97 @@
+"""``finalize --compact`` on an object-store OUTDIR: a shard's small parts merged into big ones, never a row lost
+or left doubled — the local protocol (``compact``) in the store's own primitives.
+
+An object store cannot swap several parts for one in a single step, so, as on a disk, a journal makes the swap
+completable: 1. the journal ``_dspine/compact.json`` names the new part and the old ones (written first: it is
+what a crash leaves behind); 2. the merged part is committed like any part (staged upload, create-only commit
+record — the linearisation point — server-side publish), its row keys the old records' keys end to end; 3. the
+old parts' records, then their published copies, are deleted; 4. the journal goes. ``recover`` (every start of a
+shard, and ``finalize``, before any record is read) completes a journal left by a crash: if the new part's record
+exists the old parts go (a reader may briefly see both copies, as on a disk, but never after recovery or
+``_SUCCESS``); if it does not, nothing was committed and only the journal goes (the staged upload is swept as an
+orphan). Run with every shard's lease held (``finalize`` takes them all).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dspine_batch.pipeline.remote_layout import STATE, record_rel
+from dspine_batch.pipeline.resume import PART_RE
+from dspine_batch.pipeline.sink import part_name
+
+JOURNAL = f"{STATE}/compact.json"
+
+
+def recover(out: Any) -> None:
+    """Finish (or drop) a compaction a crash interrupted (``out``: a ``remote.ObjectOutput``)."""
+    data = out.store.get(JOURNAL)
+    if data is None:
+        return
+    j = json.loads(data)
+    rec = out._record(j["new"])
+    if rec is not None:  # the merged part is committed: the old ones must go, records first
+        if j["new"] not in out.store.list(""):
+            out.publish(rec)
+        out.store.delete_many([record_rel(n) for n in j["old"]])
+        out.store.delete_many(list(j["old"]))
+    out.store.delete(JOURNAL)
+    out.forget_records()
+
+
+def compact(out: Any, target_rows: int) -> int:
+    """Merge each shard's consecutive parts into parts of up to ``target_rows`` rows; returns how many parts were
+    merged away."""
+    records = {n: r for n, r in out.records(None).items() if not r.get("unreadable")}
+    by_shard: dict[str, list[tuple[int, str]]] = {}
+    for name in records:
+        m = PART_RE.match(name)
+        if m:
+            by_shard.setdefault(m.group(1), []).append((int(m.group(2)), name))
+    merged = 0
+    for tag, parts in sorted(by_shard.items()):
+        parts.sort()
+        next_seq = parts[-1][0] + 1
+        group: list[str] = []
+        rows = 0
+        for item in [*parts, None]:
+            n = int(records[item[1]]["outputs"]) if item is not None else 0
+            if item is None or (group and rows + n > target_rows):
+                if len(group) > 1:
+                    _merge(out, [(g, records[g]) for g in group], part_name(tag, next_seq))
+                    next_seq += 1
+                    merged += len(group)
+                group, rows = [], 0
+            if item is not None:
+                group.append(item[1])
+                rows += n
+    return merged
+
+
+def _merge(out: Any, group: list[tuple[str, dict[str, Any]]], name: str) -> None:
+    tables = []
+    for part, _ in group:
+        with out.store.open(part) as f:
+            tables.append(pq.read_table(f))
+    table = pa.concat_tables(tables)
+    meta = dict(tables[0].schema.metadata or {})
+    info = json.loads(meta.get(b"dspine_batch.part", b"{}"))
+    info.update(rows=sum(int(r["rows"]) for _, r in group), error_rows=sum(int(r.get("error_rows", 0))
+                                                                          for _, r in group),
+                compacted_from=[p for p, _ in group])
+    meta[b"dspine_batch.part"] = json.dumps(info).encode()
+    table = table.replace_schema_metadata(meta)
+    # the merged record's keys only from records that carry theirs: a part without them is read by row id on resume
+    keys = None
+    if all("keys_b64" in r for _, r in group):
+        keys = np.concatenate([np.frombuffer(base64.b64decode(r["keys_b64"]), dtype="<u8") for _, r in group])
+    out.store.put(JOURNAL, json.dumps({"new": name, "old": [p for p, _ in group]}).encode())
+    out.commit_part(name, table, keys, rows=info["rows"])
+    out.flush()
+    recover(out)
