@@ -179,7 +179,7 @@ class Attention(nn.Module):
             else:
                 kv.ensure(at.upto)
             q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
-            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, 1.0)
+            o = kernels.attend_cache(q, kv.k, kv.v, at.queries(packed), window, 1.0)
             return self.o_proj(o if packed is None else packed.gather(o))
         q = apply_rope(q.transpose(1, 2), cos, sin)
         if not self.shared:

@@ -83,7 +83,7 @@ class Attention(nn.Module):
             if cos is None:  # rotate nothing: zero rotary dims
                 cos = sin = q.new_zeros(B, 1, T, 0)
             q = kernels.rope_store(q.contiguous(), k, v, cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos)
-            o = kernels.attend_cache(q, kv.k, kv.v, at.pos, window, self.scale)
+            o = kernels.attend_cache(q, kv.k, kv.v, at.queries(packed), window, self.scale)
             return self.o_proj(o if packed is None else packed.gather(o))
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, Hq, T, D], [B, Hkv, T, D]
         if cos is not None:

@@ -329,6 +329,7 @@ class ReferenceEngine:
         if key not in self._costs:
             from dspine.decoding.cost import load_or_calibrate
 
+            self.ensure_draft()  # a calibration runs the draft: a stream before may have retired and released it
             draft, block, ident, long = self._cost_args()
             self._costs[key] = load_or_calibrate(self.target, draft, rows, block, ident, long_tokens=long)
         return self._costs[key]
