@@ -1,20 +1,22 @@
-"""The conditional primitives of an exactly-once OUTDIR on Azure Blob Storage (``az://container/prefix``,
-``abfs://``, ``abfss://``), through azure-storage-blob's synchronous clients.
+"""The primitives of an exactly-once OUTDIR (``primitives.Primitives``) on Azure Blob Storage
+(``az://container/prefix``, ``abfs://``, ``abfss://``), through azure-storage-blob's synchronous clients.
 
 Blob Storage has what the commit protocol needs, under its own names: Put Blob with ``If-None-Match: *``
 (``upload_blob(overwrite=False)``: the loser of a race gets 409 BlobAlreadyExists), conditional Put Blob and Get
 Blob (``etag=..., match_condition=MatchConditions.IfNotModified``: 412 ConditionNotMet when the ETag is stale),
 Copy Blob (server-side; within one account it completes at once on Azurite and usually on Azure, else we poll its
-status until it does), Blob Batch deletes (256 a request) and strongly consistent listings. The fsspec side
-(listings, plain reads and writes, ``open``) stays adlfs's, with its listings cache off (``fs._defaults``).
+status until it does), Blob Batch deletes (256 a request) and strongly consistent listings. Every request of the
+commit protocol and the lease goes through our client; only ``ObjectStore.open`` (reading a part back) and the
+readers users point at OUTDIR go through adlfs.
 
-Why a client of our own and not adlfs's: adlfs holds an *async* client and translates errors into ``OSError``s that
-lose the distinction between "already exists" and "precondition failed"; we need both. The client is built from the
-credentials adlfs resolved (``--storage-option account_name=... account_key=...``, ``connection_string=...``,
-``sas_token=...``, or ``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT_NAME``/``_KEY``,
-``AZURE_STORAGE_SAS_TOKEN``, and azure-identity's default chain otherwise), so both talk to the same account as
-the same principal. Its own retries are short (``RETRY``): ``fs.retrying`` retries around every call, with its
-own backoff, and the SDK's default first backoff is 15 s.
+Why a client of our own and not adlfs's: adlfs holds an *async* client whose retry policy cannot be set (the
+SDK's default backs off 15 s and more after one 503), and it turns errors into ``OSError``s that lose the
+difference between "already exists", "precondition failed" and "no such container"; the protocol needs all three.
+Ours is built from the credentials adlfs resolved (``--storage-option account_name=... account_key=...``,
+``connection_string=...``, ``sas_token=...``, or ``AZURE_STORAGE_CONNECTION_STRING``,
+``AZURE_STORAGE_ACCOUNT_NAME``/``_KEY``, ``AZURE_STORAGE_SAS_TOKEN``, azure-identity's default chain otherwise),
+so both talk to the same account as the same principal; its own retries are few and short, under
+``fs.retrying``'s.
 
 Answers become what ``fs.retrying`` and the callers branch on: 404 BlobNotFound -> ``FileNotFoundError``,
 409 BlobAlreadyExists and 412 -> ``FileExistsError``, ContainerNotFound -> one line (``FatalError``); 403, 5xx,
@@ -23,17 +25,22 @@ Answers become what ``fs.retrying`` and the callers branch on: 404 BlobNotFound 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from dspine_batch.errors import FatalError, UsageError
 from dspine_batch.storage.fs import retrying, store_errors
+from dspine_batch.storage.primitives import Listed
 
 T = TypeVar("T")
 BATCH = 256  # Blob Batch: at most 256 sub-requests a batch
+CONCURRENCY = 16  # Get Blob requests in flight for ``cat_many`` (the commit records a resume reads)
 COPY_WAIT_S = 600.0  # a pending server-side copy (cross-region, or a busy account): how long we poll it
 _ATTR = "_dspine_blob_service"  # our client, kept on the adlfs filesystem it mirrors (and dropped with it)
+_BUILD = threading.Lock()  # the committer's threads may ask for the client at once: build it once
 
 
 class CopyFailed(ConnectionError):
@@ -46,9 +53,16 @@ def service_client(fs: Any) -> Any:
     per filesystem (the SDK's clients are thread-safe and keep a connection pool). Kept on the instance, not in a
     dict keyed by it: fsspec filesystems compare equal by their arguments, and two with the same arguments may
     hold different credentials (read from the environment when built)."""
-    client = fs.__dict__.get(_ATTR)
-    if client is not None:
+    with _BUILD:
+        client = fs.__dict__.get(_ATTR)
+        if client is None:
+            client = fs.__dict__[_ATTR] = _build(fs)
         return client
+
+
+def _build(fs: Any) -> Any:
+    """The client itself: a connection string first, else the account with adlfs's credential, key or SAS (the
+    order adlfs connects in), else azure-identity's default chain."""
     from azure.core.credentials import AzureNamedKeyCredential
     from azure.storage.blob import BlobServiceClient, ExponentialRetry
 
@@ -79,7 +93,6 @@ def service_client(fs: Any) -> Any:
 
             credential = DefaultAzureCredential()
         client = BlobServiceClient(url, credential=credential, **kw)
-    fs.__dict__[_ATTR] = client
     return client
 
 
@@ -114,8 +127,8 @@ def _quoted(etag: str | None) -> str | None:
 
 
 class AzurePrimitives:
-    """The conditional requests on one Azure Blob Storage prefix (``fs`` an adlfs filesystem, ``path``/``url_of``
-    the store's naming of a name relative to the prefix)."""
+    """The requests on one Azure Blob Storage prefix (``fs`` an adlfs filesystem, used for its path rules and its
+    resolved credentials; ``path``/``url_of`` the store's naming of a name relative to the prefix)."""
 
     def __init__(self, fs: Any, path: Callable[[str], str], url_of: Callable[[str], str], display: str):
         self.fs, self.path, self.url_of, self.display = fs, path, url_of, display
@@ -142,6 +155,75 @@ class AzurePrimitives:
         what = self.url_of(rel)
         return retrying(lambda: _answer(lambda: call(blob), container, what), what)
 
+    # -- reads and plain writes ----------------------------------------------------------------------------------
+    def get(self, rel: str) -> bytes | None:
+        try:
+            return self._run(rel, lambda b: b.download_blob().readall())
+        except FileNotFoundError:
+            return None
+
+    def _walk(self, rel: str) -> list[Any]:
+        """One listing of what is directly under ``rel``: blobs and the "directories" (``BlobPrefix``) above
+        deeper ones."""
+        container, key = self._split(rel)
+        client = self.service.get_container_client(container)
+        start = f"{key.rstrip('/')}/" if key else ""
+        what = self.url_of(rel)
+        return retrying(lambda: _answer(lambda: list(client.walk_blobs(name_starts_with=start, delimiter="/",
+                                                                       include=["metadata"])), container, what),
+                        what)
+
+    def names(self, rel: str) -> list[str]:
+        return [item.name.rstrip("/").rsplit("/", 1)[-1] for item in self._walk(rel)]
+
+    def list(self, rel: str) -> dict[str, Listed]:
+        """Blobs only: ``BlobPrefix`` entries and the empty folder markers of a hierarchical-namespace account
+        (``hdi_isfolder``) are "directories"."""
+        out = {}
+        for item in self._walk(rel):
+            if item.name.endswith("/") or not hasattr(item, "size"):
+                continue
+            if str((getattr(item, "metadata", None) or {}).get("hdi_isfolder", "")).lower() == "true":
+                continue
+            name = item.name.rsplit("/", 1)[-1]
+            out[name] = Listed(name, int(item.size or 0), _quoted(item.etag))
+        return out
+
+    def cat_many(self, paths: list[str]) -> dict[str, bytes | None]:
+        """One Get Blob each, ``CONCURRENCY`` at a time (each retried on its own)."""
+        def one(path: str) -> bytes | None:
+            container, key, _ = self.fs.split_path(path)
+            blob = self.service.get_blob_client(container, key)
+            what = f"{self.display}: {key}"
+            try:
+                return retrying(lambda: _answer(lambda: blob.download_blob().readall(), container, what), what)
+            except FileNotFoundError:
+                return None
+
+        if not paths:
+            return {}
+        with ThreadPoolExecutor(min(CONCURRENCY, len(paths)), thread_name_prefix="dspine-az-get") as pool:
+            return dict(zip(paths, pool.map(one, paths), strict=True))
+
+    def put(self, rel: str, data: bytes) -> None:
+        self._run(rel, lambda b: b.upload_blob(data, overwrite=True))
+
+    def upload(self, local: str, rel: str) -> None:
+        """Put Blob, or staged blocks above the SDK's single-put size (4 blocks in flight); a retry reopens the
+        file and starts over (the staging name is unique, so a half-written attempt is never seen)."""
+        def send(b: Any) -> None:
+            with open(local, "rb") as f:
+                b.upload_blob(f, overwrite=True, max_concurrency=4)
+
+        self._run(rel, send)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self._run(rel, lambda b: b.delete_blob())
+        except FileNotFoundError:
+            pass
+
+    # -- conditional requests -------------------------------------------------------------------------------------
     def head(self, rel: str) -> dict[str, Any] | None:
         try:
             props = self._run(rel, lambda b: b.get_blob_properties())

@@ -8,21 +8,21 @@ its own object already there, so ``create`` returns the existing body's ETag-les
 contents (a commit record carries a unique token for exactly that).
 
 ``ObjectStore`` is the one interface the commit protocol (``pipeline.remote``) and the lease (``storage.lease``)
-use; they never learn which store is behind it. The store-neutral half (names, listings, plain reads and writes,
-``open``) goes through the URL's fsspec filesystem; the conditional half is one small class per store, picked by
-URL scheme: ``storage.s3.S3Primitives`` (s3fs: AWS, MinIO, R2, Ceph, moto) and ``storage.azure.AzurePrimitives``
-(azure-storage-blob: Azure, Azurite). A store without such a class cannot be an OUTDIR (``check_outdir_url``).
+use; they never learn which store is behind it. It names objects relative to the prefix and hands each request
+to one ``primitives.Primitives`` implementation, picked by URL scheme: ``storage.s3.S3Primitives`` (s3fs: AWS,
+MinIO, R2, Ceph, moto) or ``storage.azure.AzurePrimitives`` (azure-storage-blob: Azure, Azurite); only ``open``
+(reading a part back) is fsspec's for every store. A store without such a class cannot be an OUTDIR
+(``check_outdir_url``).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from dspine_batch.errors import UsageError
-from dspine_batch.storage.fs import RETRIES, filesystem, need_library, permanent, retrying, transient
+from dspine_batch.storage.fs import filesystem, need_library, retrying
+from dspine_batch.storage.primitives import Listed, Primitives
 from dspine_batch.storage.urls import AZURE_SCHEMES, NO_CREATE_ONLY, OUTDIR_SCHEMES, redact, scheme, strip_url
 
 
@@ -38,24 +38,7 @@ def check_outdir_url(url: str) -> None:
                      "path) and copy the finished output there")
 
 
-@dataclass
-class Listed:
-    name: str
-    size: int
-    etag: str | None = None
-
-
-class Primitives(Protocol):
-    """What one kind of store implements (``s3.S3Primitives``, ``azure.AzurePrimitives``): each method retries
-    transient failures itself and raises ``fs.permanent``'s one line for the rest."""
-
-    def head(self, rel: str) -> dict[str, Any] | None: ...
-    def get_with_etag(self, rel: str) -> tuple[bytes, str] | None: ...
-    def create(self, rel: str, data: bytes) -> str | None: ...
-    def replace(self, rel: str, data: bytes, etag: str) -> str | None: ...
-    def copy(self, src: str, dst: str, size: int | None = None) -> None: ...
-    def delete_many(self, rels: list[str]) -> None: ...
-    def check_container(self) -> None: ...
+__all__ = ["Listed", "ObjectStore", "Primitives", "check_outdir_url", "local_tmp_dir"]
 
 
 class ObjectStore:
@@ -69,7 +52,7 @@ class ObjectStore:
 
     @property
     def ops(self) -> Primitives:
-        """The conditional primitives of this URL's store (built on first use: reads need none)."""
+        """The primitives of this URL's store, by scheme (built on first use)."""
         if self._ops is None:
             proto = scheme(self.url)
             if proto in ("s3", "s3a"):
@@ -95,10 +78,7 @@ class ObjectStore:
     # -- reads ----------------------------------------------------------------------------------------------------
     def get(self, rel: str) -> bytes | None:
         """The object's bytes, None when there is none."""
-        try:
-            return retrying(lambda: self.fs.cat_file(self.path(rel)), self.url_of(rel))
-        except FileNotFoundError:
-            return None
+        return self.ops.get(rel)
 
     def head(self, rel: str) -> dict[str, Any] | None:
         """Size and ETag straight from the store (no listing cache), None when absent."""
@@ -110,61 +90,28 @@ class ObjectStore:
 
     def names(self, rel: str = "") -> list[str]:
         """Every name directly under ``rel``, "directories" included (is this prefix someone else's?)."""
-        try:
-            found = retrying(lambda: self.fs.ls(self.path(rel), detail=False, refresh=True), self.url_of(rel))
-        except FileNotFoundError:
-            return []
-        return [n.rstrip("/").rsplit("/", 1)[-1] for n in found]
+        return self.ops.names(rel)
 
     def list(self, rel: str = "") -> dict[str, Listed]:
         """Files directly under ``rel`` by name (one consistent listing; "directories" left out)."""
-        try:
-            entries = retrying(lambda: self.fs.ls(self.path(rel), detail=True, refresh=True), self.url_of(rel))
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for e in entries:
-            if e.get("type") == "file":
-                name = e["name"].rsplit("/", 1)[-1]
-                out[name] = Listed(name, int(e.get("size") or 0), e.get("ETag") or e.get("etag"))
-        return out
+        return self.ops.list(rel)
 
     def cat_many(self, paths: list[str]) -> dict[str, bytes | None]:
-        """Many small objects (full store paths) fetched concurrently; a transient failure of some is retried
-        for those; a missing one maps to None."""
-        out: dict[str, bytes | None] = {}
-        todo = list(paths)
-        for attempt in range(RETRIES):
-            if not todo:
-                break
-            got = retrying(lambda t=todo: self.fs.cat(t, on_error="return"), self.display)
-            failed = []
-            for p in todo:
-                v = got.get(p) if isinstance(got, dict) else None
-                if isinstance(v, bytes):
-                    out[p] = v
-                elif isinstance(v, FileNotFoundError) or v is None:
-                    out[p] = None
-                elif attempt == RETRIES - 1 or not transient(v):
-                    raise permanent(v, self.display)
-                else:
-                    failed.append(p)
-            todo = failed
-            if todo:
-                time.sleep(min(10.0, 0.2 * 2 ** attempt))
-        return out
+        """Many small objects (full store paths, ``path(rel)``) fetched concurrently; a missing one maps to None."""
+        return self.ops.cat_many(paths)
 
     def open(self, rel: str, mode: str = "rb") -> Any:
+        """A read-ahead buffered file object (fsspec's): for reading parts back (checksums, row ids, retries)."""
         return retrying(lambda: self.fs.open(self.path(rel), mode, block_size=8 << 20), self.url_of(rel))
 
     # -- writes ---------------------------------------------------------------------------------------------------
     def put(self, rel: str, data: bytes) -> None:
         """Plain overwrite: for advisory files (state) only, never for anything a commit depends on."""
-        retrying(lambda: self.fs.pipe_file(self.path(rel), data), self.url_of(rel))
+        self.ops.put(rel, data)
 
     def upload(self, local: str, rel: str) -> None:
-        """A local file to ``rel`` (multipart above a few MiB, each part retried by the client)."""
-        retrying(lambda: self.fs.put_file(local, self.path(rel)), self.url_of(rel))
+        """A local file to ``rel`` (in parts or blocks above a few MiB, each retried by the client)."""
+        self.ops.upload(local, rel)
 
     def create(self, rel: str, data: bytes) -> bool:
         """Create-only (``If-None-Match: *``): True when this call created it, False when it already existed
@@ -180,14 +127,13 @@ class ObjectStore:
         return self.ops.create(rel, data)
 
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
-        """Server-side copy (no bytes through this machine); ``size``, when known, may save a request."""
+        """Server-side copy (no bytes through this machine), complete on return; ``size``, when known, may save
+        a request."""
         self.ops.copy(src, dst, size)
 
     def delete(self, rel: str) -> None:
-        try:
-            retrying(lambda: self.fs.rm_file(self.path(rel)), self.url_of(rel))
-        except FileNotFoundError:
-            pass
+        """One object; absent is fine."""
+        self.ops.delete(rel)
 
     def delete_many(self, rels: list[str]) -> None:
         """Batched deletes (S3: 1,000 keys a request; Azure: 256), no lookups first; absent keys are fine."""

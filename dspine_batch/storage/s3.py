@@ -1,27 +1,29 @@
-"""The conditional primitives of an exactly-once OUTDIR on S3's API, through s3fs's botocore client.
+"""The primitives of an exactly-once OUTDIR (``primitives.Primitives``) on S3's API, through s3fs.
 
 AWS, MinIO, R2, Ceph and moto answer ``If-None-Match: *`` (create-only) and ``If-Match: <ETag>`` (compare-and-swap)
-on PutObject, ``If-Match`` on GetObject, CopyObject (server-side) and DeleteObjects (1,000 keys a request). This
-module holds only those calls; ``storage.objects.ObjectStore`` puts names, retries and the store-neutral reads and
-writes (fsspec's) around them, and picks this module for ``s3://``/``s3a://`` URLs.
+on PutObject, ``If-Match`` on GetObject, CopyObject (server-side) and DeleteObjects (1,000 keys a request): those
+go to botocore through ``fs.call_s3``; plain reads, listings and uploads are s3fs's own (opened without a listings
+cache, ``fs._defaults``). ``storage.objects.ObjectStore`` picks this class for ``s3://``/``s3a://`` URLs.
 
-Every method is one store request (or one poll of them) and raises what ``fs.retrying`` classifies: a 412 as
+Every call retries transient failures (``fs.retrying``) and raises what it classifies: a 412 as
 ``FileExistsError`` (s3fs already turns it into one for some calls; ``precondition_failed`` catches the others),
 a missing key as ``FileNotFoundError``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from dspine_batch.errors import FatalError
-from dspine_batch.storage.fs import retrying, store_errors
+from dspine_batch.storage.fs import RETRIES, permanent, retrying, store_errors, transient
+from dspine_batch.storage.primitives import Listed
 
 
 class S3Primitives:
-    """The conditional requests on one S3 prefix (``fs`` an s3fs filesystem, ``path``/``url_of`` the store's
-    naming of a name relative to the prefix)."""
+    """The requests on one S3 prefix (``fs`` an s3fs filesystem, ``path``/``url_of`` the store's naming of a
+    name relative to the prefix, ``display`` the redacted URL)."""
 
     def __init__(self, fs: Any, path: Callable[[str], str], url_of: Callable[[str], str], display: str):
         self.fs, self.path, self.url_of, self.display = fs, path, url_of, display
@@ -30,6 +32,68 @@ class S3Primitives:
         bucket, key, _ = self.fs.split_path(self.path(rel))
         return bucket, key
 
+    # -- reads and writes through s3fs ----------------------------------------------------------------------------
+    def get(self, rel: str) -> bytes | None:
+        try:
+            return retrying(lambda: self.fs.cat_file(self.path(rel)), self.url_of(rel))
+        except FileNotFoundError:
+            return None
+
+    def _ls(self, rel: str, detail: bool) -> list[Any]:
+        try:
+            return retrying(lambda: self.fs.ls(self.path(rel), detail=detail, refresh=True), self.url_of(rel))
+        except FileNotFoundError:
+            return []
+
+    def names(self, rel: str) -> list[str]:
+        return [n.rstrip("/").rsplit("/", 1)[-1] for n in self._ls(rel, False)]
+
+    def list(self, rel: str) -> dict[str, Listed]:
+        out = {}
+        for e in self._ls(rel, True):
+            if e.get("type") == "file":
+                name = e["name"].rsplit("/", 1)[-1]
+                out[name] = Listed(name, int(e.get("size") or 0), e.get("ETag"))
+        return out
+
+    def cat_many(self, paths: list[str]) -> dict[str, bytes | None]:
+        """s3fs's concurrent ``cat``; the transient failures among the answers are fetched again, alone."""
+        out: dict[str, bytes | None] = {}
+        todo = list(paths)
+        for attempt in range(RETRIES):
+            if not todo:
+                break
+            got = retrying(lambda t=todo: self.fs.cat(t, on_error="return"), self.display)
+            failed = []
+            for p in todo:
+                v = got.get(p) if isinstance(got, dict) else None
+                if isinstance(v, bytes):
+                    out[p] = v
+                elif isinstance(v, FileNotFoundError) or v is None:
+                    out[p] = None
+                elif attempt == RETRIES - 1 or not transient(v):
+                    raise permanent(v, self.display)
+                else:
+                    failed.append(p)
+            todo = failed
+            if todo:
+                time.sleep(min(10.0, 0.2 * 2 ** attempt))
+        return out
+
+    def put(self, rel: str, data: bytes) -> None:
+        retrying(lambda: self.fs.pipe_file(self.path(rel), data), self.url_of(rel))
+
+    def upload(self, local: str, rel: str) -> None:
+        """Multipart above a few MiB, each part retried by the client."""
+        retrying(lambda: self.fs.put_file(local, self.path(rel)), self.url_of(rel))
+
+    def delete(self, rel: str) -> None:
+        try:
+            retrying(lambda: self.fs.rm_file(self.path(rel)), self.url_of(rel))
+        except FileNotFoundError:
+            pass
+
+    # -- conditional requests, straight to botocore ---------------------------------------------------------------
     def head(self, rel: str) -> dict[str, Any] | None:
         bucket, key = self._bucket_key(rel)
         try:
