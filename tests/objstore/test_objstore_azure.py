@@ -94,18 +94,22 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, az, a
     proxy = FaultProxy(azurite_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
     via_proxy = azurite_connection_string(proxy.url)
     rng = random.Random(7)
+    records = f"{prefix}/_dspine/keys/commit-*.json"
+    left: list[list[str]] = []  # the staging area after each kill
     try:
-        # 1: uploaded, record not created (an orphan); 2: record created, publish not done; 3: random moment
+        # 1: uploaded, record not created (an orphan); 2: record created, publish not done; 3: a random moment
+        # after this start's first commit
         for step in ("record", "copy", None):
             seen.update(record=0, copy=0)
             plan.clear()
             if step:
                 plan[step] = rng.randint(1, 3)
+            before = len(az.glob(records))
             p = spawn([*args, "-o", out], AZURE_STORAGE_CONNECTION_STRING=via_proxy, DSPINE_BATCH_LEASE_SECONDS="2")
             worker["pid"] = p.pid
             if step is None:
-                _wait(lambda: az.exists(f"{prefix}/_dspine/keys"), "the worker committed")
-                time.sleep(rng.uniform(0.1, 0.5))
+                _wait(lambda n=before, w=p: len(az.glob(records)) > n or w.poll() is not None, "the worker committed")
+                time.sleep(rng.uniform(0.02, 0.2))
                 if p.poll() is None:
                     os.kill(worker.pop("pid"), signal.SIGKILL)
                     killed.append("random")
@@ -114,12 +118,12 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, az, a
             assert p.returncode in (0, -signal.SIGKILL), err.decode()
             if p.returncode == 0:
                 break
+            left.append(az.ls(f"{prefix}/_dspine/staging", detail=False))
             _wait(lambda: _expired(az, f"{prefix}/_dspine/lease-00000-of-00001.json"), "the old lease expired")
     finally:
         proxy.close()
     assert killed[:2] == ["record", "copy"] and len(killed) >= 3, killed
-    staged = az.ls(f"{prefix}/_dspine/staging", detail=False)
-    assert staged  # what the kills left: an orphan upload and an unpublished committed part
+    assert left[0] and left[1]  # an orphan upload; a committed part whose publish did not happen
     p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="2")
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err.decode()
