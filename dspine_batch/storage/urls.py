@@ -72,8 +72,9 @@ def local_path(path: str) -> str:
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL password and secret-carrying query value replaced by ``***``. Cheap enough to run
-    on every line we print."""
+    """``text`` with every URL password, secret-carrying query value (SAS tokens included), connection-string
+    secret (``AccountKey=``, ``SharedAccessSignature=``) and secret storage option quoted by name replaced by
+    ``***``. Cheap enough to run on every line we print."""
     if "://" not in text and "=" not in text and ":" not in text:
         return text
     text = _USERINFO.sub(r"\1***@", text)
