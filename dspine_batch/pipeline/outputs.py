@@ -1,7 +1,7 @@
 """The storage interface of an OUTDIR: what ``generate``, ``status`` and ``finalize`` ask of where output lives.
 
 Two implementations: ``LocalOutput`` (a directory: POSIX rename, fsync and ``flock``, the protocol in ``sink`` and
-``resume``, unchanged in speed and guarantees) and ``remote.ObjectOutput`` (an ``s3://`` prefix: create-only
+``resume``, unchanged in speed and guarantees) and ``remote.ObjectOutput`` (an ``s3://``/``az://`` prefix: create-only
 commit records, server-side publish, leases). ``open_output`` picks one from the -o value; a URL whose store
 cannot hold an exactly-once output is refused there in one line.
 """

@@ -1,4 +1,7 @@
-"""An OUTDIR on an object store (``s3://...``), exactly-once without rename, fsync or ``flock``.
+"""An OUTDIR on an object store (``s3://...``, ``az://...``), exactly-once without rename, fsync or ``flock``.
+
+Written against ``storage.objects.ObjectStore`` only (create-only writes, compare-and-swap, server-side copy,
+batched deletes, listings): which store answers, and with which requests, is that module's business.
 
 Layout under the OUTDIR prefix (readers glob ``OUTDIR/*.parquet`` and see committed parts only):
   ``_manifest.json``                        created once, create-only (first shard wins, the others check it)
@@ -52,7 +55,6 @@ from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
 from dspine_batch.pipeline.remote_layout import DAMAGED, KEYS, STAGING, STATE, SUCCESS, record_rel, stem
 from dspine_batch.pipeline.resume import OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
 from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter, keys_checksum
-from dspine_batch.storage.fs import retrying
 from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
 from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
 
@@ -82,11 +84,7 @@ class ObjectOutput:
         """Check the bucket answers (one line for 403 / no bucket, before any work) and that the prefix is empty
         or ours (a typo in -o must not mix outputs)."""
         self.store.check_bucket()
-        try:
-            names = retrying(lambda: self.store.fs.ls(self.store.root, detail=False, refresh=True), self.display)
-        except FileNotFoundError:
-            names = []
-        foreign = [n.rsplit("/", 1)[-1] for n in names if not OUTPUT_NAMES.match(n.rsplit("/", 1)[-1])]
+        foreign = [n for n in self.store.names() if not OUTPUT_NAMES.match(n)]
         if foreign and self.read_manifest() is None:
             raise UsageError(f"{self.display}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
                              "choose a new -o prefix")
@@ -474,7 +472,7 @@ class Committer:
     UPLOADS = 4
     QUEUE = 8
     STATE_SECONDS = 1.0
-    DELETE_BATCH = 64  # staged copies of published parts removed per DeleteObjects request
+    DELETE_BATCH = 64  # staged copies of published parts removed per batched delete request
 
     def __init__(self, out: ObjectOutput):
         self.out = out

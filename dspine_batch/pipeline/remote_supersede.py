@@ -1,4 +1,5 @@
-"""Taking committed rows out of a part on an object store: ``--retry-errors`` on an ``s3://`` OUTDIR.
+"""Taking committed rows out of a part on an object store: ``--retry-errors`` on an ``s3://`` or ``az://``
+OUTDIR.
 
 The local protocol (``supersede``) replaces a part with ``rename``; an object store has none, but it has what
 replaces it: overwriting an object is atomic for readers (a GET sees the old bytes or the new, never a mix), and

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from dspine_batch.errors import FatalError, UsageError
-from dspine_batch.storage.urls import EXTRAS, is_url, local_path, redact, scheme
+from dspine_batch.storage.urls import AZURE_SCHEMES, EXTRAS, is_url, local_path, redact, scheme
 
 T = TypeVar("T")
 _OPTIONS: dict[str, Any] = {}
@@ -42,7 +42,12 @@ def options() -> dict[str, Any]:
 
 def _defaults(proto: str) -> dict[str, Any]:
     """Per-protocol defaults under the user's options: S3 gets botocore's "standard" retry mode (5xx, throttling
-    and connection errors, with backoff) and an endpoint from ``AWS_ENDPOINT_URL[_S3]`` when set."""
+    and connection errors, with backoff) and an endpoint from ``AWS_ENDPOINT_URL[_S3]`` when set. Azure gets no
+    listings cache (adlfs caches listings by default, and another worker's commit would stay unseen), and a fresh
+    instance whenever ``set_options`` drops ours (adlfs reads ``AZURE_STORAGE_*`` when built, and fsspec's instance
+    cache keys on arguments only: a changed connection string would meet the old instance)."""
+    if proto in AZURE_SCHEMES:
+        return {"use_listings_cache": False, "skip_instance_cache": True}
     if proto not in ("s3", "s3a"):
         return {}
     # no listings cache: a commit protocol must see the store as it is now, not as it was a listing ago
@@ -100,7 +105,10 @@ def filesystem(url: str) -> tuple[Any, str]:
         try:
             _CACHE[proto] = cls(**opts)
         except TypeError as e:
-            raise UsageError(f"--storage-option: not accepted by {cls.__name__} ({e})") from None
+            raise UsageError(f"--storage-option: not accepted by {cls.__name__} ({redact(str(e))})") from None
+        except ValueError as e:  # adlfs: no account, or a malformed connection string (its text is redacted)
+            raise UsageError(f"{redact(url)}: cannot open {proto}:// with these credentials ({redact(str(e))[:200]}); "
+                             "see --storage-option and the store's environment variables (docs/cloud.md)") from None
     path = cls._strip_protocol(url)
     return _CACHE[proto], path.rstrip("/") if isinstance(path, str) else path
 
@@ -128,15 +136,27 @@ def precondition_failed(e: BaseException) -> bool:
     return "precondition" in text or "pre-condition" in text
 
 
+# azure-core's exceptions for a request that never got an answer (refused, reset, timed out mid-body): named here
+# rather than imported, so this module needs no Azure SDK
+_AZURE_NO_ANSWER = ("ServiceRequestError", "ServiceResponseError", "ServiceRequestTimeoutError",
+                    "ServiceResponseTimeoutError", "IncompleteReadError")
+
+
 def transient(e: BaseException) -> bool:
-    """Worth retrying: throttling, 5xx, timeouts, dropped connections. A 4xx is an answer, not a hiccup."""
-    if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+    """Worth retrying: throttling, 5xx, timeouts, dropped connections. A 4xx is an answer, not a hiccup. Azure
+    says the same with its own names: 503 ServerBusy, 500 InternalError, 429, and azure-core's ``Service*Error``
+    for a connection that failed (the S3 and Azure primitives turn 404/409/412 answers into ``FileNotFoundError``/
+    ``FileExistsError`` before they reach here)."""
+    if isinstance(e, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                      FatalError, UsageError)):
         return False
     if precondition_failed(e):
         return False
     status = _status(e)
     if status is not None:  # 409: a conditional write racing another on the same key (S3 says: retry)
         return status >= 500 or status in (408, 409, 429)
+    if any(type(x).__name__ in _AZURE_NO_ANSWER for x in (e, e.__cause__, e.__context__) if x is not None):
+        return True
     text = f"{type(e).__name__} {e}".lower()
     return isinstance(e, (ConnectionError, TimeoutError)) or any(
         w in text for w in ("timeout", "timed out", "connection", "reset", "broken pipe", "throttl", "slowdown",
@@ -167,11 +187,14 @@ def permanent(e: BaseException, what: str) -> BaseException:
     text = redact(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:200]
     status = _status(e)
     low = text.lower()
-    if isinstance(e, PermissionError) or status == 403 or "access denied" in low or "forbidden" in low:
+    if isinstance(e, PermissionError) or status == 403 or "access denied" in low or "forbidden" in low or \
+            "authorizationfailure" in low or "authenticationfailed" in low:
         return FatalError(f"{redact(what)}: access denied by the store (403: {text}); check the credentials and "
-                          "the bucket policy; nothing was committed by this request")
+                          "the bucket (container) policy; nothing was committed by this request")
     if "bucket" in low and ("not exist" in low or "nosuchbucket" in low or "not found" in low):
         return FatalError(f"{redact(what)}: no such bucket ({text}); create it first or fix the URL")
+    if "containernotfound" in low or ("container" in low and "not exist" in low):
+        return FatalError(f"{redact(what)}: no such container ({text}); create it first or fix the URL")
     if isinstance(e, FileNotFoundError):
         return e
     return FatalError(f"{redact(what)}: the store failed ({text}) after retries; nothing half-committed: run the "

@@ -1,25 +1,29 @@
 """An object-store prefix (an OUTDIR URL) and the few primitives an exactly-once commit needs there.
 
 An object store has no rename, no fsync and no ``flock``. What it has, and what this module exposes:
-create-only writes (``If-None-Match: *``: the first writer wins, every other gets 412), compare-and-swap
+create-only writes (``If-None-Match: *``: the first writer wins, every other is refused), compare-and-swap
 overwrites (``If-Match: <ETag>``), server-side copies, and strongly consistent listings. Every call is retried
 with backoff on transient failures (``fs.retrying``); a create-only write retried after a lost answer may find
 its own object already there, so ``create`` returns the existing body's ETag-less verdict and callers compare
 contents (a commit record carries a unique token for exactly that).
 
-Implemented for S3's API through s3fs (AWS, MinIO, R2, Ceph and moto all answer ``If-None-Match``/``If-Match``).
+``ObjectStore`` is the one interface the commit protocol (``pipeline.remote``) and the lease (``storage.lease``)
+use; they never learn which store is behind it. It names objects relative to the prefix and hands each request
+to one ``primitives.Primitives`` implementation, picked by URL scheme: ``storage.s3.S3Primitives`` (s3fs: AWS,
+MinIO, R2, Ceph, moto) or ``storage.azure.AzurePrimitives`` (azure-storage-blob: Azure, Azurite); only ``open``
+(reading a part back) is fsspec's for every store. A store without such a class cannot be an OUTDIR
+(``check_outdir_url``).
 """
 
 from __future__ import annotations
 
 import os
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from dspine_batch.errors import FatalError, UsageError
-from dspine_batch.storage.fs import RETRIES, filesystem, need_library, permanent, retrying, store_errors, transient
-from dspine_batch.storage.urls import NO_CREATE_ONLY, OUTDIR_SCHEMES, redact, scheme, strip_url
+from dspine_batch.errors import UsageError
+from dspine_batch.storage.fs import filesystem, need_library, retrying
+from dspine_batch.storage.primitives import Listed, Primitives
+from dspine_batch.storage.urls import AZURE_SCHEMES, NO_CREATE_ONLY, OUTDIR_SCHEMES, redact, scheme, strip_url
 
 
 def check_outdir_url(url: str) -> None:
@@ -30,15 +34,11 @@ def check_outdir_url(url: str) -> None:
             need_library(url)
         return
     why = NO_CREATE_ONLY.get(proto, "its store is not known to support create-if-absent writes")
-    raise UsageError(f"{redact(url)}: cannot be an output directory: {why}; write to s3:// (or a local path) "
-                     "and copy the finished output there")
+    raise UsageError(f"{redact(url)}: cannot be an output directory: {why}; write to s3:// or az:// (or a local "
+                     "path) and copy the finished output there")
 
 
-@dataclass
-class Listed:
-    name: str
-    size: int
-    etag: str | None = None
+__all__ = ["Listed", "ObjectStore", "Primitives", "check_outdir_url", "local_tmp_dir"]
 
 
 class ObjectStore:
@@ -48,6 +48,25 @@ class ObjectStore:
         self.url = strip_url(url)
         self.display = redact(self.url)
         self.fs, self.root = filesystem(self.url)
+        self._ops: Primitives | None = None
+
+    @property
+    def ops(self) -> Primitives:
+        """The primitives of this URL's store, by scheme (built on first use)."""
+        if self._ops is None:
+            proto = scheme(self.url)
+            if proto in ("s3", "s3a"):
+                from dspine_batch.storage.s3 import S3Primitives
+
+                self._ops = S3Primitives(self.fs, self.path, self.url_of, self.display)
+            elif proto in AZURE_SCHEMES:
+                from dspine_batch.storage.azure import AzurePrimitives
+
+                self._ops = AzurePrimitives(self.fs, self.path, self.url_of, self.display)
+            else:
+                check_outdir_url(self.url)
+                raise UsageError(f"{self.display}: no create-only writes are implemented for this store")
+        return self._ops
 
     # -- naming ---------------------------------------------------------------------------------------------------
     def path(self, rel: str) -> str:
@@ -56,173 +75,75 @@ class ObjectStore:
     def url_of(self, rel: str) -> str:
         return f"{self.display}/{rel}" if rel else self.display
 
-    def _bucket_key(self, rel: str) -> tuple[str, str]:
-        bucket, key, _ = self.fs.split_path(self.path(rel))
-        return bucket, key
-
     # -- reads ----------------------------------------------------------------------------------------------------
     def get(self, rel: str) -> bytes | None:
         """The object's bytes, None when there is none."""
-        try:
-            return retrying(lambda: self.fs.cat_file(self.path(rel)), self.url_of(rel))
-        except FileNotFoundError:
-            return None
+        return self.ops.get(rel)
 
     def head(self, rel: str) -> dict[str, Any] | None:
         """Size and ETag straight from the store (no listing cache), None when absent."""
-        bucket, key = self._bucket_key(rel)
-        try:
-            out = retrying(lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=key), self.url_of(rel))
-        except FileNotFoundError:
-            return None
-        return {"size": int(out.get("ContentLength", 0)), "etag": out.get("ETag")}
+        return self.ops.head(rel)
 
     def get_with_etag(self, rel: str) -> tuple[bytes, str] | None:
-        """(bytes, ETag) read so that the ETag is no newer than the bytes: HEAD first, then GET with
-        ``If-Match`` on it; a change in between makes the GET fail and the pair is read again."""
-        for _ in range(10):
-            meta = self.head(rel)
-            if meta is None:
-                return None
-            try:
-                body = retrying(lambda m=meta: self._get_if_match(rel, m["etag"]), self.url_of(rel))
-            except FileNotFoundError:
-                return None
-            except FileExistsError:  # 412: changed between HEAD and GET
-                continue
-            return body, meta["etag"]
-        return None
+        """(bytes, ETag) with the ETag no newer than the bytes (what a compare-and-swap of them needs)."""
+        return self.ops.get_with_etag(rel)
 
-    def _get_if_match(self, rel: str, etag: str) -> bytes:
-        bucket, key = self._bucket_key(rel)
-
-        async def read() -> bytes:
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, IfMatch=etag)
-            async with resp["Body"] as body:
-                return await body.read()
-
-        from fsspec.asyn import sync
-
-        return sync(self.fs.loop, read)
+    def names(self, rel: str = "") -> list[str]:
+        """Every name directly under ``rel``, "directories" included (is this prefix someone else's?)."""
+        return self.ops.names(rel)
 
     def list(self, rel: str = "") -> dict[str, Listed]:
         """Files directly under ``rel`` by name (one consistent listing; "directories" left out)."""
-        try:
-            entries = retrying(lambda: self.fs.ls(self.path(rel), detail=True, refresh=True), self.url_of(rel))
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for e in entries:
-            if e.get("type") == "file":
-                name = e["name"].rsplit("/", 1)[-1]
-                out[name] = Listed(name, int(e.get("size") or 0), e.get("ETag"))
-        return out
+        return self.ops.list(rel)
 
     def cat_many(self, paths: list[str]) -> dict[str, bytes | None]:
-        """Many small objects (full store paths) fetched concurrently; a transient failure of some is retried
-        for those; a missing one maps to None."""
-        out: dict[str, bytes | None] = {}
-        todo = list(paths)
-        for attempt in range(RETRIES):
-            if not todo:
-                break
-            got = retrying(lambda t=todo: self.fs.cat(t, on_error="return"), self.display)
-            failed = []
-            for p in todo:
-                v = got.get(p) if isinstance(got, dict) else None
-                if isinstance(v, bytes):
-                    out[p] = v
-                elif isinstance(v, FileNotFoundError) or v is None:
-                    out[p] = None
-                elif attempt == RETRIES - 1 or not transient(v):
-                    raise permanent(v, self.display)
-                else:
-                    failed.append(p)
-            todo = failed
-            if todo:
-                time.sleep(min(10.0, 0.2 * 2 ** attempt))
-        return out
+        """Many small objects (full store paths, ``path(rel)``) fetched concurrently; a missing one maps to None."""
+        return self.ops.cat_many(paths)
 
     def open(self, rel: str, mode: str = "rb") -> Any:
+        """A read-ahead buffered file object (fsspec's): for reading parts back (checksums, row ids, retries)."""
         return retrying(lambda: self.fs.open(self.path(rel), mode, block_size=8 << 20), self.url_of(rel))
 
     # -- writes ---------------------------------------------------------------------------------------------------
     def put(self, rel: str, data: bytes) -> None:
         """Plain overwrite: for advisory files (state) only, never for anything a commit depends on."""
-        retrying(lambda: self.fs.pipe_file(self.path(rel), data), self.url_of(rel))
+        self.ops.put(rel, data)
 
     def upload(self, local: str, rel: str) -> None:
-        """A local file to ``rel`` (multipart above a few MiB, each part retried by the client)."""
-        retrying(lambda: self.fs.put_file(local, self.path(rel)), self.url_of(rel))
+        """A local file to ``rel`` (in parts or blocks above a few MiB, each retried by the client)."""
+        self.ops.upload(local, rel)
 
     def create(self, rel: str, data: bytes) -> bool:
         """Create-only (``If-None-Match: *``): True when this call created it, False when it already existed
         (then the caller reads it: a retry after a lost answer finds its own write)."""
-        bucket, key = self._bucket_key(rel)
-        try:
-            retrying(lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"),
-                     self.url_of(rel))
-        except FileExistsError:
-            return False
-        return True
+        return self.ops.create(rel, data) is not None
 
     def replace(self, rel: str, data: bytes, etag: str) -> str | None:
         """Compare-and-swap (``If-Match: etag``): the new ETag, or None when the object changed (or is gone)."""
-        bucket, key = self._bucket_key(rel)
-        try:
-            out = retrying(lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag),
-                           self.url_of(rel))
-        except (FileExistsError, FileNotFoundError):
-            return None
-        return out.get("ETag")
+        return self.ops.replace(rel, data, etag)
 
     def create_etag(self, rel: str, data: bytes) -> str | None:
         """``create`` returning the new ETag (None when the object existed)."""
-        bucket, key = self._bucket_key(rel)
-        try:
-            out = retrying(lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data,
-                                                   IfNoneMatch="*"), self.url_of(rel))
-        except FileExistsError:
-            return None
-        return out.get("ETag")
+        return self.ops.create(rel, data)
 
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
-        """Server-side copy (no bytes through this machine): one CopyObject request when the size is known to be
-        under S3's 5 GiB single-copy limit, else s3fs's copy (which looks the source up and copies in parts)."""
-        if size is not None and size < 5 << 30:
-            bucket, key = self._bucket_key(dst)
-            sb, sk = self._bucket_key(src)
-            retrying(lambda: self.fs.call_s3("copy_object", Bucket=bucket, Key=key,
-                                             CopySource={"Bucket": sb, "Key": sk}), self.url_of(dst))
-            return
-        retrying(lambda: self.fs.copy(self.path(src), self.path(dst)), self.url_of(dst))
+        """Server-side copy (no bytes through this machine), complete on return; ``size``, when known, may save
+        a request."""
+        self.ops.copy(src, dst, size)
 
     def delete(self, rel: str) -> None:
-        try:
-            retrying(lambda: self.fs.rm_file(self.path(rel)), self.url_of(rel))
-        except FileNotFoundError:
-            pass
+        """One object; absent is fine."""
+        self.ops.delete(rel)
 
     def delete_many(self, rels: list[str]) -> None:
-        """DeleteObjects, 1,000 keys a request (s3fs's ``rm`` would first look each path up); absent keys are fine."""
-        if not rels:
-            return
-        bucket, _ = self._bucket_key(rels[0])
-        keys = [self._bucket_key(r)[1] for r in rels]
-        for i in range(0, len(keys), 1000):
-            chunk = [{"Key": k} for k in keys[i:i + 1000]]
-            retrying(lambda c=chunk: self.fs.call_s3("delete_objects", Bucket=bucket,
-                                                     Delete={"Objects": c, "Quiet": True}), self.url_of(rels[0]))
+        """Batched deletes (S3: 1,000 keys a request; Azure: 256), no lookups first; absent keys are fine."""
+        if rels:
+            self.ops.delete_many(rels)
 
     def check_bucket(self) -> None:
-        """Fail early and in one line when the bucket is missing or not ours to write (before any work)."""
-        bucket, _ = self._bucket_key("x")
-        with store_errors(self.display):
-            try:
-                retrying(lambda: self.fs.call_s3("head_bucket", Bucket=bucket), self.display)
-            except FileNotFoundError:
-                raise FatalError(f"{self.display}: no such bucket ({bucket}); create it first or fix the URL") \
-                    from None
+        """Fail early and in one line when the bucket (container) is missing or not ours to write (before any
+        work)."""
+        self.ops.check_container()
 
 
 def local_tmp_dir() -> str:

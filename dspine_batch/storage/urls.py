@@ -2,7 +2,9 @@
 
 A string is a URL when it starts with ``scheme://`` (two or more letters: ``C:\\`` stays a path). Anything we
 print or write (logs, manifest, state files, reports, errors) goes through ``redact`` first: a URL may carry a
-password (``s3://key:secret@bucket``) or a signed query string (``?X-Amz-Signature=...``, ``?sig=...``).
+password (``s3://key:secret@bucket``) or a signed query string (``?X-Amz-Signature=...``, ``?sig=...``), and a
+message from a store's SDK may quote an Azure connection string (``AccountKey=...;``), a SAS token or a
+storage option by name (``account_key='...'``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]+:[^@\s]*@")  # a p
 _SECRET_PARAMS = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
                             r"x-goog-credential|sig|signature|token|access_token|secret|password|key|sv|se|sp|skoid|"
                             r"sktid|sks|skv|api_key|apikey)=)[^&\s#]*")
+# an Azure connection string's secret fields (``AccountKey=...;SharedAccessSignature=...``), anywhere in a line
+_CONN_FIELDS = re.compile(r"(?i)\b((?:AccountKey|SharedAccessSignature|SharedAccessKey)=)[^;\s]*")
+# a secret-carrying storage option quoted by name, as ``key=value``, ``key: value`` or a dict's ``'key': 'value'``
+_SECRET_OPTIONS = re.compile(r"(?i)(\b(?:account_key|sas_token|connection_string|client_secret|credential|"
+                             r"aws_secret_access_key|aws_session_token)['\"]?\s*[:=]\s*['\"]?)"
+                             r"[^'\"\s,;}&]+")
 
 # scheme -> (fsspec protocol package, the extra that installs it)
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -29,20 +37,19 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "az": ("adlfs", "azure"), "abfs": ("adlfs", "azure"), "abfss": ("adlfs", "azure"),
     "hf": ("huggingface_hub", "hf"),
 }
-# schemes whose stores can create an object only if it is absent (If-None-Match: *): usable as an OUTDIR.
-# The commit protocol and the lease also use compare-and-swap on the ETag, implemented here for S3's API
-# (AWS, MinIO, R2, Ceph, moto), so only these are accepted as OUTDIR for now.
-OUTDIR_SCHEMES = ("s3", "s3a")
+AZURE_SCHEMES = ("az", "abfs", "abfss")
+# schemes whose stores can create an object only if it is absent (If-None-Match: *) and swap one on its ETag
+# (If-Match), with a primitives module here: S3's API (``storage.s3``: AWS, MinIO, R2, Ceph, moto) and Azure Blob
+# Storage (``storage.azure``: Azure, Azurite). Only these are accepted as OUTDIR.
+OUTDIR_SCHEMES = ("s3", "s3a", *AZURE_SCHEMES)
 # why a store cannot hold an OUTDIR, said in the one line that refuses it
 NO_CREATE_ONLY = {
     "hf": "the Hugging Face Hub has no create-if-absent write, so two writers could both commit the same part",
     "http": "plain HTTP has no create-if-absent write (and is read-only in fsspec)",
     "https": "plain HTTP has no create-if-absent write (and is read-only in fsspec)",
+    # GCS has the preconditions (ifGenerationMatch), but no emulator that honours them could be tested against
     "gs": "exactly-once commits on GCS are not implemented yet (inputs from gs:// work)",
     "gcs": "exactly-once commits on GCS are not implemented yet (inputs from gcs:// work)",
-    "az": "exactly-once commits on Azure are not implemented yet (inputs from az:// work)",
-    "abfs": "exactly-once commits on Azure are not implemented yet (inputs from abfs:// work)",
-    "abfss": "exactly-once commits on Azure are not implemented yet (inputs from abfss:// work)",
     "memory": "the memory:// store lives in one process only",
 }
 
@@ -65,12 +72,15 @@ def local_path(path: str) -> str:
 
 
 def redact(text: str) -> str:
-    """``text`` with every URL password and secret-carrying query value replaced by ``***``. Cheap enough to run
-    on every line we print."""
-    if "://" not in text and "=" not in text:
+    """``text`` with every URL password, secret-carrying query value (SAS tokens included), connection-string
+    secret (``AccountKey=``, ``SharedAccessSignature=``) and secret storage option quoted by name replaced by
+    ``***``. Cheap enough to run on every line we print."""
+    if "://" not in text and "=" not in text and ":" not in text:
         return text
     text = _USERINFO.sub(r"\1***@", text)
-    return _SECRET_PARAMS.sub(r"\1***", text)
+    text = _SECRET_PARAMS.sub(r"\1***", text)
+    text = _CONN_FIELDS.sub(r"\1***", text)
+    return _SECRET_OPTIONS.sub(r"\1***", text)
 
 
 def join(base: str, *names: str) -> str:

@@ -148,12 +148,16 @@ def test_a_worker_whose_lease_was_taken_over_cannot_commit(s3env, bucket):
     """The paused-worker case: A's lease expired and B took the shard; A wakes up and tries to commit. The lease
     check stops it, and were it past that check, the create-only commit record would (of two writers racing
     for one part number exactly one wins)."""
+    paused_worker_cannot_commit(f"s3://{bucket}/out")
+
+
+def paused_worker_cannot_commit(url: str) -> None:
+    """The body of the test above, for any store (``test_objstore_azure`` runs it on Azurite)."""
     import numpy as np
     import pyarrow as pa
 
     from dspine_batch.pipeline.remote import ObjectOutput
 
-    url = f"s3://{bucket}/out"
     a, b = ObjectOutput(url), ObjectOutput(url)
     a.prepare()
     tag = "00000-of-00001"
