@@ -46,7 +46,7 @@ def test_a_staged_job_on_s3_equals_the_local_one(tmp_path, s3, bucket, capsys):
     assert any(v[3] == "dedup" for v in got.values()) and any(v[3] == "where" for v in got.values())
     capsys.readouterr()
     assert run_cli(["report", f"s3://{prefix}"]) == 0
-    assert "stages (rows; kept rows go on" in capsys.readouterr().out
+    assert "kept rows go on to the next stage" in capsys.readouterr().out
     assert run_cli(["finalize", f"s3://{prefix}"]) == 0 and s3.exists(f"{prefix}/_SUCCESS")
     assert run_cli(["generate", "--config", job], loader=counting) == 0  # nothing left: every stage resumes done
     assert _decisions(lambda name: read_s3_output(s3, f"{prefix}/{name}")) == got
