@@ -242,3 +242,29 @@ def test_retry_errors_on_az_takes_out_only_the_failed_rows(tmp_path, az, contain
     assert all(r["status"] == "ok" for r in rows) and az.exists(f"{prefix}/_SUCCESS")
     _assert_clean(az, prefix)
     assert not az.exists(f"{prefix}/_dspine/supersede-00000-of-00001.json")
+
+
+def test_compact_and_sharded_dedup_claims_on_az(tmp_path, az, azenv, container):
+    """The store-independent steps on Azure too: ``finalize --compact`` (journal, merged part committed, old parts
+    deleted) and a staged job's dedup claims across two shards at once (create-only blobs)."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(prompts(40)), src)
+    prefix = f"{container}/compact"
+    assert run_cli(["generate", str(src), "--commit-rows", "4", "-o", f"az://{prefix}"]) == 0
+    before = read_s3_output(az, prefix)
+    assert len(az.glob(f"{prefix}/*.parquet")) == 10
+    assert run_cli(["finalize", f"az://{prefix}", "--compact", "--target-rows", "16"]) == 0
+    assert len(az.glob(f"{prefix}/*.parquet")) == 3 and read_s3_output(az, prefix) == before
+
+    from helpers import stage_docs, staged_job
+
+    docs = stage_docs(tmp_path, 24)
+    staged = f"{container}/staged"
+    job = staged_job(tmp_path, docs, f"az://{staged}", 'engine-args = {latency = "0.01"}\n')
+    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **azenv) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+    keys = [r["dedup_key"] for r in read_s3_output(az, f"{staged}/judge") if r["kept"]]
+    assert keys and len(keys) == len(set(keys))
+    assert run_cli(["finalize", f"az://{staged}"]) == 0
