@@ -69,3 +69,22 @@ def test_packed_tokens_equal_padded_and_alone(target, speculative):
             target.forward(ctx_ids[b : b + 1, : lens[b]], alone)
             one = target.forward(new[b : b + 1, :n], alone, speculative=True, taps=taps)
             assert torch.equal(one.hidden[0], packed.hidden[b, :n])
+
+
+def test_padded_queries_skip_attention():
+    """``Positions.queries``: a packed forward's padded slots read position -1, which the attention kernels skip
+    (zeros, no key read); valid slots keep their positions, and an unpacked forward reads ``pos`` itself."""
+    from dspine.models.layers import Packing, Positions
+
+    pos = torch.tensor([[5, 6, 7], [2, 3, 4]])
+    packed = Packing.of(torch.tensor([3, 1]), 2, 3)
+    at = Positions.of(pos)
+    assert at.queries(None) is pos
+    assert at.queries(packed).tolist() == [[5, 6, 7], [2, -1, -1]]
+    B, T, H, D = 2, 3, 2, 32
+    q = torch.randn(B, T, H, D)
+    kc, vc = torch.randn(B, 1, 16, D), torch.randn(B, 1, 16, D)
+    full = kernels.attend_cache(q, kc, vc, pos, None, 0.2).view(B, T, H, D)
+    skipped = kernels.attend_cache(q, kc, vc, at.queries(packed), None, 0.2).view(B, T, H, D)
+    assert torch.equal(skipped[0], full[0]) and torch.equal(skipped[1, 0], full[1, 0])  # the valid queries' bits
+    assert not skipped[1, 1:].any() and full[1, 1:].abs().sum() > 0  # padded: not computed
