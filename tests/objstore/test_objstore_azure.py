@@ -22,7 +22,14 @@ import pyarrow.parquet as pq
 from conftest import AZURITE_KEY, azurite_connection_string
 from faultproxy import FaultProxy
 from helpers import prompts, read_output, run_cli, spawn, write_jsonl
-from test_objstore_crash import _assert_clean, _exactly_once, _expired, _wait, paused_worker_cannot_commit
+from test_objstore_crash import (
+    _assert_clean,
+    _exactly_once,
+    _expired,
+    _wait,
+    paused_worker_cannot_commit,
+    second_worker_then_takeover,
+)
 from test_objstore_generate import read_s3_output
 
 GEN = ["--num-samples", "2", "--temperature", "0.8", "--seed", "5", "--commit-rows", "7"]
@@ -135,29 +142,7 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, az, a
 
 
 def test_second_worker_exits_naming_the_holder_and_takes_over_after_expiry(tmp_path, az, azenv, container, capsys):
-    rows = 40
-    src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
-    args = ["generate", str(src), *KILL[:-4], "--engine-arg", "latency=0.2"]
-    assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
-    prefix = f"{container}/out"
-    holder = spawn([*args, "-o", f"az://{prefix}"], DSPINE_BATCH_LEASE_SECONDS="2")
-    try:
-        _wait(lambda: bool(az.glob(f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
-        capsys.readouterr()
-        assert run_cli([*args, "-o", f"az://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "2"}) == 2
-        err = capsys.readouterr().err.strip()
-        assert f"held by pid {holder.pid} on" in err and len(err.splitlines()) == 1, err
-    finally:
-        holder.kill()
-        holder.communicate()
-    lease = f"{prefix}/_dspine/lease-00000-of-00001.json"
-    assert az.exists(lease)  # kill -9: nobody released it
-    _wait(lambda: _expired(az, lease), "the dead holder's lease expired")
-    assert run_cli([*args, "-o", f"az://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "2"}) == 0
-    assert f"took over the expired lease of pid {holder.pid}" in capsys.readouterr().err
-    _exactly_once(az, prefix, tmp_path / "ref", rows)
-    _assert_clean(az, prefix)
-    assert not az.exists(lease)  # released at the end
+    second_worker_then_takeover(tmp_path, capsys, az, "az", f"{container}/out", KILL[:-4], rows=40, lease_s="2")
 
 
 def test_faults_between_us_and_azure_still_exactly_once(tmp_path, az, azenv, azurite_endpoint, container):

@@ -118,30 +118,36 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, s3, s
 
 
 def test_second_worker_exits_naming_the_holder_and_takes_over_after_expiry(tmp_path, s3, s3env, bucket, capsys):
-    rows = 80
+    second_worker_then_takeover(tmp_path, capsys, s3, "s3", f"{bucket}/out", GEN[:-4], rows=80, lease_s="3")
+
+
+def second_worker_then_takeover(tmp_path, capsys, fs, scheme: str, prefix: str, gen: list[str], rows: int,
+                                lease_s: str) -> None:
+    """A second worker on a live shard exits naming the holder; after the holder's kill -9 and its lease's expiry
+    a new worker takes over and completes it exactly once (any store: ``test_objstore_azure`` runs it too)."""
     src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
-    args = ["generate", str(src), *GEN[:-4], "--engine-arg", "latency=0.2"]
+    args = ["generate", str(src), *gen, "--engine-arg", "latency=0.2"]
     assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
-    prefix = f"{bucket}/out"
-    holder = spawn([*args, "-o", f"s3://{prefix}"], DSPINE_BATCH_LEASE_SECONDS="3")
+    url, env = f"{scheme}://{prefix}", {"DSPINE_BATCH_LEASE_SECONDS": lease_s}
+    holder = spawn([*args, "-o", url], **env)
     try:
-        _wait(lambda: bool(s3.glob(f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
+        _wait(lambda: bool(fs.glob(f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
         capsys.readouterr()
-        assert run_cli([*args, "-o", f"s3://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "3"}) == 2
+        assert run_cli([*args, "-o", url], env) == 2
         err = capsys.readouterr().err.strip()
         assert f"held by pid {holder.pid} on" in err and len(err.splitlines()) == 1, err
     finally:
         holder.kill()
         holder.communicate()
     lease = f"{prefix}/_dspine/lease-00000-of-00001.json"
-    assert s3.exists(lease)  # kill -9: nobody released it
-    _wait(lambda: json.loads(s3.cat_file(lease))["expires_at"] < time.time(), "the dead holder's lease expired")
-    assert run_cli([*args, "-o", f"s3://{prefix}"], {"DSPINE_BATCH_LEASE_SECONDS": "3"}) == 0
+    assert fs.exists(lease)  # kill -9: nobody released it
+    _wait(lambda: _expired(fs, lease), "the dead holder's lease expired")
+    assert run_cli([*args, "-o", url], env) == 0
     assert f"took over the expired lease of pid {holder.pid}" in capsys.readouterr().err
-    _exactly_once(s3, prefix, tmp_path / "ref", rows)
-    _assert_clean(s3, prefix)
-    assert not s3.exists(lease)  # released at the end
-    assert run_cli(["finalize", f"s3://{prefix}"]) == 0
+    _exactly_once(fs, prefix, tmp_path / "ref", rows)
+    _assert_clean(fs, prefix)
+    assert not fs.exists(lease)  # released at the end
+    assert run_cli(["finalize", url]) == 0
 
 
 def test_a_worker_whose_lease_was_taken_over_cannot_commit(s3env, bucket):
