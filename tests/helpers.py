@@ -930,8 +930,10 @@ def near_docs(tmp_path):
     return write_jsonl(tmp_path / "near.jsonl", rows)
 
 
-def near_job(tmp_path, src, out, extra=""):
-    job = tmp_path / f"near-{out.name}.toml"
+def near_job(tmp_path, src, out, extra: str = "") -> str:
+    """A one-stage job file whose stage drops near duplicates of the input's ``text`` (``dedup = "minhash"``, 0.7)
+    writing to ``out`` (a directory or a URL)."""
+    job = tmp_path / f"near-{str(out).rstrip('/').rsplit('/', 1)[-1]}.toml"
     job.write_text(f'''inputs = ["{src}"]
 output = "{out}"
 id-column = "doc_id"
