@@ -23,12 +23,16 @@ SLOW_BODY = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code
 
 class FaultProxy:
     def __init__(self, upstream: str, mode: str = "faults", seed: int = 0, p503: float = 0.15, pdrop: float = 0.08,
-                 pdelay: float = 0.1, pcut: float = 0.01, on_request: Callable[[bytes], bool] | None = None):
+                 pdelay: float = 0.1, pcut: float = 0.01, on_request: Callable[[bytes], bool] | None = None,
+                 first: tuple[str, ...] = ()):
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.mode, self.rng = mode, random.Random(seed)
         self.p503, self.pdrop, self.pdelay, self.pcut = p503, pdrop, pdelay, pcut
         self.on_request = on_request  # sees client bytes first; True: swallow them and cut the connection
+        # the first connections' faults, in order ("503", "drop", "delay", "ok"), then drawn: how many requests a
+        # job makes (and so which draws it meets) follows its threads' timing, a fault the test counts on must not
+        self.first = list(first)
         self.counts = {"503": 0, "drop": 0, "delay": 0, "cut": 0, "ok": 0, "403": 0}
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
@@ -38,6 +42,14 @@ class FaultProxy:
 
     def _draw(self) -> float:
         with self._mu:
+            return self.rng.random()
+
+    def _fault(self) -> float:
+        """A connection's draw: the next scripted fault's (``first``) while any is left, else a random one."""
+        with self._mu:
+            if self.first:
+                return {"503": 0.0, "drop": self.p503, "delay": self.p503 + self.pdrop,
+                        "ok": 1.0}[self.first.pop(0)]
             return self.rng.random()
 
     def _accept(self) -> None:
@@ -69,7 +81,7 @@ class FaultProxy:
                 self._answer(client, DENY, DENY_BODY)
                 self.counts["403"] += 1
                 return
-            r = self._draw()
+            r = self._fault()
             if r < self.p503:
                 self._answer(client, SLOW, SLOW_BODY)
                 self.counts["503"] += 1

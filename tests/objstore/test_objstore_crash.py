@@ -199,7 +199,8 @@ def test_faults_between_us_and_the_store_still_exactly_once(tmp_path, s3, s3env,
     src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
     args = ["generate", str(src), *GEN]
     assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
-    proxy = FaultProxy(s3_endpoint, seed=3, p503=0.1, pdrop=0.05, pdelay=0.05, pcut=0.01)
+    proxy = FaultProxy(s3_endpoint, seed=3, p503=0.1, pdrop=0.05, pdelay=0.05, pcut=0.01,
+                       first=("503", "drop", "delay", "503", "drop"))
     try:
         # a lease long enough that retries (503s back off for seconds) never outlast it: expiry is not under test
         p = spawn([*args, "-o", f"s3://{bucket}/out"], AWS_ENDPOINT_URL=proxy.url, DSPINE_BATCH_LEASE_SECONDS="60")
