@@ -1,5 +1,5 @@
 """A staged job's funnel (``dspine_batch.stages``): per stage, the rows it received (``in``: the input's rows, or
-the kept rows of the stage before it) and made (more than ``in`` where it explodes a list), answered, failed,
+the kept rows of the stage before it), made from list items (``exploded``, a stage with ``explode``), answered, failed,
 filtered (``where``), dropped as duplicates (``dedup``) and kept for the next stage, with its tokens, throughput
 and tokens per verify step (``tau``, overall and by proposal source), read from the committed parts (each stage's
 ``report.summarize``). ``report OUTDIR`` prints it for a staged OUTDIR, then the final stage's own report."""
@@ -14,7 +14,7 @@ import pyarrow.dataset as ds
 
 from dspine_batch.ops.report import summarize
 from dspine_batch.pipeline.manifest import stage_names
-from dspine_batch.pipeline.outputs import arrow_path, committed_parts
+from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
 from dspine_batch.storage.urls import is_url
 
 
@@ -26,8 +26,8 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
     out = []
     for name in names:
         path = f"{outdir.rstrip('/')}/{name}" if is_url(outdir) else os.path.join(outdir, name)
-        row = {"stage": name, "in": out[-1]["kept"] if out else 0, "rows": 0, "ok": 0, "errors": 0, "filtered": 0,
-               "duplicates": 0, "kept": 0, "completion_tokens": 0, "tokens_per_s": None, "tau": None,
+        row = {"stage": name, "in": out[-1]["kept"] if out else 0, "exploded": 0, "rows": 0, "ok": 0, "errors": 0,
+               "filtered": 0, "duplicates": 0, "kept": 0, "completion_tokens": 0, "tokens_per_s": None, "tau": None,
                "tau_by_source": {}}
         files = [p.path for p in committed_parts(path)] if is_url(path) or os.path.isdir(path) else []
         if files:
@@ -39,7 +39,10 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
             fs = arrow_path(files[0]).get("filesystem")
             paths = [arrow_path(f)["source"] for f in files]
             t = ds.dataset(paths, format="parquet", filesystem=fs).to_table(
-                columns=["status", "kept", "dropped_by", "completion_tokens"])
+                columns=["row_id", "status", "kept", "dropped_by", "completion_tokens"])
+            stage = ((open_output(path).read_manifest() or {}).get("fingerprint_fields") or {}).get("stage") or {}
+            if stage.get("explode"):  # rows made from its parents' list items (one per item, ids <parent>/<i>)
+                row["exploded"] = len(pc.unique(t.column("row_id")))
             dropped = [d or "" for d in t.column("dropped_by").to_pylist()]
             row.update(rows=t.num_rows, ok=int(pc.sum(pc.equal(t.column("status"), "ok")).as_py() or 0),
                        errors=int(pc.sum(pc.equal(t.column("status"), "error")).as_py() or 0),
@@ -53,17 +56,17 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
 
 def format_funnel(rows: list[dict[str, Any]]) -> str:
     """The funnel as a table: each column says its unit (rows, tokens, tokens a second, tokens a verify step)."""
-    head = f"{'stage':<16} {'in':>7} {'rows':>7} {'ok':>7} {'errors':>7} {'filtered':>9} {'duplicates':>10} " \
-           f"{'kept':>7} {'tokens':>9} {'tok/s':>7} {'tau':>6}  tau by source"
-    lines = ["stages (rows; `in` is what the stage received, more rows than that were exploded from a list; kept "
-             "rows go on to the next stage, the last stage's are the dataset):", head]
+    head = f"{'stage':<16} {'in':>7} {'exploded':>8} {'rows':>7} {'ok':>7} {'errors':>7} {'filtered':>9} " \
+           f"{'duplicates':>10} {'kept':>7} {'tokens':>9} {'tok/s':>7} {'tau':>6}  tau by source"
+    lines = ["stages (rows; `in`: what the stage received, `exploded`: rows made from their list items; kept rows go "
+             "on to the next stage, the last stage's are the dataset):", head]
     for r in rows:
         speed = f"{r['tokens_per_s']:>7.1f}" if r["tokens_per_s"] is not None else f"{'-':>7}"
         tau = f"{r['tau']:>6.2f}" if r["tau"] is not None else f"{'-':>6}"
         by = ", ".join(f"{k} {v:.2f}" for k, v in r["tau_by_source"].items()) or "-"
-        lines.append(f"{r['stage']:<16} {r['in']:>7,} {r['rows']:>7,} {r['ok']:>7,} {r['errors']:>7,} "
-                     f"{r['filtered']:>9,} {r['duplicates']:>10,} {r['kept']:>7,} {r['completion_tokens']:>9,} "
-                     f"{speed} {tau}  {by}")
+        lines.append(f"{r['stage']:<16} {r['in']:>7,} {r['exploded']:>8,} {r['rows']:>7,} {r['ok']:>7,} "
+                     f"{r['errors']:>7,} {r['filtered']:>9,} {r['duplicates']:>10,} {r['kept']:>7,} "
+                     f"{r['completion_tokens']:>9,} {speed} {tau}  {by}")
     return "\n".join(lines)
 
 
