@@ -116,6 +116,15 @@ def spawn(args: list[str], cwd: Path = ROOT, **extra_env: str) -> subprocess.Pop
                             env=subprocess_env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
 
 
+def run_shards(args: list[str], shards: int, **extra_env: str) -> None:
+    """``dspine-batch ARGS --shard i/shards`` for every shard at once, each in its own process (as an array's tasks
+    run); every one must exit 0."""
+    procs = [spawn([*args, "--shard", f"{i}/{shards}"], **extra_env) for i in range(shards)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err.decode()
+
+
 def shard_of(row_id: str, n: int, id_column: bool = True) -> int:
     """The shard that owns ``row_id``, computed the way the pipeline selects rows. Runs without an id column
     hash ``<file>:<index>`` ids by index (``keyset.index_hashes``), so pass ``id_column=False`` for them."""

@@ -242,15 +242,12 @@ def test_compact_and_sharded_dedup_claims_on_az(tmp_path, az, azenv, container):
     assert run_cli(["finalize", f"az://{prefix}", "--compact", "--target-rows", "16"]) == 0
     assert len(az.glob(f"{prefix}/*.parquet")) == 3 and read_s3_output(az, prefix) == before
 
-    from helpers import stage_docs, staged_job
+    from helpers import run_shards, stage_docs, staged_job
 
     docs = stage_docs(tmp_path, 24)
     staged = f"{container}/staged"
     job = staged_job(tmp_path, docs, f"az://{staged}", 'engine-args = {latency = "0.01"}\n')
-    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **azenv) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()
+    run_shards(["generate", "--config", job], 2, **azenv)
     keys = [r["dedup_key"] for r in read_s3_output(az, f"{staged}/judge") if r["kept"]]
     assert keys and len(keys) == len(set(keys))
     assert run_cli(["finalize", f"az://{staged}"]) == 0

@@ -10,7 +10,17 @@ import random
 import signal
 import time
 
-from helpers import near_docs, near_job, read_output, run_cli, scripted_engine, spawn, stage_docs, staged_job
+from helpers import (
+    near_docs,
+    near_job,
+    read_output,
+    run_cli,
+    run_shards,
+    scripted_engine,
+    spawn,
+    stage_docs,
+    staged_job,
+)
 from test_objstore_crash import _expired, _wait
 from test_objstore_generate import read_s3_output
 
@@ -99,10 +109,7 @@ def test_dedup_holds_across_shards_on_s3(tmp_path, s3, s3env, bucket):
     assert run_cli(["generate", "--config", staged_job(tmp_path, src, local)]) == 0
     prefix = f"{bucket}/sharded"
     job = staged_job(tmp_path, src, f"s3://{prefix}", 'engine-args = {latency = "0.01"}\n')
-    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **s3env) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()
+    run_shards(["generate", "--config", job], 2, **s3env)
     keys = [r["dedup_key"] for r in read_s3_output(s3, f"{prefix}/judge") if r["kept"]]
     assert keys and len(keys) == len(set(keys))
     assert sorted(keys) == sorted(r["dedup_key"] for r in read_output(local / "judge") if r["kept"])
@@ -119,10 +126,7 @@ def test_minhash_dedup_on_s3(tmp_path, s3, s3env, bucket):
     src = near_docs(tmp_path)
     prefix = f"{bucket}/near"
     job = near_job(tmp_path, src, f"s3://{prefix}", 'engine-args = {latency = "0.01"}\n')
-    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"], **s3env) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()
+    run_shards(["generate", "--config", job], 2, **s3env)
     rows = read_s3_output(s3, f"{prefix}/notes")
     kept = {r["row_id"] for r in rows if r["kept"]}
     assert sorted(k.split("-")[0] for k in kept) == ["g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3"]

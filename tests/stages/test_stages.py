@@ -22,6 +22,7 @@ from helpers import (
     near_job,
     read_output,
     run_cli,
+    run_shards,
     scripted_engine,
     spawn,
     write_jsonl,
@@ -310,10 +311,7 @@ def test_dedup_holds_across_the_shards_of_an_array(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert run_cli(["generate", "--config", _job(tmp_path, src, ref)]) == 0
     job = _job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
-    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/2"]) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()
+    run_shards(["generate", "--config", job], 2)
     keys = _kept_keys(out)
     assert keys and len(keys) == len(set(keys))  # unique across the whole job
     assert sorted(keys) == sorted(_kept_keys(ref))  # the same keys kept as by one unsharded run
@@ -375,10 +373,7 @@ def test_minhash_keeps_one_row_of_each_group_of_near_duplicates(tmp_path, shards
     every text that only shares words kept, on one shard or two at once; the index lives in band claims on disk."""
     src, out = near_docs(tmp_path), tmp_path / "out"
     job = near_job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
-    procs = [spawn(["generate", "--config", job, "--shard", f"{i}/{shards}"]) for i in range(shards)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err.decode()
+    run_shards(["generate", "--config", job], shards)
     rows = read_output(out / "notes")
     assert len(rows) == 16
     kept = sorted(r["row_id"].split("-")[0] for r in rows if r["kept"])
