@@ -234,6 +234,7 @@ class Positions:
     rows: torch.Tensor  # [B, 1] row index, for per-row cache writes
     upto: int  # max(pos) + 1
     _masks: dict = field(default_factory=dict)
+    _queries: torch.Tensor | None = None  # ``queries`` of this forward's packing, computed once
 
     @staticmethod
     def of(pos: torch.Tensor) -> Positions:
@@ -250,11 +251,11 @@ class Positions:
         8 rows under a JSON schema is ~40 % padding: that much of its attention was computed to be thrown away."""
         if packed is None:
             return self.pos
-        if "queries" not in self._masks:
+        if self._queries is None:
             q = torch.full((self.pos.numel(),), -1, dtype=self.pos.dtype, device=self.pos.device)
             q.index_copy_(0, packed.index, self.pos.reshape(-1).index_select(0, packed.index))
-            self._masks["queries"] = q.view(self.pos.shape)
-        return self._masks["queries"]
+            self._queries = q.view(self.pos.shape)
+        return self._queries
 
 
 @dataclass

@@ -31,7 +31,6 @@ record is created only if absent, so the loser of a number stops (see ``storage.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import tempfile
@@ -52,9 +51,19 @@ from dspine_batch.errors import FatalError, UsageError
 from dspine_batch.pipeline import remote_compact, remote_supersede
 from dspine_batch.pipeline.keyset import KeySet, fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import MANIFEST, check_manifest
-from dspine_batch.pipeline.remote_layout import DAMAGED, KEYS, STAGING, STATE, SUCCESS, record_rel, stem
-from dspine_batch.pipeline.resume import OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
-from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter, keys_checksum
+from dspine_batch.pipeline.remote_layout import (
+    DAMAGED,
+    KEYS,
+    STAGING,
+    STATE,
+    SUCCESS,
+    keys_fields,
+    record_keys,
+    record_rel,
+    stem,
+)
+from dspine_batch.pipeline.resume import CLAIM_SPACES, OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
+from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter
 from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
 from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
 
@@ -135,7 +144,7 @@ class ObjectOutput:
         top = [n for n in self.store.list("") if OUTPUT_NAMES.match(n)]
         ours = [f"{KEYS}/{n}" for n in self.store.list(KEYS)] + [f"{STAGING}/{n}" for n in self.store.list(STAGING)]
         ours += [f"{STATE}/{n}" for n in self.store.list(STATE) if not n.startswith("lease-")]
-        ours += [f"{STATE}/{space}/{n}" for space in ("dedup", "minhash")  # a stage's dedup claims
+        ours += [f"{STATE}/{space}/{n}" for space in CLAIM_SPACES  # a stage's dedup claims
                  for n in self.store.list(f"{STATE}/{space}")]
         self.store.delete_many(ours + top)
 
@@ -225,10 +234,8 @@ class ObjectOutput:
         record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
                   "error_rows": meta.get("error_rows", 0), "bytes": w.size, CHECKSUM: w.crc,
                   "committed_at": time.time(), "token": token, "staged": f"{STAGING}/{name}.{token}"}
-        if keys is not None:  # in the record itself: one request fewer per part, one GET a part on resume
-            keys = np.ascontiguousarray(keys, dtype="<u8")
-            record["keys_b64"] = base64.b64encode(keys.view(np.uint8)).decode()
-            record["keys_crc32"] = keys_checksum(keys)
+        if keys is not None:  # in the record itself (``remote_layout.keys_fields``)
+            record.update(keys_fields(keys))
         self.committer.submit(record, tmp)
         return record
 
@@ -242,7 +249,7 @@ class ObjectOutput:
             self.lease.check()
         name = record["part"]
         if not self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode()):
-            theirs = self._record(name) or {}
+            theirs = self.record_of(name) or {}
             if theirs.get("token") != record["token"]:  # not our own write whose answer was lost: another's
                 raise FatalError(f"{self.store.url_of(record_rel(name))}: another worker committed this part "
                                  "first (its lease was taken over); this worker stops, its uncommitted rows are "
@@ -267,7 +274,8 @@ class ObjectOutput:
         if delete:
             self.store.delete(record["staged"])
 
-    def _record(self, name: str) -> dict[str, Any] | None:
+    def record_of(self, name: str) -> dict[str, Any] | None:
+        """A part's commit record as the store holds it now (None when absent or unreadable)."""
         data = self.store.get(record_rel(name))
         try:
             rec = json.loads(data) if data else None
@@ -423,14 +431,7 @@ class ObjectOutput:
             else:
                 good.append((c, records[c.path.rsplit("/", 1)[-1]]))
         for _c, rec in good:
-            hashes = None
-            if isinstance(rec.get("keys_b64"), str):
-                try:
-                    hashes = np.frombuffer(base64.b64decode(rec["keys_b64"]), dtype="<u8")
-                except ValueError:
-                    hashes = None
-            if hashes is not None and (len(hashes) != rec["rows"] or keys_checksum(hashes) != rec.get("keys_crc32")):
-                hashes = None
+            hashes = record_keys(rec)
             if hashes is None:
                 hashes = self._row_hashes(rec, id_column)
             keys.add_many(hashes)

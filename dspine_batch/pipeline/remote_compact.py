@@ -14,7 +14,6 @@ orphan). Run with every shard's lease held (``finalize`` takes them all).
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dspine_batch.pipeline.remote_layout import STATE, record_rel
+from dspine_batch.pipeline.remote_layout import STATE, record_keys, record_rel
 from dspine_batch.pipeline.resume import PART_RE
 from dspine_batch.pipeline.sink import part_name
 
@@ -35,7 +34,7 @@ def recover(out: Any) -> None:
     if data is None:
         return
     j = json.loads(data)
-    rec = out._record(j["new"])
+    rec = out.record_of(j["new"])
     if rec is not None:  # the merged part is committed: the old ones must go, records first
         if j["new"] not in out.store.list(""):
             out.publish(rec)
@@ -87,10 +86,10 @@ def _merge(out: Any, group: list[tuple[str, dict[str, Any]]], name: str) -> None
                 compacted_from=[p for p, _ in group])
     meta[b"dspine_batch.part"] = json.dumps(info).encode()
     table = table.replace_schema_metadata(meta)
-    # the merged record's keys only from records that carry theirs: a part without them is read by row id on resume
-    keys = None
-    if all("keys_b64" in r for _, r in group):
-        keys = np.concatenate([np.frombuffer(base64.b64decode(r["keys_b64"]), dtype="<u8") for _, r in group])
+    # the merged record's keys only from records whose keys check out (``record_keys``): otherwise none, and a
+    # resume reads the merged part's row ids
+    parts_keys = [record_keys(r) for _, r in group]
+    keys = None if any(k is None for k in parts_keys) else np.concatenate(parts_keys)
     out.store.put(JOURNAL, json.dumps({"new": name, "old": [p for p, _ in group]}).encode())
     out.commit_part(name, table, keys, rows=info["rows"])
     out.flush()

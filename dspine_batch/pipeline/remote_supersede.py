@@ -22,7 +22,6 @@ generated again until every part is settled, so no reader ever sees a row twice.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import tempfile
@@ -30,12 +29,11 @@ import time
 import uuid
 from typing import Any
 
-import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FatalError
-from dspine_batch.pipeline.remote_layout import STAGING, STATE, record_rel
-from dspine_batch.pipeline.sink import CHECKSUM, ChecksumWriter, keys_checksum
+from dspine_batch.pipeline.remote_layout import STAGING, STATE, keys_fields, record_keys, record_rel
+from dspine_batch.pipeline.sink import CHECKSUM, ChecksumWriter
 from dspine_batch.pipeline.supersede import rows_kept, without_rows
 from dspine_batch.storage.objects import local_tmp_dir
 
@@ -81,10 +79,10 @@ def drop_rows(out: Any, tag: str, name: str, drop: set[str]) -> int:
     record = {**old, "rows": int(kept_rows.sum()), "outputs": kept.num_rows,
               "error_rows": json.loads(kept.schema.metadata[b"dspine_batch.part"])["error_rows"], "bytes": w.size,
               CHECKSUM: w.crc, "token": token, "staged": staged, "superseded_at": time.time()}
-    if "keys_b64" in old:
-        keys = np.frombuffer(base64.b64decode(old["keys_b64"]), dtype="<u8")[kept_rows]
-        record["keys_b64"] = base64.b64encode(np.ascontiguousarray(keys).view(np.uint8)).decode()
-        record["keys_crc32"] = keys_checksum(keys)
+    record.pop("keys_b64", None)
+    record.pop("keys_crc32", None)
+    if (keys := record_keys(old)) is not None:  # a doubtful list is not carried over: row ids are read instead
+        record.update(keys_fields(keys[kept_rows]))
     store.put(journal, json.dumps({"part": name, "record": record}).encode())
     if out.lease is not None:
         out.lease.check()

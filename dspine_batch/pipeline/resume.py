@@ -47,6 +47,7 @@ from dspine_batch.pipeline.sink import (
 )
 
 STATE_DIR = "_dspine"
+CLAIM_SPACES = ("dedup", "minhash")  # ``stages.claims``' directories under STATE_DIR: wiped with the run
 DAMAGED_DIR = os.path.join(STATE_DIR, "damaged")
 ON_DAMAGED = ("repair", "fail")
 PART_RE = re.compile(r"^train-(\d{5}-of-\d{5})-(\d{6})\.parquet$")
@@ -190,7 +191,7 @@ def wipe(outdir: str) -> None:
                 if sub == "keys":
                     for k in os.listdir(os.path.join(path, sub)):
                         os.unlink(os.path.join(path, sub, k))
-                elif sub in ("dedup", "minhash"):  # a stage's dedup claims (``stages.claims``)
+                elif sub in CLAIM_SPACES:
                     shutil.rmtree(os.path.join(path, sub))
                 elif not sub.startswith("lock-"):
                     os.unlink(os.path.join(path, sub))

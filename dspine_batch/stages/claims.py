@@ -26,7 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dspine_batch.pipeline.resume import STATE_DIR
+from dspine_batch.pipeline.resume import CLAIM_SPACES, STATE_DIR
+
+EXACT_SPACE, NEAR_SPACE = CLAIM_SPACES  # exact keys, minhash bands: each its own directory, wiped with the run
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Claims:
     """Create-only claims under one stage's output (a ``LocalOutput`` directory or an ``ObjectOutput``), in one
     namespace (``space``: ``dedup`` for exact keys, ``minhash`` for LSH bands)."""
 
-    def __init__(self, output: Any, space: str = "dedup"):
+    def __init__(self, output: Any, space: str = EXACT_SPACE):
         self.store = getattr(output, "store", None) if getattr(output, "remote", False) else None
         self.prefix = f"{STATE_DIR}/{space}"
         self.root = None if self.store is not None else os.path.join(output.path, STATE_DIR, space)

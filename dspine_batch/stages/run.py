@@ -52,7 +52,7 @@ from dspine_batch.pipeline.shard import attempt_from_env, parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown
 from dspine_batch.pipeline.sink import PartSink
 from dspine_batch.pipeline.sources import InputFile, arrow_schema, iter_inputs, peek_rows, resolve_inputs
-from dspine_batch.stages.claims import Claims
+from dspine_batch.stages.claims import NEAR_SPACE, Claims
 from dspine_batch.stages.rerun import ended, nothing_left
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
@@ -242,7 +242,7 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
         st.sink.flush = job.output.flush
     st.judge = Judge(st.spec, _committed_keys(st) if st.spec.dedup == "exact" else set())
     if st.spec.dedup == "minhash":  # the band index lives in claims (``near``): shared, and not in memory
-        st.judge.claims, st.judge.shard = Claims(job.output, "minhash"), job.tag
+        st.judge.claims, st.judge.shard = Claims(job.output, NEAR_SPACE), job.tag
     elif st.spec.dedup is not None and job.shard[1] > 1:  # other shards keep rows this one cannot see: claims
         st.judge.claims, st.judge.shard = Claims(job.output), job.tag
     st.answers = Answers(tokenizer, cfg.reasoning_parser, cfg.tool_call_parser, log)

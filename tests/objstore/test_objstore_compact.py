@@ -87,3 +87,20 @@ def test_a_compaction_interrupted_before_its_commit_is_dropped(tmp_path, s3, buc
     names = _parts(s3, prefix)
     assert new not in names and set(old) <= set(names) and not s3.exists(f"{prefix}/{remote_compact.JOURNAL}")
     assert read_s3_output(s3, prefix) == before
+
+
+def test_compact_never_blesses_doubtful_keys(tmp_path, s3, bucket, capsys):
+    """A record whose row keys do not check out (crc32) gives the merged record no keys, never a fresh checksum over
+    them (``remote_layout.record_keys``): the resume reads the merged part's row ids and finds nothing left."""
+    args, prefix = _job(tmp_path, s3, bucket, "c4")
+    before = read_s3_output(s3, prefix)
+    first = sorted(s3.ls(f"{prefix}/_dspine/keys", detail=False))[0]
+    rec = json.loads(s3.cat_file(first))
+    rec["keys_crc32"] ^= 1
+    s3.pipe_file(first, json.dumps(rec).encode())
+    assert run_cli(["finalize", f"s3://{bucket}/c4", "--compact", "--target-rows", "40"]) == 0
+    (merged,) = s3.ls(f"{prefix}/_dspine/keys", detail=False)
+    assert "keys_b64" not in json.loads(s3.cat_file(merged))
+    capsys.readouterr()
+    assert run_cli(args) == 0 and "0 this run" in capsys.readouterr().err
+    assert read_s3_output(s3, prefix) == before
