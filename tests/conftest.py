@@ -3,6 +3,7 @@ they call, and every other helper shared between test files, live in tests/helpe
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import pytest
@@ -14,6 +15,26 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 def _has_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+_CRASH_FD: int | None = None
+
+
+def pytest_configure(config):
+    """Keep a copy of the real stderr: during a test fd 2 is pytest's capture file, lost when the process dies."""
+    global _CRASH_FD
+    _CRASH_FD = os.dup(2)
+
+
+@pytest.fixture(autouse=True)
+def _crash_trace():
+    """A crash prints every thread's Python stack where CI shows it. Why again before each test: importing xgrammar
+    (tvm_ffi) replaces the SIGSEGV handler with its own, which writes to fd 2 — the capture file — so a segfault
+    in the suite read as a bare "Segmentation fault" with no trace (CI, stop 47)."""
+    if _CRASH_FD is not None:
+        faulthandler.disable()  # enable() alone keeps whatever handler replaced its own
+        faulthandler.enable(file=_CRASH_FD, all_threads=True)
+    yield
 
 
 def pytest_collection_modifyitems(config, items):
