@@ -30,6 +30,7 @@ class StreamConfig:
     keep_dead: bool = False  # finished rows stay in their slots until reused (the target packs: they cost nothing)
     draft_idle: int = 0  # rounds in a row the planner could have run the draft and did not (``rounds.retire_draft``)
     draft_retired: int | None = None  # the round the draft was retired at: no context kept, never proposed again
+    draft_retired_rows: int = 0  # the rows admitted first, when it was retired before the first prefill
     release_retired: bool = False  # a retired draft's weights freed too (``DSpineDraft.release``): its owner
     # reloads it for a later stream (the reference engine); off for callers that reuse the draft object
     rounds: int = 0  # mixed rounds run so far

@@ -43,7 +43,15 @@ from dspine.decoding.explain import explain
 from dspine.decoding.prefill import chunking_exact, prefill
 from dspine.decoding.prefix import PrefixCache
 from dspine.decoding.prices import LivePrices, StaticPrices, Stopwatch
-from dspine.decoding.rounds import QUIET_AFTER, feed_suffix, mixed_round, plain_round, spec_round
+from dspine.decoding.rounds import (
+    QUIET_AFTER,
+    draft_cannot_pay,
+    feed_suffix,
+    mixed_round,
+    plain_round,
+    retire_before_prefill,
+    spec_round,
+)
 from dspine.decoding.rows import GenerationOutput, Row, SpecStats, check_request
 from dspine.decoding.running import RunningBatch, admit
 from dspine.decoding.sampling import SamplingParams, per_request
@@ -188,7 +196,7 @@ def _explain(cfg: StreamConfig, decisions: dict | None) -> None:
     if decisions is None or cfg.job is None:
         return
     decisions.update(explain(cfg.job, cfg.prices, cfg.draft is not None, cfg.nominal_rows,
-                             decisions.get("_row_rounds", 0), cfg.draft_retired))
+                             decisions.get("_row_rounds", 0), cfg.draft_retired, cfg.draft_retired_rows))
     summary = getattr(cfg.prices, "summary", None)
     if summary is not None:
         decisions["prices"] = summary()
@@ -209,6 +217,7 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
     dead: list[int] = []  # slots of finished rows, reusable by newcomers (kept in place with ``cfg.keep_dead``)
     jobs: list[_Job] = []  # prefills in flight, oldest first
     rounds = row_rounds = 0
+    first_admission = True  # the draft may be retired before it (``rounds.draft_cannot_pay``)
     while True:
         gov.tick()
         running = 0 if batch is None else len(batch.rows) - len(dead)
@@ -230,6 +239,9 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             else:
                 newcomers.append(row)
         if newcomers:
+            if first_admission and draft_cannot_pay(cfg, running + len(newcomers)):
+                retire_before_prefill(cfg, target, running + len(newcomers))
+            first_admission = False
             jobs.append(_Job(newcomers, prefill(target, newcomers, cfg)))
         fresh = _advance(jobs[0], not cfg.chunk) if jobs else None
         if fresh is not None:

@@ -38,10 +38,11 @@ def draft_outlook(job: JobAcceptance, prices: LivePrices | StaticPrices, R: int)
 
 
 def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: bool, rows: int,
-            row_rounds: int, retired: int | None = None) -> dict[str, dict]:
+            row_rounds: int, retired: int | None = None, retired_rows: int = 0) -> dict[str, dict]:
     """Per source (``dspine``, ``suffix``, ``forced``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
     nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far; ``retired``: the
-    round the draft was retired at (``rounds.retire_draft``), if it was."""
+    round the draft was retired at (``rounds.retire_draft``; 0: before the first prefill, at ``retired_rows`` rows,
+    ``rounds.retire_before_prefill``), if it was."""
     R = _typical_rows(prices, rows)
     out: dict[str, dict] = {}
     for name in ("dspine", "suffix", "forced"):
@@ -57,7 +58,13 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
                 why = "the draft's block is 1 (nothing to propose)"
             else:
                 tau, need, best = draft_outlook(job, prices, R)
-                if retired is not None and tau >= need:
+                if retired == 0:
+                    at = retired_rows or R
+                    tau, need, best = draft_outlook(job, prices, at)
+                    why = (f"retired before the first prefill: at {at} rows a round of its block {best} must reach "
+                           f"tau {need:.2f} to beat a plain step on this CPU, and its expected tau there is "
+                           f"{tau:.2f} (its prior acceptance), so no prompt was run through it")
+                elif retired is not None and tau >= need:
                     why = (f"retired after round {retired}: the plan did not take it for many rounds in a row "
                            f"(its expected tau {tau:.2f} at block {best} against the {need:.2f} a round needs at "
                            f"{R} rows: its rows took suffix proposals or plain steps), so its context was no longer "

@@ -11,7 +11,7 @@ import torch
 from dspine.decoding.acceptance import point_proposals
 from dspine.decoding.commit import record, sample_first, verify_slots
 from dspine.decoding.config import StreamConfig
-from dspine.decoding.explain import draft_outlook
+from dspine.decoding.explain import break_even, draft_outlook
 from dspine.decoding.prices import Stopwatch
 from dspine.decoding.processors import grammar_masks
 from dspine.decoding.rows import Row, seeds_positions
@@ -160,6 +160,39 @@ def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
         return False
     cfg.draft_retired = cfg.rounds
     return True
+
+
+def draft_cannot_pay(cfg: StreamConfig, R: int) -> bool:
+    """Whether the draft is out of the running at ``R`` rows before any round has run: ``retire_draft``'s own test
+    taken before the prefill. With no evidence yet, the job's pooled acceptance is the draft's prior, and the plan
+    of the first rounds prices the draft with that same prior; where it expects the draft's best block to reach
+    less than ``RETIRE_MARGIN`` of the tau a round of it needs, ``retire_draft`` would retire it at its first look
+    (after ``RETIRE_ROUNDS`` rounds of upkeep and a prefill that ran every prompt through it) — so it is retired
+    now, at no cost. Also where no block could pay even with every token accepted (a round of each block ``b``
+    costs ``b`` plain steps or more: the draft's best case, every row taking the block, since its forward is paid
+    for the batch whoever takes it). Where it may pay (one row on this CPU: the embedded draft's prior tau 1.47
+    against 1.67 needed), it stays, and the rounds' evidence decides. ``scripts/bench/draft_outlook.py`` prints
+    these figures per row count."""
+    if cfg.draft is None or cfg.draft_retired is not None or cfg.job is None or cfg.job.slots <= 0 \
+            or cfg.prices is None or R <= 0:
+        return False
+    if all(b <= break_even(cfg.prices, R, b - 1, b) for b in range(2, cfg.job.slots + 2)):
+        return True
+    tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
+    return tau < RETIRE_MARGIN * need
+
+
+def retire_before_prefill(cfg: StreamConfig, target: Target, R: int) -> None:
+    """Retire the draft before the stream's first prefill (``draft_cannot_pay`` at the rows admitted first): no
+    prompt is run through it, no target forward computes its taps, and the stream's rounds are those of a draft
+    already retired (suffix proposals, forced tokens and plain steps). Measured before this (mixed prompts at 32
+    rows): the prefill's taps and the draft's context over every prompt were 55 ms of a 4 s stream that never ran
+    the draft, and at 8 rows its upkeep ran for the 4-32 rounds ``retire_draft`` waits. Its weights stay (a later
+    stream with fewer rows may want it). Changes no token: the draft only ever proposes."""
+    cfg.draft_retired, cfg.draft_retired_rows = 0, R
+    cfg.taps = ()
+    if cfg.prefix is not None:  # the tree keeps no taps now: its layout says so (entries with taps are dropped)
+        cfg.prefix.bind(target, target.new_cache(1, 1), 0)
 
 
 QUIET_AFTER = 8  # rounds in a row that verified nothing before the stream looks for proposals less often ...

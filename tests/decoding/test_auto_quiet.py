@@ -15,9 +15,11 @@ from test_generate import _repetitive_prompts
 
 from dspine import generate
 from dspine.decoding import commit, prefill, rounds
+from dspine.decoding import decode as decode_mod
 from dspine.decoding.acceptance import AGREEMENT_WEIGHT, row_suffix_rate, suffix_survival
 from dspine.decoding.cost import CostModel
 from dspine.decoding.decode import decode_stream
+from dspine.decoding.prefix import PrefixCache
 from dspine.decoding.prices import LivePrices, StaticPrices
 from dspine.decoding.rows import Row
 from dspine.decoding.sampling import SamplingParams
@@ -78,9 +80,73 @@ def test_a_row_that_never_proposes_runs_the_plain_round_of_none(llama_target, mo
     assert rec.calls == plain
 
 
+def test_a_draft_that_cannot_pay_at_the_first_rows_is_retired_before_the_prefill(llama_target, monkeypatch):
+    """``proposers="auto"`` where the draft is out of the running at the rows admitted first
+    (``rounds.draft_cannot_pay``): the stream is plain decoding's call for call from its
+    first forward (no taps, no prompt run through the draft), the prefix tree keeps no taps, no token changes, and
+    the decisions say why. Where a block could pay, the draft's context is kept from the prefill on."""
+    prompts = token_prompts(4, llama_target.vocab_size, seed=45)
+    kw = dict(max_new_tokens=30, temperature=0.0)
+    rec = _Recorder(llama_target, monkeypatch)
+    want = [o.token_ids for o in generate(llama_target, None, prompts, **kw)]
+    plain = rec.calls
+    draft = random_dspine(llama_target, 4, seed=6)
+    runs = []
+    extend = type(draft).extend_context
+
+    def counted(self, *a, **k):
+        runs.append(1)
+        return extend(self, *a, **k)
+
+    monkeypatch.setattr(type(draft), "extend_context", counted)
+    assert rounds.draft_cannot_pay.__module__ == "dspine.decoding.rounds"
+    for prices, retired in ((_dear(llama_target), True), (StaticPrices(CAL, packed=llama_target.packs), False)):
+        rec.calls, runs[:] = [], []
+        tree = PrefixCache(64 << 20)
+        decisions: dict = {}
+        got = sorted(decode_stream(llama_target, draft, [(p, SamplingParams(**kw)) for p in prompts], 4,
+                                   verify="cost", cost=CAL, proposers="auto", prices=prices, prefix_cache=tree,
+                                   decisions=decisions))
+        assert [o.token_ids for _, o in got] == want
+        why = decisions["dspine"]["why"] or ""
+        if retired:
+            assert rec.calls == plain and not runs
+            assert tree._layout[1] == 0
+            assert why.startswith("retired before the first prefill: at 4 rows"), why
+            assert decisions["dspine"]["rounds"] == 0
+        else:
+            assert rec.calls[0][0] == "forward" and rec.calls[0][4]  # the prefill computed the draft's taps
+            assert runs and not why.startswith("retired before")
+
+
+def test_draft_cannot_pay_reads_the_prices_at_the_rows_admitted():
+    """Before any round: out where no block pays even with every token accepted (a round of each block ``b`` costs
+    ``b`` plain steps or more), or where the prior's expected tau is below ``RETIRE_MARGIN`` of what a round needs
+    (``retire_draft``'s own test with no evidence); kept where the prior expects it to pay."""
+    from dspine.decoding.acceptance import JobAcceptance
+    from dspine.decoding.config import StreamConfig
+
+    def cfg(draft_s: float, prior: float) -> StreamConfig:
+        c = StreamConfig(object(), 4, None, "cost", None, 8, (1,))
+        c.prices = StaticPrices(CostModel.flat(target_s=1.0, per_token_s=0.0, draft_s=draft_s), packed=True)
+        c.job = JobAcceptance(prior, 3)
+        return c
+
+    assert not rounds.draft_cannot_pay(cfg(0.0, 0.5), 8)  # free: a block of 2 needs tau 1, the prior expects 1.5
+    assert rounds.draft_cannot_pay(cfg(4.0, 0.95), 8)  # a block of 4 costs 5 steps: not even a perfect draft pays
+    assert not rounds.draft_cannot_pay(cfg(2.5, 0.95), 8)  # block 4 costs 3.5 steps; the prior expects tau 3.71
+    assert rounds.draft_cannot_pay(cfg(2.5, 0.5), 8)  # ... where this prior expects 1.875 (< 0.8 x 3.5)
+    c = cfg(4.0, 0.95)
+    c.draft_retired = 3
+    assert not rounds.draft_cannot_pay(c, 8)  # retired already: nothing to decide
+    assert not rounds.draft_cannot_pay(cfg(4.0, 0.95), 0)
+
+
 def test_with_a_draft_that_never_pays_auto_ends_on_the_plain_round_of_none(llama_target, monkeypatch):
-    """``proposers="auto"`` with a draft that never pays: once the draft is retired (``rounds.RETIRE_ROUNDS``
-    rounds without it) the rounds are plain decoding's, no taps and no draft context kept, call for call."""
+    """``proposers="auto"`` with a draft that never pays (its block could, were every token accepted): once the
+    draft is retired (``rounds.RETIRE_ROUNDS`` rounds without it) the rounds are plain decoding's, no taps and no
+    draft context kept, call for call."""
+    monkeypatch.setattr(decode_mod, "draft_cannot_pay", lambda cfg, R: False)
     prompts = token_prompts(4, llama_target.vocab_size, seed=43)
     kw = dict(max_new_tokens=60, temperature=0.0)
     rec = _Recorder(llama_target, monkeypatch)
@@ -293,6 +359,7 @@ def test_a_draft_the_plan_never_takes_is_retired_whatever_its_outlook(llama_targ
     monkeypatch.setattr(rounds, "RETIRE_ROUNDS", 4)
     monkeypatch.setattr(rounds, "RETIRE_IDLE", 12)
     monkeypatch.setattr(rounds, "draft_outlook", lambda job, prices, R: (2.0, 2.0, 4))
+    monkeypatch.setattr(decode_mod, "draft_cannot_pay", lambda cfg, R: False)  # the outlook above says it could
     prompts = token_prompts(4, llama_target.vocab_size, seed=44)
     kw = dict(max_new_tokens=40, temperature=0.0)
     want = [o.token_ids for o in generate(llama_target, None, prompts, **kw)]

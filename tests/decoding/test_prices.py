@@ -170,11 +170,13 @@ def test_a_draft_that_never_pays_is_retired_and_changes_no_token(target_name, ll
     """Priced out round after round, the draft is retired (its context no longer kept, rows admitted afterwards
     prefilled without one); the stream goes on with suffix proposals and plain steps, every output plain
     decoding's, and the decisions say when and why."""
-    from dspine.decoding import rounds
+    from dspine.decoding import decode, rounds
     from dspine.decoding.decode import decode_stream
     from dspine.decoding.sampling import SamplingParams
 
     monkeypatch.setattr(rounds, "RETIRE_ROUNDS", 4)
+    # retired mid-stream here, by what its rounds showed (before the prefill: test_auto_quiet)
+    monkeypatch.setattr(decode, "draft_cannot_pay", lambda cfg, R: False)
     target = {"llama": llama_target, "hybrid": hybrid_target}[target_name]
     prompts = _repetitive_prompts(target, 4, seed=21) + token_prompts(4, target.vocab_size, seed=22)
     temps = [0.0, 0.7, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0]
