@@ -162,8 +162,6 @@ def decode_stream(
     # finished rows stay in their slots (they cost nothing on a packing target) where the round knows them
     cfg.keep_dead = target.packs and (use_suffix or cfg.draft is None)
     cfg.release_retired = release_retired
-    if prefix_cache is not None:
-        prefix_cache.bind(target, target.new_cache(1, 1), len(cfg.taps))
     gov = Governor() if governor is None else governor
     try:
         yield from _decode_loop(target, requests, batch_size, cfg, cfg.draft, gov, decisions)
@@ -239,9 +237,14 @@ def _decode_loop(target, requests, batch_size, cfg, draft, gov, decisions=None
             else:
                 newcomers.append(row)
         if newcomers:
-            if first_admission and draft_cannot_pay(cfg, running + len(newcomers)):
-                retire_before_prefill(cfg, target, running + len(newcomers))
-            first_admission = False
+            if first_admission:
+                if draft_cannot_pay(cfg, running + len(newcomers)):
+                    retire_before_prefill(cfg, running + len(newcomers))
+                if cfg.prefix is not None:  # bound after that choice: the taps width is part of the tree's layout,
+                    # so streams that retire the draft here keep one tree between them (bound before it, each
+                    # would have emptied the tree twice)
+                    cfg.prefix.bind(target, target.new_cache(1, 1), len(cfg.taps))
+                first_admission = False
             jobs.append(_Job(newcomers, prefill(target, newcomers, cfg)))
         fresh = _advance(jobs[0], not cfg.chunk) if jobs else None
         if fresh is not None:

@@ -182,7 +182,7 @@ def draft_cannot_pay(cfg: StreamConfig, R: int) -> bool:
     return tau < RETIRE_MARGIN * need
 
 
-def retire_before_prefill(cfg: StreamConfig, target: Target, R: int) -> None:
+def retire_before_prefill(cfg: StreamConfig, R: int) -> None:
     """Retire the draft before the stream's first prefill (``draft_cannot_pay`` at the rows admitted first): no
     prompt is run through it, no target forward computes its taps, and the stream's rounds are those of a draft
     already retired (suffix proposals, forced tokens and plain steps). Measured before this (mixed prompts at 32
@@ -190,9 +190,7 @@ def retire_before_prefill(cfg: StreamConfig, target: Target, R: int) -> None:
     the draft, and at 8 rows its upkeep ran for the 4-32 rounds ``retire_draft`` waits. Its weights stay (a later
     stream with fewer rows may want it). Changes no token: the draft only ever proposes."""
     cfg.draft_retired, cfg.draft_retired_rows = 0, R
-    cfg.taps = ()
-    if cfg.prefix is not None:  # the tree keeps no taps now: its layout says so (entries with taps are dropped)
-        cfg.prefix.bind(target, target.new_cache(1, 1), 0)
+    cfg.taps = ()  # the prefix tree is bound after this (``decode._decode_loop``): it keeps no taps either
 
 
 QUIET_AFTER = 8  # rounds in a row that verified nothing before the stream looks for proposals less often ...

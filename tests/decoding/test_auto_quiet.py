@@ -114,6 +114,12 @@ def test_a_draft_that_cannot_pay_at_the_first_rows_is_retired_before_the_prefill
             assert tree._layout[1] == 0
             assert why.startswith("retired before the first prefill: at 4 rows"), why
             assert decisions["dspine"]["rounds"] == 0
+            # the next stream that retires it too keeps the tree: its prompts are served from it
+            served = tree.served
+            again = sorted(decode_stream(llama_target, draft, [(p, SamplingParams(**kw)) for p in prompts], 4,
+                                         verify="cost", cost=CAL, proposers="auto", prices=prices, prefix_cache=tree))
+            assert [o.token_ids for _, o in again] == want
+            assert tree.served > served
         else:
             assert rec.calls[0][0] == "forward" and rec.calls[0][4]  # the prefill computed the draft's taps
             assert runs and not why.startswith("retired before")
