@@ -57,10 +57,9 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
             elif job.slots <= 0:
                 why = "the draft's block is 1 (nothing to propose)"
             else:
-                tau, need, best = draft_outlook(job, prices, R)
+                at = (retired_rows or R) if retired == 0 else R  # before the prefill: the rows it was decided at
+                tau, need, best = draft_outlook(job, prices, at)
                 if retired == 0:
-                    at = retired_rows or R
-                    tau, need, best = draft_outlook(job, prices, at)
                     why = (f"retired before the first prefill: at {at} rows a round of its block {best} must reach "
                            f"tau {need:.2f} to beat a plain step on this CPU, and its expected tau there is "
                            f"{tau:.2f} (its prior acceptance), so no prompt was run through it")

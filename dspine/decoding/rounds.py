@@ -155,11 +155,17 @@ def retire_draft(cfg: StreamConfig, ran: bool, R: int) -> bool:
     cfg.draft_idle += 1
     if cfg.draft_idle % RETIRE_ROUNDS or cfg.job is None or cfg.job.slots <= 0:
         return False  # looked at every RETIRE_ROUNDS rounds in a row without it
-    tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
-    if tau >= RETIRE_MARGIN * need and cfg.draft_idle < RETIRE_IDLE:
+    if not _priced_out(cfg, R) and cfg.draft_idle < RETIRE_IDLE:
         return False
     cfg.draft_retired = cfg.rounds
     return True
+
+
+def _priced_out(cfg: StreamConfig, R: int) -> bool:
+    """The draft's expected τ on this job at ``R`` rows (best block, pooled acceptance) is below ``RETIRE_MARGIN``
+    of the τ a round of it must reach to beat a plain step: the test both retirements share."""
+    tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
+    return tau < RETIRE_MARGIN * need
 
 
 def draft_cannot_pay(cfg: StreamConfig, R: int) -> bool:
@@ -176,10 +182,8 @@ def draft_cannot_pay(cfg: StreamConfig, R: int) -> bool:
     if cfg.draft is None or cfg.draft_retired is not None or cfg.job is None or cfg.job.slots <= 0 \
             or cfg.prices is None or R <= 0:
         return False
-    if all(b <= break_even(cfg.prices, R, b - 1, b) for b in range(2, cfg.job.slots + 2)):
-        return True
-    tau, need, _ = draft_outlook(cfg.job, cfg.prices, R)
-    return tau < RETIRE_MARGIN * need
+    return (all(b <= break_even(cfg.prices, R, b - 1, b) for b in range(2, cfg.job.slots + 2))
+            or _priced_out(cfg, R))
 
 
 def retire_before_prefill(cfg: StreamConfig, R: int) -> None:
