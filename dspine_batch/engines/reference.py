@@ -54,11 +54,15 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward (see the module
 
 def _open_draft(path: Path) -> Any:
     """The draft as the engine runs it: packed for the CPU kernels, the packed form read from the per-machine cache
-    (keyed on the checkpoint's files) where an earlier load left it."""
+    (keyed on the checkpoint's files) where an earlier load left it. Called by the engine's ``LazyDraft`` when a
+    stream first needs the draft (possibly mid-job), so the pages its conversion freed are given back at once."""
     from dspine import load_draft
+    from dspine.cpu.memory import trim
     from dspine.models.registry import checkpoint_key
 
-    return load_draft(path).use_kernels(checkpoint_key(path))
+    draft = load_draft(path).use_kernels(checkpoint_key(path))
+    trim(collect=False)  # the fp32 copy of its bf16 checkpoint, converted and repacked, freed; no gc pass mid-job
+    return draft
 
 
 class ReferenceEngine:
@@ -169,6 +173,7 @@ class ReferenceEngine:
         from dspine.cpu.precision import resolve
         from dspine.cpu.threads import configure_torch
         from dspine.draft.io import read_decode_defaults
+        from dspine.draft.lazy import LazyDraft
 
         configure_torch(opts.get("threads"))  # the cores this process may use (affinity, cgroup, Slurm)
         quant = opts.get("quant", "none")
@@ -189,14 +194,16 @@ class ReferenceEngine:
         precision = resolve(dtype, quant)
         try:
             target = load_target(model_path, dtype=precision.torch_dtype, device="cpu", quant=precision.quant)
-            drafter = _open_draft(draft_path) if draft_path else None
+            # its config and header now (a broken draft fails here, in one line), its weights on first use: a
+            # stream that retires it before its first prefill never reads them (``dspine.draft.lazy``)
+            drafter = LazyDraft(draft_path, _open_draft) if draft_path else None
             defaults = read_decode_defaults(draft_path) if draft_path else {}
         except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
             raise UsageError(f"cannot load the model: {e}") from e
         tok = open_tokenizer(model_path)
         from dspine.cpu.memory import trim
 
-        trim()  # what loading converted and repacked (the draft's fp32 copy of its bf16 checkpoint) given back
+        trim()  # what loading converted and repacked given back
         if drafter is None and proposers == "auto":
             proposers = "suffix"  # no draft for this model: suffix matches alone
         # The draft's measured decode settings (decode.json) apply unless --engine-arg sets them.
@@ -210,11 +217,6 @@ class ReferenceEngine:
 
     def identity(self) -> dict[str, Any]:
         return self._identity
-
-    def ensure_draft(self) -> None:
-        """The draft loaded again if an earlier stream retired it and freed its weights (``DSpineDraft.release``)."""
-        if self.draft is not None and getattr(self.draft, "released", False):
-            self.draft = _open_draft(self.draft_path)
 
     @property
     def first_token_at(self) -> float | None:
@@ -268,7 +270,6 @@ class ReferenceEngine:
 
         size = max(1, min(self.batch_size, max_in_flight))
         room = int(self.target.max_position) - 1
-        self.ensure_draft()  # an earlier stream may have retired and released it: this one may want it again
         pending: dict[int, Request] = {}
         refused: dict[int, str] = {}
 
@@ -329,7 +330,6 @@ class ReferenceEngine:
         if key not in self._costs:
             from dspine.decoding.cost import load_or_calibrate
 
-            self.ensure_draft()  # a calibration runs the draft: a stream before may have retired and released it
             draft, block, ident, long = self._cost_args()
             self._costs[key] = load_or_calibrate(self.target, draft, rows, block, ident, long_tokens=long)
         return self._costs[key]

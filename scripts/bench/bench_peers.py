@@ -126,7 +126,7 @@ def run_ours(prompt_ids, stops, new, concurrency, draft, setting, label) -> Colu
     # must not land inside the timed run. A warm-up window of ``concurrency`` calibrated 32 rows there, so the
     # timed run calibrated 16 itself on any machine whose cache did not hold it (a busy one never writes it)
     list(engine.run(iter(reqs[:1]), len(reqs)))
-    fresh_job(engine)  # the warm-up's retired draft reloaded, its prompt out of the prefix cache (``machine``)
+    fresh_job(engine)  # the draft not loaded, the warm-up's prompt out of the prefix cache (``machine``)
     t0 = time.perf_counter()
     results = {r.row_id: list(r.token_ids) for r in engine.run(iter(reqs), len(reqs))}
     dt = time.perf_counter() - t0

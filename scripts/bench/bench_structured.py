@@ -17,7 +17,7 @@ not our code). Grammar cost: CPU ms per generated token of ``none`` minus ``plai
     python scripts/bench/bench_structured.py --cli --repeats 3 --concurrency 1 8   # whole jobs, set-up included
 
 Each in-process run starts as a fresh job's generation does (``machine.fresh_job``: prefix cache empty, draft
-loaded).
+not loaded yet: a stream that keeps it reads it inside its generation, as a job does).
 """
 
 from __future__ import annotations

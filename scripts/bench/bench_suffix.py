@@ -4,7 +4,7 @@ Workloads (the reference engine on the embedded SmolLM2 pair, chat template, one
   edit     examples/edit_prompts.jsonl: answers that quote their input (docstrings, grammar, JSON -> YAML), greedy
   mixed    examples/prompts.jsonl: chat, code and math, greedy
   samples  the first prompts of examples/prompts.jsonl, 4 samples each at T = 0.8 (``--num-samples 4``)
-Each run starts as a fresh job's generation does (``machine.fresh_job``: prefix cache empty, draft loaded).
+Each run starts as a fresh job's generation does (``machine.fresh_job``: prefix cache empty, draft not loaded yet).
 Each (workload, concurrency) cell runs every variant ``--repeats`` times, the variants' order alternating from one
 repeat to the next (none, auto, then auto, none, ...), so a load that rises or falls during a cell lands on both:
 ``none`` (``--draft none``: plain decoding, the baseline), ``auto`` (the default: draft and suffix per row and

@@ -32,8 +32,10 @@ def write_json(path: str | None, report: dict) -> None:
 def fresh_job(engine) -> None:
     """Put a reference engine in the state a fresh job's generation starts from, before a timed run of it: the
     prefix cache empty (it outlives runs, and a run of another variant empties it: a run after a switch paid every
-    prefill, one after the same variant none) and the draft loaded (a stream that retired it released its weights,
-    and the engine reloads it inside the next run; a job loads it before its first row, outside generation)."""
+    prefill, one after the same variant none) and the draft not loaded (the engine's ``LazyDraft`` reads it when a
+    stream first keeps it, inside generation, as a job does; a stream that retires it before its first prefill never
+    reads it)."""
     if getattr(engine, "prefix", None) is not None:
         engine.prefix.clear()
-    engine.ensure_draft()
+    if callable(release := getattr(getattr(engine, "draft", None), "release", None)):
+        release()

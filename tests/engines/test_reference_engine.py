@@ -283,8 +283,9 @@ def test_proposers_auto_is_the_default_and_reports_stats_by_source(tiny):
 
 
 def test_a_released_draft_is_loaded_again_for_the_next_run_and_changes_no_token(tiny):
-    """A stream that retires the draft frees its weights (``release_retired``); the engine's next run loads it again
-    (the same proposals: the same tokens and schedule as a fresh engine's), and records when its first token came."""
+    """The engine reads its draft's weights when a stream first needs them, not at load (``dspine.draft.lazy``); a
+    stream that retires the draft frees them (``release_retired``) and the next run reads them again (the same
+    proposals: the same tokens and schedule as a fresh engine's), and records when its first token came."""
     reqs = chat_requests(reference_engine(tiny), n=4)
     for r in reqs:
         r.params = SamplingParams(max_new_tokens=16, stop_token_ids=())
@@ -292,10 +293,13 @@ def test_a_released_draft_is_loaded_again_for_the_next_run_and_changes_no_token(
     want = [(r.token_ids, r.verify_steps) for r in sorted(fresh.run(iter(reqs), 8), key=lambda r: r.row_id)]
     eng = reference_engine(tiny, batch_size="3", proposers="dspine")
     assert eng.first_token_at is None
-    eng.draft.release()  # as a retiring stream leaves it
-    assert eng.draft.released
+    assert not eng.draft.loaded and eng.draft.loads == 0  # loading the engine read no tensor of the draft
     got = [(r.token_ids, r.verify_steps) for r in sorted(eng.run(iter(reqs), 8), key=lambda r: r.row_id)]
-    assert got == want and not eng.draft.released
+    assert got == want and eng.draft.loads == 1
+    eng.draft.release()  # as a retiring stream leaves it
+    assert not eng.draft.loaded
+    got = [(r.token_ids, r.verify_steps) for r in sorted(eng.run(iter(reqs), 8), key=lambda r: r.row_id)]
+    assert got == want and eng.draft.loads == 2
     assert eng.first_token_at is not None
 
 
