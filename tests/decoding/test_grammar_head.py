@@ -59,3 +59,35 @@ def test_one_fill_per_state_and_the_same_masks_as_fresh_fills():
     walk(st2.matcher, [], 256, st2.head)
     walk(st2.matcher, [], 256, st2.head)
     assert st2.matcher.fills == 1
+
+
+def test_a_greedy_slot_whose_argmax_the_grammar_allows_is_not_masked_and_decides_the_same():
+    """``processors.needs_mask``: greedy slots feed an argmax only, so where the unmasked argmax is allowed the
+    mask is skipped (same token); a greedy slot whose argmax the grammar refuses, and every sampled slot, are masked
+    exactly as a full mask would; ties at the maximum resolve to the same (first) id either way."""
+    from dspine.decoding import processors
+    from dspine.decoding.grammar import apply_masks
+
+    g = byte_grammars().get("json_schema", json.dumps(SCHEMA))
+    greedy, sampled = SamplingParams(grammar=g), SamplingParams(temperature=0.8, grammar=g)
+    gen = torch.Generator().manual_seed(3)
+    allowed_first = ord("{")  # the only byte a JSON object may start with
+    for trial in range(40):
+        states = [RowState.of(sp, [1, 2], 256) for sp in (greedy, greedy, sampled)]
+        logits = torch.randn(3, 256, generator=gen)
+        if trial % 2:
+            logits[0, allowed_first] = logits[0].max() + 1  # row 0's argmax allowed: skipped
+        if trial % 4 == 1:
+            logits[0, 7] = logits[0, allowed_first]  # a refused tie at a lower id: the argmax refused, masked
+        want = logits.clone()
+        masks = torch.stack([walk(st.matcher, [], 256, st.head)[0][0] for st in states])
+        apply_masks(want, masks, [0, 1, 2])
+        got = processors.process(logits.clone(), states, [0, 1, 2], [0, 0, 0], None)
+        assert torch.equal(got.argmax(-1)[:2], want.argmax(-1)[:2]), trial  # greedy: the same token
+        assert torch.equal(got[2], want[2]), trial  # sampled: the whole masked distribution
+        need = processors.needs_mask(logits, masks, [0, 1, 2], [True, True, False])
+        skipped = {0, 1, 2} - set(need.tolist() if need is not None else [])
+        for i in skipped:  # a skipped slot is one whose unmasked argmax the grammar allows, left untouched
+            assert int(logits[i].argmax()) == allowed_first and torch.equal(got[i], logits[i])
+        assert 2 not in skipped
+        assert (0 in skipped) == (trial % 4 == 3), trial
