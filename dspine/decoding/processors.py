@@ -195,8 +195,8 @@ def needs_mask(logits: torch.Tensor, masks: torch.Tensor, rows: list[int], greed
         return torch.arange(len(rows))
     ci = torch.tensor(cand, dtype=torch.long)
     slots = torch.tensor([rows[i] for i in cand], dtype=torch.long, device=logits.device)
-    top = logits[slots].argmax(-1)
-    best = logits[slots, top].isfinite().cpu()  # a NaN or infinite maximum: masked as before, whatever it says
+    peak, top = logits[slots].max(-1)  # the first of equal maxima, as ``argmax``
+    best = peak.isfinite().cpu()  # a NaN or infinite maximum: masked as before, whatever it says
     top = top.cpu()
     allowed = ((masks[ci, top // 32] >> (top % 32)) & 1).bool()
     skip = set(ci[allowed & best].tolist())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dspine.draft.config import make_draft_config
+from dspine.draft.config import DraftSpec, make_draft_config, parse_draft_config
 from dspine.draft.model import DSpineDraft
 from dspine.draft.transfer import compute_transfer_space
 from dspine.models.checkpoint import ModelLoadError, load_state, read_config, weight_files
@@ -85,6 +85,24 @@ def _checkpoint_name(name: str) -> str | None:
     return name
 
 
+def read_draft_header(path: str | Path) -> tuple[dict, DraftSpec, bool]:
+    """What a draft directory says without reading a tensor: its config, the spec parsed from it, and whether its
+    checkpoint holds the confidence head (from the safetensors headers); a config that says the head was trained
+    where the checkpoint has none is refused. ``load_draft`` builds the draft from it; ``lazy.LazyDraft`` answers
+    from it before the weights are read."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    cfg = read_config(path)
+    spec = parse_draft_config(cfg, str(cfg_file))
+    names = [_checkpoint_name(n) for n in weight_files(path)]
+    has_head = any(n is not None and n.startswith("confidence_head.") for n in names)
+    if spec.confidence_trained and not has_head:
+        raise ModelLoadError(
+            f"{cfg_file}: dspine_config.confidence_trained is true but {path} has no 'confidence_head.proj.weight'"
+        )
+    return cfg, spec, has_head
+
+
 def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DSpineDraft:
     """Load a draft saved by ``DSpineDraft.save`` (or a compatible export), strictly.
 
@@ -92,19 +110,12 @@ def load_draft(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     missing tensors. The confidence head is optional: it exists iff its tensors are in the checkpoint.
     """
     path = Path(path)
-    cfg_file = path / "config.json"
-    cfg = read_config(path)
-    names = [_checkpoint_name(n) for n in weight_files(path)]
-    has_head = any(n is not None and n.startswith("confidence_head.") for n in names)
+    cfg, _, has_head = read_draft_header(path)
     on_cpu = torch.device(device).type == "cpu"
     # on the CPU built in place, uninitialised (the checkpoint overwrites every value): on the meta device the
     # constructor's arithmetic would go through torch's reference ops, whose first call imports torch._dynamo
     with contextlib.nullcontext() if on_cpu else torch.device("meta"), skip_init():
-        model = DSpineDraft(cfg, confidence_head=has_head, where=str(cfg_file))
-    if model.confidence_trained and not has_head:
-        raise ModelLoadError(
-            f"{cfg_file}: dspine_config.confidence_trained is true but {path} has no 'confidence_head.proj.weight'"
-        )
+        model = DSpineDraft(cfg, confidence_head=has_head, where=str(path / "config.json"))
     model = (model if on_cpu else model.to_empty(device=device)).to(dtype)
     model.rotary.inv_freq = model.rotary.spec.inv_freq(device=device)
     load_state(model, path, rename=_checkpoint_name, mmap=on_cpu, assign=False)  # converted to fp32 from the map

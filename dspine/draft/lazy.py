@@ -8,10 +8,11 @@ target layers it taps, whether dynamic stopping is on) from ``config.json`` and 
 the draft itself only when something asks for more (a prefill computing its taps, a proposal, a calibration).
 
 What can be checked without reading a tensor is checked at once, so a broken draft directory still fails before
-the model loads, in one line: the config (``parse_draft_config``), that the weights exist and their header reads,
-and a ``confidence_trained`` config without the head's tensors. The rest of ``load_draft``'s strict checks (every
-tensor present with its shape, a sorted draft vocabulary) run at the first use; a failure there is a
-``RuntimeError`` naming the directory (the engine's one-line fatal error), never a half-loaded draft.
+the model loads, in one line (``io.read_draft_header``, which ``load_draft`` starts from too): the config, that the
+weights exist and their header reads, and a ``confidence_trained`` config without the head's tensors. The rest of
+``load_draft``'s strict checks (every tensor present with its shape, a sorted draft vocabulary) run at the first
+use; a failure there is a ``RuntimeError`` naming the directory (the engine's one-line fatal error), never a
+half-loaded draft.
 
 ``release`` frees the loaded draft's weights (a retired draft, ``decoding.rounds``) and forgets it, so the next use
 loads it again: one handle serves every stream of a long-lived engine, whichever of them retire it. Tokens never
@@ -24,8 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dspine.draft.config import parse_draft_config
-from dspine.models.checkpoint import ModelLoadError, read_config, weight_files
+from dspine.draft.io import read_draft_header
 
 
 class LazyDraft:
@@ -37,13 +37,7 @@ class LazyDraft:
 
     def __init__(self, path: str | Path, open_draft: Callable[[Path], Any]):
         path = Path(path)
-        cfg = read_config(path)
-        spec = parse_draft_config(cfg, str(path / "config.json"))
-        names = weight_files(path)  # the header only: no tensor is read
-        has_head = any(n.removeprefix("model.").startswith("confidence_head.") for n in names)
-        if spec.confidence_trained and not has_head:
-            raise ModelLoadError(f"{path / 'config.json'}: dspine_config.confidence_trained is true but {path} has "
-                                 "no 'confidence_head.proj.weight'")
+        cfg, spec, has_head = read_draft_header(path)  # the config and the checkpoint's header: no tensor is read
         self.path, self.config = path, cfg
         self.block_size = spec.block_size
         self.target_layer_ids = list(spec.target_layer_ids)

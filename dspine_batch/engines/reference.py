@@ -86,7 +86,7 @@ class ReferenceEngine:
         self.proposers = proposers if draft is not None or proposers != "dspine" else None
         self.suffix_cap = DEFAULT_CAP_TOKENS if suffix_cap is None else suffix_cap
         self.suffix_max = MAX_PROPOSAL if suffix_max is None else suffix_max
-        self.model_path, self.draft_path = model_path, draft_path
+        self.model_path = model_path
         self.batch_size = batch_size
         self.block_size = block_size or (int(draft.block_size) if draft is not None else None)
         # Confidence-based early stop of each proposal (lossless; needs a fitted confidence head, else ignored).
