@@ -312,8 +312,8 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
 
     Without -o the output goes to ./<first input's name>-out (printed at start); the same command again
     resumes there."""
-    from dspine_batch.pipeline.job import generate as run_generate
     from dspine_batch.pipeline.preflight import default_output
+    from dspine_batch.run.runner import run_job
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:
@@ -322,11 +322,7 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
-    if ctx.meta.get("stages") is not None:
-        from dspine_batch.stages.run import run_stages
-
-        return run_stages(cfg, ctx.meta["stages"])
-    return run_generate(cfg)
+    return run_job(cfg, ctx.meta.get("stages"))
 
 
 PREPARE_EXAMPLES = """
@@ -383,7 +379,8 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
     """Done / failed / remaining rows, fingerprint and last commit time of OUTDIR (works while running).
 
     Parts that are missing, truncated or unreadable (and with --verify, altered) are listed, one line each;
-    status only reads: the next generate or finalize moves them aside and regenerates their rows.
+    status moves nothing: the next generate or finalize moves them aside and regenerates their rows. What a crash
+    left (a half-done publish, retry or compaction) is settled first, in shards no live worker holds.
 
     \b
     Example:
@@ -391,7 +388,9 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
     """
     from dspine_batch.ops.status import format_status, read_status
     from dspine_batch.pipeline.manifest import stage_names
+    from dspine_batch.pipeline.recovery import recover_for_reading
 
+    recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stages = stage_names(outdir)  # a job of several stages: each stage's status, in order
     for path in [os.path.join(outdir, name) for name in stages] if stages else [outdir]:
         st = read_status(path, verify=verify)
@@ -416,7 +415,9 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     """
     from dspine_batch.ops.funnel import format_funnel, funnel, plot_funnel
     from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
+    from dspine_batch.pipeline.recovery import recover_for_reading
 
+    recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stages = funnel(outdir)
     if stages is not None:  # a job of several stages: its funnel, then the last stage's report
         if not as_json:
@@ -455,7 +456,9 @@ def export(outdir: str, fmt: str, output: str) -> None:
       dspine-batch export out/ --format openai -o results.jsonl
     """
     from dspine_batch.ops.export import export_openai
+    from dspine_batch.pipeline.recovery import recover_for_reading
 
+    recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stats = export_openai(outdir, output)
     click.echo(f"dspine-batch: {stats.lines:,} lines ({stats.ok:,} ok, {stats.errors:,} errors) -> {output}",
                err=True)

@@ -23,6 +23,7 @@ from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.mapping import RowIds
 from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts, open_output
 from dspine_batch.pipeline.preflight import log
+from dspine_batch.pipeline.recovery import recover
 from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.pipeline.shard import shard_tag
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
@@ -112,8 +113,7 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
     try:
         for i in range(shards):
             locks.append(out.lock(shard_tag(i, shards)).acquire())  # no shard may run meanwhile
-        out.recover()
-        out.remove_staging()  # on an object store this also finishes any publish a crash interrupted
+        recover(out, [shard_tag(i, shards) for i in range(shards)], log)  # journals, publishes, orphans: one order
         good = out.verify_parts(None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
         log(f"checked {len(good)} part(s) against their commit records")
         if compact and out.remote:

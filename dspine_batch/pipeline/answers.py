@@ -41,13 +41,17 @@ class Answers:
         self._tokens: dict[int, tuple[str, bytes]] = {}
 
     def run(self, finished: Iterator[Finished]) -> Iterator[Finished]:
-        reasoning = self.reasoning_parser is not None
         for item, results in finished:
-            tools = item.options is not None and item.options.parse_tools
-            for r in results or ():
-                if r.error is None and r.text is not None and (reasoning or tools or r.logprobs is not None):
-                    self.apply(item.options, r)
+            self.answer(item, results)
             yield item, results
+
+    def answer(self, item: WorkItem, results: list[Result] | None) -> None:
+        """One finished row's results read in place (the runner's per-row step)."""
+        tools = item.options is not None and item.options.parse_tools
+        reasoning = self.reasoning_parser is not None
+        for r in results or ():
+            if r.error is None and r.text is not None and (reasoning or tools or r.logprobs is not None):
+                self.apply(item.options, r)
 
     def apply(self, options: RowOptions | None, r: Result) -> None:
         text = r.text or ""

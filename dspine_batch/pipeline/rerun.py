@@ -15,9 +15,6 @@ this CPU resolves) is checked when there is work to do: with none, nothing is ge
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,10 +24,8 @@ from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.manifest import describe_inputs, diff
 from dspine_batch.pipeline.mapping import Columns, RowIds
-from dspine_batch.pipeline.outputs import LocalOutput, Output
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.requests import identity as request_identity
-from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.schema import SCHEMA_VERSION
 from dspine_batch.pipeline.sources import InputFile, iter_inputs
 
@@ -50,38 +45,6 @@ def run_fields(cfg: GenerateConfig, files: list[InputFile], columns: Columns, us
     if columns.templates is not None:  # only when set: runs without a template keep their fingerprint
         fields["template"] = columns.templates.identity()
     return fields
-
-
-@dataclass
-class Precheck:
-    """The done-set of a run found in OUTDIR, and how many of the shard's input rows it lacks."""
-
-    manifest: dict[str, Any]
-    done: DoneSet
-    removed: int  # staging files a crash left, discarded
-    rows: int  # this shard's input rows (all of them only when none is missing: the scan stops at the first)
-    missing: int  # of which not committed yet, in the batches read (0: nothing left to do)
-    seconds: float
-
-
-def precheck(cfg: GenerateConfig, files: list[InputFile], columns: Columns, outdir: str | Output,
-             shard: tuple[int, int], tag: str, report: Callable[[str], None], request: RowRequest) -> Precheck | None:
-    """None when OUTDIR holds no run or not this one (the normal start then says what changed). Call with the
-    shard's lock held: it discards staging files and moves damaged parts aside, as a normal start does."""
-    out = LocalOutput(outdir) if isinstance(outdir, str) else outdir
-    manifest = out.read_manifest()
-    if manifest is not None and manifest.get("num_shards") == shard[1]:
-        changes = run_changes(cfg, files, columns, manifest, request)
-        if changes:
-            refuse_other_run(out.display, changes, manifest)
-    if (manifest is None or manifest.get("num_shards") != shard[1]
-            or not _same_run(cfg, files, columns, manifest, request)):
-        return None
-    t0 = time.monotonic()
-    removed = out.remove_staging(tag)
-    done = out.load_done(tag, id_column=columns.id is not None, on_damaged=cfg.on_damaged_part, report=report)
-    rows, missing = count_missing(cfg, files, columns, shard, done.keys)
-    return Precheck(manifest, done, removed, rows, missing, time.monotonic() - t0)
 
 
 def run_changes(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],

@@ -82,17 +82,21 @@ def find_failed(outdir: str, tag: str, lengths: bool, id_column: bool) -> Failed
 
 
 def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: Output, tag: str,
-            request: RowRequest, log: Callable[[str], None]) -> None:
-    """Before the model loads, with the shard's lock held: accept a fixed input (or refuse, naming what changed),
-    then take the failed rows out of this shard's parts so the run generates them again (on a local disk or an
-    object store: ``Output.drop_rows``)."""
+            request: RowRequest, log: Callable[[str], None], extra: dict[str, Any] | None = None) -> None:
+    """Before the model loads, with the shard's lock held and the OUTDIR recovered: accept a fixed input (or
+    refuse, naming what changed), then take the failed rows out of this shard's parts so the run generates them
+    again (on a local disk or an object store: ``Output.drop_rows``). ``extra``: a stage's fingerprint fields
+    beyond the job's (its rules; for a later stage the stage it reads, whose new fingerprint a retry of that
+    stage made: accepted here as a fixed input is)."""
     manifest = out.read_manifest()
     if manifest is None:
         log("--retry-errors: OUTDIR holds no run yet; nothing to retry")
         return
     failed = find_failed(cfg.output if out.remote else out.path, tag, cfg.retry_length,  # type: ignore[attr-defined]
                          columns.id is not None)
-    changed = _changed_inputs(cfg, files, columns, manifest, request)
+    if extra is not None and "inputs" in extra:  # a later stage: its input is its parent stage's output
+        manifest = _accept_parent(out, cfg, files, columns, manifest, request, extra, log)
+    changed = _changed_inputs(cfg, files, columns, manifest, request, extra)
     if changed and out.remote:
         raise FingerprintMismatch(f"{out.display}: the inputs changed; fixed input lines are accepted on a local "
                                   "OUTDIR only (the proof that only failed lines changed reads a per-row record an "
@@ -100,7 +104,8 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: 
     if changed:
         manifest = _accept_fixed_inputs(out, files, columns, manifest, changed, failed, cfg.limit, tag, log)
     old_limit = manifest["fingerprint_fields"]["settings"].get("max_new_tokens")
-    if cfg.retry_length and old_limit != cfg.max_new_tokens and run_changes(cfg, files, columns, manifest, request):
+    if cfg.retry_length and old_limit != cfg.max_new_tokens and run_changes(cfg, files, columns, manifest, request,
+                                                                            extra):
         _update_manifest(out, manifest, files, {}, {"max_new_tokens": cfg.max_new_tokens})
         log(f"--retry-length: --max-new-tokens {old_limit} -> {cfg.max_new_tokens} for the retried rows (the others "
             "stopped before the old limit: a larger one does not change them)")
@@ -115,11 +120,33 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: 
         "(readers see each row once: its latest committed attempt)")
 
 
+def _accept_parent(out: Output, cfg: GenerateConfig, files: list[InputFile], columns: Columns,
+                   manifest: dict[str, Any], request: RowRequest, extra: dict[str, Any],
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """A later stage of a retried job: the stage it reads has a new fingerprint (its fixed input, its rows taken
+    out) and nothing else may differ; its manifest takes the new one, with a ``retries`` entry."""
+    old = (manifest.get("fingerprint_fields") or {}).get("inputs")
+    if old == extra["inputs"]:
+        return manifest
+    changes = [c for c in run_changes(cfg, files, columns, manifest, request, extra) if not c.startswith("inputs")]
+    if changes or not isinstance(old, dict) or old.get("stage") != extra["inputs"].get("stage"):
+        raise FingerprintMismatch(f"{out.display}: --retry-errors retries with the same settings; changed: "
+                                  + "; ".join(changes[:8] or ["the stage it reads"]) + ". The model was not loaded.")
+    fields = {**manifest["fingerprint_fields"], "inputs": extra["inputs"]}
+    entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "previous_fingerprint": manifest["fingerprint"],
+             "parent_fingerprint": extra["inputs"].get("fingerprint")}
+    manifest = {**manifest, "fingerprint_fields": fields, "fingerprint": fingerprint(fields),
+                "retries": [*manifest.get("retries", []), entry]}
+    out.update_manifest(manifest)
+    log(f"--retry-errors: the stage it reads ({extra['inputs'].get('stage')}) was retried; its new rows feed this one")
+    return manifest
+
+
 def _changed_inputs(cfg: GenerateConfig, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
-                    request: RowRequest) -> list[int]:
+                    request: RowRequest, extra: dict[str, Any] | None = None) -> list[int]:
     """Indices of the inputs whose content changed, when that is all that changed; a refusal naming the change
     when anything else did (settings, columns, inputs added, removed, renamed or reordered)."""
-    changes = run_changes(cfg, files, columns, manifest, request)
+    changes = run_changes(cfg, files, columns, manifest, request, extra)
     if not changes:
         return []
     old = (manifest.get("fingerprint_fields") or {}).get("inputs") or []

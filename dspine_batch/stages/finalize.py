@@ -64,6 +64,10 @@ def finalize_stages(outdir: str, names: list[str], compact: bool, target_rows: i
     for k, name in enumerate(names):
         path = os.path.join(outdir, name)
         log(f"stage {name}:")
+        if open_output(path).read_manifest() is None:
+            log(f"stage {name}: not started yet (none of its rows is committed); run the same generate command "
+                "again to finish the job, then finalize")
+            return EXIT_FATAL
         if k == 0:
             rc = finalize(path, compact, target_rows, on_damaged)
         else:

@@ -56,6 +56,7 @@ class StageSpec:
     dedup_on: str = "output"
     dedup_threshold: float = 0.8  # minhash: the Jaccard similarity of word n-grams that makes a duplicate
     dedup_ngram: int = 3
+    lineage: bool = True  # a stage of [[stages]] (OUTDIR/<name>/, lineage columns); False: a job of one stage
 
     def identity(self) -> dict[str, Any]:
         """What of the stage, beyond its generate settings, decides its rows (part of its fingerprint)."""
@@ -64,6 +65,12 @@ class StageSpec:
         if self.dedup == "minhash":
             out |= {"dedup_threshold": self.dedup_threshold, "dedup_ngram": self.dedup_ngram}
         return out
+
+
+def single_stage(cfg: GenerateConfig, templates: PromptTemplates | None) -> StageSpec:
+    """A job without ``[[stages]]`` as the runner sees it: one stage writing OUTDIR itself, its rows with no
+    lineage columns and no rules, its fingerprint the one such jobs always had (no stage fields)."""
+    return StageSpec("", 0, cfg, templates, lineage=False)
 
 
 def parse_stages(raw: Any, job: GenerateConfig, outdir: str) -> list[StageSpec]:

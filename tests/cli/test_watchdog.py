@@ -33,10 +33,17 @@ def test_a_stalled_engine_is_stopped_with_its_rows_committed_and_the_resume_fini
     assert _ids(out) == sorted(r["id"] for r in prompts(30))
 
 
-def test_the_default_never_fires_on_a_slow_engine(tmp_path):
-    src = write_jsonl(tmp_path / "in.jsonl", prompts(6))
-    assert run_cli(["generate", str(src), "-o", str(tmp_path / "out"), "--engine-arg", "latency=0.05",
-                    "--max-in-flight", "1"]) == 0
+def test_a_slow_engine_that_keeps_producing_never_trips_the_watchdog(tmp_path, capfd):
+    """Each row takes a third of --stall-seconds and the whole run several times it: the watchdog measures
+    from the last result, not from the start, so it never fires — while the same settings on an engine that
+    stops producing do fire (the second half: the check is armed)."""
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(8))
+    args = ["generate", str(src), "--stall-seconds", "1", "--max-in-flight", "1", "--engine-arg", "latency=0.3"]
+    assert run_cli([*args, "-o", str(tmp_path / "out")]) == 0
+    assert "stalled" not in capfd.readouterr().err
+    assert len(_ids(tmp_path / "out")) == 8
+    assert run_cli([*args, "-o", str(tmp_path / "out2"), "--engine-arg", "stall_after=3"]) == 75
+    assert "stalled: nothing produced for" in capfd.readouterr().err
 
 
 def test_a_request_timeout_makes_a_stuck_row_an_error_row(tmp_path, capfd):

@@ -40,8 +40,10 @@ MAY_IMPORT: dict[str, set[str]] = {
                          "dspine_batch.storage"},
     "dspine_batch.stages": {"dspine_batch", "dspine_batch.pipeline", "dspine_batch.engines", "dspine_batch.errors",
                             "dspine_batch.digest", "dspine_batch.ops", "dspine_batch.storage"},
-    "dspine_batch.cli": {"dspine_batch", "dspine_batch.ops", "dspine_batch.pipeline", "dspine_batch.engines",
-                         "dspine_batch.errors", "dspine_batch.stages", "dspine_batch.storage"},
+    "dspine_batch.run": {"dspine_batch", "dspine_batch.pipeline", "dspine_batch.stages", "dspine_batch.engines",
+                         "dspine_batch.errors", "dspine_batch.digest", "dspine_batch.ops", "dspine_batch.storage"},
+    "dspine_batch.cli": {"dspine_batch", "dspine_batch.run", "dspine_batch.ops", "dspine_batch.pipeline",
+                         "dspine_batch.engines", "dspine_batch.errors", "dspine_batch.stages", "dspine_batch.storage"},
 }
 
 

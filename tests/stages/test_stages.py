@@ -352,7 +352,7 @@ def test_a_claim_left_by_a_crash_is_taken_by_its_own_shard_only(tmp_path):
 def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, capsys):
     """The audit behind the claims: shards that dedup alone (claims switched off) keep one row per score each;
     ``finalize`` names the shared key's rows and writes no ``_SUCCESS``."""
-    import dspine_batch.stages.run as run
+    import dspine_batch.run.stage as run
 
     monkeypatch.setattr(run, "Claims", lambda output: None)
     src, out = _docs(tmp_path, 24), tmp_path / "out"
