@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pyarrow.dataset as ds
@@ -138,8 +139,11 @@ def test_a_kill_during_the_retry_resumes_exactly_once(tmp_path):
     deadline = time.monotonic() + 60
     while not any(q.seq >= first_new for q in list_parts(str(out))) and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert p.poll() is None, "the retry ended before the kill"  # the kill hits a live worker, mid-retry
+    assert any(q.seq >= first_new for q in list_parts(str(out))), "no retried part was committed before the kill"
     p.kill()
     p.communicate()
+    assert p.returncode == -signal.SIGKILL
     rows = read_output(out)
     ids = [r["row_id"] for r in rows]
     assert len(ids) == len(set(ids)) < 40  # mid-retry: each row at most once, the rest not committed yet

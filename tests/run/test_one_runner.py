@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import read_output, run_cli, stage_docs, staged_job, write_jsonl
 
 from dspine_batch.pipeline.resume import list_parts
@@ -144,10 +145,12 @@ def test_a_staged_job_never_writes_into_a_foreign_directory(tmp_path, capfd):
     assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg"]
 
 
-def test_finalize_settles_a_retry_killed_after_its_part_was_swapped(tmp_path):
-    """kill -9 inside --retry-errors, right after the part without its failed rows replaced the old one (the
-    journal written, the record not yet): ``finalize`` runs the one recovery first, so the swap is rolled forward —
-    the part is not taken for damaged and moved aside, and no good row is lost."""
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_finalize_settles_a_retry_killed_inside_its_take_out(tmp_path, when):
+    """kill -9 inside --retry-errors with its journal written: just before the part without its failed rows
+    replaces the old one (rolled back: the part as it was), or just after (the record not yet swapped: rolled
+    forward). ``finalize`` runs the one recovery first, so the part is never taken for damaged and moved aside and
+    no good row is lost; the same generate command then finishes the job."""
     rows = [{"id": f"r{i:02d}", "prompt": f"question {i}"} for i in range(12)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
@@ -155,15 +158,17 @@ def test_finalize_settles_a_retry_killed_after_its_part_was_swapped(tmp_path):
             "--commit-rows", "12"]
     assert run_cli(base) == 0
     good = {r["row_id"]: r["output"] for r in read_output(out) if r["status"] == "ok"}
-    env = {**os.environ, "DSPINE_TEST_KILL_AT": "after:replace:train-*.parquet:1", "PYTHONPATH": str(ROOT)}
+    everything = {r["row_id"]: r["output"] for r in read_output(out)}
+    env = {**os.environ, "DSPINE_TEST_KILL_AT": f"{when}:replace:train-*.parquet:1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "killpoint_cli.py"), *base, "--retry-errors"],
                        env=env, capture_output=True, timeout=300)
     assert p.returncode == -9, p.stderr.decode()[-2000:]
     assert (out / "_dspine" / "supersede-00000-of-00001.json").exists()  # killed with the journal in place
-    assert run_cli(["finalize", str(out)]) == 1  # the failed rows are out now: missing until generated again
+    # rolled back: every row as it was, the audit passes; rolled forward: the failed rows are out (missing)
+    assert run_cli(["finalize", str(out)]) == (0 if when == "before" else 1)
     assert not (out / "_dspine" / "damaged").exists()
     assert not (out / "_dspine" / "supersede-00000-of-00001.json").exists()
-    assert {r["row_id"]: r["output"] for r in read_output(out)} == good
+    assert {r["row_id"]: r["output"] for r in read_output(out)} == (everything if when == "before" else good)
     assert run_cli(base) == 0 and run_cli(["finalize", str(out)]) == 0
     assert sorted(r["row_id"] for r in read_output(out)) == [r["id"] for r in rows]
     assert len(list_parts(str(out))) >= 1

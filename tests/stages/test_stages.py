@@ -241,7 +241,7 @@ def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
     """jobs/recipes/qa-from-docs.toml on the shipped example documents (scripted engine: the recipe's stages,
     schemas, explode, where and dedup all parse and run), then `report` and `status` on the staged OUTDIR."""
     out = tmp_path / "qa"
-    assert run_cli(["generate", DOCS, "--config", RECIPE, "-o", str(out)]) in (0, 3)
+    assert run_cli(["generate", DOCS, "--config", RECIPE, "-o", str(out)]) == 0  # deterministic: no error row
     capsys.readouterr()
     assert run_cli(["report", str(out)]) == 0
     text = capsys.readouterr().out
