@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -74,6 +75,10 @@ class Output(Protocol):
     def drop_rows(self, tag: str, part: str, ids: set[str]) -> int: ...
     def update_manifest(self, manifest: dict[str, Any]) -> None: ...
     def remove_success(self) -> None: ...
+    # advisory files of the run beside the protocol (``rowrecord``): read whole, put whole
+    def read_blob(self, rel: str) -> bytes | None: ...
+    def has_blob(self, rel: str) -> bool: ...
+    def write_blob(self, rel: str, local: str) -> None: ...
 
 
 class LocalOutput:
@@ -177,6 +182,25 @@ class LocalOutput:
 
     def flush(self) -> None:
         """Commits here are synchronous: nothing is ever queued."""
+
+    def read_blob(self, rel: str) -> bytes | None:
+        try:
+            with open(os.path.join(self.path, rel), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def has_blob(self, rel: str) -> bool:
+        return os.path.exists(os.path.join(self.path, rel))
+
+    def write_blob(self, rel: str, local: str) -> None:
+        """``local`` (a file of this machine) put in place whole: copied beside it, fsynced, renamed over."""
+        path = os.path.join(self.path, rel)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        shutil.copyfile(local, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def open_output(where: str) -> Output:

@@ -206,6 +206,16 @@ class ObjectOutput:
         self.flush()
         self.store.create(SUCCESS, b"")
 
+    def read_blob(self, rel: str) -> bytes | None:
+        return self.store.get(rel)
+
+    def has_blob(self, rel: str) -> bool:
+        return self.store.head(rel) is not None
+
+    def write_blob(self, rel: str, local: str) -> None:
+        """An advisory file put whole (a GET sees the old bytes or the new, never a mix)."""
+        self.store.upload(local, rel)
+
     def has_success(self) -> bool:
         return self.store.head(SUCCESS) is not None
 

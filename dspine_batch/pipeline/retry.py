@@ -34,7 +34,6 @@ from dspine_batch.pipeline.mapping import Columns, RowIds
 from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.rerun import run_changes
-from dspine_batch.pipeline.resume import held_locks
 from dspine_batch.pipeline.sources import InputFile, iter_inputs
 
 
@@ -97,10 +96,6 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: 
     if extra is not None and "inputs" in extra:  # a later stage: its input is its parent stage's output
         manifest = _accept_parent(out, cfg, files, columns, manifest, request, extra, log)
     changed = _changed_inputs(cfg, files, columns, manifest, request, extra)
-    if changed and out.remote:
-        raise FingerprintMismatch(f"{out.display}: the inputs changed; fixed input lines are accepted on a local "
-                                  "OUTDIR only (the proof that only failed lines changed reads a per-row record an "
-                                  "object-store OUTDIR does not keep): retry with the original inputs")
     if changed:
         manifest = _accept_fixed_inputs(out, files, columns, manifest, changed, failed, cfg.limit, tag, log)
     old_limit = manifest["fingerprint_fields"]["settings"].get("max_new_tokens")
@@ -169,12 +164,11 @@ def _changed_inputs(cfg: GenerateConfig, files: list[InputFile], columns: Column
 def _accept_fixed_inputs(out: Output, files: list[InputFile], columns: Columns, manifest: dict[str, Any],
                          changed: list[int], failed: Failed, limit: int | None, tag: str,
                          log: Callable[[str], None]) -> dict[str, Any]:
-    outdir = out.path  # type: ignore[attr-defined] - a local OUTDIR (refused on an object store above)
     for k in changed:
         if files[k].kind not in ("jsonl", "openai"):
             raise FingerprintMismatch(f"{files[k].name}: changed; only a JSON Lines input's failed lines can be fixed "
                                       "for --retry-errors (use the original file, or --overwrite)")
-    busy = [h for h in held_locks(outdir) if h != f"lock-{tag}"]
+    busy = [h for h in out.held_locks() if h not in (f"lock-{tag}", f"lease-{tag}")]
     if busy:
         raise UsageError(f"--retry-errors: the inputs changed while other shards run ({', '.join(busy)}); retry "
                          "with a fixed input once they have stopped")
@@ -182,7 +176,7 @@ def _accept_fixed_inputs(out: Output, files: list[InputFile], columns: Columns, 
     failed_set = np.sort(failed.all_hashes)
     notes = {}
     for k in changed:
-        old = rowrecord.load(outdir, k)
+        old = rowrecord.load(out, k)
         name = files[k].name
         if old is None:
             raise FingerprintMismatch(f"{name}: changed, and OUTDIR has no record of its rows to prove the change "
@@ -207,7 +201,7 @@ def _accept_fixed_inputs(out: Output, files: list[InputFile], columns: Columns, 
         notes[name] = int(edited.sum())
     manifest = _update_manifest(out, manifest, files, notes)
     for k in changed:
-        rowrecord.save(outdir, k, new_rows[k])
+        rowrecord.save(out, k, new_rows[k])
     log("--retry-errors: accepted the fixed input(s): " + ", ".join(f"{n} ({c:,} failed line(s) changed, every other "
                                                                   "line as before)" for n, c in notes.items()))
     return manifest

@@ -3,34 +3,38 @@
 The run's identity holds a digest of each input's content, so any edit refuses the run. To let a user fix the
 lines of failed rows and retry them, the job keeps, for every row of every JSON Lines input, its line index, a
 digest of its line and the hash of the id the run gave it (``ROW``): ``_dspine/rows-<k>.bin`` for the k-th input,
-written by the first run that reads the whole input (rows stream to a temp file, renamed when the input ends,
-so memory does not grow with the input). An edited input is then accepted when every changed line belonged to a
-failed row and every other row has the same line and the same id as before (``retry.check_inputs``).
+written by the first run that reads the whole input (rows stream to a local temp file, put in place whole when the
+input ends, so memory does not grow with the input). An edited input is then accepted when every changed line
+belonged to a failed row and every other row has the same line and the same id as before (``retry``). The record
+lives where the OUTDIR does — a local directory or an object store (``Output.read_blob``/``write_blob``) — so a
+fixed input is accepted on both. Every shard reads every row, so every shard writes the same record: whichever
+lands is the record.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
 from dspine_batch.pipeline.sources import InputFile, RowBatch
+from dspine_batch.storage.objects import local_tmp_dir
 
 ROW = np.dtype([("index", "<u8"), ("line", "<u8"), ("id", "<u8")])
-STATE_DIR = "_dspine"
 
 
-def record_path(outdir: str, k: int) -> str:
-    return os.path.join(outdir, STATE_DIR, f"rows-{k}.bin")
+def record_rel(k: int) -> str:
+    """The k-th input's record, relative to OUTDIR."""
+    return f"_dspine/rows-{k}.bin"
 
 
-def load(outdir: str, k: int) -> np.ndarray | None:
-    path = record_path(outdir, k)
-    if not os.path.exists(path):
-        return None
-    return np.fromfile(path, dtype=ROW)
+def load(out: Any, k: int) -> np.ndarray | None:
+    """The k-th input's record in the OUTDIR ``out`` (an ``outputs.Output``), None when there is none."""
+    data = out.read_blob(record_rel(k))
+    return None if data is None else np.frombuffer(data, dtype=ROW).copy()
 
 
 def rows_of(batch: RowBatch, hashes: np.ndarray) -> np.ndarray:
@@ -41,28 +45,26 @@ def rows_of(batch: RowBatch, hashes: np.ndarray) -> np.ndarray:
     return out
 
 
-def save(outdir: str, k: int, rows: np.ndarray) -> None:
-    path = record_path(outdir, k)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        rows.astype(ROW).tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def save(out: Any, k: int, rows: np.ndarray) -> None:
+    """Replace the k-th input's record (a retry's accepted fix)."""
+    fd, tmp = tempfile.mkstemp(prefix=".dspine-rows-", dir=local_tmp_dir())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            rows.astype(ROW).tofile(f)
+        out.write_blob(record_rel(k), tmp)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class RowRecorder:
     """Streams the record of the JSON Lines inputs not recorded yet as the run reads them (``RowSelector``)."""
 
-    def __init__(self, outdir: str, files: Sequence[InputFile], tag: str):
-        self.outdir, self.tag = outdir, tag
+    def __init__(self, out: Any, files: Sequence[InputFile], tag: str):
+        self.out, self.tag = out, tag
         self.index = {f.name: k for k, f in enumerate(files)
-                      if f.kind in ("jsonl", "openai") and not os.path.exists(record_path(outdir, k))}
+                      if f.kind in ("jsonl", "openai") and not out.has_blob(record_rel(k))}
         self.current: tuple[int, IO[bytes], str] | None = None
-        for k in self.index.values():  # a killed run's unfinished record of this shard
-            stale = f"{record_path(outdir, k)}.{tag}.tmp"
-            if os.path.exists(stale):
-                os.unlink(stale)
 
     def see(self, batch: RowBatch, hashes: np.ndarray) -> None:
         k = self.index.get(batch.file.name)
@@ -71,8 +73,8 @@ class RowRecorder:
         if k is None or batch.digests is None:
             return
         if self.current is None:
-            tmp = f"{record_path(self.outdir, k)}.{self.tag}.tmp"
-            self.current = (k, open(tmp, "wb"), tmp)  # noqa: SIM115 - closed in _close
+            fd, tmp = tempfile.mkstemp(prefix=f".dspine-rows-{self.tag}-", dir=local_tmp_dir())
+            self.current = (k, os.fdopen(fd, "wb"), tmp)
         rows_of(batch, hashes).tofile(self.current[1])
 
     def finish(self, complete: bool) -> None:
@@ -84,10 +86,10 @@ class RowRecorder:
             return
         k, f, tmp = self.current
         self.current = None
-        f.flush()
-        os.fsync(f.fileno())
         f.close()
-        if complete:
-            os.replace(tmp, record_path(self.outdir, k))
-        else:
-            os.unlink(tmp)
+        try:
+            if complete:
+                self.out.write_blob(record_rel(k), tmp)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

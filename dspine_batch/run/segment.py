@@ -228,7 +228,7 @@ class Segment:
         """The first stage's rows: this shard's input rows not committed yet, in input order."""
         run = self.run_
         assert first.mapper is not None and first.done is not None
-        recorder = None if first.job.output.remote else RowRecorder(first.job.outdir, run.files, first.job.tag)
+        recorder = RowRecorder(first.job.output, run.files, first.job.tag)
         run.selector = RowSelector(first.mapper, run.shard, first.done.keys, position=ReadPosition.of(run.files),
                                    recorder=recorder)
         sink, selector = first.sink, run.selector

@@ -137,14 +137,21 @@ def test_a_crash_inside_a_take_out_on_s3_rolls_forward_or_back(tmp_path, s3, buc
     assert gone == 8 and _ids(s3, prefix) == [] and not s3.glob(f"{prefix}/_dspine/keys/commit-*.json")
 
 
-def test_a_fixed_input_is_refused_on_s3_in_one_line(tmp_path, s3, bucket, capfd):
-    src = write_jsonl(tmp_path / "in.jsonl", prompts(6))
+def test_on_s3_a_changed_input_is_checked_line_by_line_as_on_a_local_disk(tmp_path, s3, bucket, capfd):
+    """The row record lives on the store too, so --retry-errors proves a fixed input there as it does locally: a
+    changed line whose row did not fail is refused in one line, naming the line, before the model loads (the
+    one-path matrix's retry cells show a fixed failed line accepted on s3:// and az://)."""
+    rows = prompts(6)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = f"s3://{bucket}/fixed"
-    assert run_cli(["generate", str(src), "-o", out, "--engine-arg", "error_every=3", "--max-error-rate", "1"]) == 0
-    write_jsonl(src, [*prompts(5), {"id": "r00005", "prompt": "fixed"}])
+    args = ["generate", str(src), "-o", out, "--engine-arg", "error_every=3", "--max-error-rate", "1"]
+    assert run_cli(args) == 0
+    ok = {r["row_id"] for r in read_s3_output(s3, f"{bucket}/fixed") if r["status"] == "ok"}
+    k = next(i for i, r in enumerate(rows) if r["id"] in ok)
+    write_jsonl(src, [*rows[:k], {**rows[k], "prompt": "changed"}, *rows[k + 1:]])
     capfd.readouterr()
-    assert run_cli(["generate", str(src), "-o", out, "--retry-errors"]) != 0
+    assert run_cli([*args, "--retry-errors"]) == 2
     err = capfd.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("dspine-batch: error")]
-    assert len(lines) == 1 and "fixed input lines are accepted on a local OUTDIR only" in lines[0]
+    assert len(lines) == 1 and f"line {k + 1} changed, but its row did not fail" in lines[0], err
     assert "Traceback" not in err and "loading the model" not in err
