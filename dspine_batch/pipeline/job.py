@@ -214,9 +214,7 @@ def generate(cfg: GenerateConfig) -> int:
     out.prepare()
     shutdown, lock = Shutdown(cfg.grace_seconds), out.lock(job.tag)
     try:
-        lock.acquire()
-        if getattr(lock, "took_over", None):
-            log(f"shard {job.tag}: took over the expired lease of {lock.took_over.get('holder', 'a dead worker')}")
+        lock.acquire()  # an object store's lease says itself when it took over a dead holder's
         shutdown.install()
         check_previous_run(job)
         out.recover()  # a crashed `finalize --compact` must not leave duplicates behind
