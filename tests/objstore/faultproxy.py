@@ -133,6 +133,9 @@ class FaultProxy:
                 if self.strip is not None and not may_cut:
                     chunk, n = self.strip.subn(b"", chunk)
                     self.counts["stripped"] += n
+                if may_cut and chunk.startswith(b"HTTP/1.1 100 "):  # "send the body" (Expect: 100-continue):
+                    dst.sendall(chunk)  # not the answer to script
+                    continue
                 if may_cut and conn.get("answer") == "lose":  # the store did the work; its answer is lost
                     self.counts["lost"] += 1
                     break
