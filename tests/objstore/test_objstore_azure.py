@@ -104,7 +104,7 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, az, a
             if step:
                 plan[step] = rng.randint(1, 3)
             before = len(az.glob(records))
-            p = spawn([*args, "-o", out], AZURE_STORAGE_CONNECTION_STRING=via_proxy, DSPINE_BATCH_LEASE_SECONDS="2")
+            p = spawn([*args, "-o", out], AZURE_STORAGE_CONNECTION_STRING=via_proxy, DSPINE_BATCH_LEASE_SECONDS="60")
             worker["pid"] = p.pid
             if step is None:
                 _wait(lambda n=before, w=p: len(az.glob(records)) > n or w.poll() is not None, "the worker committed")
@@ -122,9 +122,10 @@ def test_kill9_during_commits_and_at_random_resumes_exactly_once(tmp_path, az, a
         proxy.close()
     assert killed[:2] == ["record", "copy"] and len(killed) >= 3, killed
     assert left[0] and left[1]  # an orphan upload; a committed part whose publish did not happen
-    p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="2")
+    p = spawn([*args, "-o", out], DSPINE_BATCH_LEASE_SECONDS="60")  # a dead holder's: never waited for
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err.decode()
+    assert "waiting up to" not in err.decode() and "(its process is gone)" in err.decode(), err.decode()
     _exactly_once(az, prefix, tmp_path / "ref", rows)
     _assert_clean(az, prefix)  # orphans swept, interrupted publishes finished
     az.rm_file(f"{prefix}/_SUCCESS")

@@ -151,7 +151,7 @@ def test_holder_gone_proves_death_on_this_machine_only(tmp_path):
     """A lease names its holder's host, boot id, pid namespace, pid and the pid's start time: a dead pid, a zombie
     or a reused pid on this machine is proved dead; a live (even a stopped) process, or any field that differs,
     proves nothing."""
-    from dspine_batch.storage.lease import holder_gone, process_identity  # (new: here, so the rest runs before)
+    from dspine_batch.storage.lease import holder_gone, process_identity  # (the other tests need Lease only)
 
     me = process_identity()
     assert all(me[k] is not None for k in ("host", "boot_id", "pid_ns", "pid", "pid_start"))
