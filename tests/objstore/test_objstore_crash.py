@@ -127,10 +127,10 @@ def test_a_live_holder_ends_a_second_start_with_75_and_a_rerun_after_its_kill9_r
 def second_worker_then_takeover(tmp_path, capsys, fs, scheme: str, prefix: str, gen: list[str], rows: int,
                                 lease_s: str) -> None:
     """A second worker on a live shard watches the lease, sees it renewed and exits 75 naming the holder (a requeue
-    may come back; exit 2 would spend an array task's retries); after the holder's kill -9 the same command at once
-    takes the shard over (same machine, the holder's process gone: no waiting for the lease to expire, which the
-    long lifetime here would make a minute) and completes it exactly once (any store: ``test_objstore_azure`` runs
-    it too)."""
+    may come back; exit 2 would spend an array task's retries), and so does ``finalize``; after the holder's kill -9
+    the same command at once takes the shard over (same machine, the holder's process gone: no waiting for the
+    lease to expire, which the long lifetime here would make a minute) and completes it exactly once (any store:
+    ``test_objstore_azure`` runs it too)."""
     src = write_jsonl(tmp_path / "in.jsonl", prompts(rows))
     args = ["generate", str(src), *gen, "--engine-arg", "latency=0.2"]
     assert run_cli([*args, "-o", str(tmp_path / "ref")]) == 0
@@ -143,6 +143,8 @@ def second_worker_then_takeover(tmp_path, capsys, fs, scheme: str, prefix: str, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 2 and f"leased to pid {holder.pid} on" in err[0] and "waiting up to" in err[0], err
         assert f"held by pid {holder.pid} on" in err[1] and "alive" in err[1], err
+        assert run_cli(["finalize", url], env) == 75  # finalize needs every shard's lease: not a live one's
+        assert f"held by pid {holder.pid} on" in capsys.readouterr().err
     finally:
         holder.kill()
         holder.communicate()
