@@ -92,36 +92,14 @@ class ObjectOutput:
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Check the bucket answers (one line for 403 / no bucket, before any work) and that the prefix is empty
-        or ours (a typo in -o must not mix outputs)."""
+        """Check the bucket answers (one line for 403 / no bucket, before any work), that the prefix is empty
+        or ours (a typo in -o must not mix outputs), and that the store honours conditional writes."""
         self.store.check_bucket()
         foreign = [n for n in self.store.names() if not OUTPUT_NAMES.match(n)]
         if foreign and self.read_manifest() is None:
             raise UsageError(f"{self.display}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
                              "choose a new -o prefix")
-        self.check_conditional_writes()
-
-    def check_conditional_writes(self) -> None:
-        """Once a start (four small requests): the store must refuse a second create-only write of one object
-        (``If-None-Match: *``) and a compare-and-swap on a stale ETag (``If-Match``). They are the fence between two
-        workers (commit records, the lease) and the swap of a record; an S3-compatible store (or a proxy before it)
-        that ignores them answers 200 and silently loses exactly-once, so such a store is refused here."""
-        rel = f"{STATE}/probe-{uuid.uuid4().hex}"
-        first = uuid.uuid4().hex.encode()
-        why = None
-        try:
-            if self.store.create_etag(rel, first) is None and self.store.get(rel) != first:
-                why = "a create-only write of a new, uniquely named object was refused"
-            elif self.store.create(rel, b"second"):
-                why = "a second create-only write (If-None-Match: *) of one object succeeded instead of failing"
-            elif self.store.replace(rel, b"third", '"0-dspine-stale-etag"') is not None:
-                why = "a compare-and-swap on a stale ETag (If-Match) succeeded instead of failing"
-        finally:
-            self.store.delete(rel)
-        if why is not None:
-            raise UsageError(f"{self.display}: cannot be an output directory: {why}, so two workers could both "
-                             "commit (this store, or a proxy in front of it, ignores conditional writes); write to a "
-                             "store that honours them, or to a local path")
+        self.store.check_conditional_writes()
 
     def lock(self, tag: str) -> Lease:
         self.lease = Lease(self.store, tag, before_release=self._drain)
