@@ -36,8 +36,13 @@ class FingerprintMismatch(UsageError):
     """OUTDIR holds a run with different inputs or settings; resuming would mix two runs."""
 
 
-class LockedError(UsageError):
-    """Another process holds the lock on this OUTDIR (and shard)."""
+class LockedError(BatchError):
+    """A live worker holds this OUTDIR's shard (its local lock, or its object-store lease, renewed while we
+    watched). Exit 75, not 2: nothing is wrong with the command, the shard is busy; run again (or let the scheduler
+    requeue it) once that worker has stopped, and it resumes. A dead holder never raises this: its lock is freed
+    by the kernel, its lease taken over (``storage.lease``)."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 class FatalError(BatchError):

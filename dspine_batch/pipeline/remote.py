@@ -38,8 +38,9 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,8 @@ from dspine_batch.pipeline.remote_layout import (
 )
 from dspine_batch.pipeline.resume import CLAIM_SPACES, OUTPUT_NAMES, PART_RE, DoneSet, PartCheck, _warn
 from dspine_batch.pipeline.sink import CHECKSUM, PART_PREFIX, ChecksumWriter
-from dspine_batch.storage.lease import Lease, lease_name, live, read_lease
+from dspine_batch.storage.fs import retry_deadline
+from dspine_batch.storage.lease import Lease, holder_gone, lease_name, live, read_lease
 from dspine_batch.storage.objects import Listed, ObjectStore, check_outdir_url, local_tmp_dir
 
 
@@ -90,13 +92,14 @@ class ObjectOutput:
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Check the bucket answers (one line for 403 / no bucket, before any work) and that the prefix is empty
-        or ours (a typo in -o must not mix outputs)."""
+        """Check the bucket answers (one line for 403 / no bucket, before any work), that the prefix is empty
+        or ours (a typo in -o must not mix outputs), and that the store honours conditional writes."""
         self.store.check_bucket()
         foreign = [n for n in self.store.names() if not OUTPUT_NAMES.match(n)]
         if foreign and self.read_manifest() is None:
             raise UsageError(f"{self.display}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
                              "choose a new -o prefix")
+        self.store.check_conditional_writes()
 
     def lock(self, tag: str) -> Lease:
         self.lease = Lease(self.store, tag, before_release=self._drain)
@@ -111,7 +114,8 @@ class ObjectOutput:
                 pass
 
     def held_locks(self) -> list[str]:
-        return [n.removeprefix(f"{STATE}/").removesuffix(".json") for n in self._leases() if live(self._lease_of(n))]
+        """Leases whose holder may be alive (unexpired, and not provably dead: ``storage.lease.holder_gone``)."""
+        return [n.removeprefix(f"{STATE}/").removesuffix(".json") for n in self._leases() if _held(self._lease_of(n))]
 
     def _leases(self) -> list[str]:
         return [f"{STATE}/{n}" for n in self.store.list(STATE) if n.startswith("lease-") and n.endswith(".json")]
@@ -167,10 +171,13 @@ class ObjectOutput:
         return remote_supersede.drop_rows(self, tag, part.rsplit("/", 1)[-1], ids)
 
     def update_manifest(self, manifest: dict[str, Any]) -> None:
-        """Replace the manifest (a retry's accepted change) with a compare-and-swap on the one read."""
+        """Replace the manifest (a retry's accepted change) with a compare-and-swap on the one read; a swap whose
+        answer was lost (its retry meets 412) is read back: the manifest now holding our bytes is our swap."""
         got = self.store.get_with_etag(MANIFEST)
         body = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
-        if got is None or self.store.replace(MANIFEST, body, got[1]) is None:
+        if got is not None and got[0] == body:
+            return
+        if got is None or (self.store.replace(MANIFEST, body, got[1]) is None and self.store.get(MANIFEST) != body):
             raise FatalError(f"{self.store.url_of(MANIFEST)}: changed or gone while a retry updated it; run again")
 
     # -- state ----------------------------------------------------------------------------------------------------
@@ -224,14 +231,15 @@ class ObjectOutput:
 
     # -- the commit -----------------------------------------------------------------------------------------------
     def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
-                    rows: int | None = None) -> dict[str, Any]:
+                    rows: int | None = None, token: str | None = None) -> dict[str, Any]:
         """Step 1 here, steps 2-4 on the committer (``Committer``): returns once the part is built and queued,
-        so the pipeline fills the next part while this one travels. Returns the record it will commit."""
+        so the pipeline fills the next part while this one travels. Returns the record it will commit. ``token``:
+        the record's, when a journal must name it before the commit (``remote_compact``)."""
         if self.committer is None:
             self.committer = Committer(self)
         self.committer.check()
         self._records.clear()
-        token = uuid.uuid4().hex[:16]
+        token = token or uuid.uuid4().hex[:16]
         fd, tmp = tempfile.mkstemp(prefix=".dspine-part-", suffix=".parquet", dir=local_tmp_dir())
         try:
             with os.fdopen(fd, "wb") as f:
@@ -254,20 +262,37 @@ class ObjectOutput:
         self.store.upload(tmp, record["staged"])
 
     def create_record(self, record: dict[str, Any]) -> None:
-        """Step 3, the linearisation point: the create-only write of the commit record."""
-        if self.lease is not None:
-            self.lease.check()
+        """Step 3, the linearisation point: the create-only write of the commit record. Under a lease, sent (and
+        retried) only while the lease is valid: past that another worker may own the shard and have swept this
+        part's upload as an orphan."""
         name = record["part"]
-        if not self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode()):
+        with self.owning():
+            created = self.store.create(record_rel(name), json.dumps(record, sort_keys=True).encode())
+        if not created:
             theirs = self.record_of(name) or {}
             if theirs.get("token") != record["token"]:  # not our own write whose answer was lost: another's
                 raise FatalError(f"{self.store.url_of(record_rel(name))}: another worker committed this part "
                                  "first (its lease was taken over); this worker stops, its uncommitted rows are "
                                  "generated by the other")
 
+    @contextmanager
+    def owning(self) -> Iterator[None]:
+        """A write as the shard's owner (a commit record, a record swap): refused once the lease is lost, and never
+        sent or retried past the lease's validity (``storage.lease``). Without a lease, a plain block."""
+        if self.lease is None:
+            yield
+            return
+        self.lease.check()
+        with retry_deadline(self.lease.deadline):
+            yield
+
     def discard(self, record: dict[str, Any]) -> None:
-        """Best effort removal of an uncommitted part's uploads (a crash leaves them to the next start's sweep)."""
+        """Best effort removal of an uncommitted part's uploads (a crash leaves them to the next start's sweep).
+        A record create that failed after retries may have landed (its answers lost): then the part is committed
+        after all, its upload kept for the next start to publish."""
         try:
+            if (self.record_of(record["part"]) or {}).get("token") == record["token"]:
+                return
             self.store.delete_many([record["staged"]])
         except Exception:  # noqa: BLE001 - the sweep gets them
             pass
@@ -468,8 +493,13 @@ class ObjectOutput:
         out = {}
         for rel in self._leases():
             tag = rel.removeprefix(f"{STATE}/lease-").removesuffix(".json")
-            out[tag] = live(read_lease(self.store, tag))
+            out[tag] = _held(read_lease(self.store, tag))
         return out
+
+
+def _held(lease: dict[str, Any] | None) -> bool:
+    """A lease whose holder may be alive: unexpired, and not provably dead (``holder_gone``)."""
+    return live(lease) and holder_gone(lease or {}) is None
 
 
 class Committer:

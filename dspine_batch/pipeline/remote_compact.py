@@ -2,19 +2,22 @@
 or left doubled — the local protocol (``compact``) in the store's own primitives.
 
 An object store cannot swap several parts for one in a single step, so, as on a disk, a journal makes the swap
-completable: 1. the journal ``_dspine/compact.json`` names the new part and the old ones (written first: it is
-what a crash leaves behind); 2. the merged part is committed like any part (staged upload, create-only commit
-record — the linearisation point — server-side publish), its row keys the old records' keys end to end; 3. the
-old parts' records, then their published copies, are deleted; 4. the journal goes. ``recover`` (every start of a
-shard, and ``finalize``, before any record is read) completes a journal left by a crash: if the new part's record
-exists the old parts go (a reader may briefly see both copies, as on a disk, but never after recovery or
-``_SUCCESS``); if it does not, nothing was committed and only the journal goes (the staged upload is swept as an
-orphan). Run with every shard's lease held (``finalize`` takes them all).
+completable: 1. the journal ``_dspine/compact.json`` names the new part, the token its commit record will carry,
+and the old parts (written first: it is what a crash leaves behind); 2. the merged part is committed like any part
+(staged upload, create-only commit record — the linearisation point — server-side publish), its row keys the old
+records' keys end to end; 3. the old parts' records, then their published copies, are deleted; 4. the journal
+goes. ``recover`` (every start of a shard, and ``finalize``, before any record is read) completes a journal left
+by a crash: if the new part's record exists *with the journal's token* the old parts go (a reader may briefly see
+both copies, as on a disk, but never after recovery or ``_SUCCESS``); if it does not, nothing was committed and
+only the journal goes (the staged upload is swept as an orphan). A record under the new name with another token is
+another writer's part of that number (a worker that paused past its lease and committed its next part first):
+the old parts are not in it, and stay. Run with every shard's lease held (``finalize`` takes them all).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,8 @@ def recover(out: Any) -> None:
         return
     j = json.loads(data)
     rec = out.record_of(j["new"])
-    if rec is not None:  # the merged part is committed: the old ones must go, records first
+    if rec is not None and rec.get("token") == j.get("token", rec.get("token")):  # (a journal without one: older)
+        # the merged part is committed: the old ones must go, records first
         if j["new"] not in out.store.list(""):
             out.publish(rec)
         out.store.delete_many([record_rel(n) for n in j["old"]])
@@ -90,7 +94,8 @@ def _merge(out: Any, group: list[tuple[str, dict[str, Any]]], name: str) -> None
     # resume reads the merged part's row ids
     parts_keys = [record_keys(r) for _, r in group]
     keys = None if any(k is None for k in parts_keys) else np.concatenate(parts_keys)
-    out.store.put(JOURNAL, json.dumps({"new": name, "old": [p for p, _ in group]}).encode())
-    out.commit_part(name, table, keys, rows=info["rows"])
+    token = uuid.uuid4().hex[:16]
+    out.store.put(JOURNAL, json.dumps({"new": name, "token": token, "old": [p for p, _ in group]}).encode())
+    out.commit_part(name, table, keys, rows=info["rows"], token=token)
     out.flush()
     recover(out)

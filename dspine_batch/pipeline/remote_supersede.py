@@ -9,7 +9,9 @@ a commit record can be swapped with a compare-and-swap (``If-Match`` on its ETag
   1. build the part without those rows locally and upload it to a fresh staging name (``_dspine/staging/X.<t>``);
   2. put the journal ``_dspine/supersede-<shard>.json``: the part and its new record;
   3. swap ``X``'s commit record for the new one (``If-Match`` the old record's ETag) - the linearisation point:
-     from here ``X`` is committed with the new content, and the taken rows are simply not committed;
+     from here ``X`` is committed with the new content, and the taken rows are simply not committed. A swap
+     whose answer was lost (its retry meets 412: the ETag is the new record's now) is read back by token: the
+     record holding ours is our swap;
   4. publish: a server-side copy of the staged object over ``X`` (readers switch from the old part to the new
      one in one step); delete the staged object and the journal.
 A part left with no rows goes instead: journal, then its record (from then it is not committed), then the part.
@@ -84,15 +86,21 @@ def drop_rows(out: Any, tag: str, name: str, drop: set[str]) -> int:
     if (keys := record_keys(old)) is not None:  # a doubtful list is not carried over: row ids are read instead
         record.update(keys_fields(keys[kept_rows]))
     store.put(journal, json.dumps({"part": name, "record": record}).encode())
-    if out.lease is not None:
-        out.lease.check()
-    if store.replace(record_rel(name), json.dumps(record, sort_keys=True).encode(), etag) is None:
+    if not _swap(out, name, record, etag):
         store.delete_many([staged, journal])
         raise FatalError(f"{store.url_of(record_rel(name))}: changed while its failed rows were taken out (another "
                          "worker on this shard?); nothing was changed by this one")
     out.publish(record)
     store.delete(journal)
     return gone
+
+
+def _swap(out: Any, name: str, record: dict[str, Any], etag: str) -> bool:
+    """Step 3: whether ``name``'s record is now ``record`` (swapped by this call, or by an earlier attempt of it
+    whose answer was lost: read back by token). Under a lease, sent only while the lease is valid."""
+    with out.owning():
+        swapped = out.store.replace(record_rel(name), json.dumps(record, sort_keys=True).encode(), etag) is not None
+    return swapped or (out.record_of(name) or {}).get("token") == record["token"]
 
 
 def _remove(out: Any, name: str) -> None:

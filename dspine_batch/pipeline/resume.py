@@ -82,10 +82,11 @@ def prepare_outdir(outdir: str) -> None:
 
 class Lock:
     """An exclusive flock on ``_dspine/lock-<shard>``: the kernel drops it when the process dies (even kill -9),
-    so a stale lock can never block a restart, and a live process always blocks a second one."""
+    so a stale lock can never block a restart, and a live process always blocks a second one: that start ends with
+    ``LockedError`` (exit 75, naming the holder: a requeue may come back once it has stopped)."""
 
     def __init__(self, outdir: str, tag: str):
-        self.path = os.path.join(outdir, STATE_DIR, f"lock-{tag}")
+        self.path, self.tag = os.path.join(outdir, STATE_DIR, f"lock-{tag}"), tag
         self.fd: int | None = None
 
     def acquire(self) -> Lock:
@@ -98,8 +99,11 @@ class Lock:
                 if attempt == 4:
                     holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                     os.close(fd)
-                    raise LockedError(f"{os.path.dirname(os.path.dirname(self.path))} is in use by {holder} "
-                                      f"({os.path.basename(self.path)}); wait for it or stop it first") from None
+                    outdir = os.path.dirname(os.path.dirname(self.path))
+                    raise LockedError(f"{outdir}: shard {self.tag} is in use by {holder}, "
+                                      f"which is alive (it holds {os.path.basename(self.path)}); this start ends: "
+                                      "run it again (or let the scheduler requeue it) once that one has stopped") \
+                        from None
                 os.close(fd)
                 time.sleep(0.05)
                 continue
@@ -107,7 +111,8 @@ class Lock:
                 break
             os.close(fd)
         else:
-            raise LockedError(f"{self.path}: the lock file keeps changing; is another process starting?")
+            raise LockedError(f"{self.path}: the lock file keeps changing; is another process starting? Run again "
+                              "once it has")
         self.fd = fd  # held from here: release() cleans up even if writing the holder fails
         holder = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
         with disk_full_named(self.path, lambda: 0, "the lock was released"):

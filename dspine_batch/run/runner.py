@@ -179,8 +179,6 @@ def _take_stage(st: Stage, held: list[Any]) -> None:
     out.prepare()
     st.lock.acquire()
     held.append(st.lock)
-    if getattr(st.lock, "took_over", None):
-        log(f"shard {st.job.tag}: took over the expired lease of {st.lock.took_over.get('holder', 'a dead worker')}")
     check_previous_run(st.job)
     st.discarded = recover(out, [st.job.tag], log).discarded
 

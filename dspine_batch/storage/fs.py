@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from dspine_batch.errors import FatalError, UsageError
@@ -26,6 +27,7 @@ _OPTIONS: dict[str, Any] = {}
 _CACHE: dict[str, Any] = {}
 _CONFIGURED: list[bool] = []  # set_options called (the CLI); else the environment's options are used
 RETRIES = 8  # our own attempts around each store call (the client retries too, see ``_defaults``)
+_DEADLINE: ContextVar[float | None] = ContextVar("dspine_store_deadline", default=None)
 
 
 def set_options(options: dict[str, Any]) -> None:
@@ -164,16 +166,34 @@ def transient(e: BaseException) -> bool:
                             "endpointconnectionerror", "remotedisconnected", "503", "500", "502", "504"))
 
 
+@contextmanager
+def retry_deadline(at: float) -> Iterator[None]:
+    """Inside the block ``retrying`` sends no attempt after ``at`` (a ``time.monotonic()``): a write whose
+    authority ends then (a lease renewal, a commit under a lease) must not be resent later, when another worker
+    may already own what it writes. The client's own retries of one attempt are not cut short."""
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(at if outer is None else min(at, outer))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
 def retrying(call: Callable[[], T], what: str, attempts: int = RETRIES) -> T:
     """``call()`` with up to ``attempts`` tries and exponential backoff with jitter (0.2 s doubling, capped at
-    10 s) on transient errors; permanent ones go straight to ``permanent``."""
+    10 s) on transient errors; permanent ones go straight to ``permanent``. Under ``retry_deadline`` no attempt
+    starts after the deadline."""
     for attempt in range(attempts):
         try:
             return call()
         except Exception as e:  # noqa: BLE001 - classified below, re-raised as one line
             if attempt == attempts - 1 or not transient(e):
                 raise permanent(e, what) from e
-            time.sleep(min(10.0, 0.2 * 2 ** attempt) * (0.5 + random.random()))
+            pause = min(10.0, 0.2 * 2 ** attempt) * (0.5 + random.random())
+            deadline = _DEADLINE.get()
+            if deadline is not None and time.monotonic() + pause >= deadline:
+                raise permanent(e, what) from e
+            time.sleep(pause)
     raise AssertionError("unreachable")
 
 

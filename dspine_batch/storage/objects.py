@@ -18,6 +18,7 @@ MinIO, R2, Ceph, moto) or ``storage.azure.AzurePrimitives`` (azure-storage-blob:
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 from dspine_batch.errors import UsageError
@@ -144,6 +145,29 @@ class ObjectStore:
         """Fail early and in one line when the bucket (container) is missing or not ours to write (before any
         work)."""
         self.ops.check_container()
+
+
+    def check_conditional_writes(self) -> None:
+        """Once a start (four small requests): the store must refuse a second create-only write of one object
+        (``If-None-Match: *``) and a compare-and-swap on a stale ETag (``If-Match``). They are the fence between two
+        workers (commit records, the lease) and the swap of a record; an S3-compatible store (or a proxy before it)
+        that ignores them answers 200 and silently loses exactly-once, so such a store is refused as an OUTDIR."""
+        rel = f"_dspine/probe-{uuid.uuid4().hex}"
+        first = uuid.uuid4().hex.encode()
+        why = None
+        try:
+            if self.create_etag(rel, first) is None and self.get(rel) != first:
+                why = "a create-only write of a new, uniquely named object was refused"
+            elif self.create(rel, b"second"):
+                why = "a second create-only write (If-None-Match: *) of one object succeeded instead of failing"
+            elif self.replace(rel, b"third", '"0-dspine-stale-etag"') is not None:
+                why = "a compare-and-swap on a stale ETag (If-Match) succeeded instead of failing"
+        finally:
+            self.delete(rel)
+        if why is not None:
+            raise UsageError(f"{self.display}: cannot be an output directory: {why}, so two workers could both "
+                             "commit (this store, or a proxy in front of it, ignores conditional writes); write to a "
+                             "store that honours them, or to a local path")
 
 
 def local_tmp_dir() -> str:

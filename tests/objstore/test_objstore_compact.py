@@ -1,7 +1,8 @@
 """``finalize --compact`` on an s3:// OUTDIR (``pipeline/remote_compact``), against the real S3 server on 127.0.0.1:
 small parts merged into big ones with the same rows; a crash at either side of the merged part's commit record
-is completed (or dropped) by the next start, never a row lost or left doubled; the merged records keep the
-done-set (a rerun has nothing left)."""
+is completed (or dropped) by the next start, never a row lost or left doubled, and a record under the merged
+part's name that another writer created is told apart by its token; the merged records keep the done-set (a rerun
+has nothing left)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from helpers import prompts, run_cli
 from test_objstore_generate import read_s3_output
 
+from dspine_batch.errors import FatalError
 from dspine_batch.pipeline import remote_compact
 from dspine_batch.pipeline.remote import ObjectOutput
 from dspine_batch.pipeline.sink import part_name
@@ -104,3 +107,36 @@ def test_compact_never_blesses_doubtful_keys(tmp_path, s3, bucket, capsys):
     capsys.readouterr()
     assert run_cli(args) == 0 and "0 this run" in capsys.readouterr().err
     assert read_s3_output(s3, prefix) == before
+
+
+def test_a_record_under_the_journals_name_from_another_writer_is_not_the_merged_part(tmp_path, s3, bucket,
+                                                                                     monkeypatch):
+    """The merged part's number is taken first by another writer (a worker that paused past its lease commits its
+    next part): the compaction's create-only record loses and it stops, leaving its journal. The recovery must not
+    take the other's record for the merged part (the journal names its record's token): the old parts stay, every
+    row with them; on the record's existence alone they were deleted, and their rows lost."""
+    args, prefix = _job(tmp_path, s3, bucket, "c5")
+    before = read_s3_output(s3, prefix)
+    old = _parts(s3, prefix)
+    out, rival = ObjectOutput(f"s3://{bucket}/c5"), ObjectOutput(f"s3://{bucket}/c5")
+    real = out.commit_part
+    taken: list[str] = []
+
+    def rival_first(name, table, *a, **kw):
+        rival.commit_part(name, table.slice(0, 1), None, rows=1)  # the other writer's part of that number
+        rival.flush()
+        taken.append(name)
+        return real(name, table, *a, **kw)
+
+    with monkeypatch.context() as m:  # (undo() would drop s3env's variables)
+        m.setattr(out, "commit_part", rival_first)
+        with pytest.raises(FatalError, match="another worker committed this part first"):
+            remote_compact.compact(out, 16)
+    assert taken and s3.exists(f"{prefix}/{remote_compact.JOURNAL}")
+    remote_compact.recover(ObjectOutput(f"s3://{bucket}/c5"))  # what the next start (or finalize) runs first
+    assert not s3.exists(f"{prefix}/{remote_compact.JOURNAL}")
+    assert _parts(s3, prefix) == sorted([*old, *taken])  # the old parts stay, and so does the other's
+    assert len(s3.ls(f"{prefix}/_dspine/keys", detail=False)) == len(old) + 1
+    s3.rm([f"{prefix}/{taken[0]}", f"{prefix}/_dspine/keys/commit-{taken[0][len('train-'):-len('.parquet')]}.json"])
+    assert read_s3_output(s3, prefix) == before
+    assert run_cli(["finalize", f"s3://{bucket}/c5"]) == 0

@@ -129,19 +129,21 @@ def test_model_change_is_refused(tmp_path, capsys):
     assert "engine.block_size: 8 -> 4" in capsys.readouterr().err
 
 
-def test_second_process_is_refused_by_the_lock(tmp_path, capsys):
+def test_a_second_process_on_a_locked_shard_ends_with_75_naming_the_holder(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
     out = tmp_path / "out"
     assert run_cli(["generate", str(src), "-o", str(out), "--shard", "0/2"]) == 0
     with Lock(str(out), "00000-of-00002"):
-        assert run_cli(["generate", str(src), "-o", str(out), "--shard", "0/2"]) == 2
-        assert "in use by pid" in capsys.readouterr().err
+        capsys.readouterr()
+        assert run_cli(["generate", str(src), "-o", str(out), "--shard", "0/2"]) == 75  # busy, not wrong: requeue
+        err = capsys.readouterr().err.strip()
+        assert f"shard 00000-of-00002 is in use by pid {os.getpid()} on" in err and len(err.splitlines()) == 1, err
         assert run_cli(["generate", str(src), "-o", str(out), "--shard", "1/2"]) == 0  # other shard: fine
         with pytest.raises(LockedError):
             Lock(str(out), "00000-of-00002").acquire()
 
 
-def test_live_second_process_is_refused(tmp_path):
+def test_a_live_second_process_ends_with_75_naming_the_holder(tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", prompts(50))
     out = tmp_path / "out"
     p = spawn(["generate", str(src), "-o", str(out), "--engine-arg", "latency=0.5", "--max-in-flight", "2"])
@@ -151,7 +153,7 @@ def test_live_second_process_is_refused(tmp_path):
             time.sleep(0.05)
         q = spawn(["generate", str(src), "-o", str(out), "--engine-arg", "latency=0.5", "--max-in-flight", "2"])
         _, err = q.communicate(timeout=30)
-        assert q.returncode == 2 and b"in use by pid" in err
+        assert q.returncode == 75 and f"in use by pid {p.pid} on".encode() in err, err
     finally:
         p.kill()
         p.communicate()
