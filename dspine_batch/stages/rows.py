@@ -69,7 +69,7 @@ def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
     if p.structure_kind in JSON_KINDS:
         try:
             parsed = json.loads(p.output)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the recursion limit: bad JSON all the same
             parsed = None
         if isinstance(parsed, dict):
             fields.update(parsed)

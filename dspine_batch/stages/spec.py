@@ -117,7 +117,8 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
         try:
             where = parse_where(t["where"])
         except ValueError as e:
-            raise UsageError(f"{label}: where {t['where']!r}: {e}") from e
+            text = t["where"] if len(t["where"]) <= 80 else t["where"][:77] + "..."
+            raise UsageError(f"{label}: where {text!r}: {e}") from e
     dedup = t.get("dedup")
     if dedup is not None and dedup not in DEDUP:
         raise UsageError(f"{label}: dedup {dedup!r}: expected one of {', '.join(DEDUP)}")
