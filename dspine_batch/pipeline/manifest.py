@@ -23,7 +23,7 @@ from dspine_batch.digest import content_digest
 from dspine_batch.errors import FingerprintMismatch, UsageError, disk_full_named
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.storage import fs as store
-from dspine_batch.storage.urls import is_url, redact
+from dspine_batch.storage.urls import is_url, redact, redacted
 
 MANIFEST = "_manifest.json"
 def describe_inputs(files: list[InputFile]) -> list[dict[str, Any]]:
@@ -89,22 +89,17 @@ def versions() -> dict[str, str]:
 
 def build_manifest(fields: dict[str, Any], config: dict[str, Any], num_shards: int,
                    schema: list[str]) -> dict[str, Any]:
+    """The manifest of a run. It is read by anyone who can list OUTDIR (credentials belong in the environment or
+    ``--storage-option``, which are never written), so the config goes through ``redacted`` (URL secrets, and
+    ``--engine-arg api_key=...`` or any key named like a credential), and so do the fingerprint's fields (an
+    engine's identity may hold its server arguments) before the fingerprint is taken: a credential is not part of
+    the run's identity (``storage.urls`` says why), so a rotated key resumes the same run. The fields lose those
+    keys' values only (``text=False``): the fingerprint of a run without one stays what it was."""
+    fields = redacted(fields, text=False)
     return {"schema_version": 1, "tool": "dspine-batch", "fingerprint": fingerprint(fields),
-            "fingerprint_fields": fields, "num_shards": num_shards, "config": _redacted(config), "versions": versions(),
+            "fingerprint_fields": fields, "num_shards": num_shards, "config": redacted(config), "versions": versions(),
             "output_columns": schema, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "created_by": f"{socket.gethostname()}:{os.getpid()}"}
-
-
-def _redacted(v: Any) -> Any:
-    """``v`` with any secret in a URL string redacted: the manifest is read by anyone who can list OUTDIR
-    (credentials belong in the environment or ``--storage-option``, which are never written)."""
-    if isinstance(v, str):
-        return redact(v)
-    if isinstance(v, dict):
-        return {k: _redacted(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_redacted(x) for x in v]
-    return v
 
 
 def read_manifest(outdir: str) -> dict[str, Any] | None:
