@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -163,10 +164,15 @@ def check_manifest(outdir: str, existing: dict[str, Any], manifest: dict[str, An
 
 
 STAGES_FILE = "_stages.json"  # a job of several stages: OUTDIR/<stage>/ each an output of its own
+# a stage's name: it names OUTDIR/<name>/, so never a path ('..', '/'); checked when the job is read and again
+# when ``_stages.json`` is read back (a file anyone with write access to OUTDIR could have edited)
+STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def stage_names(outdir: str) -> list[str] | None:
-    """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output."""
+    """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output. A name that
+    is not a stage's (``../other``) is a ``UsageError`` naming the file: readers join each name to OUTDIR, and
+    ``finalize`` writes under it."""
     try:
         if is_url(outdir):
             from dspine_batch.storage.objects import ObjectStore
@@ -178,5 +184,12 @@ def stage_names(outdir: str) -> list[str] | None:
                 names = json.load(f)["stages"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return [str(n) for n in names] if isinstance(names, list) else None
+    if not isinstance(names, list):
+        return None
+    bad = next((n for n in names if not isinstance(n, str) or not STAGE_NAME.match(n)), None)
+    if bad is not None or not names:
+        where = f"{redact(outdir.rstrip('/'))}/{STAGES_FILE}"
+        raise UsageError(f"{where}: {bad!r} is not a stage name (letters, digits, '_', '-', '.'; it names a folder "
+                         "of OUTDIR)" if bad is not None else f"{where}: lists no stages")
+    return names
 
