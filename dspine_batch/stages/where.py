@@ -19,7 +19,7 @@ it and kept the walker, for now, because
 - the syntax is already in use (README, ``jobs/recipes/``): ``reason != ""`` is an identifier in SQL, ``kind in
   ["a", "b"]`` is no SQL at all, so a switch needs a migration path for every job file written;
 - the decision is taken per row as it reaches its stage's sink and committed with it; a batch engine would need
-  the sink to hold rows back for a query, and DuckDB (a ~40 MB wheel, today only a test dependency) would become
+  the sink to hold rows back for a query, and DuckDB (a 66 MB shared library, today a test dependency) would become
   a runtime dependency of one stage option;
 - what a SQL engine would add is vectorised speed on millions of rows, while a stage's rows are each one model
   answer (a few per second to a few thousand), so the walker costs nothing measurable beside generation.
