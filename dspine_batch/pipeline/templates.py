@@ -31,7 +31,7 @@ from typing import Any
 
 from jinja2 import StrictUndefined, TemplateSyntaxError, meta, nodes, pass_context
 from jinja2.exceptions import SecurityError, UndefinedError
-from jinja2.runtime import LoopContext
+from jinja2.runtime import LoopContext, Undefined
 from jinja2.sandbox import SandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -95,7 +95,7 @@ def _bounded(items: Iterable[Any]) -> Iterator[Any]:
 
 @pass_context  # (never folded into a constant when the template compiles)
 def _loop_filter(context: Any, items: Any) -> Any:
-    return _bounded(items) if isinstance(items, Iterable) and not isinstance(items, Mapping) else items
+    return items if isinstance(items, Undefined) else _bounded(items)  # (an undefined one fails as it did)
 
 
 @pass_context
@@ -172,8 +172,8 @@ class BoundedEnvironment(SandboxedEnvironment):
             args = (_bounded(args[0]), *args[1:])
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, str | list):
-            _check_args(getattr(__obj, "__name__", ""), owner, tuple(a for k, a in kwargs.items()
-                                                                       if not k.startswith("_")) + args)
+            _check_args(getattr(__obj, "__name__", ""), owner,
+                        args + tuple(a for k, a in kwargs.items() if not k.startswith("_")))
         result = super().call(__context, __obj, *args, **kwargs)
         if isinstance(owner, list) and len(owner) > MAX_ITEMS:  # grown in place: ``items.extend(items)`` in a loop
             raise too_big(len(owner), "a list")

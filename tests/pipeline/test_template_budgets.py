@@ -45,6 +45,8 @@ def test_nested_loops_on_a_hidden_row_make_that_row_an_error_and_the_job_ends(tm
     ("{% for x in [1] recursive %}{{ loop([x, x]) }}{% endfor %}", "RecursionError"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
      "more than 1,000,000 loop iterations"),
+    ("{% set d = dict.fromkeys(range(100000)) %}{% for a in d %}{% for b in d %}{% endfor %}{% endfor %}",
+     "more than 1,000,000 loop iterations"),
     ("{% for i in range(3000) %}{{ topic * 3000 }}{% endfor %}", "a rendered text of 10,"),
 ])
 def test_a_row_that_blows_a_budget_is_that_rows_error(template, why):
