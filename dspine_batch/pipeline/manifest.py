@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -23,7 +24,7 @@ from dspine_batch.digest import content_digest
 from dspine_batch.errors import FingerprintMismatch, UsageError, disk_full_named
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.storage import fs as store
-from dspine_batch.storage.urls import is_url, redact
+from dspine_batch.storage.urls import is_url, redact, redacted
 
 MANIFEST = "_manifest.json"
 def describe_inputs(files: list[InputFile]) -> list[dict[str, Any]]:
@@ -89,22 +90,17 @@ def versions() -> dict[str, str]:
 
 def build_manifest(fields: dict[str, Any], config: dict[str, Any], num_shards: int,
                    schema: list[str]) -> dict[str, Any]:
+    """The manifest of a run. It is read by anyone who can list OUTDIR (credentials belong in the environment or
+    ``--storage-option``, which are never written), so the config goes through ``redacted`` (URL secrets, and
+    ``--engine-arg api_key=...`` or any key named like a credential), and so do the fingerprint's fields (an
+    engine's identity may hold its server arguments) before the fingerprint is taken: a credential is not part of
+    the run's identity (``storage.urls`` says why), so a rotated key resumes the same run. The fields lose those
+    keys' values only (``text=False``): the fingerprint of a run without one stays what it was."""
+    fields = redacted(fields, text=False)
     return {"schema_version": 1, "tool": "dspine-batch", "fingerprint": fingerprint(fields),
-            "fingerprint_fields": fields, "num_shards": num_shards, "config": _redacted(config), "versions": versions(),
+            "fingerprint_fields": fields, "num_shards": num_shards, "config": redacted(config), "versions": versions(),
             "output_columns": schema, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "created_by": f"{socket.gethostname()}:{os.getpid()}"}
-
-
-def _redacted(v: Any) -> Any:
-    """``v`` with any secret in a URL string redacted: the manifest is read by anyone who can list OUTDIR
-    (credentials belong in the environment or ``--storage-option``, which are never written)."""
-    if isinstance(v, str):
-        return redact(v)
-    if isinstance(v, dict):
-        return {k: _redacted(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_redacted(x) for x in v]
-    return v
 
 
 def read_manifest(outdir: str) -> dict[str, Any] | None:
@@ -168,10 +164,15 @@ def check_manifest(outdir: str, existing: dict[str, Any], manifest: dict[str, An
 
 
 STAGES_FILE = "_stages.json"  # a job of several stages: OUTDIR/<stage>/ each an output of its own
+# a stage's name: it names OUTDIR/<name>/, so never a path ('..', '/'); checked when the job is read and again
+# when ``_stages.json`` is read back (a file anyone with write access to OUTDIR could have edited)
+STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def stage_names(outdir: str) -> list[str] | None:
-    """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output."""
+    """The stages of a staged OUTDIR in order (``dspine_batch.stages``), None for an ordinary output. A name that
+    is not a stage's (``../other``) is a ``UsageError`` naming the file: readers join each name to OUTDIR, and
+    ``finalize`` writes under it."""
     try:
         if is_url(outdir):
             from dspine_batch.storage.objects import ObjectStore
@@ -183,5 +184,12 @@ def stage_names(outdir: str) -> list[str] | None:
                 names = json.load(f)["stages"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return [str(n) for n in names] if isinstance(names, list) else None
+    if not isinstance(names, list):
+        return None
+    bad = next((n for n in names if not isinstance(n, str) or not STAGE_NAME.match(n)), None)
+    if bad is not None or not names:
+        where = f"{redact(outdir.rstrip('/'))}/{STAGES_FILE}"
+        raise UsageError(f"{where}: {bad!r} is not a stage name (letters, digits, '_', '-', '.'; it names a folder "
+                         "of OUTDIR)" if bad is not None else f"{where}: lists no stages")
+    return names
 

@@ -242,6 +242,8 @@ class RowMapper:
             if self._row_params:
                 params, options = self._request(file, index, row)
             ids = self._prompt_ids(file, index, row, options)
+            if params.max_new_tokens != defaults.params.max_new_tokens and self.max_context:
+                self._check_room(file, index, row, len(ids), params.max_new_tokens)
         except RowError as e:
             return WorkItem(row_id, [], keep, self._named(e, file, index, row_id), row_hash)
         n = options.n
@@ -270,6 +272,25 @@ class RowMapper:
                 kept = tuple(x if j == 0 and self.settings.columns.id_kept else None for j, x in enumerate(values))
                 return kept, RowError(file.name, index, c, f"expected {t}, got {_type_name(v)}")
         return values, None
+
+    def _check_room(self, file: InputFile, index: int, row: dict[str, Any], prompt: int, asked: int) -> None:
+        """A row's own ``max_tokens`` beyond what the context leaves after its prompt is that row's error naming
+        the limit, as vLLM's and OpenAI's servers answer such a request — not an answer cut silently where the
+        context ends. (The job's ``--max-new-tokens`` is a cap for rows of every prompt length instead: a row
+        whose prompt leaves less ends there, ``finish_reason`` "length", as vLLM's offline engine does.)"""
+        assert self.max_context is not None
+        if prompt + asked <= self.max_context:
+            return
+        name = next((k for k in ("max_tokens", "max_completion_tokens", "max_new_tokens")
+                     if row.get(k) is not None), "max_new_tokens")
+        try:
+            raw = str(row.get(name, asked))
+        except ValueError:  # an integer past Python's 4,300-digit limit for str()
+            raw = "an integer of more than 4,300 digits"
+        shown = raw if len(raw) <= 20 else f"{raw[:12]}... ({len(raw)} digits)"
+        raise RowError(file.name, index, f"body.{name}" if file.kind == "openai" else name,
+                       f"{shown} is too large: the model's context is {self.max_context:,} tokens and the prompt "
+                       f"has {prompt:,}, which leaves {max(self.max_context - prompt, 0):,}")
 
     def _named(self, e: RowError | None, file: InputFile, index: int, row_id: str) -> str:
         """The error's one line, naming the row's id when it has one of its own (not ``<file>:<index>``)."""

@@ -28,6 +28,7 @@ from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.requests import identity as request_identity
 from dspine_batch.pipeline.schema import SCHEMA_VERSION
 from dspine_batch.pipeline.sources import InputFile, iter_inputs
+from dspine_batch.storage.urls import redacted
 
 REQUEST = ("engine", "model", "draft", "engine_args")  # the engine as asked for, before it resolves anything
 
@@ -84,8 +85,8 @@ def _same_run(cfg: GenerateConfig, files: list[InputFile], columns: Columns, man
 def same_engine_asked(cfg: GenerateConfig, manifest: dict[str, Any]) -> bool:
     """The engine, model, draft and engine arguments asked for are the run's (the fingerprint holds the engine as
     it resolved them, which needs the engine loaded)."""
-    config = manifest.get("config") or {}
-    return all(_canon(config.get(k)) == _canon(getattr(cfg, k)) for k in REQUEST)
+    config = manifest.get("config") or {}  # written redacted (``manifest.build_manifest``): compare it so
+    return all(_canon(config.get(k)) == _canon(redacted(getattr(cfg, k))) for k in REQUEST)
 
 
 def _canon(v: Any) -> str:

@@ -57,8 +57,26 @@ class Parent:
     def base(self) -> str:
         """The id its children start from: the row id, with ``#<sample>`` when the parent stage draws several
         samples per row (``samples``: the stage's --num-samples) or this is a later sample of a row's own ``n``.
-        It depends on the committed row alone, so a resume makes the same ids."""
-        return self.row_id if self.samples == 1 and self.sample_index == 0 else f"{self.row_id}#{self.sample_index}"
+        It depends on the committed row alone, so a resume makes the same ids.
+
+        A row id that already ends like a sample's (``a#1``: ids are the user's, any text) takes the mark even as
+        sample 0 (``a#1#0``), or it would be the same id as sample 1 of a row ``a`` whose own ``n`` is 2: ids made
+        this way never collide (an unmarked id never ends in ``#<digits>``, a marked one always does, and the
+        mark is read from the right)."""
+        if self.samples == 1 and self.sample_index == 0 and not _SAMPLE_MARK.search(self.row_id):
+            return self.row_id
+        return f"{self.row_id}#{self.sample_index}"
+
+
+_SAMPLE_MARK = re.compile(r"#\d+$")
+_ITEM_MARK = re.compile(r"/(?:\d+|-)$")
+
+
+def unexploded_id(base: str) -> str:
+    """The id of the one error row a parent gives when its ``explode`` field is not a list: its base, marked
+    ``/-`` when the base itself ends like an item's id (``b/0``), which would otherwise be item 0 of a parent
+    ``b`` — the same reasoning as ``Parent.base``'s."""
+    return f"{base}/-" if _ITEM_MARK.search(base) else base
 
 
 def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
@@ -69,7 +87,7 @@ def parent_fields(p: Parent, stage: str) -> dict[str, Any]:
     if p.structure_kind in JSON_KINDS:
         try:
             parsed = json.loads(p.output)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the recursion limit: bad JSON all the same
             parsed = None
         if isinstance(parsed, dict):
             fields.update(parsed)
@@ -82,13 +100,13 @@ def child_ids(p: Parent, explode: str | None) -> list[str]:
     if explode is None:
         return [base]
     items = parent_fields(p, "").get(explode)
-    return [f"{base}/{i}" for i in range(len(items))] if isinstance(items, list) else [base]
+    return [f"{base}/{i}" for i in range(len(items))] if isinstance(items, list) else [unexploded_id(base)]
 
 
 def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[str, dict[str, Any] | RowError]]:
     """(child id, row) of a parent for stage ``spec``: one child (the parent's id; ``#s`` per sample when the
     parent stage drew several), or with ``explode`` one per item of the named list field (``<id>/<i>``, stable
-    across resumes). A field that is not a list gives one error row naming it."""
+    across resumes). A field that is not a list gives one error row naming it (``unexploded_id``)."""
     base = p.base
     lineage = {**p.lineage, parent_stage: base}
     ctx = parent_fields(p, parent_stage)
@@ -98,7 +116,8 @@ def children(p: Parent, parent_stage: str, spec: StageSpec) -> Iterator[tuple[st
     items = ctx.get(spec.explode)
     if not isinstance(items, list):
         what = "missing" if spec.explode not in ctx else f"expected a list, got {type(items).__name__}"
-        yield base, RowError(f"stage {parent_stage}", 0, spec.explode, f"{what} (explode of stage {spec.name!r})")
+        yield unexploded_id(base), RowError(f"stage {parent_stage}", 0, spec.explode,
+                                            f"{what} (explode of stage {spec.name!r})")
         return
     for i, item in enumerate(items):
         row = {**ctx, spec.explode: item, "explode_index": i}

@@ -20,12 +20,12 @@ between them; a stage on another model starts when the stages before it are done
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dspine_batch.errors import UsageError
 from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.manifest import STAGE_NAME
 from dspine_batch.pipeline.templates import PromptTemplates, job_templates
 from dspine_batch.stages.near import need_datasketch
 from dspine_batch.stages.where import Predicate, parse_where
@@ -39,7 +39,6 @@ STAGE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "st
 _OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "dedup_threshold", "dedup_ngram", "model",
         "draft")
 DEDUP = ("exact", "minhash")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def parse_stages(raw: Any, job: GenerateConfig, outdir: str) -> list[StageSpec]:
 def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: list[StageSpec]) -> StageSpec:
     name = t.get("name")
     label = f"stage {i + 1}" + (f" ({name!r})" if isinstance(name, str) else "")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not STAGE_NAME.match(name):
         raise UsageError(f"{label}: `name` must be a short name of letters, digits, '_', '-', '.' (it names "
                          "OUTDIR/<name>/)")
     if any(s.name == name for s in before):
@@ -124,7 +123,8 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
         try:
             where = parse_where(t["where"])
         except ValueError as e:
-            raise UsageError(f"{label}: where {t['where']!r}: {e}") from e
+            text = t["where"] if len(t["where"]) <= 80 else t["where"][:77] + "..."
+            raise UsageError(f"{label}: where {text!r}: {e}") from e
     dedup = t.get("dedup")
     if dedup is not None and dedup not in DEDUP:
         raise UsageError(f"{label}: dedup {dedup!r}: expected one of {', '.join(DEDUP)}")

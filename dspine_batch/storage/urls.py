@@ -2,9 +2,16 @@
 
 A string is a URL when it starts with ``scheme://`` (two or more letters: ``C:\\`` stays a path). Anything we
 print or write (logs, manifest, state files, reports, errors) goes through ``redact`` first: a URL may carry a
-password (``s3://key:secret@bucket``) or a signed query string (``?X-Amz-Signature=...``, ``?sig=...``), and a
-message from a store's SDK may quote an Azure connection string (``AccountKey=...;``), a SAS token or a
-storage option by name (``account_key='...'``).
+password (``s3://key:secret@bucket``, ``s3://:secret@bucket``) or a signed query string (``?X-Amz-Signature=...``,
+``?sig=...``), and a message from a store's SDK may quote an Azure connection string (``AccountKey=...;``), a SAS
+token or an option by name (``account_key='...'``, s3fs's ``key=``/``secret=``/``token=``, ``password=``,
+``--api-key ...``). Structured values (the manifest's config and fingerprint fields) go through ``redacted``, which
+also replaces the value of every key named like a credential (``is_secret_name``): ``--engine-arg api_key=...``
+is written as ``"<redacted>"``.
+
+A credential is left out of the run's identity on purpose, not hashed into it: it decides who may ask, not what
+is answered, so a rotated key resumes the same run; and a digest of a short password in a file anyone who can
+list OUTDIR reads could be guessed back offline.
 """
 
 from __future__ import annotations
@@ -12,13 +19,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from dspine_batch.errors import UsageError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-# userinfo in any scheme://user:pass@host, anywhere in a line
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]+:[^@\s]*@")  # a password may hold "/"
+# userinfo in any scheme://user:pass@host (the user may be empty), anywhere in a line
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+://)[^/@\s:]*:[^@\s]*@")  # a password may hold "/"
+# a bare user on http(s) is a token (https://TOKEN@host); on az:// or abfs:// it is a container name: kept there
+_HTTP_USER = re.compile(r"(?i)(https?://)[^/@\s:]+@")
 # query parameters that carry a credential (presigned S3/GCS URLs, Azure SAS, plain tokens)
 _SECRET_PARAMS = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
                             r"x-goog-credential|sig|signature|token|access_token|secret|password|key|sv|se|sp|skoid|"
@@ -29,6 +39,20 @@ _CONN_FIELDS = re.compile(r"(?i)\b((?:AccountKey|SharedAccessSignature|SharedAcc
 _SECRET_OPTIONS = re.compile(r"(?i)(\b(?:account_key|sas_token|connection_string|client_secret|credential|"
                              r"aws_secret_access_key|aws_session_token)['\"]?\s*[:=]\s*['\"]?)"
                              r"[^'\"\s,;}&]+")
+
+# the last word of a key name that holds a credential (``aws_secret_access_key``, ``hf_token``, ``X-Amz-Signature``,
+# s3fs's ``key``/``secret``/``token``), or a whole name written as one word (``AccountKey``, ``connection_string``)
+_SECRET_LAST = ("key", "secret", "token", "password", "passwd", "pwd", "credential", "credentials", "sig",
+                "signature", "sas", "apikey", "accountkey", "accesskey", "sharedaccesskey", "sharedaccesssignature")
+_SECRET_WHOLE = ("connectionstring", "sastoken")
+_NOT_SECRET = frozenset({"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token",
+                         "mask_token", "dedup_key"})  # tokenizer special tokens, our dedup column: no credentials
+_WORDS = "|".join(sorted(_SECRET_LAST, key=len, reverse=True)) + r"|connection[_-]?string"
+_NAME = rf"(?!(?:bos|eos|pad|unk|sep|cls|mask)_token\b)(?:[\w.-]*[_.-])?(?:{_WORDS})"
+# a credential by name in a line: ``name=value``, ``"name": "value"``, ``--name value`` / ``--name=value``
+_NAMED = re.compile(rf"(?i)(?<![\w.-])({_NAME}\s*=\s*['\"]?|['\"]{_NAME}['\"]\s*:\s*['\"]?)[^'\"\s,;&}}]+")
+_FLAG = re.compile(rf"(?i)(?<![\w-])(--{_NAME}(?:=|\s+)['\"]?)(?!--)[^'\"\s,;&}}]+")
+REDACTED = "<redacted>"
 
 # scheme -> (fsspec protocol package, the extra that installs it)
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -71,16 +95,41 @@ def local_path(path: str) -> str:
     return path[len("file://"):] if path.lower().startswith("file://") else path
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a key of this name holds a credential (``api_key``, ``secret``, ``sas_token``, ``AccountKey``)."""
+    n = name.lower()
+    if n in _NOT_SECRET:
+        return False
+    return re.split(r"[_.\-]", n)[-1] in _SECRET_LAST or re.sub(r"[_.\-]", "", n).endswith(_SECRET_WHOLE)
+
+
 def redact(text: str) -> str:
     """``text`` with every URL password, secret-carrying query value (SAS tokens included), connection-string
-    secret (``AccountKey=``, ``SharedAccessSignature=``) and secret storage option quoted by name replaced by
-    ``***``. Cheap enough to run on every line we print."""
-    if "://" not in text and "=" not in text and ":" not in text:
+    secret (``AccountKey=``, ``SharedAccessSignature=``) and credential quoted by name (``key=``, ``password=``,
+    ``"api_key": ...``, ``--api-key ...``) replaced by ``***``. Cheap enough to run on every line we print."""
+    if "://" not in text and "=" not in text and ":" not in text and "--" not in text:
         return text
     text = _USERINFO.sub(r"\1***@", text)
+    text = _HTTP_USER.sub(r"\1***@", text)
     text = _SECRET_PARAMS.sub(r"\1***", text)
     text = _CONN_FIELDS.sub(r"\1***", text)
-    return _SECRET_OPTIONS.sub(r"\1***", text)
+    text = _SECRET_OPTIONS.sub(r"\1***", text)
+    text = _NAMED.sub(r"\1***", text)
+    return _FLAG.sub(r"\1***", text)
+
+
+def redacted(value: Any, text: bool = True) -> Any:
+    """A structured value (a config, the fingerprint's fields) as it may be written where others read it: the value
+    of every key named like a credential replaced by ``REDACTED``, and (``text``) every string through
+    ``redact``."""
+    if isinstance(value, str):
+        return redact(value) if text else value
+    if isinstance(value, dict):
+        return {k: REDACTED if isinstance(k, str) and is_secret_name(k) and v not in (None, "")
+                else redacted(v, text) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redacted(x, text) for x in value]
+    return value
 
 
 def join(base: str, *names: str) -> str:

@@ -179,10 +179,14 @@ def test_the_two_hidden_inputs_are_one_error_each_naming_the_field(openai_mapper
         assert len(err) < 400, err
     ok = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "logit_bias": {" 7 ": 2}}})
     assert ok.error is None and ok.requests[0].params.logit_bias == ((7, 2.0),)
-    # integers beyond what engines hold (SGLang's int32 tensors) mean what they say: no limit, every token
-    huge = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "max_tokens": BIG, "top_k": BIG}})
-    assert huge.error is None and (huge.requests[0].params.max_new_tokens, huge.requests[0].params.top_k) == (
-        INT32_MAX, 0)
+    # a top_k beyond what engines hold (SGLang's int32 tensors) means what it says: every token
+    huge = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "top_k": BIG}})
+    assert huge.error is None and huge.requests[0].params.top_k == 0
+    # a max_tokens beyond the context is refused naming the limit, as vLLM and OpenAI answer it (issue 50)
+    huge = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "max_tokens": BIG}})
+    assert ", field 'body.max_tokens': 100000000000... (401 digits) is too large: the model's context is " in huge.error
+    big = _one_row(file, mapper, {"custom_id": "c", "body": {"messages": MSG, "max_tokens": 2**40}})
+    assert "too large" in big.error  # (clamped to INT32_MAX first: still past any context)
 
 
 def test_the_reader_turns_what_json_cannot_hold_into_row_errors(tmp_path):
