@@ -168,7 +168,7 @@ def format_report(s: dict[str, Any]) -> str:
         f"{s['errors']:,} errors)",
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
         f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s"
-        + (f"; first token {s['first_token_s']:.1f}s after the command" if s.get("first_token_s") is not None else ""),
+        + (f"; first token {s['first_token_s']:.1f}s after start" if s.get("first_token_s") is not None else ""),
         _prefix_cache_line(s),
         f"  tau         tokens committed per verify step: mean {f(s['tau_mean'])} over rows, median "
         f"{f(s['tau_median'])}, token-weighted {f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])} of "
