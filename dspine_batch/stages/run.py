@@ -29,6 +29,7 @@ from dspine_batch.engines.base import Engine, Result, SamplingParams
 from dspine_batch.errors import EXIT_INTERRUPTED, EngineDied, Interrupted, UsageError
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.heap import setup_frozen
 from dspine_batch.pipeline.job import RowSelector, ShardState
 from dspine_batch.pipeline.keyset import key_hash
@@ -235,6 +236,9 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
     st.state = ShardState(job.outdir, job.tag, out=job.output)
     st.state.start(job.shard, st.fingerprint, st.done)
+    # the engine's record of its proposal sources, with each stage's state: its reasons are every stage's (one
+    # engine), its counts the engine's; ``report`` shows each stage's own counts from its parts
+    st.state.decisions = DecisionLog(engine, st.state.fields.get("decisions"), log).record
     st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples,
                         cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
                         st.state.save, commit=job.output.commit_part)
