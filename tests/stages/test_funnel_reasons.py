@@ -5,10 +5,9 @@ stage), where a stage once said "no reason recorded"."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-from helpers import A_TEMPLATE, J_TEMPLATE, JUDGE, Q_TEMPLATE, QUESTIONS, read_output, run_cli
+from helpers import read_output, run_cli, staged_job
 from helpers import stage_docs as _docs
 
 from dspine_batch.engines.explain import SourceTally
@@ -30,37 +29,10 @@ class ExplainingEngine(ScriptedEngine):
         return self.tally.explain(lambda src, ran: None if ran else f"{src} is off in this test")
 
 
-def _job(tmp_path, src, out, judge_tokens: int) -> str:
-    job = tmp_path / "job.toml"
-    job.write_text(f'''inputs = ["{src}"]
-output = "{out}"
-id-column = "doc_id"
-max-new-tokens = 48
-commit-rows = 3
-
-[[stages]]
-name = "questions"
-template = "{Q_TEMPLATE}"
-json-schema = '{json.dumps(QUESTIONS)}'
-
-[[stages]]
-name = "answers"
-explode = "questions"
-template = "{A_TEMPLATE}"
-
-[[stages]]
-name = "judge"
-template = "{J_TEMPLATE}"
-json-schema = '{json.dumps(JUDGE)}'
-max-new-tokens = {judge_tokens}
-where = "score >= 1"
-''')
-    return str(job)
-
-
 def test_a_judge_cut_by_length_is_reported_as_such_and_the_reasons_add_up(tmp_path, capsys):
     src, out = _docs(tmp_path, 6), tmp_path / "out"
-    assert run_cli(["generate", "--config", _job(tmp_path, src, out, 8)],
+    job = staged_job(tmp_path, src, out, where="score >= 1", judge="max-new-tokens = 8")  # every judge answer cut
+    assert run_cli(["generate", "--config", job],
                    loader=lambda m, d, a: ExplainingEngine.from_args(a)) == 0
     judge = read_output(out / "judge")
     assert judge and all(r["finish_reason"] == "length" and not r["kept"] for r in judge)
