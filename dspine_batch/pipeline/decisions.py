@@ -115,11 +115,19 @@ class DecisionLog:
     def __init__(self, engine: Any, before: dict[str, dict[str, Any]] | None, log: Callable[[str], None]):
         self.engine, self.before, self.log = engine, before, log
         self.said: set[str] = set()
+        self.final: dict[str, dict[str, Any]] | None = None
 
     def record(self) -> dict[str, dict[str, Any]] | None:
         """The merged record for the state file (None: the engine does not explain itself)."""
+        if self.final is not None:
+            return self.final
         now = explain(self.engine)
         return None if now is None else merge(self.before, now)
+
+    def freeze(self) -> None:
+        """Keep the record as it stands, for the saves after the engine is closed (a staged job closes a model's
+        engine before its stages finish): a closed engine would explain a state that is not its run's."""
+        self.final = self.record()
 
     def note(self) -> None:
         for src, d in (explain(self.engine) or {}).items():

@@ -110,6 +110,7 @@ class Stage:
     judge: Judge | None = None
     answers: Answers | None = None
     file: InputFile | None = None
+    decisions: DecisionLog | None = None  # the engine's record, with the stage's state (``pipeline.decisions``)
     done: Any = None
     fingerprint: str = ""
     ready: deque[WorkItem] = field(default_factory=deque)
@@ -171,6 +172,9 @@ def run_stages(cfg: GenerateConfig, raw: Any) -> int:
             try:
                 rc = _run(stages, seg, engine, shutdown, columns)
             finally:
+                for st in seg:  # what the engine said of its sources, kept: a closed engine's word is not its run's
+                    if st.decisions is not None:
+                        st.decisions.freeze()
                 engine.close()  # before the next model loads: two models rarely fit one machine's memory
             if rc is not None:
                 return rc
@@ -238,7 +242,8 @@ def _open(st: Stage, engine: Engine, parent: Stage | None) -> None:
     st.state.start(job.shard, st.fingerprint, st.done)
     # the engine's record of its proposal sources, with each stage's state: its reasons are every stage's (one
     # engine), its counts the engine's; ``report`` shows each stage's own counts from its parts
-    st.state.decisions = DecisionLog(engine, st.state.fields.get("decisions"), log).record
+    st.decisions = DecisionLog(engine, st.state.fields.get("decisions"), log)
+    st.state.decisions = st.decisions.record
     st.sink = StageSink(job.outdir, schema, job.tag, st.done.next_seq, cfg.num_samples,
                         cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
                         st.state.save, commit=job.output.commit_part)

@@ -17,16 +17,23 @@ from dspine_batch.ops.funnel import DROPS, drop_reason, funnel
 
 @dataclass
 class ExplainingEngine(ScriptedEngine):
-    """The scripted engine with an ``explain()``: suffix matches never run, for a reason."""
+    """The scripted engine with an ``explain()``: suffix matches never run, for a reason; once closed it tells another
+    (the reference engine, closed, drops its draft: what it says then is not its run's)."""
 
     tally: SourceTally = field(default_factory=SourceTally)
+    closed: bool = False
+
+    def close(self):
+        self.closed = True
+        super().close()
 
     def run(self, requests, max_in_flight):
         for res in super().run(requests, max_in_flight):
             yield self.tally.add(res)
 
     def explain(self):
-        return self.tally.explain(lambda src, ran: None if ran else f"{src} is off in this test")
+        why = "closed" if self.closed else "is off in this test"
+        return self.tally.explain(lambda src, ran: None if ran else f"{src} {why}")
 
 
 def test_a_judge_cut_by_length_is_reported_as_such_and_the_reasons_add_up(tmp_path, capsys):
