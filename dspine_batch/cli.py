@@ -17,7 +17,7 @@ from dataclasses import MISSING
 from typing import Any
 
 import click
-from click_option_group import optgroup
+from click_option_group import GroupedOption, optgroup
 
 from dspine_batch import __version__
 from dspine_batch.cli_help import SECTIONS, engine_arg_table
@@ -111,11 +111,19 @@ def section(title: str) -> Callable:
     return optgroup.group(title, help=dict(SECTIONS)[title])
 
 
+class SectionOption(GroupedOption):
+    """An option of a help section whose environment variable is named in its errors (where a bad value may come
+    from it) but not on its help line: the command's help says the rule once, ``DSPINE_BATCH_<OPTION>``."""
+
+    def get_error_hint(self, ctx: click.Context) -> str:
+        hint = super().get_error_hint(ctx)
+        return hint if self.show_envvar or not self.envvar else f"{hint} (env var: '{self.envvar}')"
+
+
 def grouped(*decls: str, **kw: Any) -> Callable:
-    """``env_option`` inside the ``section`` above it; its variable is not repeated on every option's line (the
-    command's help says the rule once: ``DSPINE_BATCH_<OPTION>``)."""
+    """``env_option`` inside the ``section`` above it (its variable named in errors, not on its help line)."""
     kw.setdefault("show_envvar", False)
-    return optgroup.option(*decls, **_env_kwargs(decls, kw))
+    return optgroup.option(*decls, cls=SectionOption, **_env_kwargs(decls, kw))
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
