@@ -8,8 +8,8 @@
 #
 #   bash scripts/ci/test.sh           everything above
 #   bash scripts/ci/test.sh --quick   a contributor's check before a commit: set-up, ruff, and the default suite's
-#                                     fast core (tests/house, cli, pipeline, ops, stages, engines; stops at the first
-#                                     failure); no SGLang, no Slurm, no Azurite (az:// tests skip)
+#                                     core (tests/house, pipeline, ops, stages, the CLI's help and main commands; stops
+#                                     at the first failure); no SGLang, Slurm or Azurite (az:// tests skip)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
@@ -20,7 +20,7 @@ if [ "$quick" = 1 ]; then
   DSPINE_SKIP_AZURITE=1 bash scripts/setup.sh --test || exit 1
   "$PY" -m ruff check . || exit 1
   exec "$PY" -m pytest -q -x -m "not slow and not sglang and not slurm" -p no:cacheprovider \
-    tests/house tests/cli tests/pipeline tests/ops tests/stages tests/engines
+    tests/house tests/pipeline tests/ops tests/stages tests/cli/test_cli.py tests/cli/test_help.py
 fi
 bash scripts/setup.sh --test || exit 1
 fail=0
