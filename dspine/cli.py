@@ -63,46 +63,9 @@ def info(model: str) -> None:
     """Print a target's family, what runs on our CPU kernels, which features are on, and its default draft taps
     (MODEL: dir, FILE.gguf or 'embedded'). An unsupported architecture is refused in one line listing the
     supported families."""
-    t = _load_target(model)
-    summary = {
-        "class": type(t).__name__,
-        "family": getattr(t, "family", None) or t.config.get("model_type"),
-        "model_type": t.config.get("model_type"),
-        "layers": t.num_layers,
-        "hidden_size": t.hidden_size,
-        "vocab_size": t.vocab_size,
-        "max_position": t.max_position,
-    }
-    describe = getattr(t, "describe", None)
-    if callable(describe):
-        summary.update(describe())
-    summary["on_our_kernels"] = _kernel_summary(t)
-    gaps = list(t.invariance_gaps)
-    summary["features"] = {
-        "speculation": "suffix proposals; a DSpine draft (dspine init-draft / dspine train)",
-        "structured_outputs_logprobs_penalties_tools_chat_template": True,
-        "prefix_cache": not gaps,
-        "chunked_prefill": not gaps and not any(type(c).__name__ == "SSMState" for c in t.new_cache(1, 1).layers),
-        "not_batch_invariant_because": gaps,
-    }
-    summary["default_tap_ids"] = t.default_tap_ids(min(5, t.num_layers))
-    summary["parameters"] = sum(p.numel() for p in t.parameters())
-    click.echo(json.dumps(summary, indent=2))
+    from dspine.models.summary import summarize
 
-
-def _kernel_summary(t) -> dict:
-    """Which parts of a forward run on ``dspine.cpu.kernels`` (our batch-invariant CPU ops) and which on torch."""
-    kernel = t.kernel
-    ours = kernel.startswith("dspine-")
-    names = {type(m).__name__ for m in t.modules()}
-    acts = {getattr(m, "act", None) for m in t.modules() if type(m).__name__ == "SwiGLU"} - {None}
-    return {
-        "linears": kernel,
-        "attention": "dspine (rope_store + attend_cache)" if t.fused_attention() else "torch",
-        "norms": "dspine (rms_norm)" if "FusedRMSNorm" in names else "torch",
-        "mlp_gate": ", ".join(sorted(("dspine (silu_mul)" if ours and a == "silu" else f"torch ({a}, elementwise)")
-                                     for a in acts)) or None,
-    }
+    click.echo(json.dumps(summarize(_load_target(model)), indent=2))
 
 
 @main.command("init-draft")

@@ -8,4 +8,7 @@ Data flows one way: ``pipeline.sources`` (input rows) -> ``pipeline.mapping`` (r
 ``tests/house/test_layering.py`` checks it.
 """
 
+import time as _time
+
 __version__ = "0.1.0"
+IMPORTED_AT = _time.monotonic()  # the command's first import: ``pipeline.job.since_start`` measures from near here

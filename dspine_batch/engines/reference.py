@@ -244,7 +244,7 @@ class ReferenceEngine:
         # counts are per stream, the tally's per result, so only the reason is taken; the settings' reason
         # (``_why``: the user switched the source off) comes first, it is the one the user can act on
         extra = {src: ({"chooser": chooser} if chooser else {})
-                 | ({"why": self.decisions[src]["why"]}
+                 | ({"why": self.decisions[src]["why"], "stopped": bool(self.decisions[src].get("stopped"))}
                     if (self.decisions.get(src) or {}).get("why") and self._why(src, False) is None else {})
                  for src in SOURCES}
         return self.tally.explain(self._why, extra)

@@ -168,7 +168,7 @@ def format_report(s: dict[str, Any]) -> str:
         f"{s['errors']:,} errors)",
         f"  tokens      {s['prompt_tokens']:,} prompt, {s['completion_tokens']:,} generated; "
         f"{f(s['tokens_per_s'], '{:,.1f}')} tok/s over {s['elapsed_s']:.1f}s"
-        + (f"; first token {s['first_token_s']:.1f}s after the command" if s.get("first_token_s") is not None else ""),
+        + (f"; first token {s['first_token_s']:.1f}s after start" if s.get("first_token_s") is not None else ""),
         _prefix_cache_line(s),
         f"  tau         tokens committed per verify step: mean {f(s['tau_mean'])} over rows, median "
         f"{f(s['tau_median'])}, token-weighted {f(s['tau_token_weighted'])}; accept rate {f(s['accept_rate'])} of "
@@ -191,16 +191,23 @@ def format_report(s: dict[str, Any]) -> str:
 
 
 def _source_lines(s: dict[str, Any]) -> list[str]:
-    """A line per proposal source, rendered from the engine's record when there is one (the lines the run log ended
-    with: ``decisions.source_lines``), else from the parts' counts. Nothing for a run without speculation whose
-    engine said nothing (older runs, engines without ``explain``)."""
+    """A line per proposal source (``decisions.source_lines``, the lines the run log ended with): the parts' counts
+    (the truth), with the engine's record saying why a source did not run or was stopped. A source these rows never
+    used that the engine ran for other rows of the job (a staged job's other stages share its engine) says so.
+    Nothing for a run without speculation whose engine said nothing (older runs, engines without ``explain``)."""
     by = s.get("by_source", {})
     if not any(v["verify_steps"] or v.get("recorded") for v in by.values()):
         return []
-    record = {src: v.get("record") or {"rounds": v["verify_steps"], "proposed": v["tokens_proposed"],
-                                       "accepted": v["tokens_accepted"], "ran": bool(v["verify_steps"]),
-                                       "why": v.get("why"), "chooser": v.get("chooser")}
-              for src, v in by.items()}
+    record = {}
+    for src, v in by.items():
+        rec = v.get("record") or {"why": v.get("why"), "chooser": v.get("chooser")}
+        entry = {**rec, "rounds": v["verify_steps"], "proposed": v["tokens_proposed"],
+                 "accepted": v["tokens_accepted"], "ran": bool(v["verify_steps"])}
+        elsewhere = int(rec.get("rounds") or 0)
+        if not v["verify_steps"] and elsewhere and not rec.get("why"):
+            entry["why"] = (f"chosen for none of these rows; the engine ran it {elsewhere:,} verify steps on the job's "
+                            "other rows (another stage's)")
+        record[src] = entry
     return ["  " + line for line in source_lines(record)]
 
 

@@ -13,6 +13,7 @@ says why.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -66,6 +67,8 @@ def combine(records: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any
             for k in COUNTS:
                 o[k] += int(d.get(k) or 0)
             o["ran"] = o["ran"] or bool(d.get("ran"))
+            if d.get("stopped"):
+                o["stopped"] = True
             why = d.get("why")
             if why and why not in (o["why"] or "").split(" / "):
                 o["why"] = f"{o['why']} / {why}" if o["why"] else why
@@ -75,22 +78,29 @@ def combine(records: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any
 
 
 def render(entry: dict[str, Any]) -> str:
-    """One source's line after its label: what it did (verify steps it led, its proposed tokens accepted, tau) and,
-    when the engine gave one, why; "not run" only for a source that led no verify step, so a reason like "hardly
-    ran (4 rounds)" always comes after the counts that say how much it ran and what it accepted."""
+    """One source's line after its label, by one rule: what it did (verify steps it led, its proposed tokens accepted,
+    tau), and a reason only when it did not run (no verify step: "not run — why") or was stopped mid-job (``stopped``:
+    the draft retired; its measured figures are marked as such beside the estimates its reason quotes). A source that
+    ran, however little, is its counts alone: an engine's reason for running it rarely ("hardly ran", from a moment
+    of the job or one stream of it) is not repeated beside counts it could contradict."""
     rounds, proposed, accepted = (int(entry.get(k) or 0) for k in COUNTS)
-    why = entry.get("why")
-    if rounds or entry.get("ran"):
+    why = _HARDLY.sub("", entry.get("why") or "") or None  # older records: "hardly ran (11 rounds): <why>"
+    if rounds:
         rate = f"{accepted / proposed:.3f}" if proposed else "-"
-        tau = f"{(accepted + rounds) / rounds:.3f}" if rounds else "-"
-        text = (f"{rounds:,} verify steps, {accepted:,} of {proposed:,} proposed tokens accepted ({rate}); "
-                f"tau {tau} tokens a step")
-        return text + (f" — {why}" if why else "")
+        tau = f"{(accepted + rounds) / rounds:.3f}"
+        if entry.get("stopped") and why:
+            return (f"{rounds:,} verify steps, {accepted:,} of {proposed:,} proposed tokens accepted (measured "
+                    f"{rate}; tau {tau} tokens a step), then stopped — {why}")
+        return f"{rounds:,} verify steps, {accepted:,} of {proposed:,} proposed tokens accepted ({rate}); tau {tau} " \
+               "tokens a step"
     if why:
         return f"not run — {why}"
     if entry.get("chooser"):
         return f"not run — never chosen by {entry['chooser']}; no reason recorded"
     return "not run (no reason recorded)"
+
+
+_HARDLY = re.compile(r"hardly ran \(\d+ rounds\): ")  # each of a combined record's reasons
 
 
 def source_lines(record: dict[str, dict[str, Any]]) -> list[str]:
@@ -105,16 +115,24 @@ class DecisionLog:
     def __init__(self, engine: Any, before: dict[str, dict[str, Any]] | None, log: Callable[[str], None]):
         self.engine, self.before, self.log = engine, before, log
         self.said: set[str] = set()
+        self.final: dict[str, dict[str, Any]] | None = None
 
     def record(self) -> dict[str, dict[str, Any]] | None:
         """The merged record for the state file (None: the engine does not explain itself)."""
+        if self.final is not None:
+            return self.final
         now = explain(self.engine)
         return None if now is None else merge(self.before, now)
 
+    def freeze(self) -> None:
+        """Keep the record as it stands, for the saves after the engine is closed (a staged job closes a model's
+        engine before its stages finish): a closed engine would explain a state that is not its run's."""
+        self.final = self.record()
+
     def note(self) -> None:
         for src, d in (explain(self.engine) or {}).items():
-            why = d.get("why")
-            if why and src not in self.said:  # once: a reason may carry live numbers that change every row
+            shown = d.get("why") and (not d["rounds"] or d.get("stopped"))  # what ``render`` gives a reason for
+            if shown and src not in self.said:  # once: a reason may carry live numbers that change every row
                 self.said.add(src)
                 self.log(f"{label(src)}, so far: {render(d)}")
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dspine_batch import IMPORTED_AT
 from dspine_batch.engines.base import Engine
 from dspine_batch.pipeline import deaths
 from dspine_batch.pipeline.keyset import KeySet
@@ -120,17 +121,22 @@ class ShardState:
         self._out().write_state(self.tag, f)
 
 
-_IMPORTED = time.monotonic()
+START_SLACK_S = 1.0  # Python's own start-up before ``dspine_batch`` is imported: tens of milliseconds, rarely more
 
 
 def since_start() -> float:
-    """Seconds since this process started: the kernel's record on Linux (so Python's own start-up and the imports
-    count), else since this module was imported."""
+    """Seconds since this process started: the kernel's record on Linux (so Python's own start-up counts) when it
+    is within ``START_SLACK_S`` of this package's import, else the time since that import. Why the check: the
+    kernel records when the process was forked, not when it began running Python, and a shell hands its own start
+    on: ``bash -c 'setup && dspine-batch ...'`` runs setup, then execs dspine-batch in its own process (bash does
+    so with a list's last command), whose recorded start is then the shell's, minutes early."""
+    imported = time.monotonic() - IMPORTED_AT
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+        kernel = float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
-        return time.monotonic() - _IMPORTED
+        return imported
+    return kernel if kernel - imported <= START_SLACK_S else imported
 
 
 def first_token_s(engine: Engine) -> float | None:

@@ -75,6 +75,7 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
     else:
         which = files[0].name if len(files) == 1 else "any input"
         raise UsageError(f"{which}: no rows (empty file)" if len(files) == 1 else f"no rows in {which}")
+    guessed = templates is None and not prompt and not messages  # `prompt`, or `messages`: no flag named either
     if templates is not None:
         pass  # the prompt comes from the template's columns
     elif not prompt and not messages:
@@ -103,6 +104,8 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
             continue  # JSONL beyond the first file: checked row by row
         for col, flag in [(prompt, "--prompt-column"), (messages, "--messages-column"), (id_column, "--id-column")] + [
                 (k, "--keep-columns") for k in keep]:
+            if col and col not in have and guessed and col == prompt:
+                raise UsageError(_no_prompt(inp.name, have))
             if col and col not in have:
                 raise UsageError(f"{inp.name}: no column {col!r} for {flag} (columns: {', '.join(have) or 'none'})")
         if templates is not None and sch is not None:  # JSON Lines: a row without one is that row's error
@@ -112,6 +115,15 @@ def resolve_columns(files: list[InputFile], prompt: str | None, messages: str | 
                                      f"(columns: {', '.join(have) or 'none'})")
     keep_types = tuple(_keep_type(first, schema, sample, k, files) for k in keep)
     return Columns(prompt, messages, id_column, keep, keep_types, params, templates, id_kept)
+
+
+def _no_prompt(name: str, have: list[str]) -> str:
+    """The error for an input with neither a ``prompt`` nor a ``messages`` column when no flag said where the prompt
+    is: the three ways to say it, with this input's own first column in the examples."""
+    col = have[0] if have else "COLUMN"
+    return (f"{name}: no prompt: no column 'prompt' or 'messages' (columns: {', '.join(have) or 'none'}); say where "
+            f"it is: --prompt-column {col} (the prompt's text), --messages-column {col} (chat messages), or "
+            f"--prompt-template 'Answer: {{{{ {col} }}}}' (built from the row's columns)")
 
 
 def _keep_type(first: InputFile, schema: pa.Schema | None, sample: list[dict], col: str,

@@ -134,10 +134,11 @@ class Segment:
         stages, shutdown = run.stages, run.shutdown
         for st in seg:
             open_stage(run, st, engine, stages[st.spec.index - 1] if st.spec.index else None)
-        self.decisions = DecisionLog(engine, seg[0].state.fields.get("decisions") if seg[0].state else None, log)
-        for st in seg:
-            assert st.state is not None
-            st.state.decisions = self.decisions.record
+        for st in seg:  # the engine's record with each stage's state: its reasons every stage's (one engine), its
+            assert st.state is not None  # counts the engine's; ``report`` shows each stage's own counts from its parts
+            st.decisions = DecisionLog(engine, st.state.fields.get("decisions"), log)
+            st.state.decisions = st.decisions.record
+        self.decisions = seg[0].decisions  # says each source's reason once
         self.decisions.note()  # what the settings already decide (e.g. proposers=suffix: the draft never runs)
         for st in seg[:-1]:  # committed parts feed the next stage; a resume rebuilds its queue
             nxt = stages[st.spec.index + 1]
@@ -194,19 +195,15 @@ class Segment:
             raise
         if run.progress is not None and first.spec.index == 0:
             run.progress.close()
-        record = self.decisions.record()
-        for st in seg:  # the engine closes after this segment: its last word is kept for the stages' end
-            assert st.state is not None
-            st.state.decisions = None
-            if record is not None:
-                st.state.fields["decisions"] = record
+        for st in seg:  # the engine closes after this segment: its word as it stands is kept for the stages' end
+            st.decisions.freeze()
         for line in self.decisions.summary():  # the final record, in the words of `dspine-batch report`
             log(line)
         if (at := first_token_s(engine)) is not None:  # start-up as the user waits for it
             assert first.state is not None
             first.state.fields["first_token_s"] = round(at, 3)
-            log(f"first token {at:.1f}s after the command started (Python's start-up, imports, checks and the model "
-                "load included)")
+            log(f"first token {at:.1f}s after this process started (Python's start-up, imports, checks and the model "
+                "load included; not what ran before it, e.g. a set-up in the same shell command)")
         if self.failure:
             for st in seg:
                 st.state.save(st.sink.stats, "failed")

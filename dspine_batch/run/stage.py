@@ -20,6 +20,7 @@ from dspine_batch.errors import (
 )
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
+from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.errorlog import ErrorLog
 from dspine_batch.pipeline.job import RowSelector, ShardState, manifest_meta
 from dspine_batch.pipeline.keyset import key_hash
@@ -77,6 +78,7 @@ class Stage:
     judge: Judge | None = None
     answers: Answers | None = None
     errors: ErrorLog = field(default_factory=lambda: ErrorLog(log))
+    decisions: DecisionLog | None = None  # the engine's record of its proposal sources, with this stage's state
     file: InputFile | None = None
     done: DoneSet | None = None
     fingerprint: str = ""

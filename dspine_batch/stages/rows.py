@@ -152,6 +152,13 @@ def dedup_key(value: Any) -> str:
     return hashlib.blake2b(norm.encode(), digest_size=12).hexdigest()
 
 
+def cut_by_length(where: str) -> str:
+    """Why a row whose output reached its token limit fails its stage's ``where`` for want of a field or a whole
+    value (a structured output cut before its JSON closed): said as such, not as the field missing."""
+    return (f"where {where}: cut by length (the output reached its token limit, finish_reason length, before it held "
+            "what the predicate reads; raise max-new-tokens)")
+
+
 @dataclass
 class Judge:
     """Decides ``kept`` / ``dropped_by`` / ``dedup_key`` of a stage's finished rows, in the order they are
@@ -179,6 +186,8 @@ class Judge:
                                           ctx), self.spec.name)
             if self.spec.where is not None:
                 kept, why = self.spec.where.test(fields)
+                if not kept and why != f"where {self.spec.where.text}" and r.finish_reason == "length":
+                    why = cut_by_length(self.spec.where.text)  # no field, or half a value: the output was cut
                 self.filtered += not kept
             if kept and self.spec.dedup == "minhash":
                 sig = near.signature(_text(fields.get(self.spec.dedup_on, "")), self.spec.dedup_ngram)

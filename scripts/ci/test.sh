@@ -1,13 +1,28 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it (after scripts/setup.sh):
+# The whole test suite, as CI runs it (README's test command, on a fresh machine):
+#   0. set-up: `scripts/setup.sh --test` (the runtime, the [test] extra, Azurite; seconds when already in place);
 #   1. the default suite in this interpreter (CPU; `slow`, `sglang` and `slurm` tests excluded);
 #   2. the `sglang` tests inside the SGLang virtualenv (scripts/ci/ci_sglang.sh builds/reuses it; ~11 GB, ~7 min cold);
 #   3. the `slurm` tests against a one-node Slurm cluster started for them (scripts/ci/ci_slurm.sh).
 # Skip 2 or 3 locally with DSPINE_TEST_SKIP="sglang slurm".
+#
+#   bash scripts/ci/test.sh           everything above
+#   bash scripts/ci/test.sh --quick   a contributor's check before a commit: set-up, ruff, and the default suite's
+#                                     core (tests/house, pipeline, ops, stages, the CLI's help and main commands; stops
+#                                     at the first failure); no SGLang, Slurm or Azurite (az:// tests skip)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 skip=" ${DSPINE_TEST_SKIP:-} "
+quick=0
+[ "${1:-}" = --quick ] && quick=1
+if [ "$quick" = 1 ]; then
+  DSPINE_SKIP_AZURITE=1 bash scripts/setup.sh --test || exit 1
+  "$PY" -m ruff check . || exit 1
+  exec "$PY" -m pytest -q -x -m "not slow and not sglang and not slurm" -p no:cacheprovider \
+    tests/house tests/pipeline tests/ops tests/stages tests/cli/test_cli.py tests/cli/test_help.py
+fi
+bash scripts/setup.sh --test || exit 1
 fail=0
 run() {
   echo "=== $*"

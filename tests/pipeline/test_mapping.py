@@ -81,7 +81,8 @@ def test_keep_column_type_mismatch_is_a_row_error(tmp_path):
 def test_unknown_columns_are_usage_errors(tmp_path):
     pq.write_table(pa.table({"question": ["a"], "qid": [1]}), tmp_path / "a.parquet")
     files = resolve_inputs([str(tmp_path / "a.parquet")])
-    with pytest.raises(UsageError, match=r"no column 'prompt' for --prompt-column \(columns: question, qid\)"):
+    with pytest.raises(UsageError, match=r"no column 'prompt' or 'messages' \(columns: question, qid\); say where it "
+                       r"is: --prompt-column question"):
         resolve_columns(files, None, None, None, [], True)
     with pytest.raises(UsageError, match="no column 'nope' for --keep-columns"):
         resolve_columns(files, "question", None, "qid", ["nope"], True)
