@@ -170,7 +170,7 @@ KILLS = {
     "recorded": ("before:rename:train-*.parquet:3", (b"PUT ", b"-copy-source")),  # record, not published
     "published": ("after:rename:train-*.parquet:3", None),  # published, cleanup not done (object store: below)
 }
-PUBLISHED_REMOTE = {"s3": (b"POST ", b"?delete"), "az": (b"DELETE ", b"/_dspine/staging/")}
+PUBLISHED_REMOTE = {"s3": (b"POST ", b"?delete"), "az": (b"POST ", b"comp=batch")}  # the batched delete of staged
 
 
 def _kill_remote(where: Where, args: list[str], marker: tuple[bytes, bytes], nth: int = 3) -> int:
