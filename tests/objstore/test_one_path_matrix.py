@@ -73,6 +73,7 @@ class Where:
 
 @pytest.fixture(params=["local", "s3", "az"])
 def where(request, tmp_path) -> Where:
+    """The -o of a cell: a local directory, a prefix on moto's S3, or on Azurite."""
     if request.param == "local":
         return Where(str(tmp_path / "out"), None, str(tmp_path / "out"), {})
     if request.param == "s3":
@@ -290,3 +291,51 @@ def test_the_matrix_reads_what_it_wrote(tmp_path):
     counts = [len(w.rows()) for w in shape.outputs(ref)]
     assert counts[0] == 9 and all(counts), counts
     assert json.loads((tmp_path / "ref" / "_stages.json").read_text())["stages"] == list(STAGES)
+
+
+# -- a lost answer to a conditional write ------------------------------------------------------------------------
+def _losing(where: Where, args: list[str], marker: tuple[bytes, bytes, bytes], nth: int) -> tuple[int, str, int]:
+    """Run ``args`` through a proxy that forwards the ``nth`` request matching ``marker`` (method, path part, a
+    header) and cuts the connection when the store's answer comes: the write happened, the worker never hears
+    of it and retries. (exit status, stderr, how many answers were lost)."""
+    seen, lost = [0], [0]
+
+    def hook(chunk: bytes) -> object:
+        head = chunk.split(b"\r\n\r\n", 1)[0]
+        if chunk.startswith(marker[0]) and marker[1] in head and marker[2] in head.lower():
+            seen[0] += 1
+            if seen[0] == nth:
+                lost[0] += 1
+                return "lose"
+        return False
+
+    proxy = FaultProxy(where.endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
+    try:
+        p = _child(args, {**where.env, **where.via(proxy.url)})
+        _, err = p.communicate(timeout=TIMEOUT)
+        return p.returncode, err.decode(errors="replace"), lost[0]
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("where", ["s3", "az"], indirect=True)
+@pytest.mark.parametrize("write", ["record create", "record swap"])
+def test_a_lost_answer_to_a_conditional_write_is_read_back(tmp_path, shape, where, write):
+    """The commit record's create-only write (If-None-Match) or a retry's record swap (If-Match) reaches the store
+    and its answer is lost: the worker reads the record back by its token, so it neither stops nor damages the
+    part; the job ends exactly once, as an uninterrupted one (a local directory has no answer to lose)."""
+    more = ("--engine-arg", "error_every=5")
+    shape = _shape(shape.name, tmp_path, None, more)
+    ref = _reference(shape, tmp_path, retry=write == "record swap")
+    args = shape.args(where.url)
+    if write == "record create":
+        rc, err, lost = _losing(where, args, (b"PUT ", b"/_dspine/keys/commit-", b"if-none-match"), nth=2)
+    else:
+        assert _run(args, where.env)[0] == 0
+        rc, err, lost = _losing(where, [*args, "--retry-errors"], (b"PUT ", b"/_dspine/keys/commit-", b"if-match"),
+                                nth=1)
+    assert lost == 1, "no answer was lost"
+    assert rc == 0, err[-3000:]
+    assert not where.exists("_dspine/damaged") and "damaged" not in err
+    _same(shape, where, ref)
+    _finalized(where)
