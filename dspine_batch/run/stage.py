@@ -196,7 +196,8 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     sink.stage = st
     st.sink = sink
     if st.lineage:
-        st.judge = Judge(st.spec, committed_keys(st) if st.spec.dedup == "exact" else set())
+        st.judge = Judge(st.spec, committed_keys(st) if st.spec.dedup == "exact" else set(),
+                         kept_rows=committed_kept_rows(st) if st.spec.dedup == "minhash" else set())
         if st.spec.dedup == "minhash":  # the band index lives in claims (``near``): shared, and not in memory
             st.judge.claims, st.judge.shard = Claims(job.output, NEAR_SPACE), job.tag
         elif st.spec.dedup is not None and job.shard[1] > 1:  # other shards keep rows this one cannot see
@@ -220,6 +221,16 @@ def committed_keys(st: Stage) -> set[str]:
             if kept and key:
                 keys.add(key)
     return keys
+
+
+def committed_kept_rows(st: Stage) -> set[str]:
+    """The ids of a stage's committed kept rows in this shard (a minhash stage's: whose band claims are live)."""
+    rows: set[str] = set()
+    for path in part_paths_of(st):
+        t = pq.read_table(**arrow_path(path), columns=["row_id", "kept"])
+        rows.update(r for r, kept in zip(t.column("row_id").to_pylist(), t.column("kept").to_pylist(), strict=True)
+                    if kept)
+    return rows
 
 
 def parents_of(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterator[Parent]:

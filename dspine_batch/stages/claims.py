@@ -40,6 +40,7 @@ class Owner:
 
 
 UNKNOWN = Owner("?", "?")  # a claim that cannot be read names no row: held by nobody we know, never kept twice
+RELEASED = Owner("-", "-")  # a slot of a band's chain its row gave up (``near``): passed over, never claimed again
 
 
 class Claims:
@@ -72,26 +73,16 @@ class Claims:
             os.unlink(tmp)
         return me, note
 
-    def take(self, key: str, me: Owner) -> Owner:
+    def take(self, key: str, me: Owner, note: str = "") -> Owner:
         """Overwrite ``key``'s claim with ``me``: only for a claim left by an earlier attempt of a row of this
         shard (the shard is held by this process, so nobody else takes it; readers see the old or the new)."""
-        body = json.dumps({"shard": me.shard, "row": me.row, "note": ""}, sort_keys=True).encode()
+        body = json.dumps({"shard": me.shard, "row": me.row, "note": note}, sort_keys=True).encode()
         if self.store is not None:
             self.store.put(f"{self.prefix}/{key}", body)
         else:
             path = self._path(key)
             os.replace(_written(path, body), path)
         return me
-
-    def release(self, key: str) -> None:
-        """Remove a claim this row made (it turned out a duplicate after claiming some of its bands)."""
-        if self.store is not None:
-            self.store.delete(f"{self.prefix}/{key}")
-            return
-        try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key[:2], key)  # 256 sub-directories: no huge directory on a disk

@@ -10,8 +10,10 @@ candidate's reaches the threshold.
 The band index does not live in memory: each band of a kept row is a create-only claim (``claims``) under the
 stage's output, carrying the row's signature, so the index is shared by every shard and a stage's memory does not
 grow with the job. A row claims its bands in one order (sorted band keys) and stops at the first band held by a
-near-duplicate, releasing what it claimed: of two near-duplicates decided at the same moment on two shards, the
-one that wins the first band they share is kept, the other finds it there.
+near-duplicate, giving up what it claimed: of two near-duplicates decided at the same moment on two shards, the
+one that wins the first band they share is kept, the other finds it there. A band held by a row that is no near
+duplicate (an LSH false positive) is a chain: the row takes the band's next free slot, so the band keeps every
+row that shares it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from dspine_batch.errors import UsageError
 
 NUM_PERM = 128
+CHAIN = 64  # slots a band may take (``rows.Judge._near_claimed``): rows sharing it without being near duplicates
 SEED = 1  # fixed: a signature must mean the same on every shard and every resume
 _WORD = re.compile(r"\w+")
 

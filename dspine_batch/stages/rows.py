@@ -25,7 +25,7 @@ from dspine_batch.errors import RowError
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.outputs import arrow_path
 from dspine_batch.stages import near
-from dspine_batch.stages.claims import Claims, Owner
+from dspine_batch.stages.claims import RELEASED, Claims, Owner
 from dspine_batch.stages.spec import StageSpec
 
 LINEAGE_FIELDS = ("root_id", "lineage", "context", "kept", "dropped_by", "dedup_key")
@@ -166,6 +166,7 @@ class Judge:
 
     spec: StageSpec
     seen: set[str] = field(default_factory=set)
+    kept_rows: set[str] = field(default_factory=set)  # minhash: this shard's kept row ids (claims left by others)
     claims: Claims | None = None  # a sharded job's: keys claimed across its shards (``claims``)
     shard: str = ""
     filtered: int = 0
@@ -207,20 +208,36 @@ class Judge:
 
     def _near_claimed(self, sig: Any, row_id: str) -> bool:
         """Whether no kept row of the job is a near-duplicate of this one: its LSH bands claimed in sorted order
-        (``near``), stopping at the first held by a near-duplicate and releasing what this row claimed."""
+        (``near``), stopping at the first held by a near-duplicate and giving up what this row claimed.
+
+        A band is a chain of slots (``band``, ``band.1``, ...): two rows that share a band without being near
+        duplicates (an LSH false positive) both hold it, the second in the next free slot, so a third row near
+        the second still finds it there (with one slot a band, the second held nothing and the third was kept
+        beside its duplicate). A slot given up becomes ``RELEASED``, never a hole a later walk would stop at. A
+        slot held by a row of this shard that is not among its kept rows was left by an attempt that died before
+        committing that row (it kept nothing): taken over, as ``_claimed`` does for exact keys."""
         assert self.claims is not None
         me, mine = Owner(self.shard, row_id), []
         note = near.encode(sig)
         for band in near.band_keys(sig, near.bands_for(self.spec.dedup_threshold)):
-            holder, theirs = self.claims.claim(band, me, note)
-            if holder == me:
-                mine.append(band)
-                continue
-            other = near.decode(theirs)
-            if other is None or near.similarity(sig, other) >= self.spec.dedup_threshold:
-                for claimed in mine:
-                    self.claims.release(claimed)
-                return False
+            for k in range(near.CHAIN):
+                slot = band if k == 0 else f"{band}.{k}"
+                holder, theirs = self.claims.claim(slot, me, note)
+                if holder == me:
+                    mine.append(slot)
+                    break
+                if holder.shard == self.shard and holder.row not in self.kept_rows and holder != RELEASED:
+                    self.claims.take(slot, me, note)
+                    mine.append(slot)
+                    break
+                if holder == RELEASED:
+                    continue
+                other = near.decode(theirs)
+                if other is None or near.similarity(sig, other) >= self.spec.dedup_threshold:
+                    for claimed in mine:
+                        self.claims.take(claimed, RELEASED)
+                    return False
+        self.kept_rows.add(row_id)
         return True
 
     def _claimed(self, key: str, row_id: str) -> bool:
