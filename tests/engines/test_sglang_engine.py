@@ -195,7 +195,21 @@ def test_extra_buffer_is_refused_on_the_cpu_path():
     kw, _ = se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser())
     assert kw["mamba_radix_cache_strategy"] == "extra_buffer"  # a GPU run keeps it
     kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
-    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is True  # SGLang's auto then picks no_buffer
+    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is False  # overlap scheduling, as on a GPU
+
+
+def test_a_hybrid_target_on_the_cpu_runs_overlap_without_the_prefix_cache(tmp_path, monkeypatch, capsys):
+    """With overlap scheduling SGLang's auto Mamba strategy is extra_buffer, which the CPU cannot snapshot: the CPU
+    path turns the prefix cache off for hybrid targets (and leaves it on without overlap, where auto is no_buffer)."""
+    (tmp_path / "config.json").write_text(json.dumps({"layer_types": ["linear_attention", "full_attention"]}))
+    monkeypatch.delenv("DSPINE_SGLANG_OVERLAP", raising=False)
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["disable_radix_cache"] is True and "without the prefix cache" in capsys.readouterr().err
+    monkeypatch.setenv("DSPINE_SGLANG_OVERLAP", "0")
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["disable_overlap_schedule"] is True and "disable_radix_cache" not in kw
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser())
+    assert "disable_radix_cache" not in kw  # a GPU keeps it (extra_buffer)
 
 
 def test_sampling_params_mapping():

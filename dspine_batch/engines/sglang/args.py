@@ -106,9 +106,9 @@ def _typed_value(key: str, value: Any, parser) -> dict[str, Any]:
 
 def cpu_defaults(speculative: bool) -> dict[str, Any]:
     """SGLang's CPU test path (no GPU here): CPU device, torch_native attention (draft too), no CUDA graphs."""
-    from dspine.sglang.cpu import CPU_ENGINE_KWARGS
+    from dspine.sglang.cpu import engine_kwargs
 
-    kw = dict(CPU_ENGINE_KWARGS)
+    kw = engine_kwargs()
     if not speculative:
         kw.pop("speculative_draft_attention_backend")
     return kw
@@ -152,12 +152,25 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
     if on_cpu and kwargs.get("mamba_radix_cache_strategy") in CPU_REFUSED_MAMBA_STRATEGIES:
         raise UsageError(f"mamba_radix_cache_strategy={kwargs['mamba_radix_cache_strategy']}: SGLang 0.5.23 keeps "
                          "no Mamba state snapshots on the CPU (no GPU here); use no_buffer or leave it unset")
+    if on_cpu and _cpu_hybrid_overlap(model_path, kwargs):
+        # SGLang's auto strategy would pick extra_buffer for overlap scheduling, which the CPU cannot snapshot
+        kwargs["disable_radix_cache"] = True
+        print("dspine-batch: note: a hybrid target on the CPU with overlap scheduling runs without the prefix "
+              "cache (SGLang keeps Mamba state snapshots on GPUs only)", file=sys.stderr)
     if draft_path is None and kwargs.get("speculative_algorithm"):
         raise UsageError(f"--engine-arg speculative_algorithm={kwargs['speculative_algorithm']} needs --draft PATH")
     if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
         opts["proposers"] = proposers  # the DSPINE worker's DSPINE_PROPOSERS (None: no DSPINE, nothing to set)
     kwargs["custom_sigquit_handler"] = on_sigquit
     return kwargs, opts
+
+
+def _cpu_hybrid_overlap(model_path: str, kwargs: dict[str, Any]) -> bool:
+    """A hybrid target about to run the overlap scheduler on the CPU with SGLang choosing its Mamba cache strategy."""
+    from dspine.sglang.config import is_hybrid
+
+    return (not kwargs.get("disable_overlap_schedule") and not kwargs.get("disable_radix_cache")
+            and kwargs.get("mamba_radix_cache_strategy") in (None, "auto") and is_hybrid(model_path))
 
 
 def sampling_params(p: SamplingParams) -> dict[str, Any]:
