@@ -501,3 +501,92 @@ def test_proposers_reach_the_dspine_worker_through_the_environment(tiny_pair, mo
         load({"proposers": "ngram"})
     _, opts = se.build_server_kwargs("/m", None, {"proposers": "suffix"}, parser=_mini_parser())
     assert opts["proposers"] is None  # no DSPINE: nothing to set
+
+
+# -- --engine auto: every piece a GPU run needs, checked before the choice (engines/sglang/readiness.py) -----------
+
+
+class _Cuda:
+    def __init__(self, bf16=True, capability=(9, 0)):
+        self.bf16, self.capability = bf16, capability
+
+    def is_available(self):
+        return True
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+    def get_device_name(self, i):
+        return "NVIDIA H100"
+
+    def get_device_capability(self, i):
+        return self.capability
+
+
+def _importer(missing=()):
+    import types
+
+    def import_module(name):
+        if name in missing or any(name.startswith(m + ".") for m in missing):
+            raise ImportError(f"{name}: libcuda.so.1: cannot open shared object file")
+        return types.SimpleNamespace(STAND_IN=False)
+
+    return import_module
+
+
+@pytest.fixture
+def sglang_spec(monkeypatch):
+    """``find_spec('sglang')`` answers yes (the default suite's venv has no SGLang)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+
+
+def test_auto_falls_back_with_one_line_when_sgl_kernel_does_not_import(sglang_spec, monkeypatch, capsys):
+    from dspine_batch.engines import registry
+    from dspine_batch.engines.sglang import readiness
+
+    real = readiness.check
+    monkeypatch.setattr(readiness, "check", lambda: real(_importer({"sgl_kernel"}), _Cuda(), lambda: []))
+    assert registry.resolve_name("auto") == "reference"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dspine-batch: --engine auto picked reference (sgl_kernel (SGLang's CUDA kernels) does not "
+                   "import: ImportError: sgl_kernel: libcuda.so.1: cannot open shared object file)"]
+
+
+@pytest.mark.parametrize("cuda, missing, problems, want", [
+    (_Cuda(bf16=False), (), [], "has no bfloat16"),
+    (_Cuda(), ("flashinfer", "sgl_kernel.flash_attn", "triton"), [], "no attention backend imports"),
+    (_Cuda(), (), ["SGLANG_PLUGINS='x' does not include 'dspine'"], "does not include 'dspine'"),
+    (_Cuda(), ("dspine.sglang.plugin",), [], "the DSPINE plugin does not import"),
+])
+def test_auto_checks_what_a_gpu_run_needs(sglang_spec, cuda, missing, problems, want):
+    from dspine_batch.engines.sglang.readiness import check
+
+    ready = check(_importer(set(missing)), cuda, lambda: problems)
+    assert not ready.ok and want in ready.why and "\n" not in ready.why
+
+
+def test_auto_takes_sglang_with_an_attention_backend_that_imports(sglang_spec):
+    from dspine_batch.engines.sglang.readiness import check, gpu_dtype
+
+    ready = check(_importer(), _Cuda(), lambda: [])
+    assert ready.ok and ready.engine_args == {} and "bfloat16" in ready.why  # flashinfer: SGLang's own default
+    ready = check(_importer({"flashinfer"}), _Cuda(), lambda: [])
+    assert ready.ok and ready.engine_args == {"attention_backend": "fa3"}
+    ready = check(_importer({"flashinfer"}), _Cuda(capability=(8, 0)), lambda: [])
+    assert ready.ok and ready.engine_args == {"attention_backend": "triton"} and "flashinfer does not" in ready.why
+    assert gpu_dtype(_Cuda()) == "bfloat16" and gpu_dtype(_Cuda(bf16=False)) == "float32"
+
+
+def test_a_gpu_run_gets_the_dtype_both_engines_resolve(tiny_pair):
+    """No dtype: bfloat16 (the GPU's resolution of ``auto``), never the checkpoint's own; an explicit one wins."""
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser())
+    assert kw["dtype"] == "bfloat16"
+    kw, _ = se.build_server_kwargs("/m", "/d", {"dtype": "auto"}, parser=_mini_parser(), gpu_dtype="float32")
+    assert kw["dtype"] == "float32"
+    kw, _ = se.build_server_kwargs("/m", "/d", {"dtype": "float16"}, parser=_mini_parser())
+    assert kw["dtype"] == "float16"
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["dtype"] == "float32"  # the CPU path's

@@ -12,6 +12,8 @@ so under ``auto`` its rounds verify a suffix match (checked: suffix tokens were 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,7 @@ pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sgla
 
 from helpers import chat_pair  # noqa: E402
 
+from dspine.sglang.rounds import SYNC_LOG_ENV  # noqa: E402
 from dspine_batch.engines.base import Request, SamplingParams, Structure  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
@@ -33,6 +36,7 @@ TEXTS = ["hello world", "what is two plus two?", "the answer is", "café ünïco
 LOGPROB_TOL = 1e-4
 REFERENCE_TOL = 1e-3
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
+BIAS = ((100, 4.0), (200, 3.0), (300, 2.5))
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,8 @@ def _requests(tok) -> dict[str, list[Request]]:
         "logprobs": [req("lp", i, logprobs=True, top_logprobs=3) for i in range(2)],
         # logprobs stay the model's own under penalties (what is sampled from is processed, what is reported is not)
         "logprobs_penalized": [req("lpp", i, logprobs=True, top_logprobs=2, **PENALTIES) for i in range(2)],
+        # logit_bias alone (issue 51: whether such a batch's verify logits could be skipped; they are not)
+        "bias_only": [req("bias", i, logit_bias=BIAS) for i in range(3)],
     }
 
 
@@ -72,15 +78,27 @@ def _run(engine) -> dict:
     return out
 
 
-def _sglang(models, draft: bool) -> dict:
+def _sglang(models, draft: bool, syncs: Path | None = None) -> dict:
     from dspine_batch.engines.sglang.engine import SGLangEngine
 
     model, draft_dir = models
-    engine = SGLangEngine.load(model, draft_dir if draft else "none", {"proposers": "auto"} if draft else {})
+    saved = os.environ.get(SYNC_LOG_ENV)
+    if syncs is not None:  # read by the DSPINE worker in the scheduler process the engine starts
+        os.environ[SYNC_LOG_ENV] = str(syncs)
     try:
-        return _run(engine)
+        engine = SGLangEngine.load(model, draft_dir if draft else "none", {"proposers": "auto"} if draft else {})
+    finally:
+        if saved is None:
+            os.environ.pop(SYNC_LOG_ENV, None)
+        else:
+            os.environ[SYNC_LOG_ENV] = saved
+    try:
+        out = _run(engine)
     finally:
         engine.close()
+    if syncs is not None:
+        out["syncs"] = [json.loads(line) for line in syncs.read_text().splitlines()]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +107,8 @@ def plain(models):
 
 
 @pytest.fixture(scope="module")
-def dspine(models, plain):  # after the plain engine is closed: engines never overlap
-    return _sglang(models, draft=True)
+def dspine(models, plain, tmp_path_factory):  # after the plain engine is closed: engines never overlap
+    return _sglang(models, draft=True, syncs=tmp_path_factory.mktemp("syncs") / "syncs.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +142,25 @@ def test_greedy_json_schema_dspine_equals_plain_sglang_and_validates(plain, dspi
 
 def test_json_schema_tokens_equal_the_reference_engines(plain, reference):
     assert _tokens(plain["schema"]) == _tokens(reference["schema"])
+
+
+def test_only_rows_that_need_it_read_the_device_from_the_host(dspine):
+    """Under overlap scheduling a device->host read in a round waits for the round just launched: the DSPINE
+    worker reads nothing in rounds without penalties or ``min_tokens`` (suffix proposals, grammars, logit_bias and
+    logprobs included), and one read in rounds that have such rows (their generated history and chains)."""
+    decode = [r for r in dspine["syncs"] if r["mode"] == "decode"]
+    assert any(r["needs"] for r in decode) and any(not r["needs"] for r in decode)
+    assert [r for r in decode if not r["needs"] and r["syncs"]] == []
+    assert all(r["syncs"] == 1 for r in decode if r["needs"])
+    assert all(r["syncs"] == 0 for r in dspine["syncs"] if r["mode"] == "extend")
+
+
+def test_logit_bias_alone_is_applied_in_the_verify(plain, dspine, reference):
+    """A batch whose only processing is ``logit_bias``: DFlash skips the verify logits only with a tensor-parallel
+    deferred gather (never under DSPINE, tp 1) and never with a bias; the tokens are plain decoding's."""
+    assert _tokens(dspine["bias_only"]) == _tokens(plain["bias_only"]) == _tokens(reference["bias_only"])
+    assert _tokens(plain["bias_only"]) != _tokens(plain["plain"])  # the bias changed the output
+    assert sum(r.verify_steps or 0 for r in dspine["bias_only"]) > 0
 
 
 def test_penalties_and_min_tokens_dspine_equals_plain_equals_reference(plain, dspine, reference):

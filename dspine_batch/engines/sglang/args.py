@@ -115,8 +115,10 @@ def cpu_defaults(speculative: bool) -> dict[str, Any]:
 
 
 def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: dict[str, Any],
-                        parser=None, on_cpu: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args."""
+                        parser=None, on_cpu: bool = False, gpu_dtype: str | None = None
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args.
+    ``gpu_dtype``: what ``dtype=auto`` resolves to on this GPU (``readiness.gpu_dtype``; bfloat16 when not given)."""
     parser = parser or _sglang_parser()
     args = {k.replace("-", "_"): v for k, v in engine_args.items()}
     opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None, "proposers": None}
@@ -124,6 +126,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
                               "constrained_json_disable_any_whitespace": True}
     if on_cpu:
         kwargs.update(cpu_defaults(draft_path is not None))
+    else:  # dtype=auto as both engines resolve it (never the checkpoint's own: fp16/fp32 checkpoints exist)
+        kwargs["dtype"] = gpu_dtype if gpu_dtype is not None else "bfloat16"
     if draft_path is not None:
         kwargs.update(speculative_algorithm="DSPINE", speculative_draft_model_path=str(draft_path))
     flags = args.pop("server_flags", None)
@@ -145,6 +149,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
             opts["poll_seconds"] = float(args.pop("poll_seconds"))
         except ValueError as e:
             raise UsageError(f"--engine-arg poll_seconds: {e}") from e
+    if str(args.get("dtype", "")).strip().lower() == "auto":  # the batch tool's auto, resolved above
+        args.pop("dtype")
     for key, value in args.items():
         if key in ("model_path", "speculative_draft_model_path"):
             raise UsageError(f"--engine-arg {key}: use --model/--draft instead")

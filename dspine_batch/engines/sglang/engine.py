@@ -58,22 +58,18 @@ from dspine_batch.errors import UsageError
 
 
 def sglang_available(need_gpu: bool = True) -> tuple[bool, str]:
-    """(usable, why): SGLang importable here and (``need_gpu``, as ``--engine auto`` asks) a CUDA GPU visible.
-    ``--engine sglang`` without a GPU runs SGLang's CPU test path instead."""
-    try:
-        import importlib.util
+    """(usable, why): SGLang importable here and (``need_gpu``) everything a GPU run needs (``readiness.check``, what
+    ``--engine auto`` asks). ``--engine sglang`` without a GPU runs SGLang's CPU test path instead."""
+    import importlib.util
 
+    if not need_gpu:
         if importlib.util.find_spec("sglang") is None:
             return False, "sglang is not installed in this interpreter"
-        if not need_gpu:
-            return True, "sglang is installed"
-        import torch
+        return True, "sglang is installed"
+    from dspine_batch.engines.sglang.readiness import check
 
-        if not torch.cuda.is_available():
-            return False, "no CUDA GPU is visible"
-    except Exception as e:  # pragma: no cover - broken installs
-        return False, f"cannot check for SGLang: {e}"
-    return True, "sglang and a CUDA GPU are available"
+    ready = check()
+    return ready.ok, ready.why
 
 
 def on_cpu() -> bool:
@@ -115,8 +111,11 @@ class SGLangEngine:
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
         cpu = engine_factory is None and on_cpu()
+        from dspine_batch.engines.sglang.readiness import gpu_dtype
+
         kwargs, opts = build_server_kwargs(str(model_path), None if draft_path is None else str(draft_path), args,
-                                           parser=server_parser, on_cpu=cpu)
+                                           parser=server_parser, on_cpu=cpu,
+                                           gpu_dtype=None if cpu or engine_factory is not None else gpu_dtype())
         if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
             from dspine.sglang.config import check_target, read_draft, resolve_block_size
 
