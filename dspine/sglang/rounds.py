@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,7 +139,9 @@ class Deferred:
 
 class SyncCounter:
     """Test aid: counts ``Tensor`` reads to the host made by dspine's code while a DSPINE forward runs in this thread,
-    one JSON line per forward: ``{"mode": "decode"|"extend", "syncs": n, "needs": rows that needed one}``."""
+    one JSON line per forward: ``{"mode": "decode"|"extend", "syncs": n, "needs": rows that needed one}``; on a GPU
+    also ``"cuda_syncs"``, every synchronising CUDA call of the forward from any code (SGLang's included), from
+    ``torch.cuda.set_sync_debug_mode`` (the first-GPU checklist's profile of a round)."""
 
     READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
@@ -169,11 +172,23 @@ class SyncCounter:
     def start(self) -> None:
         self.local.count = 0
         self.local.needs = 0
+        if torch.cuda.is_available():
+            catcher = warnings.catch_warnings(record=True)
+            self.local.cuda = (catcher, catcher.__enter__())
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
 
     def need(self, rows: int) -> None:
         self.local.needs = getattr(self.local, "needs", 0) + int(rows)
 
     def stop(self, mode: str) -> None:
         n, self.local.count = self.local.count, None
+        rec = {"mode": mode, "syncs": n, "needs": self.local.needs}
+        cuda, self.local.cuda = getattr(self.local, "cuda", None), None
+        if cuda is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            catcher, seen = cuda
+            catcher.__exit__(None, None, None)
+            rec["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in seen)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"mode": mode, "syncs": n, "needs": self.local.needs}) + "\n")
+            f.write(json.dumps(rec) + "\n")
