@@ -138,7 +138,8 @@ class Deferred:
 
 
 class SyncCounter:
-    """Test aid: counts ``Tensor`` reads to the host made by dspine's code while a DSPINE forward runs in this thread,
+    """Test aid: counts ``Tensor`` reads to the host made by dspine's code (not the CPU path's stand-ins for SGLang's
+    CUDA kernels) while a DSPINE forward runs in this thread,
     one JSON line per forward: ``{"mode": "decode"|"extend", "syncs": n, "needs": rows that needed one}``; on a GPU
     also ``"cuda_syncs"``, every synchronising CUDA call of the forward from any code (SGLang's included), from
     ``torch.cuda.set_sync_debug_mode`` (the first-GPU checklist's profile of a round)."""
@@ -149,6 +150,9 @@ class SyncCounter:
         self.path = path
         self.local = threading.local()
         self.root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the dspine package
+        # the CPU path's torch stand-ins for SGLang's CUDA kernels are SGLang's side of the round, not ours
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.stand_ins = tuple(os.path.join(here, f) for f in ("cpu_kernels.py", "cpu.py", "stand_in"))
         for name in self.READS:
             self._wrap(name)
 
@@ -163,8 +167,13 @@ class SyncCounter:
 
         def read(self, *args, **kwargs):
             n = getattr(counter.local, "count", None)
-            if n is not None and sys._getframe(1).f_code.co_filename.startswith(counter.root):
-                counter.local.count = n + 1
+            if n is not None:
+                code = sys._getframe(1).f_code
+                if code.co_filename.startswith(counter.root) and not code.co_filename.startswith(counter.stand_ins):
+                    counter.local.count = n + 1
+                    where = f"{os.path.relpath(code.co_filename, counter.root)}:{sys._getframe(1).f_lineno} {name}"
+                    if where not in counter.local.where:
+                        counter.local.where.append(where)
             return original(self, *args, **kwargs)
 
         setattr(torch.Tensor, name, read)
@@ -172,6 +181,8 @@ class SyncCounter:
     def start(self) -> None:
         self.local.count = 0
         self.local.needs = 0
+        self.local.where = []
+        self.local.fallbacks = 0
         if torch.cuda.is_available():
             catcher = warnings.catch_warnings(record=True)
             self.local.cuda = (catcher, catcher.__enter__())
@@ -181,9 +192,15 @@ class SyncCounter:
     def need(self, rows: int) -> None:
         self.local.needs = getattr(self.local, "needs", 0) + int(rows)
 
+    def fell_back(self) -> None:
+        """A row's history could not be rebuilt exactly (``rounds.history`` said so): recorded as ``fallbacks``."""
+        self.local.fallbacks = getattr(self.local, "fallbacks", 0) + 1
+
     def stop(self, mode: str) -> None:
         n, self.local.count = self.local.count, None
-        rec = {"mode": mode, "syncs": n, "needs": self.local.needs}
+        rec = {"mode": mode, "syncs": n, "needs": self.local.needs, "fallbacks": self.local.fallbacks}
+        if n:
+            rec["where"] = self.local.where[:8]
         cuda, self.local.cuda = getattr(self.local, "cuda", None), None
         if cuda is not None:
             torch.cuda.set_sync_debug_mode("default")

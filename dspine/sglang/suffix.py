@@ -215,7 +215,12 @@ class SuffixProposer:
     def record(self, reqs: list[Any], used: list[int], accepted: list[int]) -> None:
         """One verify round, settled: per row the suffix tokens verified (``used``, 0: the draft's block) and the
         drafts accepted (bonus excluded), in the round's row order."""
-        rids = [str(r.rid) for r in reqs]
+        # a row SGLang does not settle this round (finished or retracted: under overlap scheduling such a row runs
+        # one more round, whose tokens SGLang drops) is not counted either, as SGLang's own statistics do not
+        keep = [not (r.finished() or getattr(r, "is_retracted", False)) for r in reqs]
+        rids = [str(r.rid) for r, k in zip(reqs, keep, strict=True) if k]
+        used = [n for n, k in zip(used, keep, strict=True) if k]
+        accepted = [a for a, k in zip(accepted, keep, strict=True) if k]
         for rid, n, acc in zip(rids, used, accepted, strict=True):
             row = self.rows.get(rid)
             if row is None:

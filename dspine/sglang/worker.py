@@ -339,7 +339,10 @@ class DSpineWorkerV2(DFlashWorkerV2):
             req = batch.reqs[b]
             total, tl, ch, tl_tokens = row[0], row[1], row[2 : 2 + B], row[2 + B :]
             generated, ok = history(req.output_ids, total - len(req.origin_input_ids), tl_tokens, tl)
-            if (not ok or not generated or generated[-1] != ch[0]) and not self._warned_history:
+            ok = ok and bool(generated) and generated[-1] == ch[0]  # the anchor is the last committed token
+            if not ok and self.sync_counter is not None:
+                self.sync_counter.fell_back()
+            if not ok and not self._warned_history:
                 self._warned_history = True
                 logger.warning("DSPINE: request %s: its generated tokens could not be rebuilt for penalties "
                                "(%d known, %d committed); this round uses what is known", req.rid,

@@ -590,3 +590,17 @@ def test_a_gpu_run_gets_the_dtype_both_engines_resolve(tiny_pair):
     assert kw["dtype"] == "float16"
     kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
     assert kw["dtype"] == "float32"  # the CPU path's
+
+
+def test_unhonoured_seeds_are_said_once_and_recorded(tiny_pair, capsys):
+    """SGLang 0.5.23 ignores per-request seeds (plain and DSPINE): said in one line when the first sampled row is
+    sent, and recorded in the run identity, so a resumed job's sampled rows are not taken for reproductions."""
+    eng = _engine(FakeEngine(block=4))
+    list(eng.run(_requests(3), max_in_flight=2))  # greedy rows: nothing to say
+    assert "seeds" not in capsys.readouterr().err
+    list(eng.run(_requests(5, temperature=0.7, seed=3), max_in_flight=2))
+    assert capsys.readouterr().err.count("does not honour per-request seeds") == 1
+    model, draft = tiny_pair
+    loaded = _load(model, draft, {}, {})
+    assert loaded.identity()["seeds"] == "not honoured"
+    loaded.close()

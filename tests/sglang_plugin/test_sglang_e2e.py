@@ -220,27 +220,29 @@ RETRACT = {"max_new_tokens": 40, "temperature": 0.0, "presence_penalty": 0.5, "f
 
 
 @pytest.fixture(scope="module")
-def retract_run(random_models):
+def retract_run(random_models, tmp_path_factory):
     """Eight penalized rows at once in a KV pool too small for all of them: SGLang retracts rows and runs them
-    again later (their prefill then covers the tokens generated so far); the same rows one at a time never are."""
+    again later (their prefill then covers the tokens generated so far)."""
     target, draft = random_models
-
-    def workload(engine):
-        together = engine.generate(input_ids=RETRACT_PROMPTS, sampling_params=RETRACT)
-        alone = [engine.generate(input_ids=p, sampling_params=RETRACT) for p in RETRACT_PROMPTS]
-        return together, alone
-
-    return run_engine(target, workload, draft=draft, max_total_tokens=192, max_running_requests=8)
+    syncs = tmp_path_factory.mktemp("retract") / "syncs.jsonl"
+    outs = run_engine(target, lambda e: e.generate(input_ids=RETRACT_PROMPTS, sampling_params=RETRACT), draft=draft,
+                      env={SYNC_LOG_ENV: str(syncs)}, max_total_tokens=192, max_running_requests=8)
+    return outs, [json.loads(line) for line in syncs.read_text().splitlines()]
 
 
-def test_penalized_rows_keep_their_tokens_across_retraction(retract_run):
-    """The penalty history of a row re-entering after retraction (its output_ids then a round behind a new
-    prefill's token under overlap scheduling) is rebuilt from the device's tails; it once raised in the scheduler
-    and killed the engine."""
-    together, alone = retract_run
-    assert sum(o["meta_info"].get("num_retractions", 0) for o in together) > 0
-    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in alone]
-    assert all(len(o["output_ids"]) == RETRACT["max_new_tokens"] for o in alone)
+def test_penalized_rows_survive_retraction(retract_run):
+    """The penalty history of a row re-entering after retraction (under overlap its output_ids then miss the new
+    prefill's token) comes from the device's tails: every row completes, every round of a penalized row read its
+    history once, and none needed the fallback. It raised in the scheduler and killed the engine. (Equality with
+    the rows run alone is not asserted: a batch of eight and a re-prefill round differently from one row alone,
+    enough to flip a near-tie of a tiny random model; the penalty arithmetic itself is checked slot by slot in
+    test_sglang_processing.py and end to end in test_sglang_requests.py.)"""
+    outs, syncs = retract_run
+    assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0
+    assert all(len(o["output_ids"]) == RETRACT["max_new_tokens"] for o in outs)
+    assert all(r["syncs"] == 1 for r in syncs if r["mode"] == "decode" and r["needs"])
+    assert sum(r["needs"] for r in syncs) > 0 and sum(r["fallbacks"] for r in syncs) == 0
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
 # -- the Qwen3.5 hybrid (GDN + full attention) with ReplaySSM -----------------------------------------------------

@@ -102,3 +102,16 @@ def test_an_offer_is_aligned_on_the_device_with_the_tokens_the_host_has_not_seen
     assert _align([7, 5, 9, 1, 2], known=10, committed=12, tail=[7, 8]) == []  # the unseen tokens differ: no match
     assert _align([7, 8, 9, 1], known=10, committed=14, tail=[7, 8]) == []  # more unseen than recorded: no match
     assert _align([7, 8, 9], known=10, committed=13, tail=[7, 8, 9]) == []  # nothing left after them
+
+
+def test_a_round_sglang_drops_is_not_counted(tmp_path):
+    """Under overlap scheduling a finished (or retracted) row runs one more round whose tokens SGLang drops and
+    does not count: neither do the per-source counts and the round log."""
+    log = tmp_path / "rounds.jsonl"
+    sp = SuffixProposer("suffix", 3, log_path=str(log))
+    a, b = FakeReq("a", [1, 2, 3], [10]), FakeReq("b", [4, 5], [6])
+    sp.choose([a, b])
+    a.done = True
+    sp.record([a, b], [0, 0], [2, 1])
+    assert json.loads(log.read_text()) == {"rid": ["b"], "source": ["dspine"], "proposed": [3], "accepted": [1]}
+    assert sp.rows["b"].draft_rounds == 1 and sp.rows["a"].draft_rounds == 0
