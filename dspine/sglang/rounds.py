@@ -101,7 +101,7 @@ class Record:
 
     reqs: list[Any]
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # pinned copies (read after ``event``)
-    picks: list[int] | None = None  # suffix tokens offered per row (0: none)
+    path: str | None = None  # which draft branch proposed: "graph" (the captured sampler) or "eager"
     event: Any = None
 
     def read(self, name: str) -> list | None:
@@ -119,8 +119,8 @@ class Deferred:
     def __init__(self) -> None:
         self.queue: deque[Record] = deque()
 
-    def push(self, reqs: list[Any], tensors: dict[str, torch.Tensor], picks: list[int] | None = None) -> Record:
-        rec = Record(list(reqs), {k: _pinned_copy(v) for k, v in tensors.items()}, picks)
+    def push(self, reqs: list[Any], tensors: dict[str, torch.Tensor], path: str | None = None) -> Record:
+        rec = Record(list(reqs), {k: _pinned_copy(v) for k, v in tensors.items()}, path)
         dev = next((v.device for v in tensors.values()), None)
         if dev is not None and dev.type == "cuda":
             rec.event = torch.cuda.Event()

@@ -46,7 +46,11 @@ from sglang.srt.layers.sampler import apply_custom_logit_processor
 from sglang.srt.lora.layers import unwrap_lora_layer
 from sglang.srt.runtime_context import mamba_track_grid
 from sglang.srt.speculative import dflash_worker_v2
-from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2, _resolve_dflash_embedding_module
+from sglang.srt.speculative.dflash_worker_v2 import (
+    DFlashWorkerV2,
+    _resolve_dflash_embedding_module,
+    _SelectorDraftSampler,
+)
 from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 
 from . import draft_math as dm
@@ -61,6 +65,9 @@ logger = logging.getLogger(__name__)
 # draft's own tokens before any suffix match) to this file, so tests can compare SGLang's proposals with the
 # reference engine's round by round. Written once SGLang has the round on the host (no sync; graphs included).
 PROPOSAL_LOG_ENV = "DSPINE_SGLANG_PROPOSAL_LOG"
+# The CPU path runs the draft-graph branch of DFlash's round (the selector folded into the captured draft forward,
+# ``_SelectorDraftSampler``) eagerly, as a GPU runs it captured: "0" takes the eager selector path instead.
+GRAPH_TWIN_ENV = "DSPINE_SGLANG_GRAPH_TWIN"
 _active = threading.local()  # the DSPINE worker running a forward in this thread (the hooks' dispatch)
 
 
@@ -145,6 +152,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     _verify_ready = False  # the pre-verify step ran this round
     _raw_logits = None  # this round's verify logits before processing (rows returning logprobs)
     _warned_history = False
+    _eager_ran = False  # this round's block came from the eager selector (else from the draft-graph branch)
 
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         device = str(getattr(target_worker, "device", "cuda"))
@@ -177,6 +185,35 @@ class DSpineWorkerV2(DFlashWorkerV2):
                     int(self.block_size), int(self.block_size) - 1, self.selector.top_k,
                     self.draft_model.transfer_rank, proposer.mode)
 
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()
+        if (self._draft_sampler is None and str(self.device).startswith("cpu")
+                and os.environ.get(GRAPH_TWIN_ENV, "1") != "0"):
+            self._graph_twin()
+
+    def _graph_twin(self) -> None:
+        """The captured draft branch without a capture (CPU path): the same ``_SelectorDraftSampler`` a GPU folds into
+        its draft graph runs right after each eager block forward, and the forward reports ``can_run_graph``, so
+        DFlash's round takes the graph branch (the sampler's static buffers, ``_selector_sample`` from them)."""
+        max_bs = int(getattr(self.server_args, "max_running_requests", None) or 48)
+        sampler = _SelectorDraftSampler(draft_model=self.draft_model, block_size=self.block_size, max_bs=max_bs,
+                                        device=self.device, sampling_enabled=self._selector_sampling_enabled)
+        runner = self.draft_model_runner
+        forward = runner.forward
+
+        def forward_then_sample(forward_batch, *args, **kwargs):
+            out = forward(forward_batch, *args, **kwargs)
+            hidden = getattr(getattr(out, "logits_output", None), "hidden_states", None)
+            if forward_batch.forward_mode.is_target_verify() and hidden is not None:
+                sampler(hidden, forward_batch.input_ids)
+                out.can_run_graph = True
+            return out
+
+        runner.forward = forward_then_sample
+        self._draft_sampler = sampler
+        logger.info("DSPINE: the CPU path runs the draft-graph branch eagerly (%s=0: the eager selector)",
+                    GRAPH_TWIN_ENV)
+
     def init_attention_backends(self):
         problem = cpu_hybrid_problem(str(self.device), self.model_runner.req_to_token_pool)
         if problem:
@@ -200,7 +237,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
     def forward_batch_generation(self, batch, *args, **kwargs):
         mode = batch.forward_mode
         decode = not (mode.is_extend() or batch.is_extend_in_batch or mode.is_idle())
-        self._batch, self._verify_ready = batch, False
+        self._batch, self._verify_ready, self._eager_ran = batch, False, False
         _active.worker = self
         if self.sync_counter is not None:
             self.sync_counter.start()
@@ -244,6 +281,10 @@ class DSpineWorkerV2(DFlashWorkerV2):
         known = to_device([len(r.origin_input_ids) + len(r.output_ids) for r in reqs], torch.int64, self.device)
         return picks, (offered, lens, known)
 
+    def _propose_selector_block(self, **kwargs):
+        self._eager_ran = True  # the eager branch (the captured one never calls this)
+        return super()._propose_selector_block(**kwargs)
+
     def _before_verify(self) -> None:
         """Right after the draft block is final (eager or captured path), before anything reads it: the suffix
         proposals over the draft slots, and this round's facts queued for the host (``rounds.Deferred``)."""
@@ -259,7 +300,7 @@ class DSpineWorkerV2(DFlashWorkerV2):
         if self.suffix is not None and self._offer is not None and self._offer[1] is not None:
             facts["suffix"] = self._apply_suffix(batch, block, *self._offer[1])
         if facts or self.suffix is not None:
-            self.deferred.push(batch.reqs, facts)
+            self.deferred.push(batch.reqs, facts, "eager" if self._eager_ran else "graph")
 
     def _apply_suffix(self, batch, block: torch.Tensor, offered, lens, known) -> torch.Tensor:
         """Write the aligned suffix proposals (``suffix.align``) over the draft slots, and a point mass over their q
@@ -288,7 +329,8 @@ class DSpineWorkerV2(DFlashWorkerV2):
         proposal = rec.read("proposal")
         if proposal is not None and self.proposal_log:
             with open(self.proposal_log, "a") as f:
-                f.write(json.dumps({"anchor": [r[0] for r in proposal], "tokens": [r[1:] for r in proposal]}) + "\n")
+                f.write(json.dumps({"anchor": [r[0] for r in proposal], "tokens": [r[1:] for r in proposal],
+                                    "path": rec.path}) + "\n")
         if self.suffix is not None:
             used = rec.read("suffix") or [0] * len(rec.reqs)
             self.suffix.record(rec.reqs, used, list(num_correct_drafts_per_req))

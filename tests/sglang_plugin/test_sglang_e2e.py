@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -148,6 +149,15 @@ def test_a_custom_logit_processor_comes_after_penalties_and_bias_as_in_sglangs_s
     assert [o["output_ids"] for o in dspine_run["processed"]] == plain
     assert plain != [o["output_ids"] for o in plain_run["greedy"]]
     assert sum(o["meta_info"]["spec_verify_ct"] for o in dspine_run["processed"]) > 0
+
+
+def test_the_cpu_path_proposes_through_the_branch_a_gpu_captures(dspine_run):
+    """On the CPU the draft-graph branch (the selector sampler a GPU folds into its captured draft forward) runs
+    eagerly in every round; ``DSPINE_SGLANG_GRAPH_TWIN=0`` takes the eager selector instead (CI's second pass)."""
+    from dspine.sglang.worker import GRAPH_TWIN_ENV
+
+    want = "eager" if os.environ.get(GRAPH_TWIN_ENV) == "0" else "graph"
+    assert {r["path"] for r in dspine_run["rounds"]} == {want}
 
 
 def test_sglang_proposals_equal_the_reference_engines_round_by_round(random_models, dspine_run):

@@ -36,7 +36,7 @@ TEXTS = ["hello world", "what is two plus two?", "the answer is", "café ünïco
 LOGPROB_TOL = 1e-4
 REFERENCE_TOL = 1e-3
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
-BIAS = ((100, 4.0), (200, 3.0), (300, 2.5))
+BIAS = ((100, 4.0), (200, 3.0), (250, 2.5))
 
 
 @pytest.fixture(scope="module")
