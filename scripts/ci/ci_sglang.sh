@@ -8,9 +8,11 @@
 #
 # The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
 # tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets), with SGLang's overlap scheduler on as
-# on a GPU: 15 engine starts of about a minute each on a small CPU. Then the plugin's end-to-end tests that make
-# the request contract (greedy identity, penalties, min_tokens, logit_bias, grammars, suffix proposals, per-source
-# stats) run again with the plain scheduler loop (DSPINE_SGLANG_OVERLAP=0): 6 more engine starts, ~7 min.
+# on a GPU, and DFlash's draft-graph branch (the selector sampler a GPU captures) run eagerly: 15 engine starts of
+# about a minute each on a small CPU. Then the plugin's end-to-end tests that make the request contract (greedy
+# identity, penalties, min_tokens, logit_bias, grammars, suffix proposals, per-source stats) run again with the
+# plain scheduler loop and the eager selector (DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0): 6 more engine
+# starts, ~7 min.
 #
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
 set -euo pipefail
@@ -27,10 +29,10 @@ set +e
   tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py
 rc=$?
 if [ "$rc" = 0 ]; then
-  echo "[ci_sglang] the request contract again with the plain scheduler loop (DSPINE_SGLANG_OVERLAP=0)"
-  DSPINE_SGLANG_OVERLAP=0 "${PYTEST[@]}" "$@" tests/sglang_plugin/test_sglang_requests.py \
+  echo "[ci_sglang] the request contract again: plain scheduler loop, eager selector"
+  DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0 "${PYTEST[@]}" "$@" tests/sglang_plugin/test_sglang_requests.py \
     tests/sglang_plugin/test_sglang_e2e.py -k "test_sglang_requests or (not hybrid and (greedy_dspine or \
-custom_logit or suffix_proposals_keep or no_round_reads or retraction))"
+custom_logit or suffix_proposals_keep or no_round_reads or retraction or branch_a_gpu))"
   rc=$?
 fi
 set -e

@@ -1,8 +1,9 @@
 """The real ``sglang.Engine`` (0.5.23) runs plain and DSPINE decoding end to end on CPU (the plugin's CPU
 bridges, ``dspine.sglang.cpu``), on tiny checkpoints built by ``tests/helpers.py``: a dense Qwen3 target and a
 Qwen3.5-style hybrid (Gated DeltaNet + full attention) with ReplaySSM on, so the GDN verify/commit path runs.
-SGLang's overlap scheduler runs as on a GPU (``output_ids`` a round behind the device); ``DSPINE_SGLANG_OVERLAP=0``
-runs the same tests with the plain loop (CI runs both). On a GPU (``scripts/gpu/gpu_check.sh --sglang``) the same
+SGLang's overlap scheduler runs as on a GPU (``output_ids`` a round behind the device), and the round takes DFlash's
+draft-graph branch (run eagerly); ``DSPINE_SGLANG_OVERLAP=0`` and ``DSPINE_SGLANG_GRAPH_TWIN=0`` run the plain loop
+and the eager selector (CI runs both ways). On a GPU (``scripts/gpu/gpu_check.sh --sglang``) the same
 tests run on CUDA with CUDA graphs.
 
 Each engine start costs 1-2 minutes on a small CPU, so every engine is started once per module and runs its
@@ -51,11 +52,11 @@ BIAS = {"17": 3.0, "42": 2.0}
 
 
 def _processed(engine) -> list[dict]:
-    """Greedy requests with logit_bias and a custom logit processor (SGLang applies it after the bias) and with
-    penalties (applied before the bias)."""
+    """Greedy requests with logit_bias and a custom logit processor (SGLang applies it after the bias). No penalty
+    here: SGLang's own overlap loop penalizes a token late (test_sglang_requests.py)."""
     from sglang_processors import BanArgmax
 
-    sp = {**GREEDY, "logit_bias": BIAS, "presence_penalty": 0.4}  # one penalty: SGLang's order among them varies
+    sp = {**GREEDY, "logit_bias": BIAS}
     return [engine.generate(input_ids=p, sampling_params=sp, custom_logit_processor=BanArgmax.to_str())
             for p in PROMPTS]
 

@@ -22,6 +22,7 @@ pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sgla
 
 from helpers import chat_pair  # noqa: E402
 
+from dspine.sglang.cpu import overlap  # noqa: E402
 from dspine.sglang.rounds import SYNC_LOG_ENV  # noqa: E402
 from dspine_batch.engines.base import Request, SamplingParams, Structure  # noqa: E402
 
@@ -163,12 +164,20 @@ def test_logit_bias_alone_is_applied_in_the_verify(plain, dspine, reference):
     assert sum(r.verify_steps or 0 for r in dspine["bias_only"]) > 0
 
 
+# SGLang 0.5.23's own overlap loop penalizes plain decoding a token late: it accumulates the penalties when it
+# prepares step i, from ``output_ids[-1]``, which then is token i-2 (the prompt's last token on the first step), so
+# step i's penalties miss token i-1 (a just-generated token can repeat under a presence penalty). The DSPINE verify
+# builds each slot's history exactly. So with overlap the oracle for penalized rows is the reference engine.
+PLAIN_PENALTIES_EXACT = not overlap()
+
+
 def test_penalties_and_min_tokens_dspine_equals_plain_equals_reference(plain, dspine, reference):
     for name in ("plain", "penalized", "min_tokens"):
-        assert _tokens(dspine[name]) == _tokens(plain[name]), name
-        assert _tokens(plain[name]) == _tokens(reference[name]), name
+        assert _tokens(dspine[name]) == _tokens(reference[name]), name
+        if name != "penalized" or PLAIN_PENALTIES_EXACT:
+            assert _tokens(plain[name]) == _tokens(reference[name]), name
     # the penalties changed the output (the same prompts without them), so the equality above tests them
-    assert _tokens(plain["penalized"]) != _tokens(plain["plain"])
+    assert _tokens(dspine["penalized"]) != _tokens(dspine["plain"])
     for r in dspine["min_tokens"]:  # EOS held back for exactly 6 tokens, then taken
         assert r.finish_reason == "stop" and len(r.token_ids) in (6, 7), r.token_ids
     assert sum(r.verify_steps or 0 for name in ("penalized", "min_tokens") for r in dspine[name]) > 0
@@ -185,10 +194,13 @@ def _close(a, b, tol: float) -> None:
 def test_logprobs_are_the_models_own_under_dspine(plain, dspine, reference):
     for name, k in (("logprobs", 3), ("logprobs_penalized", 2)):
         for d, p, ref in zip(dspine[name], plain[name], reference[name], strict=True):
-            assert d.token_ids == p.token_ids == ref.token_ids
+            assert d.token_ids == ref.token_ids
             assert len(d.logprobs) == len(d.token_ids) and all(len(top) == k for _, _, top in d.logprobs)
-            _close(d.logprobs, p.logprobs, LOGPROB_TOL)
-            _close(p.logprobs, ref.logprobs, REFERENCE_TOL)
+            _close(d.logprobs, ref.logprobs, REFERENCE_TOL)
+            if name == "logprobs" or PLAIN_PENALTIES_EXACT:
+                assert p.token_ids == ref.token_ids
+                _close(d.logprobs, p.logprobs, LOGPROB_TOL)
+                _close(p.logprobs, ref.logprobs, REFERENCE_TOL)
     for r in dspine["logprobs"]:  # greedy and unprocessed: the chosen token is the most likely one
         for tid, lp, top in r.logprobs:
             assert top[0][0] == tid and top[0][1] == lp and top[0][1] >= top[1][1] >= top[2][1]
