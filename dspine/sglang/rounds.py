@@ -95,6 +95,12 @@ def history(output_ids, committed: int, tail: list[int], tail_len: int) -> tuple
     return [int(t) for t in output_ids] + [int(t) for t in tail[tail_len - m : tail_len]], True
 
 
+def settled(req: Any) -> bool:
+    """Whether SGLang keeps this round's tokens of ``req``: not for a row already finished or retracted (under
+    overlap scheduling such a row runs one more round, whose result SGLang drops and does not count)."""
+    return not (req.finished() or getattr(req, "is_retracted", False))
+
+
 @dataclass
 class Record:
     """One verify round's facts for the host, queued until SGLang's ``on_verify_complete_cpu`` for that round."""

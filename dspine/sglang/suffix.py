@@ -42,7 +42,7 @@ import torch
 from dspine.decoding.acceptance import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, SuffixSource, Suggestion
 from dspine.sglang import SOURCE_COUNTS_KEY
-from dspine.sglang.rounds import to_device
+from dspine.sglang.rounds import settled, to_device
 
 PROPOSERS_ENV = "DSPINE_PROPOSERS"  # auto | dspine | suffix (unset: dspine, SGLang launched by hand)
 # Test/audit aid: one JSON line per verify round: {"rid": [...], "source": ["suffix"|"dspine", ...],
@@ -217,7 +217,7 @@ class SuffixProposer:
         drafts accepted (bonus excluded), in the round's row order."""
         # a row SGLang does not settle this round (finished or retracted: under overlap scheduling such a row runs
         # one more round, whose tokens SGLang drops) is not counted either, as SGLang's own statistics do not
-        keep = [not (r.finished() or getattr(r, "is_retracted", False)) for r in reqs]
+        keep = [settled(r) for r in reqs]
         rids = [str(r.rid) for r, k in zip(reqs, keep, strict=True) if k]
         used = [n for n, k in zip(used, keep, strict=True) if k]
         accepted = [a for a, k in zip(accepted, keep, strict=True) if k]

@@ -56,7 +56,7 @@ from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
 from . import draft_math as dm
 from .models.dspine_draft import DSpineDraftModel
 from .processing import process_block, row_params
-from .rounds import Deferred, SyncCounter, Tails, history, to_device, unseen_tokens
+from .rounds import Deferred, SyncCounter, Tails, history, settled, to_device, unseen_tokens
 from .sampling import prompt_repetition
 from .suffix import PROPOSERS_ENV, ROUND_LOG_ENV, SuffixProposer, align
 
@@ -328,9 +328,12 @@ class DSpineWorkerV2(DFlashWorkerV2):
             return
         proposal = rec.read("proposal")
         if proposal is not None and self.proposal_log:
-            with open(self.proposal_log, "a") as f:
-                f.write(json.dumps({"anchor": [r[0] for r in proposal], "tokens": [r[1:] for r in proposal],
-                                    "path": rec.path}) + "\n")
+            # rows SGLang settles this round (a finished or retracted row's overshoot round under overlap is dropped)
+            rows = [r for r, req in zip(proposal, rec.reqs, strict=True) if settled(req)]
+            if rows:
+                with open(self.proposal_log, "a") as f:
+                    f.write(json.dumps({"anchor": [r[0] for r in rows], "tokens": [r[1:] for r in rows],
+                                        "path": rec.path}) + "\n")
         if self.suffix is not None:
             used = rec.read("suffix") or [0] * len(rec.reqs)
             self.suffix.record(rec.reqs, used, list(num_correct_drafts_per_req))
