@@ -92,10 +92,6 @@ class DSpineAlgo(CustomSpecAlgo):
             # as DFlash's _resolve_dflash_draft_attention_backend: the draft follows the target's backend
             # (validate_server_args refuses one the draft cannot use instead of SGLang's silent fallback)
             sa.speculative_draft_attention_backend = backend
-        if str(sa.device) == "cpu" and not sa.disable_overlap_schedule:
-            # as SGLang's own _disable_overlap_schedule_for_cpu does for its built-in algorithms
-            sa.disable_overlap_schedule = True
-            logger.warning("DSPINE: overlap scheduling is not used on the CPU")
         if sa.max_running_requests is None:
             sa.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
             logger.warning("DSPINE: --max-running-requests unset; using %d", DEFAULT_MAX_RUNNING_REQUESTS)

@@ -129,6 +129,17 @@ def _text_config(cfg: dict) -> dict:
     return cfg.get("text_config") or cfg
 
 
+def is_hybrid(model_path: Any) -> bool:
+    """Whether the target keeps linear-attention (Mamba-style) state: Gated DeltaNet layers in ``layer_types``
+    (Qwen3.5/3-Next). False when ``model_path`` is not a local directory with a readable config.json."""
+    p = Path(str(model_path)) / "config.json"
+    try:
+        tcfg = _text_config(json.loads(p.read_text()))
+    except (OSError, ValueError):
+        return False
+    return "linear_attention" in (tcfg.get("layer_types") or ())
+
+
 def check_target(model_path: Any, draft: DraftInfo) -> None:
     """Draft/target compatibility from the target's config.json (skipped when model_path is not a local dir)."""
     if model_path is None:

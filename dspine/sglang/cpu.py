@@ -43,15 +43,29 @@ CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 STAND_IN_DIR = str(Path(__file__).with_name("stand_in"))
 CPU_ATTENTION_BACKEND = "torch_native"
 # The engine keyword arguments the CPU path needs (under the job's own): SGLang's CPU device, the attention
-# backend that runs there, no CUDA graphs, float32 (SGLang's "auto" picks a half-precision KV cache on CPU),
-# a KV pool sized for tests (by default SGLang sizes it from free host memory: tens of GB), and no overlap
-# scheduling (DSPINE turns it off on the CPU anyway; with it on, SGLang's "auto" Mamba prefix-cache strategy
-# picks extra_buffer for hybrid targets, which it then refuses on the CPU).
+# backend that runs there, no CUDA graphs, float32 (SGLang's "auto" picks a half-precision KV cache on CPU), and
+# a KV pool sized for tests (by default SGLang sizes it from free host memory: tens of GB). The overlap scheduler
+# stays on, as on a GPU (``OVERLAP_ENV``, ``engine_kwargs``).
 CPU_ENGINE_KWARGS = {"device": "cpu", "attention_backend": CPU_ATTENTION_BACKEND,
                      "speculative_draft_attention_backend": CPU_ATTENTION_BACKEND, "disable_cuda_graph": True,
-                     "dtype": "float32", "max_total_tokens": 65536, "max_running_requests": 8,
-                     "disable_overlap_schedule": True}
+                     "dtype": "float32", "max_total_tokens": 65536, "max_running_requests": 8}
+# SGLang 0.5.23 turns its overlap scheduler off for speculative decoding on the CPU by policy only
+# (arg_groups/speculative_hook.py, _disable_overlap_schedule_for_cpu: "not implemented"; it is not applied to
+# plugin algorithms); the loop itself runs on the CPU (a CPU "stream" is the host's own order). So the CPU path
+# runs it, where ``output_ids`` lags a round as on a GPU. DSPINE_SGLANG_OVERLAP=0 runs the plain loop instead
+# (CI runs the plugin's end-to-end tests both ways).
+OVERLAP_ENV = "DSPINE_SGLANG_OVERLAP"
 _applied = False
+
+
+def overlap(env: dict[str, str] | None = None) -> bool:
+    """Whether the CPU path runs SGLang's overlap scheduler (the default, as on a GPU)."""
+    return (os.environ if env is None else env).get(OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def engine_kwargs(env: dict[str, str] | None = None) -> dict:
+    """``CPU_ENGINE_KWARGS`` with the scheduler loop (``overlap``)."""
+    return {**CPU_ENGINE_KWARGS, "disable_overlap_schedule": not overlap(env)}
 
 
 def cuda_visible() -> bool:

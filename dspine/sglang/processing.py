@@ -14,10 +14,11 @@ The order and arithmetic are those of plain SGLang with ``dspine.sglang.sampling
 the repetition penalty first (CTRL/HF: a seen token's logit divided by p where positive, multiplied where not;
 seen = the generated tokens, and the prompt's with the reference semantics), then the additive presence and
 frequency penalties over the generated tokens, then ``logit_bias``, then ``min_new_tokens`` (stop ids to -inf
-while fewer tokens were generated), then (SGLang's own step, after this) the grammar's mask.
+while fewer tokens were generated), then (SGLang's own step, after this) the grammar's mask, then custom logit
+processors (the worker's ``_accept_block``: SGLang's sampler applies them last).
 
-Pure torch and duck-typed requests (``Req``-like: ``rid``, ``origin_input_ids``, ``output_ids``,
-``sampling_params``, ``eos_token_ids``, ``tokenizer``), so it is tested without SGLang.
+Pure torch and duck-typed requests (``Req``-like: ``origin_input_ids``, ``sampling_params``, ``eos_token_ids``,
+``tokenizer``), so it is tested without SGLang. The generated history comes from ``rounds.history``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 import torch
 
 from dspine.decoding.history import slot_history
+
+from .rounds import to_device
 
 NEG_INF = float("-inf")
 
@@ -85,22 +88,22 @@ def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int],
     dev = logits.device
     f32 = torch.float32
     if rp.presence or rp.frequency or rp.repetition != 1.0:
-        hist = torch.tensor(generated, dtype=torch.long, device=dev)
+        hist = to_device(generated, torch.long, dev)
         # per slot j the history generated + drafts[:j] (``dspine.decoding.history``, the reference engine's too);
         # frequency as float32 sums of `unit` once per occurrence, as SGLang's penalizer accumulates it
         seen_any = torch.zeros(V, dtype=torch.bool, device=dev)
         seen_any[hist] = True
         freq = None
-        unit = torch.tensor(float(rp.frequency), dtype=f32, device=dev)
+        unit = torch.full((), float(rp.frequency), dtype=f32, device=dev)
         if rp.frequency:
             freq = torch.zeros(V, dtype=f32, device=dev).index_add_(0, hist, unit.expand(len(generated)))
         seen, freq = slot_history(seen_any, freq, list(drafts[: B - 1]), range(B), unit)
         if rp.repetition != 1.0:
             scale_seen = seen.clone()
             if rp.prompt:
-                scale_seen[:, torch.tensor(rp.prompt, dtype=torch.long, device=dev)] = True
+                scale_seen[:, to_device(rp.prompt, torch.long, dev)] = True
             one = torch.ones((), dtype=f32, device=dev)
-            scaling = torch.where(scale_seen, torch.tensor(float(rp.repetition), dtype=f32, device=dev), one)
+            scaling = torch.where(scale_seen, torch.full((), float(rp.repetition), dtype=f32, device=dev), one)
             x = logits.float()
             logits.copy_(torch.where(x < 0, x * scaling, x / scaling).to(logits.dtype))
         if rp.presence or rp.frequency:
@@ -108,7 +111,7 @@ def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int],
             if freq is not None:
                 additive -= freq
             if rp.presence:
-                additive -= torch.where(seen, torch.tensor(float(rp.presence), dtype=f32, device=dev),
+                additive -= torch.where(seen, torch.full((), float(rp.presence), dtype=f32, device=dev),
                                         torch.zeros((), dtype=f32, device=dev))
             logits.add_(additive.to(logits.dtype))
     if bias is not None:
@@ -116,43 +119,5 @@ def process_block(logits: torch.Tensor, generated: list[int], drafts: list[int],
     if rp.min_tokens and rp.stop_ids:
         early = rp.min_tokens - len(generated)  # slots 0..early-1 decide a token before min_tokens were generated
         if early > 0:
-            stops = torch.tensor(rp.stop_ids, dtype=torch.long, device=dev)
-            stops = stops[stops < V]
+            stops = to_device([t for t in rp.stop_ids if t < V], torch.long, dev)
             logits[: min(early, B), stops] = NEG_INF
-
-
-class Histories:
-    """Every processed request's generated tokens, exactly, at the start of each verify round.
-
-    ``req.output_ids`` is exact with the scheduler's plain loop, but with overlap scheduling it lags one round
-    (a round's results are processed after the next round starts). The target's committed length is exact
-    (``seq_lens`` = prompt + generated - 1: the anchor has no KV yet), so the missing tail is read from what this
-    worker committed in its recent rounds (the first round's only token is the anchor itself)."""
-
-    def __init__(self, keep: int):
-        self.keep = max(2, int(keep))
-        self.recent: dict[str, tuple[Any, list[int]]] = {}
-
-    def of(self, req: Any, seq_len: int, anchor: int) -> list[int]:
-        n = int(seq_len) - len(req.origin_input_ids) + 1
-        out = [int(t) for t in req.output_ids[:n]]
-        need = n - len(out)
-        if need > 0:
-            rec = self.recent.get(str(req.rid))
-            tail = rec[1] if rec is not None and rec[0] is req else [int(anchor)]
-            if len(tail) < need or tail[-1] != int(anchor):
-                raise RuntimeError(
-                    f"DSPINE: request {req.rid}: cannot rebuild its generated tokens for penalties ({len(out)} "
-                    f"known, {n} committed, {len(tail)} recent)")
-            out += tail[len(tail) - need:]
-        return out
-
-    def record(self, req: Any, tokens: list[int]) -> None:
-        rid = str(req.rid)
-        rec = self.recent.get(rid)
-        old = rec[1] if rec is not None and rec[0] is req else []
-        self.recent[rid] = (req, (old + [int(t) for t in tokens])[-self.keep:])
-
-    def prune(self) -> None:
-        for rid in [r for r, (req, _) in self.recent.items() if req.finished()]:
-            del self.recent[rid]

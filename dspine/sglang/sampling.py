@@ -2,7 +2,7 @@
 in the processes of an engine the batch tool starts (``DSPINE_SGLANG_SAMPLING=reference``, set by
 ``dspine_batch.engines.sglang``; SGLang launched by hand keeps its own behaviour).
 
-Three differences between SGLang 0.5.23 and what OpenAI, vLLM, HF and the reference engine mean by the same
+Four differences between SGLang 0.5.23 and what OpenAI, vLLM, HF and the reference engine mean by the same
 request fields, each fixed at one seam:
 
 * **The repetition penalty counts the prompt.** SGLang's ``BatchedRepetitionPenalizer`` marks only generated
@@ -12,6 +12,10 @@ request fields, each fixed at one seam:
   of a ``set`` of classes (it differs between processes), so a row with both a repetition and a presence or
   frequency penalty got either order; with overlap, additive then multiplicative. Here always the repetition
   penalty first, then the additive ones, as the reference engine (and the DSPINE verify, ``processing.py``) do.
+* **The stop ids are the request's.** SGLang also ends a row (and makes ``min_new_tokens`` hold back) the
+  tokenizer's "additional stop tokens" (``<|eom_id|>`` and two others, where a tokenizer has them:
+  ``attach_additional_stop_token_ids``); the batch tool sends every stop id it means (EOS ids of the tokenizer and
+  the model's configs, single-token stop strings), as the reference engine stops on, so that list is left empty.
 * **Logprobs of the model's own logits.** SGLang reports the log-softmax of the *processed* logits (penalties,
   grammar mask, logit bias; and temperature unless ``SGLANG_RETURN_ORIGINAL_LOGPROB``). The contract is the raw
   logits' log-softmax (``dspine_batch.engines.base.TokenLogprob``): ``ModelRunner.sample`` keeps the raw logits of
@@ -139,10 +143,20 @@ def raw_logprobs(original):
     return _marked(forward)
 
 
+def no_additional_stops(original):
+    """``attach_additional_stop_token_ids`` leaving the tokenizer without SGLang's extra stop ids."""
+
+    def attach(tokenizer):
+        tokenizer.additional_stop_token_ids = None
+
+    return _marked(attach)
+
+
 PATCHES = (
     ("sglang.srt.sampling.penaltylib.repetition_penalty", "BatchedRepetitionPenalizer._prepare", prompt_counts),
     ("sglang.srt.sampling.sampling_batch_info", "SamplingBatchInfo._apply_pre_grammar_logits_transforms",
      scaling_first),
     ("sglang.srt.model_executor.model_runner", "ModelRunner.sample", keep_raw_logits),
     ("sglang.srt.layers.sampler", "Sampler.forward", raw_logprobs),
+    ("sglang.srt.utils.hf_transformers.tokenizer", "attach_additional_stop_token_ids", no_additional_stops),
 )

@@ -3,11 +3,15 @@
 The reference engine's ``SuffixSource`` (``dspine.decoding.suffix``) runs on the scheduler's host side, keyed by
 SGLang's request id: a row's text is its ``origin_input_ids`` plus its ``output_ids`` (read from the batch's
 ``Req`` objects every decode round), rows sharing a prompt read each other's text, and a finished request's
-output joins the stream's index. Each round ``choose`` picks per row the suffix proposal or the draft's block;
-the worker writes the chosen suffix tokens over the block's draft slots (and, for the sampled accept, a point
-mass q on them), so verification, the commit (ReplaySSM included) and SGLang's own stats are unchanged.
+output joins the stream's index. Each round ``choose`` picks per row a continuation of its text or the draft's
+block, on the host and without waiting for the device: under overlap scheduling ``output_ids`` lacks the last
+round's tokens, so the continuation offered is long enough to cover them and ``align`` (on the device) keeps what
+follows the tokens the host has not seen, where the offer agrees with them (``dspine.sglang.rounds``). The worker
+writes the result over the block's draft slots (and, for the sampled accept, a point mass q on them) just before
+the verify, on the eager and the captured draft path alike, so verification, the commit (ReplaySSM included) and
+SGLang's own stats are unchanged.
 
-Pure Python (no SGLang import): the worker (``dspine.sglang.worker``) feeds it ``Req``-like objects.
+No SGLang import: the worker (``dspine.sglang.worker``) feeds it ``Req``-like objects.
 
 Modes (``DSPINE_PROPOSERS``, set by ``dspine-batch --engine sglang --engine-arg proposers=...``):
 
@@ -33,9 +37,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dspine.decoding.acceptance import AGREEMENT_WEIGHT, SUFFIX_PRIOR, SUFFIX_PRIOR_WEIGHT
 from dspine.decoding.suffix import DEFAULT_CAP_TOKENS, SuffixSource, Suggestion
 from dspine.sglang import SOURCE_COUNTS_KEY
+from dspine.sglang.rounds import settled, to_device
 
 PROPOSERS_ENV = "DSPINE_PROPOSERS"  # auto | dspine | suffix (unset: dspine, SGLang launched by hand)
 # Test/audit aid: one JSON line per verify round: {"rid": [...], "source": ["suffix"|"dspine", ...],
@@ -111,16 +118,21 @@ class _Row:
 
 
 class SuffixProposer:
-    """Per-request suffix corpora and the per-round source choice (see the module docstring)."""
+    """Per-request suffix corpora, the per-round choice on the host and its accounting (see the module docstring).
+
+    ``choose`` runs before a round on what the host knows (``output_ids``, a round behind under overlap scheduling)
+    and offers each chosen row a continuation long enough to cover one unseen round; ``align`` (device) keeps the
+    part after the tokens the host has not seen, where those agree with it; ``record`` settles the round from what
+    SGLang reports once it has the round on the host (accepted drafts) and what ``align`` used."""
 
     def __init__(self, mode: str, width: int, cap_tokens: int = DEFAULT_CAP_TOKENS, log_path: str | None = None):
         self.mode = parse_mode(mode)
         self.width = int(width)  # draft slots of a block (B - 1)
-        self.src = SuffixSource(cap_tokens=cap_tokens, max_len=max(1, self.width))
+        self.reach = 2 * self.width + 1  # tokens offered: one unseen round (<= B) and a block's drafts (B - 1)
+        self.src = SuffixSource(cap_tokens=cap_tokens, max_len=max(1, self.reach))
         self.rows: dict[str, _Row] = {}
         self.round = 0
         self.log_path = log_path
-        self._pending: tuple[list[str], list[int]] | None = None  # (rids, suffix lengths) of this round
 
     @property
     def active(self) -> bool:
@@ -172,7 +184,7 @@ class SuffixProposer:
     def _expected(self, row: _Row, sug: Suggestion) -> float:
         rate = (row.sfx_hits + SUFFIX_PRIOR * SUFFIX_PRIOR_WEIGHT) / (row.sfx_trials + SUFFIX_PRIOR_WEIGHT)
         surv, total = 1.0, 0.0
-        for count, same in zip(sug.counts, sug.sames):
+        for count, same in zip(sug.counts[: self.width], sug.sames[: self.width]):
             agree = (same + AGREEMENT_WEIGHT * rate) / (max(count - 1, 0) + AGREEMENT_WEIGHT)
             surv *= min(agree, rate + (1.0 - rate) * agree)
             total += surv
@@ -181,48 +193,77 @@ class SuffixProposer:
     def _draft_expected(self, row: _Row) -> float:
         return (row.draft_accepted + DRAFT_PRIOR * DRAFT_PRIOR_WEIGHT) / (row.draft_rounds + DRAFT_PRIOR_WEIGHT)
 
-    def choose(self, reqs: list[Any], anchors: list[int], greedy: list[bool] | None = None) -> list[list[int] | None]:
-        """Per row the suffix tokens to verify (at most ``width``) or None (the draft's block). A row whose
-        committed text does not end with this round's anchor (the scheduler has not appended the last round's
-        tokens yet) takes the draft's block, as do sampled rows (``greedy`` False) under ``auto``."""
+    def choose(self, reqs: list[Any], greedy: list[bool] | None = None) -> list[list[int] | None]:
+        """Per row the continuation of its known text to offer (at most ``reach`` tokens) or None (the draft's
+        block): sampled rows (``greedy`` False) only under ``suffix``; under ``auto`` where the match's estimated
+        accepted tokens beat the row's draft record. Host data only (no device read)."""
         self.sync(reqs)
         greedy = [True] * len(reqs) if greedy is None else greedy
         out: list[list[int] | None] = []
-        for req, anchor, g in zip(reqs, anchors, greedy, strict=True):
+        for req, g in zip(reqs, greedy, strict=True):
             rid = str(req.rid)
             row = self.rows[rid]
             pick = None
-            if (g or self.mode == SUFFIX) and len(req.output_ids) and int(req.output_ids[-1]) == int(anchor):
-                sug = self.src.suggest(rid, self.width)
+            if (g or self.mode == SUFFIX) and self.src.could_match(rid):
+                sug = self.src.suggest(rid, self.reach)
                 if sug is not None and sug.tokens and (
                         self.mode == SUFFIX or self._expected(row, sug) > self._draft_expected(row)):
-                    pick = [int(t) for t in sug.tokens[: self.width]]
+                    pick = [int(t) for t in sug.tokens[: self.reach]]
             out.append(pick)
-        self._pending = ([str(r.rid) for r in reqs], [len(p) if p else 0 for p in out])
         return out
 
-    def record(self, accepted: list[int]) -> None:
-        """This round's accepted drafts per row (bonus excluded), in the order ``choose`` saw the rows."""
-        if self._pending is None:
-            return
-        rids, lens = self._pending
-        self._pending = None
-        if len(accepted) != len(rids):
-            return
-        for rid, n, acc in zip(rids, lens, accepted):
+    def record(self, reqs: list[Any], used: list[int], accepted: list[int]) -> None:
+        """One verify round, settled: per row the suffix tokens verified (``used``, 0: the draft's block) and the
+        drafts accepted (bonus excluded), in the round's row order."""
+        # a row SGLang does not settle this round (finished or retracted: under overlap scheduling such a row runs
+        # one more round, whose tokens SGLang drops) is not counted either, as SGLang's own statistics do not
+        keep = [settled(r) for r in reqs]
+        rids = [str(r.rid) for r, k in zip(reqs, keep, strict=True) if k]
+        used = [n for n, k in zip(used, keep, strict=True) if k]
+        accepted = [a for a, k in zip(accepted, keep, strict=True) if k]
+        for rid, n, acc in zip(rids, used, accepted, strict=True):
             row = self.rows.get(rid)
             if row is None:
                 continue
-            count_round(row.req, n, self.width, int(acc))
+            n, acc = int(n), int(acc)
+            count_round(row.req, n, self.width, acc)
             if n:
-                hits = min(int(acc), n)
+                hits = min(acc, n)
                 row.sfx_hits += hits
                 row.sfx_trials += hits + (hits < n)
             else:
                 row.draft_rounds += 1
-                row.draft_accepted += int(acc)
+                row.draft_accepted += acc
         if self.log_path:
-            rec = {"rid": rids, "source": [SUFFIX if n else DSPINE for n in lens],
-                   "proposed": [n or self.width for n in lens], "accepted": [int(a) for a in accepted]}
+            rec = {"rid": rids, "source": [SUFFIX if n else DSPINE for n in used],
+                   "proposed": [int(n) or self.width for n in used], "accepted": [int(a) for a in accepted]}
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+
+    def offer(self, picks: list[list[int] | None], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen continuations as device tensors: ``[bs, reach]`` (-1 padded) and their lengths."""
+        rows = [(p or []) + [-1] * (self.reach - len(p or [])) for p in picks]
+        return to_device(rows, torch.int64, device), to_device([len(p or []) for p in picks], torch.int64, device)
+
+
+def align(offered: torch.Tensor, offered_len: torch.Tensor, unseen: torch.Tensor, ok: torch.Tensor,
+          tail: torch.Tensor, tail_len: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [bs, width], n [bs]): each row's suffix proposal for this round's draft slots, on the device.
+
+    ``offered`` continues the text the host knew; the device knows the ``unseen`` tokens committed since (the last
+    ones of ``tail``, the row's last round, whose final token is this round's anchor). Where the offer starts with
+    exactly those tokens, the proposal is what follows them (``n`` of its tokens are real); elsewhere ``n`` is 0
+    and the row verifies the draft's block. No host synchronisation (safe under overlap scheduling and in graphs)."""
+    bs, reach = offered.shape
+    T = tail.shape[1]
+    m = unseen.clamp(0, T)
+    j = torch.arange(T, device=offered.device)
+    at = (tail_len - m)[:, None] + j[None, :]
+    seen_tail = tail.gather(1, at.clamp(0, T - 1))
+    head = offered[:, :T] if reach >= T else torch.nn.functional.pad(offered, (0, T - reach), value=-1)
+    differ = ((j[None, :] < m[:, None]) & (head != seen_tail)).any(1)
+    cols = (m[:, None] + torch.arange(width, device=offered.device)[None, :]).clamp(max=reach - 1)
+    tokens = offered.gather(1, cols)
+    n = (offered_len - m).clamp(0, width)
+    n = torch.where(ok & ~differ & (offered_len > 0), n, torch.zeros_like(n))
+    return tokens, n

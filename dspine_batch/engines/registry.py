@@ -43,13 +43,15 @@ def _load_scripted(model: str, draft: str, engine_args: dict[str, str]) -> Engin
     return ScriptedEngine.from_args(engine_args)
 
 
-def _pick_auto() -> str:
-    from dspine_batch.engines.sglang.engine import sglang_available
+def _pick_auto() -> tuple[str, dict[str, str]]:
+    """``--engine auto``: SGLang where everything a GPU run needs is here (``sglang.readiness``), else the reference
+    engine; one line on stderr either way, with why. Returns the name and the engine args the checks decided."""
+    from dspine_batch.engines.sglang.readiness import check
 
-    ok, why = sglang_available()
-    name = "sglang" if ok else "reference"
-    print(f"dspine-batch: --engine auto picked {name} ({why})", file=sys.stderr)
-    return name
+    ready = check()
+    name = "sglang" if ready.ok else "reference"
+    print(f"dspine-batch: --engine auto picked {name} ({ready.why})", file=sys.stderr)
+    return name, dict(ready.engine_args) if ready.ok else {}
 
 
 ENGINE_NAMES = ("auto", "reference", "sglang")  # what --help offers
@@ -70,16 +72,23 @@ def engines_replaced(loader: EngineLoader, names: Iterable[str] = ("auto", "refe
         ENGINES.update(saved)
 
 
-def resolve_name(name: str) -> str:
-    """The engine ``--engine NAME`` means here: ``auto`` is SGLang when it is installed and a GPU is present,
-    else the reference engine (said on stderr, with why)."""
+def _resolve(name: str) -> tuple[str, dict[str, str]]:
+    args: dict[str, str] = {}
     if name == "auto" and "auto" not in ENGINES:
-        name = _pick_auto()
+        name, args = _pick_auto()
     if name not in ENGINES:
         raise UsageError(f"unknown engine {name!r} (choose from {', '.join(ENGINE_NAMES)})")
-    return name
+    return name, args
+
+
+def resolve_name(name: str) -> str:
+    """The engine ``--engine NAME`` means here: ``auto`` is SGLang when everything a GPU run needs is present, else
+    the reference engine (said on stderr, with why)."""
+    return _resolve(name)[0]
 
 
 def open_engine(name: str, model: str, draft: str, engine_args: dict[str, str]) -> Engine:
-    """Build the engine the user asked for (``resolve_name``)."""
-    return ENGINES[resolve_name(name)](model, draft, engine_args)
+    """Build the engine the user asked for (``resolve_name``); under ``auto`` the user's engine args over what the
+    checks decided (an attention backend that imports)."""
+    name, decided = _resolve(name)
+    return ENGINES[name](model, draft, {**decided, **engine_args})

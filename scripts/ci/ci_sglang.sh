@@ -7,8 +7,12 @@
 # is missing and re-points the editable install at this checkout. Cold: ~7 min; warm: seconds.
 #
 # The end-to-end tests run the real sglang.Engine on the CPU (dspine.sglang.cpu: SGLang's CPU test path), on
-# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets): 12 engine starts of about a minute each
-# on a small CPU.
+# tiny checkpoints built in fixtures (dense Qwen3 and Qwen3.5 hybrid targets), with SGLang's overlap scheduler on as
+# on a GPU, and DFlash's draft-graph branch (the selector sampler a GPU captures) run eagerly: 15 engine starts of
+# about a minute each on a small CPU. Then the plugin's end-to-end tests that make the request contract (greedy
+# identity, penalties, min_tokens, logit_bias, grammars, suffix proposals, per-source stats) run again with the
+# plain scheduler loop and the eager selector (DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0): 6 more engine
+# starts, ~7 min.
 #
 # Exit status: pytest's, except that "no tests collected" (5) is an error here too: the sglang tests must run.
 set -euo pipefail
@@ -18,11 +22,19 @@ t0=$(date +%s)
 bash scripts/setup_sglang_venv.sh
 echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV ($(du -sh "$DSPINE_SGLANG_VENV" 2>/dev/null | cut -f1))"
 unset SGLANG_PLUGINS  # the tests set it where they need it
+PYTEST=("$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning)
 set +e
-"$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning "$@" \
+"${PYTEST[@]}" "$@" \
   tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py \
   tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py
 rc=$?
+if [ "$rc" = 0 ]; then
+  echo "[ci_sglang] the request contract again: plain scheduler loop, eager selector"
+  DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0 "${PYTEST[@]}" "$@" tests/sglang_plugin/test_sglang_requests.py \
+    tests/sglang_plugin/test_sglang_e2e.py -k "test_sglang_requests or (not hybrid and (greedy_dspine or \
+custom_logit or suffix_proposals_keep or no_round_reads or retraction or branch_a_gpu))"
+  rc=$?
+fi
 set -e
 if [ "$rc" = 5 ]; then
   echo "[ci_sglang] no sglang tests ran" >&2

@@ -195,7 +195,21 @@ def test_extra_buffer_is_refused_on_the_cpu_path():
     kw, _ = se.build_server_kwargs("/m", "/d", {"mamba_radix_cache_strategy": "extra_buffer"}, parser=_mini_parser())
     assert kw["mamba_radix_cache_strategy"] == "extra_buffer"  # a GPU run keeps it
     kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
-    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is True  # SGLang's auto then picks no_buffer
+    assert kw["device"] == "cpu" and kw["disable_overlap_schedule"] is False  # overlap scheduling, as on a GPU
+
+
+def test_a_hybrid_target_on_the_cpu_runs_overlap_without_the_prefix_cache(tmp_path, monkeypatch, capsys):
+    """With overlap scheduling SGLang's auto Mamba strategy is extra_buffer, which the CPU cannot snapshot: the CPU
+    path turns the prefix cache off for hybrid targets (and leaves it on without overlap, where auto is no_buffer)."""
+    (tmp_path / "config.json").write_text(json.dumps({"layer_types": ["linear_attention", "full_attention"]}))
+    monkeypatch.delenv("DSPINE_SGLANG_OVERLAP", raising=False)
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["disable_radix_cache"] is True and "without the prefix cache" in capsys.readouterr().err
+    monkeypatch.setenv("DSPINE_SGLANG_OVERLAP", "0")
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["disable_overlap_schedule"] is True and "disable_radix_cache" not in kw
+    kw, _ = se.build_server_kwargs(str(tmp_path), "/d", {}, parser=_mini_parser())
+    assert "disable_radix_cache" not in kw  # a GPU keeps it (extra_buffer)
 
 
 def test_sampling_params_mapping():
@@ -487,3 +501,106 @@ def test_proposers_reach_the_dspine_worker_through_the_environment(tiny_pair, mo
         load({"proposers": "ngram"})
     _, opts = se.build_server_kwargs("/m", None, {"proposers": "suffix"}, parser=_mini_parser())
     assert opts["proposers"] is None  # no DSPINE: nothing to set
+
+
+# -- --engine auto: every piece a GPU run needs, checked before the choice (engines/sglang/readiness.py) -----------
+
+
+class _Cuda:
+    def __init__(self, bf16=True, capability=(9, 0)):
+        self.bf16, self.capability = bf16, capability
+
+    def is_available(self):
+        return True
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+    def get_device_name(self, i):
+        return "NVIDIA H100"
+
+    def get_device_capability(self, i):
+        return self.capability
+
+
+def _importer(missing=()):
+    import types
+
+    def import_module(name):
+        if name in missing or any(name.startswith(m + ".") for m in missing):
+            raise ImportError(f"{name}: libcuda.so.1: cannot open shared object file")
+        return types.SimpleNamespace(STAND_IN=False)
+
+    return import_module
+
+
+@pytest.fixture
+def sglang_spec(monkeypatch):
+    """``find_spec('sglang')`` answers yes (the default suite's venv has no SGLang)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+
+
+def test_auto_falls_back_with_one_line_when_sgl_kernel_does_not_import(sglang_spec, monkeypatch, capsys):
+    from dspine_batch.engines import registry
+    from dspine_batch.engines.sglang import readiness
+
+    real = readiness.check
+    monkeypatch.setattr(readiness, "check", lambda: real(_importer({"sgl_kernel"}), _Cuda(), lambda: []))
+    assert registry.resolve_name("auto") == "reference"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dspine-batch: --engine auto picked reference (sgl_kernel (SGLang's CUDA kernels) does not "
+                   "import: ImportError: sgl_kernel: libcuda.so.1: cannot open shared object file)"]
+
+
+@pytest.mark.parametrize("cuda, missing, problems, want", [
+    (_Cuda(bf16=False), (), [], "has no bfloat16"),
+    (_Cuda(), ("flashinfer", "sgl_kernel.flash_attn", "triton"), [], "no attention backend imports"),
+    (_Cuda(), (), ["SGLANG_PLUGINS='x' does not include 'dspine'"], "does not include 'dspine'"),
+    (_Cuda(), ("dspine.sglang.plugin",), [], "the DSPINE plugin does not import"),
+])
+def test_auto_checks_what_a_gpu_run_needs(sglang_spec, cuda, missing, problems, want):
+    from dspine_batch.engines.sglang.readiness import check
+
+    ready = check(_importer(set(missing)), cuda, lambda: problems)
+    assert not ready.ok and want in ready.why and "\n" not in ready.why
+
+
+def test_auto_takes_sglang_with_an_attention_backend_that_imports(sglang_spec):
+    from dspine_batch.engines.sglang.readiness import check, gpu_dtype
+
+    ready = check(_importer(), _Cuda(), lambda: [])
+    assert ready.ok and ready.engine_args == {} and "bfloat16" in ready.why  # flashinfer: SGLang's own default
+    ready = check(_importer({"flashinfer"}), _Cuda(), lambda: [])
+    assert ready.ok and ready.engine_args == {"attention_backend": "fa3"}
+    ready = check(_importer({"flashinfer"}), _Cuda(capability=(8, 0)), lambda: [])
+    assert ready.ok and ready.engine_args == {"attention_backend": "triton"} and "flashinfer does not" in ready.why
+    assert gpu_dtype(_Cuda()) == "bfloat16" and gpu_dtype(_Cuda(bf16=False)) == "float32"
+
+
+def test_a_gpu_run_gets_the_dtype_both_engines_resolve(tiny_pair):
+    """No dtype: bfloat16 (the GPU's resolution of ``auto``), never the checkpoint's own; an explicit one wins."""
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser())
+    assert kw["dtype"] == "bfloat16"
+    kw, _ = se.build_server_kwargs("/m", "/d", {"dtype": "auto"}, parser=_mini_parser(), gpu_dtype="float32")
+    assert kw["dtype"] == "float32"
+    kw, _ = se.build_server_kwargs("/m", "/d", {"dtype": "float16"}, parser=_mini_parser())
+    assert kw["dtype"] == "float16"
+    kw, _ = se.build_server_kwargs("/m", "/d", {}, parser=_mini_parser(), on_cpu=True)
+    assert kw["dtype"] == "float32"  # the CPU path's
+
+
+def test_unhonoured_seeds_are_said_once_and_recorded(tiny_pair, capsys):
+    """SGLang 0.5.23 ignores per-request seeds (plain and DSPINE): said in one line when the first sampled row is
+    sent, and recorded in the run identity, so a resumed job's sampled rows are not taken for reproductions."""
+    eng = _engine(FakeEngine(block=4))
+    list(eng.run(_requests(3), max_in_flight=2))  # greedy rows: nothing to say
+    assert "seeds" not in capsys.readouterr().err
+    list(eng.run(_requests(5, temperature=0.7, seed=3), max_in_flight=2))
+    assert capsys.readouterr().err.count("does not honour per-request seeds") == 1
+    model, draft = tiny_pair
+    loaded = _load(model, draft, {}, {})
+    assert loaded.identity()["seeds"] == "not honoured"
+    loaded.close()

@@ -1,7 +1,10 @@
 """The real ``sglang.Engine`` (0.5.23) runs plain and DSPINE decoding end to end on CPU (the plugin's CPU
 bridges, ``dspine.sglang.cpu``), on tiny checkpoints built by ``tests/helpers.py``: a dense Qwen3 target and a
 Qwen3.5-style hybrid (Gated DeltaNet + full attention) with ReplaySSM on, so the GDN verify/commit path runs.
-On a GPU (``scripts/gpu/gpu_check.sh --sglang``) the same tests run on CUDA with CUDA graphs.
+SGLang's overlap scheduler runs as on a GPU (``output_ids`` a round behind the device), and the round takes DFlash's
+draft-graph branch (run eagerly); ``DSPINE_SGLANG_OVERLAP=0`` and ``DSPINE_SGLANG_GRAPH_TWIN=0`` run the plain loop
+and the eager selector (CI runs both ways). On a GPU (``scripts/gpu/gpu_check.sh --sglang``) the same
+tests run on CUDA with CUDA graphs.
 
 Each engine start costs 1-2 minutes on a small CPU, so every engine is started once per module and runs its
 whole workload in its fixture (engines never overlap: ``Engine.shutdown`` and SGLang's signal handling assume
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -30,6 +34,8 @@ from helpers import (  # noqa: E402
 )
 from helpers import SGLANG_BLOCK as BLOCK  # noqa: E402
 
+from dspine.sglang.cpu import overlap  # noqa: E402
+from dspine.sglang.rounds import SYNC_LOG_ENV  # noqa: E402
 from dspine.sglang.worker import PROPOSAL_LOG_ENV  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 7], [200, 11, 5], [64, 64, 1, 250, 31, 8, 19]]
@@ -42,12 +48,27 @@ def _greedy(engine) -> list[dict]:
     return [engine.generate(input_ids=p, sampling_params=GREEDY) for p in PROMPTS]  # one at a time: round order
 
 
-# Hybrid targets: ReplaySSM spec-verify with a float32 SSM state. The prefix cache runs without extra buffer
-# on the CPU path (SGLang keeps Mamba state snapshots on GPUs only); on a GPU SGLang's auto picks extra_buffer.
+BIAS = {"17": 3.0, "42": 2.0}
+
+
+def _processed(engine) -> list[dict]:
+    """Greedy requests with logit_bias and a custom logit processor (SGLang applies it after the bias). No penalty
+    here: SGLang's own overlap loop penalizes a token late (test_sglang_requests.py)."""
+    from sglang_processors import BanArgmax
+
+    sp = {**GREEDY, "logit_bias": BIAS}
+    return [engine.generate(input_ids=p, sampling_params=sp, custom_logit_processor=BanArgmax.to_str())
+            for p in PROMPTS]
+
+
+# Hybrid targets: ReplaySSM spec-verify with a float32 SSM state. On a GPU SGLang's auto picks extra_buffer for the
+# prefix cache; SGLang keeps Mamba state snapshots on GPUs only, so on the CPU path the prefix cache is off under
+# overlap scheduling (auto would pick extra_buffer) and runs without extra buffer (no_buffer) with the plain loop.
 # SGLang keeps GDN conv windows (and the ReplaySSM delta/key rings) in bfloat16 whatever the model dtype; that
 # rounding moves a tiny random model's logits by ~1e-3, enough to flip near-ties against the float32
 # reference, so these runs keep them in float32 (the bfloat16 rings are covered by test_sglang_cpu_kernels).
-HYBRID = dict(enable_linear_replayssm_spec=True, mamba_ssm_dtype="float32", max_mamba_cache_size=16)
+CPU_HYBRID = {} if on_gpu() or not overlap() else {"disable_radix_cache": True}
+HYBRID = dict(enable_linear_replayssm_spec=True, mamba_ssm_dtype="float32", max_mamba_cache_size=16, **CPU_HYBRID)
 HYBRID_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
@@ -80,7 +101,8 @@ def random_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_run(random_models):
     target, _ = random_models
-    return run_engine(target, _greedy)
+    return run_engine(target, lambda e: {"greedy": _greedy(e), "processed": _processed(e)},
+                      enable_custom_logit_processor=True)
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +117,10 @@ def dspine_run(random_models, tmp_path_factory):
         sampled = engine.generate(input_ids=[prompt] * SAMPLED_N,
                                   sampling_params=[{"max_new_tokens": 2, "temperature": 1.0, "sampling_seed": i}
                                                    for i in range(SAMPLED_N)])
-        return {"greedy": greedy, "rounds": rounds, "sampled": sampled}
+        return {"greedy": greedy, "rounds": rounds, "sampled": sampled, "processed": _processed(engine)}
 
-    return run_engine(target, workload, draft=draft, env={PROPOSAL_LOG_ENV: str(log)})
+    return run_engine(target, workload, draft=draft, env={PROPOSAL_LOG_ENV: str(log)},
+                      enable_custom_logit_processor=True)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +132,7 @@ def accepting_run(tmp_path_factory):
 def test_greedy_dspine_equals_plain_sglang_equals_reference(random_models, plain_run, dspine_run):
     target, _ = random_models
     ref = [o.token_ids for o in _reference(target, None)]
-    plain = [o["output_ids"] for o in plain_run]
+    plain = [o["output_ids"] for o in plain_run["greedy"]]
     spec = [o["output_ids"] for o in dspine_run["greedy"]]
     assert all(len(r) == MAX_NEW for r in ref)
     assert plain == ref
@@ -120,9 +143,25 @@ def test_greedy_dspine_equals_plain_sglang_equals_reference(random_models, plain
         assert meta["spec_num_proposed_drafts"] == meta["spec_verify_ct"] * (BLOCK - 1)
 
 
+def test_a_custom_logit_processor_comes_after_penalties_and_bias_as_in_sglangs_sampler(plain_run, dspine_run):
+    """SGLang's sampler: penalties, the grammar mask, logit_bias, then custom logit processors; the DSPINE verify
+    in the same order (it applied the processor first: the argmax it banned was the unbiased one)."""
+    plain = [o["output_ids"] for o in plain_run["processed"]]
+    assert [o["output_ids"] for o in dspine_run["processed"]] == plain
+    assert plain != [o["output_ids"] for o in plain_run["greedy"]]
+    assert sum(o["meta_info"]["spec_verify_ct"] for o in dspine_run["processed"]) > 0
+
+
+def test_the_cpu_path_proposes_through_the_branch_a_gpu_captures(dspine_run):
+    """On the CPU the draft-graph branch (the selector sampler a GPU folds into its captured draft forward) runs
+    eagerly in every round; ``DSPINE_SGLANG_GRAPH_TWIN=0`` takes the eager selector instead (CI's second pass)."""
+    from dspine.sglang.worker import GRAPH_TWIN_ENV
+
+    want = "eager" if os.environ.get(GRAPH_TWIN_ENV) == "0" else "graph"
+    assert {r["path"] for r in dspine_run["rounds"]} == {want}
+
+
 def test_sglang_proposals_equal_the_reference_engines_round_by_round(random_models, dspine_run):
-    if on_gpu():
-        pytest.skip("the proposal log is eager-only; on a GPU the CUDA-graph path is checked by greedy parity")
     target, draft = random_models
     ref_rounds: list = []
     _reference(target, draft, record=ref_rounds)
@@ -185,6 +224,38 @@ def _assert_chi2_fits(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return stat
 
 
+# -- penalties across retraction: the generated history rebuilt from the device's tails ------------------------------
+
+RETRACT_PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6)] for i in range(8)]
+RETRACT = {"max_new_tokens": 40, "temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.3}
+
+
+@pytest.fixture(scope="module")
+def retract_run(random_models, tmp_path_factory):
+    """Eight penalized rows at once in a KV pool too small for all of them: SGLang retracts rows and runs them
+    again later (their prefill then covers the tokens generated so far)."""
+    target, draft = random_models
+    syncs = tmp_path_factory.mktemp("retract") / "syncs.jsonl"
+    outs = run_engine(target, lambda e: e.generate(input_ids=RETRACT_PROMPTS, sampling_params=RETRACT), draft=draft,
+                      env={SYNC_LOG_ENV: str(syncs)}, max_total_tokens=192, max_running_requests=8)
+    return outs, [json.loads(line) for line in syncs.read_text().splitlines()]
+
+
+def test_penalized_rows_survive_retraction(retract_run):
+    """The penalty history of a row re-entering after retraction (under overlap its output_ids then miss the new
+    prefill's token) comes from the device's tails: every row completes, every round of a penalized row read its
+    history once, and none needed the fallback. It raised in the scheduler and killed the engine. (Equality with
+    the rows run alone is not asserted: a batch of eight and a re-prefill round differently from one row alone,
+    enough to flip a near-tie of a tiny random model; the penalty arithmetic itself is checked slot by slot in
+    test_sglang_processing.py and end to end in test_sglang_requests.py.)"""
+    outs, syncs = retract_run
+    assert sum(o["meta_info"].get("num_retractions", 0) for o in outs) > 0
+    assert all(len(o["output_ids"]) == RETRACT["max_new_tokens"] for o in outs)
+    assert all(r["syncs"] == 1 for r in syncs if r["mode"] == "decode" and r["needs"])
+    assert sum(r["needs"] for r in syncs) > 0 and sum(r["fallbacks"] for r in syncs) == 0
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
 # -- the Qwen3.5 hybrid (GDN + full attention) with ReplaySSM -----------------------------------------------------
 
 
@@ -200,7 +271,7 @@ def hybrid_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_plain_run(hybrid_models):
     target, _ = hybrid_models
-    return run_engine(target, _greedy, env=HYBRID_ENV, max_mamba_cache_size=16)
+    return run_engine(target, _greedy, env=HYBRID_ENV, max_mamba_cache_size=16, **CPU_HYBRID)
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +306,6 @@ def test_hybrid_greedy_dspine_equals_plain_sglang_equals_reference(hybrid_models
 
 
 def test_hybrid_proposals_equal_the_reference_engines_round_by_round(hybrid_models, hybrid_dspine_run):
-    if on_gpu():
-        pytest.skip("the proposal log is eager-only; on a GPU the CUDA-graph path is checked by greedy parity")
     target, draft = hybrid_models
     ref_rounds: list = []
     _reference(target, draft, record=ref_rounds)
@@ -269,8 +338,7 @@ def test_hybrid_partially_accepted_blocks_commit_through_replayssm(hybrid_accept
         partial = sum(hist[1 : BLOCK - 1])  # rounds that accepted some drafts but not all
         assert partial >= MAX_NEW // 4, hist
         assert meta["spec_num_correct_drafts"] == r.stats.draft_tokens_accepted > 0
-    if not on_gpu():
-        assert run["rounds"] == ref_rounds
+    assert run["rounds"] == ref_rounds
 
 
 # -- suffix proposals beside the draft (DSPINE_PROPOSERS) -----------------------------------------------------------
@@ -362,17 +430,15 @@ def _check_suffix_greedy(target, run):
 
 @pytest.fixture(scope="module")
 def suffix_run(random_models, tmp_path_factory):
-    if on_gpu():
-        pytest.skip("suffix proposals run on the eager proposal path (the CPU test path)")
     target, draft = random_models
     log = tmp_path_factory.mktemp("suffix_rounds") / "rounds.jsonl"
-    return _suffix_run(target, draft, "suffix", log, sampled=True)
+    syncs = log.with_name("syncs.jsonl")
+    run = _suffix_run(target, draft, "suffix", log, sampled=True, env={SYNC_LOG_ENV: str(syncs)})
+    return {**run, "syncs": [json.loads(line) for line in syncs.read_text().splitlines()]}
 
 
 @pytest.fixture(scope="module")
 def hybrid_suffix_run(hybrid_models, tmp_path_factory):
-    if on_gpu():
-        pytest.skip("suffix proposals run on the eager proposal path (the CPU test path)")
     target, draft = hybrid_models
     log = tmp_path_factory.mktemp("hybrid_suffix_rounds") / "rounds.jsonl"
     return _suffix_run(target, draft, "auto", log, env=HYBRID_ENV, **HYBRID)
@@ -381,6 +447,16 @@ def hybrid_suffix_run(hybrid_models, tmp_path_factory):
 def test_suffix_proposals_keep_greedy_outputs_plain_decodings(random_models, suffix_run):
     target, _ = random_models
     _check_suffix_greedy(target, suffix_run)
+
+
+def test_no_round_reads_the_device_from_the_host_unless_a_row_needs_it(suffix_run):
+    """Suffix proposals (greedy and sampled rows, proposers=suffix) and the round's accounting without a single
+    device->host read in dspine's code during a forward (counted through ``rounds.SyncCounter``): under overlap
+    scheduling such a read would wait for the round just launched. (Rows with penalties need one:
+    test_sglang_requests.py.)"""
+    decode = [r for r in suffix_run["syncs"] if r["mode"] == "decode"]
+    assert len(decode) >= 20 and all(r["needs"] == 0 for r in decode)
+    assert [r for r in suffix_run["syncs"] if r["syncs"]] == []
 
 
 def test_sampled_suffix_proposals_keep_the_target_distribution(random_models, suffix_run):
@@ -402,3 +478,17 @@ def test_hybrid_suffix_proposals_commit_through_replayssm(hybrid_models, hybrid_
     as the draft's do (outputs are plain decoding's)."""
     target, _ = hybrid_models
     _check_suffix_greedy(target, hybrid_suffix_run)
+
+
+def test_a_hybrid_target_without_replayssm_is_refused_on_the_cpu_once_its_pools_exist(hybrid_models, capfd):
+    """The check needs the target's Mamba pool, which SGLang builds after the speculative worker: it runs in
+    ``init_attention_backends`` (it ran in the worker's constructor, saw no pool and passed)."""
+    if on_gpu():
+        pytest.skip("a GPU verifies hybrid targets through the recurrent path as well")
+    from dspine_batch.engines.sglang.processes import on_sigquit
+
+    target, draft = hybrid_models
+    with pytest.raises(Exception):  # noqa: B017 - SGLang reports a dead scheduler as its own error
+        run_engine(target, lambda engine: None, draft=draft, env=HYBRID_ENV, mamba_ssm_dtype="float32",
+                   max_mamba_cache_size=16, custom_sigquit_handler=on_sigquit, **CPU_HYBRID)
+    assert "on the CPU needs --enable-linear-replayssm-spec" in "".join(capfd.readouterr())

@@ -420,7 +420,7 @@ def _shell_model(tiny, draft_dir=None):
         m.register_buffer("draft_vocab", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
     else:
         m.draft_vocab = None
-    m._head_rows = None
+    m._head_rows = m._pad_ids = None
     m.spec = spec
     m._expected = DSpineDraftModel._expected_names(cfg)
     return m, shards
@@ -479,10 +479,23 @@ def test_draft_vocab_is_loaded_and_used_for_candidates(tiny, tmp_path):
     m.lm_head = SimpleNamespace(weight=head)
     m.hidden_size = m.spec.hidden_size
     m.candidate_selector = SimpleNamespace(top_k=4)
-    hidden = torch.randn(6, m.spec.hidden_size * 2 + m.spec.transfer_rank)
-    ids, vals = m.compute_candidates(hidden)
+    m.prepare_vocab()  # at load (the worker's __init__): the padding ids need a host read, never in a round
+    assert m._pad_ids is not None and torch.equal(m._head_rows[1], head[vocab])
+    import dspine.sglang.draft_math as dm
+
+    def no_host_read(*a, **k):
+        raise AssertionError("the draft-vocabulary caches were built inside a round")
+
+    real, dm.pad_candidate_ids = dm.pad_candidate_ids, no_host_read
+    try:
+        hidden = torch.randn(6, m.spec.hidden_size * 2 + m.spec.transfer_rank)
+        ids, vals = m.compute_candidates(hidden)
+        m.lm_head = SimpleNamespace(weight=head.clone())  # a replaced head: its rows again, without a host read
+        ids2, _ = m.compute_candidates(hidden)
+    finally:
+        dm.pad_candidate_ids = real
     best = (hidden[:, : m.hidden_size] @ head.T)[:, vocab].topk(4, dim=-1)
-    assert torch.equal(ids, vocab[best.indices]) and torch.allclose(vals, best.values)
+    assert torch.equal(ids, vocab[best.indices]) and torch.allclose(vals, best.values) and torch.equal(ids, ids2)
 
 
 # -- 7. the worker's seams in SGLang 0.5.23 (it cannot run without CUDA; its contract with DFlash can be checked) --
@@ -491,21 +504,31 @@ def test_draft_vocab_is_loaded_and_used_for_candidates(tiny, tmp_path):
 def test_worker_overrides_match_dflash_seams():
     import inspect
 
+    from sglang.srt.speculative import base_spec_worker, spec_utils
     from sglang.srt.speculative import dflash_worker_v2 as dw
-    from sglang.srt.speculative import spec_utils
 
     from dspine.sglang.models.dspine_draft import DSpineSelector
     from dspine.sglang.worker import DSpineWorkerV2, gdn_replayssm_active
 
     base = dw.DFlashWorkerV2
-    for name in ("_update_target_mamba_state_after_verify", "_propose_selector_block", "__init__"):
+    for name in ("_update_target_mamba_state_after_verify", "__init__", "init_attention_backends"):
         assert inspect.signature(getattr(DSpineWorkerV2, name)).parameters.keys() == \
             inspect.signature(getattr(base, name)).parameters.keys(), name
+    assert inspect.signature(DSpineWorkerV2.on_verify_complete_cpu).parameters.keys() == \
+        inspect.signature(base_spec_worker.BaseSpecWorker.on_verify_complete_cpu).parameters.keys()
     assert "prepared_step_indices" in inspect.signature(spec_utils.commit_mamba_states_after_verify).parameters
     # the selector seam DFlash drives (_selector_lattice / _SelectorDraftSampler / _propose_selector_block)
     src = inspect.getsource(dw)
     assert "draft_model.compute_candidates(" in src and "candidate_selector.build_lattice(" in src
     assert "self.selector.sample_path(" in src
+    # the pre-verify seam: after both proposal paths, the block is read first by these two calls
+    fwd = inspect.getsource(base.forward_batch_generation)
+    copy, tree, verify = (fwd.index("draft_tokens[:, 1:].copy_(draft_next)"),
+                          fwd.index("GrammarTree.from_linear_chain(draft_tokens)"),
+                          fwd.rindex("verify_input = DFlashVerifyInput("))
+    assert copy < tree < verify and "_selector_sample = (" in fwd[:copy]
+    assert "on_verify_complete_cpu(" in inspect.getsource(
+        __import__("sglang.srt.managers.scheduler_components.batch_result_processor", fromlist=["x"]))
     for method, kws in (("build_lattice", {"candidate_ids", "unary_logits", "hidden_states", "anchor_token_ids"}),
                         ("sample_path", {"candidate_ids", "scores", "uniforms", "temperatures", "greedy_mask"})):
         assert set(inspect.signature(getattr(DSpineSelector, method)).parameters) - {"self"} == kws
@@ -524,13 +547,15 @@ def test_worker_refuses_other_devices():
 
 
 def test_worker_refuses_a_hybrid_target_on_the_cpu_without_replayssm():
+    """Asked once the target's pools exist (SGLang builds the speculative worker before them)."""
     from dspine.sglang.worker import DSpineWorkerV2, cpu_hybrid_problem
 
     pool = SimpleNamespace
     no_ring = pool(mamba_pool=pool(replayssm_cache_base=None, replayssm_spec_fold=False))
-    target = SimpleNamespace(device="cpu", model_runner=SimpleNamespace(req_to_token_pool=no_ring))
+    worker = object.__new__(DSpineWorkerV2)
+    worker.device, worker.model_runner = "cpu", SimpleNamespace(req_to_token_pool=no_ring)
     with pytest.raises(RuntimeError, match="on the CPU needs --enable-linear-replayssm-spec"):
-        DSpineWorkerV2(None, 0, 0, target)
+        worker.init_attention_backends()
     assert cpu_hybrid_problem("cuda:0", no_ring) is None  # the GPU commits through the recurrent verify too
     assert cpu_hybrid_problem("cpu", pool(mamba_pool=None)) is None  # a dense target
     assert cpu_hybrid_problem("cpu", pool(mamba_pool=pool(replayssm_cache_base=torch.zeros(1)))) is None
@@ -711,3 +736,29 @@ def test_vocab_candidates_keep_top_k_columns_when_the_draft_vocabulary_is_smalle
     tokens, q = dm.walk(ids.view(2, 1, k), masked, torch.tensor([[0.99], [0.99]]), torch.ones(2),
                         torch.tensor([False, False]))
     assert set(tokens.flatten().tolist()) <= {1, 4, 6} and (q[..., 3:] == 0).all()
+
+
+def test_min_tokens_holds_back_the_same_stop_ids_as_the_reference_engine():
+    """Issue 51: SGLang's ``min_new_tokens`` (and its stop check) also use the tokenizer's "additional stop tokens"
+    (``<|eom_id|>``...), which the reference engine does not stop on. In the engines the batch tool starts that
+    list stays empty, so both hold back and stop on the request's stop ids (which the batch tool fills with the EOS
+    ids of the tokenizer and the model's configs), SGLang's ``eos_token_ids`` and the tokenizer's EOS."""
+    code = """
+import json
+from types import SimpleNamespace as NS
+from dspine.sglang import plugin
+plugin.register()
+from sglang.srt.utils.hf_transformers import tokenizer as t
+from dspine.sglang.processing import stop_ids
+tok = NS(get_added_vocab=lambda: {"<|eom_id|>": 7, "<|eot_id|>": 9}, eos_token_id=9)
+t.attach_additional_stop_token_ids(tok)
+req = NS(sampling_params=NS(stop_token_ids={9, 3}), eos_token_ids={9}, tokenizer=tok)
+print(json.dumps(stop_ids(req)))
+"""
+    from dspine.sglang.sampling import engine_env
+
+    ours = _run(code, env=engine_env())
+    theirs = _run(code, env={k: "" for k in engine_env()})
+    assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr[-2000:] + theirs.stderr[-2000:]
+    assert json.loads(ours.stdout.strip().splitlines()[-1]) == [3, 9]  # the request's stop ids (EOS among them)
+    assert json.loads(theirs.stdout.strip().splitlines()[-1]) == [3, 7, 9]  # SGLang by hand keeps its own

@@ -1,7 +1,7 @@
 """The DSPINE verify's per-slot logits processing (``dspine.sglang.processing``) against a plain step-by-step
 reference that does what SGLang's penalizers do in a plain decode step (scatter per generated token, the scaling
 penalty, one additive tensor, then ``logit_bias``, ``min_new_tokens`` as ``-inf``), slot by slot with the slot's
-own history; and ``Histories``. Pure torch, on stand-in ``Req`` objects: needs no SGLang."""
+own history; and ``rounds.history``. Pure torch, on stand-in ``Req`` objects: needs no SGLang."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspine.sglang.processing import Histories, RowParams, process_block, row_params, stop_ids
+from dspine.sglang.processing import RowParams, process_block, row_params, stop_ids
+from dspine.sglang.rounds import history
 
 V = 64
 B = 6
@@ -121,34 +122,15 @@ def test_row_params_of_requests():
     assert rp.min_tokens == 3 and rp.stop_ids == (2, 4, 6, 9) == stop_ids(_req(stop_token_ids={9}))
 
 
-def test_histories_rebuild_what_output_ids_lag_behind():
-    h = Histories(keep=8)
-    req = _req(prompt=(1, 2, 3), out=(10,))
-    # first verify round: prompt 3 + generated 1 -> seq_len 3 (the anchor has no KV yet)
-    assert h.of(req, 3, 10) == [10]
-    h.record(req, [11, 12, 13])  # committed this round (the last one the next anchor)
-    # output_ids up to date (plain loop)
-    req.output_ids = array("q", [10, 11, 12, 13])
-    assert h.of(req, 6, 13) == [10, 11, 12, 13]
-    # output_ids one round behind (overlap scheduling): the tail comes from what was recorded
-    req.output_ids = array("q", [10])
-    assert h.of(req, 6, 13) == [10, 11, 12, 13]
-    with pytest.raises(RuntimeError, match="cannot rebuild"):
-        h.of(req, 6, 99)  # the anchor does not match what was recorded
-    other = _req(rid="r")  # a new request reusing the id does not read the old one's tail
-    with pytest.raises(RuntimeError, match="cannot rebuild"):
-        h.of(other, 6, 13)
-    req.done = True
-    h.prune()
-    assert h.recent == {}
-
-
-def test_histories_keep_a_bounded_tail():
-    h = Histories(keep=4)
-    req = _req()
-    for t in range(10):
-        h.record(req, [t])
-    assert h.recent["r"][1] == [6, 7, 8, 9]
+def test_history_completes_what_output_ids_lag_behind_from_the_device_tail():
+    """``output_ids`` is exact with the plain loop and a round behind under overlap scheduling: the committed count
+    (from the device) says how many tokens it misses, the last ones of the row's recorded tail; never an error."""
+    out = array("q", [10, 11, 12, 13])
+    assert history(out, 4, [11, 12, 13, 0], 3) == ([10, 11, 12, 13], True)  # up to date
+    assert history(out[:1], 4, [11, 12, 13, 0], 3) == ([10, 11, 12, 13], True)  # one round behind
+    assert history(array("q"), 1, [10, 0, 0, 0], 1) == ([10], True)  # the first decode round: the prefill's token
+    assert history(out, 3, [12, 13, 0, 0], 2) == ([10, 11, 12], True)  # output_ids ahead (a retracted row): cut
+    assert history(out[:1], 6, [12, 13, 0, 0], 2) == ([10], False)  # the tail cannot cover five: said, not raised
 
 
 @pytest.mark.parametrize("rp", CASES, ids=[str(i) for i in range(len(CASES))])

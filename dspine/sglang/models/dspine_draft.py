@@ -133,12 +133,22 @@ class DSpineDraftModel(DFlashDraftModel):
             ids, vals, _ = candidate_topk(normed, self.lm_head, self.candidate_selector.top_k)
             return ids, vals.float()
         w = self.head_weight()
-        if self._head_rows is None or self._head_rows[0] != w.data_ptr():
-            self._head_rows = (w.data_ptr(), w.index_select(0, self.draft_vocab.to(w.device)))
-        top_k = self.candidate_selector.top_k
-        if getattr(self, "_pad_ids", None) is None:
-            self._pad_ids = dm.pad_candidate_ids(self.draft_vocab.to(w.device), w.shape[0], top_k)
-        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, top_k, self._pad_ids)
+        if self._head_rows is None or self._head_rows[0] != w.data_ptr():  # a host attribute: no device read
+            self.prepare_vocab()
+        return dm.vocab_candidates(normed, self._head_rows[1], self.draft_vocab, self.candidate_selector.top_k,
+                                   self._pad_ids)
+
+    def prepare_vocab(self) -> None:
+        """The draft-vocabulary caches (the head's rows, the padding ids), built when the worker attaches the target
+        head, before SGLang's warm-up and any graph capture: the padding ids need a host read (``nonzero``), which
+        must never happen inside a round. The rows are rebuilt (no host read) if the head's weight is replaced."""
+        if self.draft_vocab is None:
+            return
+        w = self.head_weight()
+        vocab = self.draft_vocab.to(w.device)
+        self._head_rows = (w.data_ptr(), w.index_select(0, vocab))
+        if self._pad_ids is None:
+            self._pad_ids = dm.pad_candidate_ids(vocab, w.shape[0], self.candidate_selector.top_k)
 
     # -- forward -----------------------------------------------------------------------------------------------
     @torch.no_grad()

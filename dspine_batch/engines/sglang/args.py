@@ -106,17 +106,19 @@ def _typed_value(key: str, value: Any, parser) -> dict[str, Any]:
 
 def cpu_defaults(speculative: bool) -> dict[str, Any]:
     """SGLang's CPU test path (no GPU here): CPU device, torch_native attention (draft too), no CUDA graphs."""
-    from dspine.sglang.cpu import CPU_ENGINE_KWARGS
+    from dspine.sglang.cpu import engine_kwargs
 
-    kw = dict(CPU_ENGINE_KWARGS)
+    kw = engine_kwargs()
     if not speculative:
         kw.pop("speculative_draft_attention_backend")
     return kw
 
 
 def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: dict[str, Any],
-                        parser=None, on_cpu: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args."""
+                        parser=None, on_cpu: bool = False, gpu_dtype: str | None = None
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ServerArgs kwargs, adapter options). Precedence: defaults < server_flags < single KEY=VALUE args.
+    ``gpu_dtype``: what ``dtype=auto`` resolves to on this GPU (``readiness.gpu_dtype``; bfloat16 when not given)."""
     parser = parser or _sglang_parser()
     args = {k.replace("-", "_"): v for k, v in engine_args.items()}
     opts: dict[str, Any] = {"poll_seconds": 1.0, "meta_log": None, "proposers": None}
@@ -124,6 +126,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
                               "constrained_json_disable_any_whitespace": True}
     if on_cpu:
         kwargs.update(cpu_defaults(draft_path is not None))
+    else:  # dtype=auto as both engines resolve it (never the checkpoint's own: fp16/fp32 checkpoints exist)
+        kwargs["dtype"] = gpu_dtype if gpu_dtype is not None else "bfloat16"
     if draft_path is not None:
         kwargs.update(speculative_algorithm="DSPINE", speculative_draft_model_path=str(draft_path))
     flags = args.pop("server_flags", None)
@@ -145,6 +149,8 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
             opts["poll_seconds"] = float(args.pop("poll_seconds"))
         except ValueError as e:
             raise UsageError(f"--engine-arg poll_seconds: {e}") from e
+    if str(args.get("dtype", "")).strip().lower() == "auto":  # the batch tool's auto, resolved above
+        args.pop("dtype")
     for key, value in args.items():
         if key in ("model_path", "speculative_draft_model_path"):
             raise UsageError(f"--engine-arg {key}: use --model/--draft instead")
@@ -152,12 +158,25 @@ def build_server_kwargs(model_path: str, draft_path: str | None, engine_args: di
     if on_cpu and kwargs.get("mamba_radix_cache_strategy") in CPU_REFUSED_MAMBA_STRATEGIES:
         raise UsageError(f"mamba_radix_cache_strategy={kwargs['mamba_radix_cache_strategy']}: SGLang 0.5.23 keeps "
                          "no Mamba state snapshots on the CPU (no GPU here); use no_buffer or leave it unset")
+    if on_cpu and _cpu_hybrid_overlap(model_path, kwargs):
+        # SGLang's auto strategy would pick extra_buffer for overlap scheduling, which the CPU cannot snapshot
+        kwargs["disable_radix_cache"] = True
+        print("dspine-batch: note: a hybrid target on the CPU with overlap scheduling runs without the prefix "
+              "cache (SGLang keeps Mamba state snapshots on GPUs only)", file=sys.stderr)
     if draft_path is None and kwargs.get("speculative_algorithm"):
         raise UsageError(f"--engine-arg speculative_algorithm={kwargs['speculative_algorithm']} needs --draft PATH")
     if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
         opts["proposers"] = proposers  # the DSPINE worker's DSPINE_PROPOSERS (None: no DSPINE, nothing to set)
     kwargs["custom_sigquit_handler"] = on_sigquit
     return kwargs, opts
+
+
+def _cpu_hybrid_overlap(model_path: str, kwargs: dict[str, Any]) -> bool:
+    """A hybrid target about to run the overlap scheduler on the CPU with SGLang choosing its Mamba cache strategy."""
+    from dspine.sglang.config import is_hybrid
+
+    return (not kwargs.get("disable_overlap_schedule") and not kwargs.get("disable_radix_cache")
+            and kwargs.get("mamba_radix_cache_strategy") in (None, "auto") and is_hybrid(model_path))
 
 
 def sampling_params(p: SamplingParams) -> dict[str, Any]:

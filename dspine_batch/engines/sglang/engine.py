@@ -57,23 +57,26 @@ from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import UsageError
 
 
-def sglang_available(need_gpu: bool = True) -> tuple[bool, str]:
-    """(usable, why): SGLang importable here and (``need_gpu``, as ``--engine auto`` asks) a CUDA GPU visible.
-    ``--engine sglang`` without a GPU runs SGLang's CPU test path instead."""
-    try:
-        import importlib.util
+# Per-request seeds (issue 57, finding 4): SGLang 0.5.23 reads ``sampling_seed`` only under
+# --enable-deterministic-inference (and then not with flashinfer's top-k/top-p sampler); DSPINE's draft walk and
+# verify draw from the global generator as DFlash's do. Sampled rows are exact in law, not reproducible: said once.
+SEEDS_NOTE = ("dspine-batch: note: SGLang does not honour per-request seeds: sampled rows follow the model's law but "
+              "are not reproducible run to run (--engine reference reproduces them)")
 
+
+def sglang_available(need_gpu: bool = True) -> tuple[bool, str]:
+    """(usable, why): SGLang importable here and (``need_gpu``) everything a GPU run needs (``readiness.check``, what
+    ``--engine auto`` asks). ``--engine sglang`` without a GPU runs SGLang's CPU test path instead."""
+    import importlib.util
+
+    if not need_gpu:
         if importlib.util.find_spec("sglang") is None:
             return False, "sglang is not installed in this interpreter"
-        if not need_gpu:
-            return True, "sglang is installed"
-        import torch
+        return True, "sglang is installed"
+    from dspine_batch.engines.sglang.readiness import check
 
-        if not torch.cuda.is_available():
-            return False, "no CUDA GPU is visible"
-    except Exception as e:  # pragma: no cover - broken installs
-        return False, f"cannot check for SGLang: {e}"
-    return True, "sglang and a CUDA GPU are available"
+    ready = check()
+    return ready.ok, ready.why
 
 
 def on_cpu() -> bool:
@@ -106,6 +109,7 @@ class SGLangEngine:
         self._old_sigquit = None
         self.proposers = proposers  # DSPINE's proposal sources (None: no DSPINE speculation)
         self.tally = SourceTally()
+        self._said_seeds = False
 
     # -- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -115,8 +119,11 @@ class SGLangEngine:
         model_path = resolve_model(model)
         draft_path = resolve_draft(draft, model)
         cpu = engine_factory is None and on_cpu()
+        from dspine_batch.engines.sglang.readiness import gpu_dtype
+
         kwargs, opts = build_server_kwargs(str(model_path), None if draft_path is None else str(draft_path), args,
-                                           parser=server_parser, on_cpu=cpu)
+                                           parser=server_parser, on_cpu=cpu,
+                                           gpu_dtype=None if cpu or engine_factory is not None else gpu_dtype())
         if str(kwargs.get("speculative_algorithm") or "").upper() == "DSPINE":
             from dspine.sglang.config import check_target, read_draft, resolve_block_size
 
@@ -155,6 +162,7 @@ class SGLangEngine:
                                                                                 "speculative_draft_model_path")}}
         if proposers not in (None, "dspine"):  # sampled rows then verify other proposals: other tokens
             identity["proposers"] = proposers
+        identity["seeds"] = "not honoured"  # SEEDS_NOTE: a resumed run's sampled rows are new draws
         max_ctx = kwargs.get("context_length") or _config_max_position(model_path)
         _SIGQUIT.clear()
         main = threading.current_thread() is threading.main_thread()
@@ -219,6 +227,9 @@ class SGLangEngine:
                     if req is None:
                         exhausted = True
                         break
+                    if req.params.temperature > 0 and not self._said_seeds:
+                        self._said_seeds = True
+                        print(SEEDS_NOTE, file=sys.stderr)
                     rid = f"{req.row_id}#{req.sample_index}#{uuid.uuid4().hex[:12]}"
                     pending[loop.create_task(self._one(req, rid))] = (req, rid)
                 if not pending:
