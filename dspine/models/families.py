@@ -179,6 +179,6 @@ def _gaps(spec: DenseSpec, cfg: dict) -> tuple[str, ...]:
     gaps = []
     for rope in {r for r in spec.ropes if r is not None}:
         if rope.rope_type == "longrope" and int(cfg.get("max_position_embeddings") or 0) > rope.original_max_position:
-            gaps.append("longrope switches a forward to its long factors by that forward's length (as Hugging Face "
-                        "does), so a chunk or a prefix-cache hit could change a prompt's keys")
+            gaps.append("longrope rotates a prompt longer than original_max_position_embeddings wholly with its long "
+                        "factors (as Hugging Face does), which a chunk of it or a prefix-cache hit cannot know")
     return tuple(gaps)

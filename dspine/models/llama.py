@@ -245,8 +245,10 @@ class DenseTarget(Target):
             # instead of its whole context; what it writes at slot 0 of its own row is never read again (the slot
             # is overwritten whole when a newcomer takes it)
             pos = torch.where((n_valid == 0).to(pos.device)[:, None], torch.zeros_like(pos), pos)
-        ends = cache.lengths + (T if n_valid is None else n_valid.to(cache.lengths))  # longrope's choice, per row
-        tables = [rot(pos, self.dtype, ends) for rot in self.rotaries]  # (cos, sin) per distinct RoPE
+        # longrope's choice per position, as plain decoding makes it (``Rotary.needs_long``): a verify's positions
+        # below the switch keep the short factors
+        ends = cache.lengths + (T if n_valid is None else n_valid.to(cache.lengths))
+        tables = [rot(pos, self.dtype, ends, cache.lengths == 0) for rot in self.rotaries]  # (cos, sin) per RoPE
         x = self.embed(ids if packed is None else packed.gather(ids))
         at = Positions.of(pos)
         tapped = []

@@ -91,39 +91,53 @@ def _repetitive_prompts(target, n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", NAMES)
 def test_speculative_equals_plain(family, family_dir):
-    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens."""
-
-    # Phi's tiny longrope switches at 32 positions: a verify crossing it would use the long factors for tokens a
-    # plain step computes with the short ones (HF's per-forward rule), so keep its rows on one side here
-    kw = {"original_max_position_embeddings": 512} if family == "phi3" else {}
-    path = save_tiny_family(family_dir(family) + "-spec", family, **kw) if kw else family_dir(family)
+    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens. Phi's
+    tiny longrope switches at 32 positions: its rows (16-34 prompt tokens, 20 generated) cross it, one of them in
+    its prefill, the others in verifies (``test_longrope.py`` has the rule and its laws)."""
+    # Phi's weights larger than the family test's (sharper attention): a key rotated with the wrong factors flips
+    # tokens instead of moving logits by 1e-2
+    sharp = {"initializer_range": 0.15} if family == "phi3" else {}
+    path = save_tiny_family(family_dir(family) + "-sharp", family, **sharp) if sharp else family_dir(family)
     target = load_target(path)
     prompts = _repetitive_prompts(target, 4, seed=7)
+    if family == "phi3":
+        switch = target.rotary.spec.original_max_position
+        assert min(map(len, prompts)) < switch < max(map(len, prompts)) + 20
     check_speculation_equals_plain(target, prompts)
 
 
 @pytest.mark.parametrize("family", NAMES)
 def test_batch_and_chunk_invariance_where_claimed(family, family_dir):
-    """On our kernels a family without ``invariance_gaps`` gives a row the same hidden states (the bits the prefix
-    cache and chunked prefill reuse) alone or in a batch, and prefilled whole or in two chunks; a family with
-    gaps names them (Phi's longrope), never silently."""
+    """On our kernels a row's hidden states (the bits the prefix cache and chunked prefill reuse) are the same alone
+    or in a batch, and prefilled whole or in two chunks, for every family without ``invariance_gaps``. A family
+    with gaps names them and chunked prefill is off for it (Phi's longrope: a 40-token prompt, past the switch at 32,
+    is rotated wholly with the long factors, so its chunks differ from it; a prompt below the switch chunks
+    exactly), never silently."""
+    from dspine.decoding.prefill import chunking_exact
+
     _kernels_or_skip("kernels")
     target = load_target(family_dir(family))
-    if family == "phi3":
-        assert any("longrope" in gap for gap in target.invariance_gaps)
-        return
-    assert target.invariance_gaps == ()
+    gapped = family == "phi3"
+    assert any("longrope" in gap for gap in target.invariance_gaps) if gapped else target.invariance_gaps == ()
+    assert chunking_exact(target) == (not gapped)
     g = torch.Generator().manual_seed(5)
-    row = torch.randint(3, 256, (1, 23), generator=g)
+    n = 40 if gapped else 23
 
     def hidden(ids, cache=None):
         return target.forward(ids, target.new_cache(ids.shape[0], 4) if cache is None else cache).hidden
 
+    def chunked(row):
+        cache = target.new_cache(1, 4)
+        return torch.cat([hidden(row[:, :9], cache)[0], hidden(row[:, 9:], cache)[0]])
+
+    row = torch.randint(3, 256, (1, n), generator=g)
     alone = hidden(row)[0]
-    batch = torch.cat([torch.randint(3, 256, (2, 23), generator=g), row])
+    batch = torch.cat([torch.randint(3, 256, (2, n), generator=g), row])
     assert torch.equal(hidden(batch)[2], alone)
-    cache = target.new_cache(1, 4)
-    assert torch.equal(torch.cat([hidden(row[:, :9], cache)[0], hidden(row[:, 9:], cache)[0]]), alone)
+    assert torch.equal(chunked(row), alone) != gapped
+    if gapped:  # below the switch the rule is per position: chunks are exact there
+        short = row[:, :23]
+        assert torch.equal(chunked(short), hidden(short)[0])
 
 
 def test_sliding_window_sampled_speculation_chi2(tmp_path):
