@@ -174,9 +174,13 @@ class Rotary(nn.Module):
     def __init__(self, spec: RopeSpec):
         super().__init__()
         self.spec = spec
-        self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
-        self.register_buffer("long_inv_freq", spec.inv_freq(long=True) if spec.rope_type == "longrope" else None,
-                             persistent=False)
+        if torch.empty(0).is_meta:  # built for its shapes (``Target.check_checkpoint``); ``reset`` fills the tables:
+            # arithmetic on meta tensors routes through torch's reference ops, whose first call imports torch._dynamo
+            inv = long = torch.empty(spec.rotary_dim // 2)
+        else:
+            inv, long = spec.inv_freq(), spec.inv_freq(long=True) if spec.rope_type == "longrope" else None
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("long_inv_freq", long if spec.rope_type == "longrope" else None, persistent=False)
 
     def reset(self, device=None) -> None:
         """Recompute the tables (after ``to_empty`` left them uninitialised)."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
-from dspine.models.checkpoint import ModelLoadError, load_state
+from dspine.models.checkpoint import ModelLoadError, in_config, load_state
 from dspine.models.families import DenseSpec, read_spec
 from dspine.models.layers import Packing, Positions, RMSNorm, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
@@ -167,18 +167,17 @@ class DenseTarget(Target):
         try:
             model = cls.empty(cfg, dtype, device, path, required)
         except ModelLoadError as e:
-            raise ModelLoadError(str(e).replace("config.json:", f"{path / 'config.json'}:", 1)) from None
-
-        def rename(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and model.tied:
-                return None
-            if model.spec.fused_checkpoint:
-                name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
-            return name
-
-        load_state(model, path, rename=rename, dtype=dtype, mmap=torch.device(device).type == "cpu")
+            raise in_config(e, path) from None
+        load_state(model, path, rename=model.checkpoint_name, dtype=dtype, mmap=torch.device(device).type == "cpu")
         return model.eval()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.tied:
+            return None
+        if self.spec.fused_checkpoint:
+            name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
+        return name
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma by sqrt(hidden) rounded to the model's

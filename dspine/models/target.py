@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dspine.models.cache import ModelCache
-from dspine.models.checkpoint import ModelLoadError
+from dspine.models.checkpoint import ModelLoadError, check_shapes, checkpoint_shapes
 from dspine.models.layers import skip_init
 
 
@@ -286,12 +286,21 @@ class Target(nn.Module):
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
         return self.logits(self.forward(input_ids, cache).hidden)
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The module name a checkpoint tensor loads into; None: a tensor this target does not use."""
+        return name
+
     @classmethod
     def empty(cls, cfg: dict, dtype: torch.dtype, device, path: Path, required: tuple[str, ...] = ()):
-        """Build the module on the meta device (no init cost), then allocate it uninitialised for loading."""
+        """Build the module uninitialised for loading the checkpoint in ``path``, after checking the checkpoint
+        holds the shapes ``cfg`` asks for (``check_checkpoint``): a config is only a claim about its weights."""
         for key in required:
             if key not in cfg:
                 raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"{path / 'config.json'}: {key} must be a positive integer, got {value!r}")
+        cls.check_checkpoint(cfg, path)
         if torch.device(device).type == "cpu" and dtype == torch.float32:
             # built where it runs, left uninitialised: no allocation is touched before the checkpoint (mapped or
             # copied) replaces it; the meta device would route the constructors' arithmetic through torch's
@@ -306,6 +315,35 @@ class Target(nn.Module):
             if hasattr(m, "spec") and callable(getattr(m, "reset", None)):
                 m.reset(device=device)
         return model
+
+    @classmethod
+    def check_checkpoint(cls, cfg: dict, path: Path) -> None:
+        """Every tensor's shape in ``path``'s safetensors headers against the module ``cfg`` builds, built on the
+        meta device (shapes, no memory), before anything is allocated: a config claiming sizes its weights do not
+        have (a hand-edited ``config.json``, a damaged GGUF's metadata: ``intermediate_size`` 2**36 asked for
+        17.6 TB) fails in one ``ModelLoadError`` naming the file and the tensor. A layer count beyond the tensors
+        the checkpoint holds fails before any module is built (each layer has at least one)."""
+        stored = checkpoint_shapes(path)
+        layers = cfg.get("num_hidden_layers")
+        if isinstance(layers, int) and layers > len(stored):
+            raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers is {layers}, but the checkpoint holds "
+                                 f"{len(stored)} tensors")
+        cls.check_shapes_of(cfg, stored, path)
+
+    @classmethod
+    def check_shapes_of(cls, cfg: dict, stored: dict, where: Path, names: dict[str, str] | None = None) -> None:
+        """``checkpoint.check_shapes`` of ``stored`` (name -> (file, shape)) against the module ``cfg`` builds on the
+        meta device (``shaped``); ``names``: what each stored name is in a Hugging Face checkpoint, where it is
+        another format's."""
+        shaped = cls.shaped(cfg)
+        rename = shaped.checkpoint_name if names is None else lambda n: shaped.checkpoint_name(names[n])
+        check_shapes({n: t.shape for n, t in shaped.state_dict().items()}, stored, where, rename)
+
+    @classmethod
+    def shaped(cls, cfg: dict) -> Target:
+        """The module ``cfg`` builds, on the meta device: its parameters' names and shapes, and no memory."""
+        with torch.device("meta"), skip_init():
+            return cls(cfg)
 
     def default_tap_ids(self, n: int = 5) -> list[int]:
         return default_tap_ids(self.num_layers, n)
