@@ -16,6 +16,7 @@ from helpers import chi2_pvalue, exact_joint3, random_dspine, teacher_forced_bat
 
 from dspine import generate, load_target
 from dspine.models.checkpoint import ModelLoadError
+from dspine.models.families import read_spec
 
 NAMES = list(FAMILIES)
 
@@ -253,3 +254,35 @@ def test_legacy_config_keys_as_released_checkpoints_have_them(family, family_dir
     with torch.no_grad():
         expect = hf_model(src)(ids).logits
     assert (load_target(dst).score(ids) - expect).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "smollm3"])
+def test_sliding_layers_without_layer_types_as_hf_picks_them(family, tmp_path):
+    """A config with ``use_sliding_window`` and no ``layer_types`` (as transformers 4 wrote them): the layers that
+    slide are those HF's own config class picks (Qwen2/Qwen3: from ``max_window_layers`` on, its default 28 when
+    absent; SmolLM3: the NoPE layers), and the logits of a 20-token row (past the window of 4) are HF's."""
+    import json
+
+    import transformers
+    from helpers import save_tiny_hf
+
+    kw = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    if family == "qwen3":
+        path = save_tiny_hf(tmp_path / family, "qwen3", layers=4, **kw)
+    else:
+        path = save_tiny_family(tmp_path / family, family, **kw, **({"no_rope_layer_interval": 2}
+                                                                      if family == "smollm3" else {}))
+    cfg = json.loads(open(f"{path}/config.json").read())
+    cfg.pop("layer_types")
+    (tmp_path / family / "config.json").write_text(json.dumps(cfg))
+    hf_cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}[family]
+    longer = {k: v for k, v in cfg.items() if k not in ("max_window_layers", "no_rope_layers")}
+    for variant in (cfg, {**longer, "num_hidden_layers": 30}):  # HF's defaults: 28 windowless layers, every 2nd NoPE
+        picked = getattr(transformers, hf_cls)(**variant).layer_types
+        assert [w is not None for w in read_spec(variant).windows] == [t == "sliding_attention" for t in picked]
+    target = load_target(path)
+    assert any(w == 4 for w in target.windows) and None in target.windows
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expect = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+    assert (target.score(ids) - expect).abs().max().item() < 1e-4
