@@ -34,10 +34,13 @@ class Metadata:
     def fail(self, key: str, problem: str) -> GGUFConversionError:
         return GGUFConversionError(f"{self.path}: metadata key {key!r} {problem}")
 
-    def _read(self, key: str) -> tuple[list[str], Any] | None:
-        """(the value's type names: one for a scalar, ["ARRAY", element type] for an array, its value) or None."""
+    def _read(self, key: str, required: bool = False) -> tuple[list[str], Any] | None:
+        """(the value's type names: one for a scalar, ["ARRAY", element type] for an array, its value); None for a key
+        the file lacks, which is an error where ``required``."""
         field = self.reader.get_field(key)
         if field is None:
+            if required:
+                raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
             return None
         try:
             return [t.name for t in field.types], field.contents()
@@ -49,16 +52,11 @@ class Metadata:
         return default if read is None else read[1]
 
     def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
-        return value
+        return self._read(key, required=True)[1]
 
     def _scalar(self, key: str, kinds: set[str], what: str, required: bool) -> Any:
-        read = self._read(key)
+        read = self._read(key, required)
         if read is None:
-            if required:
-                raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
             return None
         types, value = read
         if len(types) != 1 or types[0] not in kinds:
@@ -102,10 +100,8 @@ class Metadata:
 
     def array(self, key: str, kinds: set[str], what: str, required: bool = True) -> list | None:
         """A list whose elements are of ``kinds`` (``strings``, ``integers``, ``numbers``)."""
-        read = self._read(key)
+        read = self._read(key, required)
         if read is None:
-            if required:
-                raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
             return None
         types, value = read
         if types[0] != "ARRAY" or (value and types[-1] not in kinds):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import FAMILIES, check_ragged_prefill_decode_verify, check_speculation_equals_plain, save_tiny_family
-from helpers import chi2_pvalue, exact_joint3, random_dspine, teacher_forced_batch, token_prompts
+from helpers import chi2_pvalue, exact_joint3, joint3_counts, random_dspine, teacher_forced_batch, token_prompts
 
 from dspine import generate, load_target
 from dspine.models.checkpoint import ModelLoadError
@@ -152,12 +152,7 @@ def test_sliding_window_sampled_speculation_chi2(tmp_path):
     n = 8000
     outs = generate(target, random_dspine(target, 4, seed=5), [prompt] * n, max_new_tokens=3, temperature=1.0,
                     seed=list(range(n)))
-    V = target.vocab_size
-    counts = torch.zeros(V**3, dtype=torch.long)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[(a * V + b) * V + c] += 1
-    assert chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(joint3_counts(outs, target.vocab_size), exact) > 1e-3
     assert sum(o.stats.draft_tokens_accepted for o in outs) > 0  # drafted tokens really were kept
 
 

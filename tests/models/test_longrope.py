@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import save_tiny_family
-from helpers import chi2_pvalue, random_dspine
+from helpers import chi2_pvalue, joint3_counts, random_dspine
 
 from dspine import generate, load_target
 from dspine.decoding.cost import CostModel
@@ -63,8 +63,6 @@ def test_a_verify_across_the_switch_is_the_plain_steps(phi, hf, mode):
     """Prefill 29 tokens, then 6 more one step at a time (plain) or as one speculative verify over positions 29..34:
     every logit bit-identical (on our kernels; within 1e-4 on torch's), and within 1e-4 of HF's forward fed the
     same way (the prompt whole, then a token a step on its cache)."""
-    from transformers import DynamicCache
-
     from dspine.cpu import kernels
 
     if mode == "kernels" and kernels.load() is None:
@@ -80,20 +78,29 @@ def test_a_verify_across_the_switch_is_the_plain_steps(phi, hf, mode):
     verify = torch.cat([first, target.logits(target.forward(ids[:, 29:35], cache, speculative=True).hidden)[0]])
     # bit-identical on our kernels (batch invariant); torch's GEMMs round by shape
     assert torch.equal(verify, steps) if mode == "kernels" else (verify - steps).abs().max().item() < 1e-4
-    past = DynamicCache(config=hf.config)
-    ref = [hf(ids[:, :29], past_key_values=past, use_cache=True).logits[0, -1:]]
-    ref += [hf(ids[:, i:i + 1], past_key_values=past, use_cache=True).logits[0] for i in range(29, 35)]
+    kw = _cache_kw(hf)
+    ref = [hf(ids[:, :29], **kw).logits[0, -1:]]
+    ref += [hf(ids[:, i:i + 1], **kw).logits[0] for i in range(29, 35)]
     assert (torch.cat(ref) - steps).abs().max().item() < 1e-4
+
+
+def _cache_kw(hf) -> dict:
+    """A fresh cache for HF's forward, under the keyword the installed transformers takes (``cache`` from 5.25,
+    ``past_key_values`` before)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return {key: DynamicCache(config=hf.config), "use_cache": True}
 
 
 def _hf_plain_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """HF's forward as plain decoding feeds it: the prompt whole, then one token a step on its cache."""
-    from transformers import DynamicCache
-
-    past, ids, out = DynamicCache(config=hf.config), torch.tensor([prompt]), []
+    kw, ids, out = _cache_kw(hf), torch.tensor([prompt]), []
     with torch.no_grad():
         for _ in range(n):
-            nxt = int(hf(ids, past_key_values=past, use_cache=True).logits[0, -1].argmax())
+            nxt = int(hf(ids, **kw).logits[0, -1].argmax())
             out.append(nxt)
             ids = torch.tensor([[nxt]])
     return out
@@ -156,11 +163,6 @@ def test_sampled_law_across_the_switch(tmp_path, proposer):
         cheap = CostModel.flat(target_s=1.0, per_token_s=0.01, draft_s=0.05)
         outs = generate(target, None, [prompt] * n, verify="cost", cost=cheap, prices="static", proposers="suffix",
                         batch_size=8, **kw)  # at the default batch the static prices take no suffix proposal
-    V = target.vocab_size
-    counts = torch.zeros(V**3, dtype=torch.long)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[(a * V + b) * V + c] += 1
-    assert chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(joint3_counts(outs, target.vocab_size), exact) > 1e-3
     kept = sum(o.stats.dspine_accepted if proposer == "draft" else o.stats.suffix_accepted for o in outs)
     assert kept > 0
