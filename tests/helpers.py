@@ -835,6 +835,15 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(o, x * o.sum() / x.sum()).pvalue)
 
 
+def joint3_counts(outs, vocab: int) -> torch.Tensor:
+    """How often each 3-token continuation (x1, x2, x3) came out, flattened as ``exact_joint3`` lays the law out."""
+    counts = torch.zeros(vocab**3, dtype=torch.long)
+    for o in outs:
+        a, b, c = o.token_ids
+        counts[(a * vocab + b) * vocab + c] += 1
+    return counts
+
+
 def random_dspine(target, block_size: int, seed: int):
     """A DSpine draft for ``target`` with its injection and confidence weights random too (so it proposes
     varied, sometimes right, blocks)."""

@@ -14,13 +14,18 @@ weights exist and their header reads, and a ``confidence_trained`` config withou
 use; a failure there is a ``RuntimeError`` naming the directory (the engine's one-line fatal error), never a
 half-loaded draft.
 
-``release`` frees the loaded draft's weights (a retired draft, ``decoding.rounds``) and forgets it, so the next use
-loads it again: one handle serves every stream of a long-lived engine, whichever of them retire it. Tokens never
-depend on when the draft was loaded (the same file, the same packing).
+``release`` forgets the loaded draft (a retired draft, ``decoding.rounds``), so the next use loads it again: one
+handle serves every stream of a long-lived engine, whichever of them retire it. Its weights go with the last
+reference to it, at once (nothing in a loaded draft refers back to it, so no garbage collection is needed): a stream
+that retires it frees them, and another stream of the engine still proposing with it keeps it whole until it lets
+go. (``DSpineDraft.release`` would turn the parameters into meta tensors under that stream's feet; a lock makes two
+streams asking at once read the draft once.) Tokens never depend on when the draft was loaded (the same file, the
+same packing).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,8 +38,6 @@ class LazyDraft:
     the decoding loop reads before it decides (``block_size``, ``target_layer_ids``, ``confidence_enabled``,
     ``config``) come from the config; any other attribute is the loaded draft's."""
 
-    released = False  # never: a released handle loads the draft again when it is next used
-
     def __init__(self, path: str | Path, open_draft: Callable[[Path], Any]):
         path = Path(path)
         cfg, spec, has_head = read_draft_header(path)  # the config and the checkpoint's header: no tensor is read
@@ -44,6 +47,7 @@ class LazyDraft:
         self.confidence_enabled = has_head and spec.confidence_trained
         self._open = open_draft
         self._model: Any = None
+        self._lock = threading.Lock()
         self.loads = 0  # how many times the weights were read (tests; a job reads them at most once a stream)
 
     @property
@@ -52,23 +56,23 @@ class LazyDraft:
 
     def model(self) -> Any:
         """The loaded draft (read now if it is not)."""
-        if self._model is None:
-            try:
-                self._model = self._open(self.path)
-            except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
-                raise RuntimeError(f"cannot load the draft {self.path}: {e}") from e
-            self.loads += 1
-        return self._model
+        with self._lock:
+            if self._model is None:
+                try:
+                    self._model = self._open(self.path)
+                except (ValueError, OSError) as e:  # ModelLoadError is a ValueError
+                    raise RuntimeError(f"cannot load the draft {self.path}: {e}") from e
+                self.loads += 1
+            return self._model
 
     def release(self) -> None:
-        """Free the loaded draft's weights (``DSpineDraft.release``) and forget it: the next use loads it again."""
-        if self._model is not None:
-            self._model.release()
+        """Forget the loaded draft: its weights go with the last reference to it, the next use loads it again."""
+        with self._lock:
             self._model = None
 
     def __getattr__(self, name: str) -> Any:
         # only called for attributes not found on the handle: everything else is the draft's own
-        if name.startswith("__") or name in ("_model", "_open"):
+        if name.startswith("__") or name in ("_model", "_open", "_lock"):
             raise AttributeError(name)
         return getattr(self.model(), name)
 

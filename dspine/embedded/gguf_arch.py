@@ -98,34 +98,51 @@ def check_architecture(arch: str) -> None:
 
 
 def config(arch: str, meta: Any, tensor_names: set[str], extra: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` of a GGUF of ``arch`` (``meta``: ``.get(key, default)`` / ``.require(key)``;
-    ``extra``: the ``CONFIG_TENSORS`` the file holds, dequantized)."""
+    """The HF ``config.json`` of a GGUF of ``arch`` (``meta``: a ``gguf_meta.Metadata``, whose readers check each
+    value's type and range and name the key when one is wrong; ``extra``: the ``CONFIG_TENSORS`` the file holds,
+    dequantized). What only the sizes together can say (heads that do not divide the width) is an ``ArchError``
+    naming the keys."""
     check_architecture(arch)
     extra = extra or {}
     if "rope_freqs.weight" in tensor_names:
         raise ArchError("rope_freqs (llama.cpp's precomputed Llama 3 RoPE scaling) is not supported")
-    n_heads = int(meta.require(f"{arch}.attention.head_count"))
-    hidden = int(meta.require(f"{arch}.embedding_length"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // n_heads)
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    n_heads = meta.count(f"{arch}.attention.head_count")
+    hidden = meta.count(f"{arch}.embedding_length")
+    n_kv = meta.count(f"{arch}.attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise ArchError(f"{arch}.attention.head_count {n_heads} is not a multiple of "
+                        f"{arch}.attention.head_count_kv {n_kv}")
+    key_length = meta.count(f"{arch}.attention.key_length", 0, minimum=0)
+    if not key_length and hidden % n_heads:
+        raise ArchError(f"{arch}.embedding_length {hidden} does not split into {arch}.attention.head_count "
+                        f"{n_heads} heads")
+    head_dim = key_length or hidden // n_heads
+    rope_dim = meta.count(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ArchError(f"{arch}.rope.dimension_count {rope_dim} is not an even count of at most the head's "
+                        f"{head_dim} dims")
     if rope_dim != head_dim and arch != "phi3":
         raise ArchError(f"partial rotary ({rope_dim} of {head_dim} dims) is not supported")
-    theta = f32_value(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    theta = f32_value(meta.number(f"{arch}.rope.freq_base", 10000.0))
     rope = {"rope_type": "default", "rope_theta": theta, **_rope_scaling(arch, meta)}
     model_type, cls = _HF[arch]
+    tokens = meta.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ArchError("tokenizer.ggml.tokens is empty")
+    vocab = meta.count(f"{arch}.vocab_size", len(tokens))
     cfg: dict[str, Any] = {
         "architectures": [cls],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require(f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(meta.require(f"{arch}.block_count")),
+        "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.count(f"{arch}.block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": f32_value(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(meta.require(f"{arch}.context_length")),
-        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(meta.require("tokenizer.ggml.tokens"))),
+        "rms_norm_eps": f32_value(meta.number(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": meta.count(f"{arch}.context_length"),
+        "vocab_size": vocab,
         # llama.cpp writes output.weight only when the head is not the embedding matrix.
         "tie_word_embeddings": "output.weight" not in tensor_names,
         # transformers 5 reads rope_parameters, 4.x reads rope_theta; dspine's RopeSpec reads either.
@@ -133,9 +150,9 @@ def config(arch: str, meta: Any, tensor_names: set[str], extra: dict[str, np.nda
         "rope_parameters": rope,
         "attention_bias": arch == "qwen2",
         "mlp_bias": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": meta.token_id("tokenizer.ggml.bos_token_id", vocab),
+        "eos_token_id": meta.token_id("tokenizer.ggml.eos_token_id", vocab),
+        "pad_token_id": meta.token_id("tokenizer.ggml.padding_token_id", vocab),
         "torch_dtype": "float32",
         "use_cache": True,
     }
@@ -160,25 +177,29 @@ def _phi3(meta: Any, cfg: dict[str, Any], rope: dict[str, Any], rope_dim: int,
     if rope.get("rope_type") != "default":
         raise ArchError(f"phi3 with RoPE scaling {rope['rope_type']!r} is not supported (longrope only)")
     rope = {**rope, "partial_rotary_factor": rope_dim / cfg["head_dim"]}
-    original = meta.get("phi3.rope.scaling.original_context_length")
+    # at least 2: longrope's attention factor divides by log(original)
+    original = meta.count("phi3.rope.scaling.original_context_length", 0, minimum=2)
     long, short = extra.get("rope_factors_long.weight"), extra.get("rope_factors_short.weight")
     if (long is None) != (short is None):
         raise ArchError("phi3 with only one of rope_factors_long / rope_factors_short")
     out: dict[str, Any] = {"hidden_act": "silu", "attention_bias": False}
     if long is not None:
-        if original is None:
+        if not original:
             raise ArchError("phi3 longrope without rope.scaling.original_context_length")
-        original = int(original)
+        for name, factors in (("rope_factors_long", long), ("rope_factors_short", short)):
+            if factors.size != rope_dim // 2 or not (np.isfinite(factors).all() and (factors > 0).all()):
+                raise ArchError(f"{name} must hold {rope_dim // 2} positive factors (one per rotated pair of "
+                                f"phi3.rope.dimension_count {rope_dim}), got {factors.size}")
         rope.update(rope_type="longrope", original_max_position_embeddings=original,
                     long_factor=[f32_value(x) for x in np.asarray(long).reshape(-1)],
                     short_factor=[f32_value(x) for x in np.asarray(short).reshape(-1)])
         scale = cfg["max_position_embeddings"] / original
         default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
-        attn = meta.get("phi3.rope.scaling.attn_factor")
+        attn = meta.number("phi3.rope.scaling.attn_factor", 0.0) or None
         if attn is not None and np.float32(attn) != np.float32(default):  # HF recomputes it when absent
             rope["attention_factor"] = f32_value(attn)
         out["original_max_position_embeddings"] = original
-    window = int(meta.get("phi3.attention.sliding_window") or 0)
+    window = meta.count("phi3.attention.sliding_window", 0, minimum=0)
     out.update(rope_parameters=rope, partial_rotary_factor=rope["partial_rotary_factor"],
                sliding_window=window or None)
     return out
@@ -188,7 +209,7 @@ def _granite(meta: Any, head_dim: int) -> dict[str, Any]:
     """Granite's multipliers: llama.cpp's ``*_scale`` keys, each absent when unset (llama.cpp's defaults then)."""
 
     def scale(key: str, default: float) -> float:
-        value = meta.get(key)
+        value = meta.number(key, 0.0) or None
         return default if value is None else f32_value(value)
 
     return {"embedding_multiplier": scale("granite.embedding_scale", 1.0),
@@ -198,41 +219,44 @@ def _granite(meta: Any, head_dim: int) -> dict[str, Any]:
 
 
 def _rope_scaling(arch: str, meta: Any) -> dict[str, Any]:
-    kind = meta.get(f"{arch}.rope.scaling.type")
+    kind = meta.text(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return {}
-    factor = float(meta.require(f"{arch}.rope.scaling.factor"))
+    factor = meta.number(f"{arch}.rope.scaling.factor")
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         return {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": int(meta.require(f"{arch}.rope.scaling.original_context_length"))}
+                "original_max_position_embeddings": meta.count(f"{arch}.rope.scaling.original_context_length",
+                                                               minimum=2)}
     raise ArchError(f"RoPE scaling {kind!r} is not supported (supported: linear, yarn)")
 
 
 def _gemma3(meta: Any, cfg: dict[str, Any], full_rope: dict[str, Any]) -> dict[str, Any]:
     n = cfg["num_hidden_layers"]
-    pattern = meta.get("gemma3.attention.sliding_window_pattern") or 6  # a period, or one bool per layer
-    if isinstance(pattern, list | tuple):
+    key = "gemma3.attention.sliding_window_pattern"  # a period, or one bool per layer
+    if isinstance(meta.get(key), list):
+        pattern = meta.array(key, {"BOOL", "UINT8", "INT8", "UINT32", "INT32"}, "bools")
         if len(pattern) != n:
-            raise ArchError(f"attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
+            raise ArchError(f"{key} has {len(pattern)} entries for {n} layers")
         sliding = [bool(x) for x in pattern]
     else:
-        sliding = [bool((i + 1) % int(pattern)) for i in range(n)]
-    local_theta = f32_value(meta.get("gemma3.rope.freq_base_swa", 10000.0))
+        period = meta.count(key, 6)
+        sliding = [bool((i + 1) % period) for i in range(n)]
+    local_theta = f32_value(meta.number("gemma3.rope.freq_base_swa", 10000.0))
     scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"]
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "hidden_act": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": scalar,
-        "sliding_window": int(meta.require("gemma3.attention.sliding_window")),
+        "sliding_window": meta.count("gemma3.attention.sliding_window"),
         "layer_types": ["sliding_attention" if slide else "full_attention" for slide in sliding],
         "rope_parameters": {"full_attention": full_rope,
                             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         "rope_local_base_freq": local_theta,
         "tie_word_embeddings": True,
     }
-    cap = meta.get("gemma3.final_logit_softcapping")
+    cap = meta.number("gemma3.final_logit_softcapping", 0.0) or None
     if cap is not None:
         out["final_logit_softcapping"] = f32_value(cap)
     return out

@@ -42,6 +42,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from dspine.cpu.disk_cache import cache_root, exclusive, publish_dir, remove_temps, say, temp_sibling
 from dspine.embedded import gguf_arch
+from dspine.embedded.gguf_meta import GGUFConversionError, Metadata
 
 # Bump when the output of ``convert_gguf`` changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 1
@@ -68,10 +69,6 @@ _TOP_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-class GGUFConversionError(ValueError):
-    """A GGUF that cannot be converted: unreadable, truncated, or not a model this converter handles."""
 
 
 class GGUFPackageMissing(GGUFConversionError):
@@ -110,71 +107,118 @@ def _import_gguf() -> Any:
     return gguf
 
 
-class _Metadata:
-    """Typed access to a GGUF's key/value metadata, naming the file and key in every error."""
-
-    def __init__(self, reader: Any, path: Path):
-        self.reader = reader
-        self.path = path
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise GGUFConversionError(f"{self.path}: metadata key {key!r} is missing")
-        return value
-
-
-def _read_gguf(path: Path) -> tuple[Any, _Metadata]:
+def _read_gguf(path: Path) -> tuple[Any, Metadata]:
     gguf = _import_gguf()
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
         raise GGUFConversionError(f"{path}: not a readable GGUF file ({e})") from None
-    meta = _Metadata(reader, path)
+    meta = Metadata(reader, path)
     try:
-        gguf_arch.check_architecture(meta.require("general.architecture"))
+        gguf_arch.check_architecture(meta.text("general.architecture", required=True))
     except gguf_arch.ArchError as e:
         raise GGUFConversionError(f"{path}: {e}") from None
     return reader, meta
 
 
-def _config(meta: _Metadata, reader: Any) -> dict[str, Any]:
+def _config(meta: Metadata, reader: Any) -> dict[str, Any]:
     """The HF config of the GGUF's architecture (``gguf_arch.config``), errors naming the file."""
     gguf = _import_gguf()
     extra = {t.name: np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
              for t in reader.tensors if t.name in gguf_arch.CONFIG_TENSORS}
     try:
-        return gguf_arch.config(meta.require("general.architecture"), meta, {t.name for t in reader.tensors}, extra)
+        arch = meta.text("general.architecture", required=True)
+        return gguf_arch.config(arch, meta, {t.name for t in reader.tensors}, extra)
     except gguf_arch.ArchError as e:
         raise GGUFConversionError(f"{meta.path}: {e}") from None
 
 
-def _state_dict(reader: Any, cfg: dict[str, Any], path: Path, arch: str = "llama") -> dict[str, torch.Tensor]:
-    """All tensors dequantized to fp32 under HF names, as HF stores them (``gguf_arch.transform``: Llama's Q/K
-    un-permuted, Gemma's norms back to ``w``). Unknown tensors are refused."""
-    gguf = _import_gguf()
+def _hf_names(reader: Any, arch: str, path: Path) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, for every tensor that is a weight (not ``CONFIG_TENSORS``); a tensor
+    that is not one of ``arch``'s is refused."""
+    out = {}
+    for t in reader.tensors:
+        if t.name in gguf_arch.CONFIG_TENSORS:  # read into the config (``_config``)
+            continue
+        out[t.name] = _hf_name(t.name, arch)
+        if out[t.name] is None:
+            raise GGUFConversionError(f"{path}: unexpected tensor {t.name!r} for a {arch} model")
+    return out
+
+
+def _hf_name(name: str, arch: str) -> str | None:
+    """A GGUF weight's Hugging Face name; None for a name ``arch`` does not have."""
     block = gguf_arch.BLOCK_TENSORS[arch]
+    parts = name.split(".", 2)  # "blk.7.attn_q.weight" -> ["blk", "7", "attn_q.weight"]
+    if name in _TOP_TENSORS:
+        return _TOP_TENSORS[name]
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
+        return f"model.layers.{int(parts[1])}.{block[parts[2]]}"
+    return None
+
+
+def _check_layers(names: dict[str, str], meta: Metadata, arch: str, path: Path) -> None:
+    """``{arch}.block_count`` against the layers the file holds tensors for, before anything is sized by it."""
+    key = f"{arch}.block_count"
+    blocks = meta.count(key)
+    held = sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.")})
+    if held != list(range(blocks)):
+        have = f"layers {held[0]}-{held[-1]}" if held else "no layers"
+        raise GGUFConversionError(f"{path}: metadata key {key!r} is {blocks}, but the file holds tensors for {have}"
+                                  f"{'' if held == list(range(len(held))) else ' (with gaps)'}")
+
+
+# config keys -> the metadata keys they come from, to name the ones a tensor's shape contradicts
+_SIZES = (("hidden_size", "embedding_length"), ("intermediate_size", "feed_forward_length"),
+          ("vocab_size", "vocab_size"), ("num_attention_heads", "attention.head_count"),
+          ("num_key_value_heads", "attention.head_count_kv"), ("head_dim", "attention.key_length"))
+
+
+def _check_shapes(reader: Any, names: dict[str, str], cfg: dict[str, Any], path: Path, arch: str) -> None:
+    """Every tensor's shape (from the file's header: nothing is read) against the module the metadata describes,
+    built on the meta device, before anything is dequantized or allocated: a file whose metadata claims sizes its
+    tensors do not have (a feed-forward length of 2**36) fails here in one line naming the tensor and the keys."""
+    from dspine.models.checkpoint import MissingTensor, ModelLoadError, ShapeMismatch, check_shapes
+    from dspine.models.llama import DenseTarget
+
+    stored = {t.name: (path, tuple(int(x) for x in reversed(t.shape.tolist())))
+              for t in reader.tensors if t.name in names}
+    shaped = DenseTarget.shaped(cfg)
+    try:
+        check_shapes({n: t.shape for n, t in shaped.state_dict().items()}, stored, path,
+                     lambda n: shaped.checkpoint_name(names[n]))
+    except MissingTensor as e:  # named as the file would name it
+        local = [f"blk.{i}.{g}" for i in range(cfg["num_hidden_layers"]) for g in gguf_arch.BLOCK_TENSORS[arch]]
+        gguf_name = next((g for g in [*_TOP_TENSORS, *local] if shaped.checkpoint_name(_hf_name(g, arch)) == e.name),
+                         e.name)
+        raise GGUFConversionError(f"{path}: tensor {gguf_name!r} is missing (the metadata's {arch} layers need "
+                                  f"it)") from None
+    except ShapeMismatch as e:
+        wrong = {w for s, w in zip(e.shape, e.expected, strict=False) if s != w} or set(e.expected)
+        keys = [f"{arch}.{k}" for c, k in _SIZES if cfg.get(c) in wrong] or [
+            f"{arch}.{k}" for c, k in _SIZES if c in ("num_attention_heads", "num_key_value_heads", "head_dim")]
+        raise GGUFConversionError(f"{path}: tensor {e.name!r} is {list(e.shape)}, but the metadata "
+                                  f"({', '.join(keys)}) makes it {list(e.expected)}") from None
+    except ModelLoadError as e:  # a tensor of the architecture's that this model has no place for
+        raise GGUFConversionError(str(e)) from None
+
+
+def _state_dict(reader: Any, names: dict[str, str], cfg: dict[str, Any], path: Path,
+                arch: str) -> dict[str, torch.Tensor]:
+    """All tensors dequantized to fp32 under HF names (``names``), as HF stores them (``gguf_arch.transform``:
+    Llama's Q/K un-permuted, Gemma's norms back to ``w``)."""
+    gguf = _import_gguf()
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = t.name
-        if name in gguf_arch.CONFIG_TENSORS:  # read into the config (``_config``)
+        if t.name not in names:
             continue
-        parts = name.split(".", 2)  # "blk.7.attn_q.weight" -> ["blk", "7", "attn_q.weight"]
-        if name in _TOP_TENSORS:
-            hf = _TOP_TENSORS[name]
-        elif len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
-            hf = f"model.layers.{parts[1]}.{block[parts[2]]}"
-        else:
-            raise GGUFConversionError(f"{path}: unexpected tensor {name!r} for a {arch} model")
         try:
             w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy, off the mmap
         except (ValueError, NotImplementedError, IndexError) as e:
-            raise GGUFConversionError(f"{path}: tensor {name!r} ({t.tensor_type.name}) cannot be read ({e})") from None
-        out[hf] = torch.from_numpy(np.ascontiguousarray(gguf_arch.transform(arch, name, w, cfg, unpermute_qk)))
+            raise GGUFConversionError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) cannot be read "
+                                      f"({e})") from None
+        w = gguf_arch.transform(arch, t.name, w, cfg, unpermute_qk)
+        out[names[t.name]] = torch.from_numpy(np.ascontiguousarray(w))
     return out
 
 
@@ -195,12 +239,12 @@ def _pre_tokenizer(pre: str | None, path: Path) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _token_name(tokens: list[str], meta: _Metadata, key: str) -> str | None:
-    token_id = meta.get(f"tokenizer.ggml.{key}")
-    return None if token_id is None else tokens[int(token_id)]
+def _token_name(tokens: list[str], meta: Metadata, key: str) -> str | None:
+    token_id = meta.token_id(f"tokenizer.ggml.{key}", len(tokens))
+    return None if token_id is None else tokens[token_id]
 
 
-def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
+def build_tokenizer(meta: Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     """``(tokenizer, tokenizer_config)`` for a byte-level BPE GGUF vocabulary (a SentencePiece one: see
     ``_sentencepiece_tokenizer``).
 
@@ -208,23 +252,25 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     ``skip_special_tokens`` drops it); user-defined ones become plain added tokens, as llama.cpp matches
     both whole.
     """
-    model = meta.require("tokenizer.ggml.model")
+    model = meta.text("tokenizer.ggml.model", required=True)
     if model == "llama":
         return _sentencepiece_tokenizer(meta)
     if model != "gpt2":
         raise GGUFConversionError(f"{meta.path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' "
                                   f"and SentencePiece 'llama' are)")
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ")) for m in meta.require("tokenizer.ggml.merges")]
+    tokens: list[str] = meta.strings("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in meta.strings("tokenizer.ggml.merges")]
     if any(len(m) != 2 for m in merges):
         raise GGUFConversionError(f"{meta.path}: malformed BPE merges")
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = meta.integers("tokenizer.ggml.token_type", required=False) or [1] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens) or len(types) != len(tokens):
-        raise GGUFConversionError(f"{meta.path}: malformed vocabulary (duplicate tokens or token types)")
+    if len(types) != len(tokens):
+        raise meta.fail("tokenizer.ggml.token_type", f"has {len(types)} entries for {len(tokens)} tokens")
+    if len(vocab) != len(tokens):
+        raise meta.fail("tokenizer.ggml.tokens", "holds a token twice")
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"), meta.path)
+    tok.pre_tokenizer = _pre_tokenizer(meta.text("tokenizer.ggml.pre"), meta.path)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     control = [t for t, ty in zip(tokens, types, strict=True) if ty == _TOKEN_CONTROL]
@@ -233,11 +279,11 @@ def build_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     if user:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    return tok, _tokenizer_config(meta, tokens, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+    add_bos = meta.flag("tokenizer.ggml.add_bos_token", False)
+    return tok, _tokenizer_config(meta, tokens, add_bos, meta.flag("tokenizer.ggml.add_eos_token", False))
 
 
-def _tokenizer_config(meta: _Metadata, tokens: list[str], add_bos: bool, add_eos: bool) -> dict[str, Any]:
+def _tokenizer_config(meta: Metadata, tokens: list[str], add_bos: bool, add_eos: bool) -> dict[str, Any]:
     """``tokenizer_config.json`` for a rebuilt vocabulary: load ``tokenizer.json`` verbatim (a model-specific class
     could rebuild the pre-tokenizer), the special tokens by name, the file's chat template."""
     tok_cfg: dict[str, Any] = {
@@ -249,15 +295,15 @@ def _tokenizer_config(meta: _Metadata, tokens: list[str], add_bos: bool, add_eos
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.require(f"{meta.require('general.architecture')}.context_length")),
+        "model_max_length": meta.count(f"{meta.text('general.architecture', required=True)}.context_length"),
     }
-    template = meta.get("tokenizer.chat_template")
+    template = meta.text("tokenizer.chat_template")
     if template is not None:
         tok_cfg["chat_template"] = template
     return tok_cfg
 
 
-def _sentencepiece_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]]:
+def _sentencepiece_tokenizer(meta: Metadata) -> tuple[Tokenizer, dict[str, Any]]:
     """``(tokenizer, tokenizer_config)`` for a SentencePiece GGUF vocabulary (``tokenizer.ggml.model`` "llama": Llama
     2, Mistral, Gemma 3, Phi-3 files). Rebuilt by transformers' GGUF tokenizer converter (merges recovered from the
     scores, or for Gemma from the vocabulary's order; Phi-3's prefix space as a normalizer; control and user-defined
@@ -270,25 +316,31 @@ def _sentencepiece_tokenizer(meta: _Metadata) -> tuple[Tokenizer, dict[str, Any]
         raise GGUFConversionError(f"{meta.path}: a SentencePiece vocabulary (tokenizer model 'llama') is rebuilt by "
                                   f"transformers' GGUF converter, which transformers {transformers.__version__} "
                                   f"lacks (pip install 'transformers>=5.25')") from None
-    arch = meta.require("general.architecture")
-    tokens = [str(t) for t in meta.require("tokenizer.ggml.tokens")]
+    arch = meta.text("general.architecture", required=True)
+    tokens = meta.strings("tokenizer.ggml.tokens")
     spec: dict[str, Any] = {"tokenizer_type": "llama", "tokens": tokens,
-                            "scores": [float(x) for x in meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)],
-                            "token_type": [int(x) for x in meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)]}
-    merges = meta.get("tokenizer.ggml.merges")
+                            "scores": [float(x) for x in meta.numbers("tokenizer.ggml.scores", required=False)
+                                       or [0.0] * len(tokens)],
+                            "token_type": [int(x) for x in meta.integers("tokenizer.ggml.token_type", required=False)
+                                           or [1] * len(tokens)]}
+    for key in ("scores", "token_type"):
+        if len(spec[key]) != len(tokens):
+            raise meta.fail(f"tokenizer.ggml.{key}", f"has {len(spec[key])} entries for {len(tokens)} tokens")
+    merges = meta.strings("tokenizer.ggml.merges", required=False)
     if merges:
         spec["merges"] = list(merges)
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("unknown_token_id", "unk_token_id"), ("padding_token_id", "pad_token_id")):
-        if meta.get(f"tokenizer.ggml.{key}") is not None:
-            spec[name] = int(meta.get(f"tokenizer.ggml.{key}"))
+        token_id = meta.token_id(f"tokenizer.ggml.{key}", len(tokens))
+        if token_id is not None:
+            spec[name] = token_id
     try:
         tok, _ = convert_gguf_tokenizer(arch, spec)
     except Exception as e:  # the converter's own errors, named by file and one line
         raise GGUFConversionError(f"{meta.path}: SentencePiece vocabulary: {str(e).splitlines()[0]}") from None
     bos, eos = _token_name(tokens, meta, "bos_token_id"), _token_name(tokens, meta, "eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for SentencePiece
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_bos = meta.flag("tokenizer.ggml.add_bos_token", True)  # llama.cpp's default for SentencePiece
+    add_eos = meta.flag("tokenizer.ggml.add_eos_token", False)
     # BOS/EOS as tokenizer.json's post-processor (what a fast tokenizer reads; the converter leaves it empty)
     first = [bos] if add_bos and bos else []
     last = [eos] if add_eos and eos else []
@@ -306,16 +358,18 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader, meta = _read_gguf(gguf_path)
+    arch = meta.text("general.architecture", required=True)
+    names = _hf_names(reader, arch, gguf_path)
+    _check_layers(names, meta, arch, gguf_path)  # before the config sizes anything by the layer count
     cfg = _config(meta, reader)
-    state = _state_dict(reader, cfg, gguf_path, meta.require("general.architecture"))
+    _check_shapes(reader, names, cfg, gguf_path, arch)
     tokenizer, tok_cfg = build_tokenizer(meta)
     if tokenizer.get_vocab_size(with_added_tokens=True) != cfg["vocab_size"]:
         raise GGUFConversionError(
             f"{gguf_path}: tokenizer has {tokenizer.get_vocab_size()} tokens, "
             f"the model's vocabulary {cfg['vocab_size']}"
         )
-    if tuple(state["model.embed_tokens.weight"].shape) != (cfg["vocab_size"], cfg["hidden_size"]):
-        raise GGUFConversionError(f"{gguf_path}: token_embd.weight shape does not match the metadata")
+    state = _state_dict(reader, names, cfg, gguf_path, arch)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

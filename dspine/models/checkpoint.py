@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -19,6 +19,30 @@ from torch import nn
 
 class ModelLoadError(ValueError):
     """A model directory that cannot be loaded; the message names the file and, where relevant, the tensor."""
+
+
+class ShapeMismatch(ModelLoadError):
+    """A stored tensor whose shape is not the module's (``check_shapes``): which one, and both shapes."""
+
+    def __init__(self, message: str, name: str, shape: tuple[int, ...], expected: tuple[int, ...]):
+        super().__init__(message)
+        self.name, self.shape, self.expected = name, shape, expected
+
+
+class MissingTensor(ModelLoadError):
+    """A tensor the module needs that the checkpoint lacks (``check_shapes``; ``name``: the module's name)."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name
+
+
+def in_config(e: ModelLoadError, path: Path) -> ModelLoadError:
+    """``e`` naming ``path``'s config.json where it says only ``config.json:`` (``families.read_spec`` knows no
+    directory); a message that names its file already stays as it is."""
+    msg = str(e)
+    bare = msg.startswith("config.json:")
+    return ModelLoadError(f"{path / 'config.json'}{msg[len('config.json'):]}" if bare else msg)
 
 
 def read_config(path: str | Path) -> dict:
@@ -53,12 +77,53 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    return {name: f for name, (f, _) in _headers(files).items()}
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of a model directory: its file and shape, from the safetensors headers (no tensor is read)."""
+    files = weight_files(path)
+    shapes = _headers(sorted(set(files.values())))
+    return {name: shapes.get(name, (f, None)) for name, f in files.items()}
+
+
+def _headers(files: Iterable[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                out[name] = f
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    out[name] = (f, tuple(sf.get_slice(name).get_shape()))
+        except Exception as e:  # safetensors' own error type: a header that does not parse
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     return out
+
+
+def check_shapes(expected: Mapping[str, Sequence[int]], stored: Mapping[str, tuple[Path, tuple[int, ...] | None]],
+                 where: str | Path, rename: Callable[[str], str | None] = lambda n: n,
+                 optional: Iterable[str] = ()) -> None:
+    """Strictly: every stored tensor (name -> (file, shape)) that ``rename`` keeps is one of ``expected`` (module name
+    -> shape) with its shape, and every expected one is stored unless ``optional``; else one ``ModelLoadError`` naming
+    the file and the tensor. Shapes only, so a module built on the meta device can be checked against a checkpoint's
+    headers before anything is allocated (``Target.empty``)."""
+    seen = set()
+    for ckpt_name, (f, shape) in stored.items():
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        if name not in expected:
+            raise ModelLoadError(f"{f}: unexpected tensor {ckpt_name!r} (not part of this architecture)")
+        want = tuple(expected[name])
+        if shape is not None and tuple(shape) != want:
+            raise ShapeMismatch(f"{f}: tensor {ckpt_name!r} has shape {list(shape)}, expected {list(want)}",
+                                ckpt_name, tuple(shape), want)
+        seen.add(name)
+    optional = set(optional)
+    missing = [n for n in expected if n not in seen and n not in optional]
+    if missing:
+        raise MissingTensor(
+            f"{where}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""),
+            missing[0])
 
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -124,19 +189,17 @@ def load_state(
     every weight is converted or repacked anyway (a bf16 draft), where a view would keep its pages resident.
     """
     path = Path(path)
-    files = weight_files(path)
+    stored = checkpoint_shapes(path)
     expected = dict(module.state_dict(keep_vars=True))
-    seen: set[str] = set()
+    check_shapes({n: t.shape for n, t in expected.items()}, stored, path, rename, optional)  # before any copy
     opened: dict[Path, object] = {}
     mapped: dict[Path, dict[str, torch.Tensor] | None] = {}
     shared = _shared_names(expected) if mmap else set()
     try:
-        for ckpt_name, f in files.items():
+        for ckpt_name, (f, _) in stored.items():
             name = rename(ckpt_name)
             if name is None:
                 continue
-            if name not in expected:
-                raise ModelLoadError(f"{f}: unexpected tensor {ckpt_name!r} (not part of this architecture)")
             want = expected[name]
             t = None
             if mmap and want.device.type == "cpu" and name not in shared:
@@ -144,34 +207,19 @@ def load_state(
                     mapped[f] = mapped_tensors(f)
                 t = (mapped[f] or {}).get(ckpt_name)
             if t is not None:
-                _check_shape(f, ckpt_name, t, want)
                 if t.dtype == want.dtype and assign:
                     _assign(module, name, t)
                 else:  # converted straight from the map (no second, unconverted copy first)
                     with torch.no_grad():
                         want.copy_(t)
-                seen.add(name)
                 continue
             if f not in opened:
                 opened[f] = safe_open(str(f), framework="pt")
             t = opened[f].get_tensor(ckpt_name)
-            _check_shape(f, ckpt_name, t, want)
             with torch.no_grad():
                 want.copy_(t.to(want.dtype if want.dtype == torch.bool or dtype is None else want.dtype))
-            seen.add(name)
     finally:
         opened.clear()
-    optional = set(optional)
-    missing = [n for n in expected if n not in seen and n not in optional]
-    if missing:
-        raise ModelLoadError(
-            f"{path}: missing tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
-
-
-def _check_shape(f: Path, ckpt_name: str, t: torch.Tensor, want: torch.Tensor) -> None:
-    if tuple(t.shape) != tuple(want.shape):
-        raise ModelLoadError(f"{f}: tensor {ckpt_name!r} has shape {list(t.shape)}, expected {list(want.shape)}")
 
 
 def _shared_names(expected: dict[str, torch.Tensor]) -> set[str]:

@@ -121,8 +121,7 @@ def read_spec(cfg: dict) -> DenseSpec:
                     attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5, ropes=ropes,
                     final_softcap=cfg.get("final_logit_softcapping"), mlp_bias=False)
     elif fam.name == "smollm3":
-        keep = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
-                                              for i in range(n)]
+        keep = _rope_layers(cfg, n)
         base.update(ropes=tuple(rope if keep[i] else None for i in range(n)))
     elif fam.name == "olmo2":
         base.update(qk_norm="proj", norms="post", mlp_bias=False)
@@ -142,8 +141,18 @@ def _layer_types(cfg: dict, n: int) -> list[str]:
     return types
 
 
+def _rope_layers(cfg: dict, n: int) -> list[int]:
+    """SmolLM3: 1 where a layer rotates, 0 where it is a NoPE layer (``no_rope_layers``; default every
+    ``no_rope_layer_interval``-th)."""
+    return cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
+                                         for i in range(n)]
+
+
 def _windows(cfg: dict, family: str, n: int) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as the family's HF model applies it."""
+    """Each layer's sliding window (None: full attention), as the family's HF model applies it. A Qwen2/Qwen3 or
+    SmolLM3 config with ``use_sliding_window`` and no ``layer_types`` (written by a transformers before 5) slides the
+    layers its HF config class picks then: Qwen's from ``max_window_layers`` on (HF's default 28), SmolLM3's NoPE
+    layers."""
     window = cfg.get("sliding_window")
     if family in ("mistral", "phi3"):  # one window over every layer when set
         return [window] * n
@@ -151,8 +160,10 @@ def _windows(cfg: dict, family: str, n: int) -> list[int | None]:
         return [window if t == SLIDING else None for t in _layer_types(cfg, n)]
     if family in ("qwen2", "qwen3", "smollm3") and cfg.get("use_sliding_window") and window:
         types = cfg.get("layer_types")
-        if types is None and family == "qwen2":  # HF's rule: layers from max_window_layers on slide
-            types = [SLIDING if i >= int(cfg.get("max_window_layers", n)) else FULL for i in range(n)]
+        if types is None and family in ("qwen2", "qwen3"):
+            types = [SLIDING if i >= int(cfg.get("max_window_layers", 28)) else FULL for i in range(n)]
+        elif types is None:
+            types = [FULL if rotates else SLIDING for rotates in _rope_layers(cfg, n)]
         return [window if t == SLIDING else None for t in _layer_types({**cfg, "layer_types": types}, n)]
     return [None] * n
 
@@ -179,6 +190,6 @@ def _gaps(spec: DenseSpec, cfg: dict) -> tuple[str, ...]:
     gaps = []
     for rope in {r for r in spec.ropes if r is not None}:
         if rope.rope_type == "longrope" and int(cfg.get("max_position_embeddings") or 0) > rope.original_max_position:
-            gaps.append("longrope switches a forward to its long factors by that forward's length (as Hugging Face "
-                        "does), so a chunk or a prefix-cache hit could change a prompt's keys")
+            gaps.append("longrope rotates a prompt longer than original_max_position_embeddings wholly with its long "
+                        "factors (as Hugging Face does), which a chunk of it or a prefix-cache hit cannot know")
     return tuple(gaps)

@@ -26,6 +26,7 @@ ragged forward computes its valid tokens only: batch invariant, so the prefix ca
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
-from dspine.models.checkpoint import ModelLoadError, load_state
+from dspine.models.checkpoint import ModelLoadError, in_config, load_state
 from dspine.models.layers import Packing, Positions, RMSNorm, RopeSpec, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
 
@@ -263,22 +264,24 @@ class Gemma4Target(Target):
         try:
             model = cls.empty(cfg, dtype, device, path)
         except ModelLoadError as e:
-            raise ModelLoadError(str(e).replace("config.json:", f"{path / 'config.json'}:", 1)) from None
-        expected = set(model.state_dict())
-
-        def rename(name: str) -> str | None:
-            if name.startswith(_SKIP_PREFIXES):  # the multimodal model's towers: not the text decoder
-                return None
-            name = name.removeprefix("model.language_model.").removeprefix("model.")
-            if name == "lm_head.weight" and model.tied:
-                return None
-            if ".self_attn." in name and name.split(".self_attn.")[1].split(".")[0] in ("k_proj", "v_proj", "k_norm",
-                                                                                          "v_norm"):
-                return name if name in expected else None  # KV-shared layers' unused projections (HF drops them)
-            return name
-
-        load_state(model, path, rename=rename, dtype=dtype)
+            raise in_config(e, path) from None
+        load_state(model, path, rename=model.checkpoint_name, dtype=dtype)
         return model.eval()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(_SKIP_PREFIXES):  # the multimodal model's towers: not the text decoder
+            return None
+        name = name.removeprefix("model.language_model.").removeprefix("model.")
+        if name == "lm_head.weight" and self.tied:
+            return None
+        if ".self_attn." in name and name.split(".self_attn.")[1].split(".")[0] in ("k_proj", "v_proj", "k_norm",
+                                                                                      "v_norm"):
+            return name if name in self._names else None  # KV-shared layers' unused projections (HF drops them)
+        return name
+
+    @functools.cached_property
+    def _names(self) -> set[str]:
+        return set(self.state_dict())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings x sqrt(hidden) rounded to the model's dtype (as Gemma 3)."""

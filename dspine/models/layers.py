@@ -42,9 +42,9 @@ class RopeSpec:
     The scaling variants the supported families' configs use, with Hugging Face's arithmetic (facts from
     ``transformers.modeling_rope_utils``, our code): ``linear`` (positions / factor), ``llama3`` (per-wavelength
     blend), ``yarn`` (NTK-by-parts ramp between interpolated and extrapolated frequencies, cos/sin scaled by an
-    attention factor) and ``longrope`` (per-frequency short or long factors, the long ones for a forward that
-    reaches past ``original_max_position``, cos/sin scaled by an attention factor) and ``proportional`` (Gemma 4's
-    full layers: the whole head rotates half-by-half, only the first ``proportion`` of its frequencies non-zero).
+    attention factor) and ``longrope`` (per-frequency short or long factors, which ones: ``Rotary.needs_long``;
+    cos/sin scaled by an attention factor) and ``proportional`` (Gemma 4's full layers: the whole head rotates
+    half-by-half, only the first ``proportion`` of its frequencies non-zero).
     """
 
     theta: float = 10000.0
@@ -169,14 +169,18 @@ def _yarn_attention(factor: float, params: dict) -> float:
 class Rotary(nn.Module):
     """cos/sin tables for absolute positions; applies the rotate-half convention used by HF Llama/Qwen.
 
-    ``long`` (longrope only): [B] bools, the rows whose forward uses the long factors (see ``needs_long``)."""
+    ``ends``, ``prefill`` (longrope only): see ``needs_long``."""
 
     def __init__(self, spec: RopeSpec):
         super().__init__()
         self.spec = spec
-        self.register_buffer("inv_freq", spec.inv_freq(), persistent=False)
-        self.register_buffer("long_inv_freq", spec.inv_freq(long=True) if spec.rope_type == "longrope" else None,
-                             persistent=False)
+        if torch.empty(0).is_meta:  # built for its shapes (``Target.check_checkpoint``); ``reset`` fills the tables:
+            # arithmetic on meta tensors routes through torch's reference ops, whose first call imports torch._dynamo
+            inv = long = torch.empty(spec.rotary_dim // 2)
+        else:
+            inv, long = spec.inv_freq(), spec.inv_freq(long=True) if spec.rope_type == "longrope" else None
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("long_inv_freq", long if spec.rope_type == "longrope" else None, persistent=False)
 
     def reset(self, device=None) -> None:
         """Recompute the tables (after ``to_empty`` left them uninitialised)."""
@@ -184,22 +188,41 @@ class Rotary(nn.Module):
         if self.spec.rope_type == "longrope":
             self.long_inv_freq = self.spec.inv_freq(device=device, long=True)
 
-    def needs_long(self, pos: torch.Tensor, ends: torch.Tensor | None = None) -> torch.Tensor | None:
-        """longrope: per row, whether this forward reaches past ``original_max_position`` (Hugging Face switches
-        a whole forward to the long factors by its length: max position + 1 > original). ``ends`` [B]: each row's
-        last real position + 1 (padding excluded); default the last of ``pos``."""
+    def needs_long(self, pos: torch.Tensor, ends: torch.Tensor | None = None,
+                   prefill: torch.Tensor | None = None) -> torch.Tensor | None:
+        """longrope: [B, T], the query positions rotated with the long factors; None for other RoPE types.
+
+        Hugging Face's forward rotates every position of a forward with the long factors when the forward reaches
+        past ``original_max_position`` (its length, max position + 1, is larger), else every one with the short
+        ones. Plain decoding (a prompt's prefill, then one position a step) therefore rotates a prompt longer than
+        the switch wholly with the long factors, and each generated position with the long ones exactly when it is
+        past the switch. That is the rule here, per position, so that a forward of several positions after the
+        prefill (a speculative verify) rotates each as the plain step at that position would: long where the
+        position is past the switch, or where its row's forward is a prefill (``prefill`` [B]: the forward starts at
+        position 0; None: every row's does, Hugging Face's whole-forward rule) reaching past it (``ends`` [B]: each
+        row's last real position + 1, padding excluded; default the last of ``pos``).
+
+        Where this differs from Hugging Face: its ``generate`` re-runs a Phi-3 prompt whole with the long factors
+        at the step its sequence first passes the switch (``Phi3ForCausalLM.prepare_inputs_for_generation``);
+        ours keeps the keys of the positions below it (short, as computed), so a row that crosses the switch while
+        generating continues as HF's forward fed one position at a time, not as HF's ``generate``. Rows that stay
+        on one side agree with both. A chunk or a prefix-cache hit cannot know that its prompt goes on past the
+        switch, which is why longrope is a named gap of those features (``families._gaps``)."""
         if self.spec.rope_type != "longrope":
             return None
         ends = pos.max(dim=1).values + 1 if ends is None else ends
-        return ends > self.spec.original_max_position
+        whole = ends > self.spec.original_max_position  # [B]
+        if prefill is not None:
+            whole = whole & prefill
+        return whole[:, None] | (pos >= self.spec.original_max_position)
 
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype,
-                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype, ends: torch.Tensor | None = None,
+                prefill: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # pos [B, T] -> cos, sin [B, 1, T, rotary_dim]
         inv = self.inv_freq.float()
-        long = self.needs_long(pos, ends)
+        long = self.needs_long(pos, ends, prefill)
         if long is not None:
-            inv = torch.where(long[:, None, None], self.long_inv_freq.float(), inv)  # [B, 1, d/2]
+            inv = torch.where(long[..., None], self.long_inv_freq.float(), inv)  # [B, T, d/2]
         freqs = pos.float()[..., None] * inv
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dspine.models.cache import KVCache, ModelCache
-from dspine.models.checkpoint import ModelLoadError, load_state
+from dspine.models.checkpoint import ModelLoadError, in_config, load_state
 from dspine.models.families import DenseSpec, read_spec
 from dspine.models.layers import Packing, Positions, RMSNorm, Rotary, SwiGLU, apply_rope, attend, fuse_linears
 from dspine.models.target import Target, TargetOutput
@@ -167,18 +167,17 @@ class DenseTarget(Target):
         try:
             model = cls.empty(cfg, dtype, device, path, required)
         except ModelLoadError as e:
-            raise ModelLoadError(str(e).replace("config.json:", f"{path / 'config.json'}:", 1)) from None
-
-        def rename(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            if name == "lm_head.weight" and model.tied:
-                return None
-            if model.spec.fused_checkpoint:
-                name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
-            return name
-
-        load_state(model, path, rename=rename, dtype=dtype, mmap=torch.device(device).type == "cpu")
+            raise in_config(e, path) from None
+        load_state(model, path, rename=model.checkpoint_name, dtype=dtype, mmap=torch.device(device).type == "cpu")
         return model.eval()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.tied:
+            return None
+        if self.spec.fused_checkpoint:
+            name = name.replace(".mlp.gate_up_proj.", ".mlp.gate_up.")
+        return name
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, scaled where the family scales them (Gemma by sqrt(hidden) rounded to the model's
@@ -245,8 +244,10 @@ class DenseTarget(Target):
             # instead of its whole context; what it writes at slot 0 of its own row is never read again (the slot
             # is overwritten whole when a newcomer takes it)
             pos = torch.where((n_valid == 0).to(pos.device)[:, None], torch.zeros_like(pos), pos)
-        ends = cache.lengths + (T if n_valid is None else n_valid.to(cache.lengths))  # longrope's choice, per row
-        tables = [rot(pos, self.dtype, ends) for rot in self.rotaries]  # (cos, sin) per distinct RoPE
+        # longrope's choice per position, as plain decoding makes it (``Rotary.needs_long``): a verify's positions
+        # below the switch keep the short factors
+        ends = cache.lengths + (T if n_valid is None else n_valid.to(cache.lengths))
+        tables = [rot(pos, self.dtype, ends, cache.lengths == 0) for rot in self.rotaries]  # (cos, sin) per RoPE
         x = self.embed(ids if packed is None else packed.gather(ids))
         at = Positions.of(pos)
         tapped = []

@@ -261,19 +261,18 @@ class Qwen35Target(Target):
             "linear_value_head_dim",
         )
         model = cls.empty(text, dtype, device, path, required)
-
-        def rename(name: str) -> str | None:
-            if name.startswith(("mtp.", "model.visual.")):
-                return None  # MTP head and vision tower: unused by a text-only target
-            if name == "lm_head.weight":
-                return None if model.tied else name
-            for prefix in ("model.language_model.", "model."):
-                if name.startswith(prefix):
-                    return name.removeprefix(prefix)
-            return name
-
-        load_state(model, path, rename=rename, dtype=dtype, mmap=torch.device(device).type == "cpu")
+        load_state(model, path, rename=model.checkpoint_name, dtype=dtype, mmap=torch.device(device).type == "cpu")
         return model.eval()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(("mtp.", "model.visual.")):
+            return None  # MTP head and vision tower: unused by a text-only target
+        if name == "lm_head.weight":
+            return None if self.tied else name
+        for prefix in ("model.language_model.", "model."):
+            if name.startswith(prefix):
+                return name.removeprefix(prefix)
+        return name
 
     def new_cache(self, batch: int, capacity: int) -> ModelCache:
         layers: list[KVCache | SSMState] = []

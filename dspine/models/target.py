@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dspine.models.cache import ModelCache
-from dspine.models.checkpoint import ModelLoadError
+from dspine.models.checkpoint import ModelLoadError, check_shapes, checkpoint_shapes
 from dspine.models.layers import skip_init
 
 
@@ -286,26 +286,52 @@ class Target(nn.Module):
         cache = self.new_cache(input_ids.shape[0], input_ids.shape[1])
         return self.logits(self.forward(input_ids, cache).hidden)
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The module name a checkpoint tensor loads into; None: a tensor this target does not use."""
+        return name
+
     @classmethod
     def empty(cls, cfg: dict, dtype: torch.dtype, device, path: Path, required: tuple[str, ...] = ()):
-        """Build the module on the meta device (no init cost), then allocate it uninitialised for loading."""
+        """Build the module uninitialised for loading the checkpoint in ``path``, after checking the checkpoint
+        holds the shapes ``cfg`` asks for (``check_checkpoint``): a config is only a claim about its weights."""
         for key in required:
             if key not in cfg:
                 raise ModelLoadError(f"{path / 'config.json'}: missing {key!r}")
-        if torch.device(device).type == "cpu" and dtype == torch.float32:
-            # built where it runs, left uninitialised: no allocation is touched before the checkpoint (mapped or
-            # copied) replaces it; the meta device would route the constructors' arithmetic through torch's
-            # reference ops, whose first call imports torch._dynamo (1-2 s and ~150 MB at start-up)
-            with skip_init():
-                model = cls(cfg)
-        else:
-            with torch.device("meta"), skip_init():
-                model = cls(cfg)
-            model = model.to_empty(device=device).to(dtype)
+            value = cfg[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelLoadError(f"{path / 'config.json'}: {key} must be a positive integer, got {value!r}")
+        model = cls.check_checkpoint(cfg, path)
+        # allocated where it runs, uninitialised: nothing is touched before the checkpoint (mapped or copied)
+        # replaces it
+        _materialize(model, device, dtype)
         for m in model.modules():  # the RoPE tables (one per distinct spec)
             if hasattr(m, "spec") and callable(getattr(m, "reset", None)):
                 m.reset(device=device)
         return model
+
+    @classmethod
+    def check_checkpoint(cls, cfg: dict, path: Path) -> Target:
+        """The module ``cfg`` builds, on the meta device (``shaped``), once every tensor's shape in ``path``'s
+        safetensors headers is checked against it: a config claiming sizes its weights do not have (a hand-edited
+        ``config.json``, a damaged GGUF's metadata: ``intermediate_size`` 2**36 asked for 17.6 TB) fails before
+        anything is allocated, in one ``ModelLoadError`` naming the file and the tensor. A layer count beyond the
+        tensors the checkpoint holds fails before any module is built (each layer has at least one)."""
+        stored = checkpoint_shapes(path)
+        layers = cfg.get("num_hidden_layers")
+        if isinstance(layers, int) and layers > len(stored):
+            raise ModelLoadError(f"{path / 'config.json'}: num_hidden_layers is {layers}, but the checkpoint holds "
+                                 f"{len(stored)} tensors")
+        shaped = cls.shaped(cfg)
+        check_shapes({n: t.shape for n, t in shaped.state_dict().items()}, stored, path, shaped.checkpoint_name)
+        return shaped
+
+    @classmethod
+    def shaped(cls, cfg: dict) -> Target:
+        """The module ``cfg`` builds, on the meta device: its parameters' names and shapes, and no memory. Nothing
+        computes there (``Rotary`` leaves its tables to ``reset``): arithmetic on meta tensors goes through torch's
+        reference ops, whose first call imports torch._dynamo (1-2 s and ~150 MB at start-up)."""
+        with torch.device("meta"), skip_init():
+            return cls(cfg)
 
     def default_tap_ids(self, n: int = 5) -> list[int]:
         return default_tap_ids(self.num_layers, n)
@@ -332,6 +358,22 @@ def _linears_to_meta(module: nn.Module) -> None:
             m.weight = nn.Parameter(torch.empty(m.weight.shape, device="meta"), requires_grad=False)
             if m.bias is not None:
                 m.bias = nn.Parameter(torch.empty(m.bias.shape, device="meta"), requires_grad=False)
+
+
+def _materialize(module: nn.Module, device, dtype: torch.dtype) -> None:
+    """Every meta parameter and buffer of ``module`` allocated on ``device``, uninitialised, the floating ones in
+    ``dtype`` (``to_empty(device).to(dtype)``, sharing kept), by ``torch.empty``: ``to_empty``'s ``empty_like`` from
+    the meta device goes through torch's reference ops, ~2 ms a tensor (~0.5 s for SmolLM2's 272)."""
+    made: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                store[name] = made[id(t)]
 
 
 def default_tap_ids(num_layers: int, n: int) -> list[int]:

@@ -6,13 +6,16 @@ tensor) or in one line at the first use (what does)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+import weakref
 
 import pytest
 from helpers import random_dspine, token_prompts
 from safetensors.torch import load_file, save_file
 from test_auto_quiet import CAL, _dear
 
-from dspine import load_draft
+from dspine import generate, load_draft
 from dspine.decoding.decode import decode_stream
 from dspine.decoding.prices import StaticPrices
 from dspine.decoding.sampling import SamplingParams
@@ -64,10 +67,48 @@ def test_a_draft_retired_before_the_prefill_is_never_read(llama_target, saved):
     assert sum(d for _, d, _ in want) > 0  # the draft ran: the comparison below compares its proposals
     assert _stream(llama_target, lazy, prompts, paying) == want
     assert lazy.loads == 1
+    held = weakref.ref(lazy.model())
     lazy.release()
-    assert not lazy.loaded and not lazy.released
+    assert not lazy.loaded and held() is None  # its weights went with it, at once (no garbage collection)
     assert _stream(llama_target, lazy, prompts, paying) == want
     assert lazy.loads == 2
+
+
+def test_a_release_never_pulls_the_draft_from_under_another_stream(llama_target, saved):
+    """Two streams of one engine share the handle: one retires the draft (``release``) while the other holds it
+    mid-proposal. The holder's draft stays whole (its tokens are the eagerly loaded draft's), the handle forgets it
+    (the next use reads it again), and the weights go when the holder lets go."""
+    lazy = LazyDraft(saved, load_draft)
+    prompts = token_prompts(3, llama_target.vocab_size, seed=46)
+    want = [o.token_ids for o in generate(llama_target, load_draft(saved), prompts, max_new_tokens=12)]
+    held = lazy.model()  # what a stream mid-proposal holds (``lazy.propose`` is the loaded draft's method)
+    lazy.release()  # another stream retires it
+    assert not any(t.is_meta for t in [*held.parameters(), *held.buffers()])
+    assert [o.token_ids for o in generate(llama_target, held, prompts, max_new_tokens=12)] == want
+    gone = weakref.ref(held)
+    del held
+    assert gone() is None and not lazy.loaded
+    lazy.block_size, lazy.hidden_size  # noqa: B018
+    assert lazy.loads == 2
+
+
+def test_two_streams_asking_at_once_read_the_draft_once(saved):
+    """The handle's load is locked: two threads asking for the draft while it is being read get one draft."""
+    opened = []
+
+    def slow_open(path):
+        time.sleep(0.3)  # both threads are inside ``model()`` while the first read is under way
+        opened.append(load_draft(path))
+        return opened[-1]
+
+    lazy = LazyDraft(saved, slow_open)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(lazy.model())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert lazy.loads == 1 and len(opened) == 1 and got[0] is got[1]
 
 
 def test_a_broken_draft_fails_before_the_stream_or_in_one_line_at_first_use(saved):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from family_models import FAMILIES, check_ragged_prefill_decode_verify, check_speculation_equals_plain, save_tiny_family
-from helpers import chi2_pvalue, exact_joint3, random_dspine, teacher_forced_batch, token_prompts
+from helpers import chi2_pvalue, exact_joint3, joint3_counts, random_dspine, teacher_forced_batch, token_prompts
 
 from dspine import generate, load_target
 from dspine.models.checkpoint import ModelLoadError
+from dspine.models.families import read_spec
 
 NAMES = list(FAMILIES)
 
@@ -91,39 +92,53 @@ def _repetitive_prompts(target, n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", NAMES)
 def test_speculative_equals_plain(family, family_dir):
-    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens."""
-
-    # Phi's tiny longrope switches at 32 positions: a verify crossing it would use the long factors for tokens a
-    # plain step computes with the short ones (HF's per-forward rule), so keep its rows on one side here
-    kw = {"original_max_position_embeddings": 512} if family == "phi3" else {}
-    path = save_tiny_family(family_dir(family) + "-spec", family, **kw) if kw else family_dir(family)
+    """Suffix proposals (no draft; greedy and sampled rows) and an initialised DSpine draft: the plain tokens. Phi's
+    tiny longrope switches at 32 positions: its rows (16-34 prompt tokens, 20 generated) cross it, one of them in
+    its prefill, the others in verifies (``test_longrope.py`` has the rule and its laws)."""
+    # Phi's weights larger than the family test's (sharper attention): a key rotated with the wrong factors flips
+    # tokens instead of moving logits by 1e-2
+    sharp = {"initializer_range": 0.15} if family == "phi3" else {}
+    path = save_tiny_family(family_dir(family) + "-sharp", family, **sharp) if sharp else family_dir(family)
     target = load_target(path)
     prompts = _repetitive_prompts(target, 4, seed=7)
+    if family == "phi3":
+        switch = target.rotary.spec.original_max_position
+        assert min(map(len, prompts)) < switch < max(map(len, prompts)) + 20
     check_speculation_equals_plain(target, prompts)
 
 
 @pytest.mark.parametrize("family", NAMES)
 def test_batch_and_chunk_invariance_where_claimed(family, family_dir):
-    """On our kernels a family without ``invariance_gaps`` gives a row the same hidden states (the bits the prefix
-    cache and chunked prefill reuse) alone or in a batch, and prefilled whole or in two chunks; a family with
-    gaps names them (Phi's longrope), never silently."""
+    """On our kernels a row's hidden states (the bits the prefix cache and chunked prefill reuse) are the same alone
+    or in a batch, and prefilled whole or in two chunks, for every family without ``invariance_gaps``. A family
+    with gaps names them and chunked prefill is off for it (Phi's longrope: a 40-token prompt, past the switch at 32,
+    is rotated wholly with the long factors, so its chunks differ from it; a prompt below the switch chunks
+    exactly), never silently."""
+    from dspine.decoding.prefill import chunking_exact
+
     _kernels_or_skip("kernels")
     target = load_target(family_dir(family))
-    if family == "phi3":
-        assert any("longrope" in gap for gap in target.invariance_gaps)
-        return
-    assert target.invariance_gaps == ()
+    gapped = family == "phi3"
+    assert any("longrope" in gap for gap in target.invariance_gaps) if gapped else target.invariance_gaps == ()
+    assert chunking_exact(target) == (not gapped)
     g = torch.Generator().manual_seed(5)
-    row = torch.randint(3, 256, (1, 23), generator=g)
+    n = 40 if gapped else 23
 
     def hidden(ids, cache=None):
         return target.forward(ids, target.new_cache(ids.shape[0], 4) if cache is None else cache).hidden
 
+    def chunked(row):
+        cache = target.new_cache(1, 4)
+        return torch.cat([hidden(row[:, :9], cache)[0], hidden(row[:, 9:], cache)[0]])
+
+    row = torch.randint(3, 256, (1, n), generator=g)
     alone = hidden(row)[0]
-    batch = torch.cat([torch.randint(3, 256, (2, 23), generator=g), row])
+    batch = torch.cat([torch.randint(3, 256, (2, n), generator=g), row])
     assert torch.equal(hidden(batch)[2], alone)
-    cache = target.new_cache(1, 4)
-    assert torch.equal(torch.cat([hidden(row[:, :9], cache)[0], hidden(row[:, 9:], cache)[0]]), alone)
+    assert torch.equal(chunked(row), alone) != gapped
+    if gapped:  # below the switch the rule is per position: chunks are exact there
+        short = row[:, :23]
+        assert torch.equal(chunked(short), hidden(short)[0])
 
 
 def test_sliding_window_sampled_speculation_chi2(tmp_path):
@@ -137,12 +152,7 @@ def test_sliding_window_sampled_speculation_chi2(tmp_path):
     n = 8000
     outs = generate(target, random_dspine(target, 4, seed=5), [prompt] * n, max_new_tokens=3, temperature=1.0,
                     seed=list(range(n)))
-    V = target.vocab_size
-    counts = torch.zeros(V**3, dtype=torch.long)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[(a * V + b) * V + c] += 1
-    assert chi2_pvalue(counts, exact) > 1e-3
+    assert chi2_pvalue(joint3_counts(outs, target.vocab_size), exact) > 1e-3
     assert sum(o.stats.draft_tokens_accepted for o in outs) > 0  # drafted tokens really were kept
 
 
@@ -239,3 +249,35 @@ def test_legacy_config_keys_as_released_checkpoints_have_them(family, family_dir
     with torch.no_grad():
         expect = hf_model(src)(ids).logits
     assert (load_target(dst).score(ids) - expect).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "smollm3"])
+def test_sliding_layers_without_layer_types_as_hf_picks_them(family, tmp_path):
+    """A config with ``use_sliding_window`` and no ``layer_types`` (as transformers 4 wrote them): the layers that
+    slide are those HF's own config class picks (Qwen2/Qwen3: from ``max_window_layers`` on, its default 28 when
+    absent; SmolLM3: the NoPE layers), and the logits of a 20-token row (past the window of 4) are HF's."""
+    import json
+
+    import transformers
+    from helpers import save_tiny_hf
+
+    kw = dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    if family == "qwen3":
+        path = save_tiny_hf(tmp_path / family, "qwen3", layers=4, **kw)
+    else:
+        path = save_tiny_family(tmp_path / family, family, **kw, **({"no_rope_layer_interval": 2}
+                                                                      if family == "smollm3" else {}))
+    cfg = json.loads(open(f"{path}/config.json").read())
+    cfg.pop("layer_types")
+    (tmp_path / family / "config.json").write_text(json.dumps(cfg))
+    hf_cls = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}[family]
+    longer = {k: v for k, v in cfg.items() if k not in ("max_window_layers", "no_rope_layers")}
+    for variant in (cfg, {**longer, "num_hidden_layers": 30}):  # HF's defaults: 28 windowless layers, every 2nd NoPE
+        picked = getattr(transformers, hf_cls)(**variant).layer_types
+        assert [w is not None for w in read_spec(variant).windows] == [t == "sliding_attention" for t in picked]
+    target = load_target(path)
+    assert any(w == 4 for w in target.windows) and None in target.windows
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expect = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+    assert (target.score(ids) - expect).abs().max().item() < 1e-4

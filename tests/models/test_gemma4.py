@@ -124,6 +124,7 @@ def test_on_our_kernels_a_row_is_the_same_alone_batched_chunked_and_from_the_pre
 
 def test_moe_and_bidirectional_refused_in_one_line(gemma4, tmp_path):
     cfg = json.loads(open(f"{gemma4}/config.json").read())
+    (tmp_path / "model.safetensors").symlink_to(f"{gemma4}/model.safetensors")  # a model folder: config, weights
     for key, value, words in (("enable_moe_block", True, "enable_moe_block"),
                               ("use_bidirectional_attention", "all", "use_bidirectional_attention")):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
