@@ -56,7 +56,6 @@ from dspine_batch.engines.sglang.processes import (  # noqa: F401  (re-exported)
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import UsageError
 
-
 # Per-request seeds (issue 57, finding 4): SGLang 0.5.23 reads ``sampling_seed`` only under
 # --enable-deterministic-inference (and then not with flashinfer's top-k/top-p sampler); DSPINE's draft walk and
 # verify draw from the global generator as DFlash's do. Sampled rows are exact in law, not reproducible: said once.
