@@ -45,7 +45,8 @@ from dspine.cpu.precision import cpu_flags
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp")]
-HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h")]
+HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h", "amx_bf16.h")]
+AMX_ENV = "DSPINE_AMX"  # "0"/"off": the bf16 family on AVX512-BF16 even where the CPU has AMX tiles
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
 # The bf16 precision policy's format (never tried by default: it rounds): weights rounded to bfloat16, inputs
@@ -137,6 +138,8 @@ def load() -> str | None:
     else:
         isa = _build(wanted_isa())
     _state["isa"] = isa
+    if isa is not None:
+        set_bf16_amx(os.environ.get(AMX_ENV, "").strip().lower() not in ("0", "off", "false", "no"))
     return isa
 
 
@@ -264,6 +267,21 @@ def _why_build(root: Path, name: str, isa: str, held: Any) -> str:
 def bf16dp_ok() -> bool:
     """True where the bf16 family of linears runs: the avx512 build on a CPU with AVX512-BF16."""
     return load() == "avx512" and "avx512_bf16" in cpu_flags() and bool(torch.ops.dspine_cpu.has_bf16dp())
+
+
+def set_bf16_amx(want: bool) -> bool:
+    """Run the bf16 family of linears on AMX tiles (``csrc/amx_bf16.h``) where the CPU has them and Linux grants them
+    to this process, else on AVX512-BF16 (``csrc/gemm_bf16.cpp``); True when AMX runs. ``load()`` chooses once
+    (``DSPINE_AMX=0``: never). The two give different bits (another summation order), so a target records which in
+    its kernel name when it is built (``bf16_isa``): tests switch it only around targets they build themselves."""
+    _state["amx"] = bool(torch.ops.dspine_cpu.bf16_amx(bool(want)))
+    return _state["amx"]  # type: ignore[return-value]
+
+
+def bf16_isa() -> str:
+    """The instruction set of the bf16 family as a target's kernel name says it: ``avx512+amx`` or ``avx512``."""
+    isa = load()
+    return f"{isa}+amx" if isa and _state.get("amx") else str(isa)
 
 
 BF16_ATTENTION_DIMS = (32, 64, 128)
