@@ -44,7 +44,8 @@ from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp",
+                                    "layer.cpp")]
 HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h", "amx_bf16.h")]
 AMX_ENV = "DSPINE_AMX"  # "0"/"off": the bf16 family on AVX512-BF16 even where the CPU has AMX tiles
 QK = 32  # GGUF block length
@@ -421,6 +422,14 @@ def exact_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.to(torch.int8).reshape(n, k // QK, QK), d
 
 
+# each format's op (and its ``parts`` argument, 0: the op has none)
+OP_NAMES = {"f32": ("linear", 0), "q4_1": ("linear_q4_1", 0), "q8_0": ("linear_q8_0", 0), "bf16": ("linear_bf16", 0),
+            BF16DP: ("linear_bf16dp", 0), BF16DP_Q4_1: ("linear_bf16dp_q4_1", 0),
+            BF16DP_Q8_0: ("linear_bf16dp_q8_0", 0), Q8DP_Q4_1: ("linear_q8dp_q4_1", 1),
+            Q8DP_Q8_0: ("linear_q8dp_q8_0", 1), Q16DP_Q4_1: ("linear_q8dp_q4_1", 2),
+            Q16DP_Q8_0: ("linear_q8dp_q8_0", 2)}
+
+
 class PackedLinear(nn.Module):
     """Inference-only ``nn.Linear`` replacement whose weight is repacked for ``csrc/linear.cpp``.
 
@@ -483,13 +492,13 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def _ops() -> dict:
-        return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
-                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
-                BF16DP: torch.ops.dspine_cpu.linear_bf16dp, BF16DP_Q4_1: torch.ops.dspine_cpu.linear_bf16dp_q4_1,
-                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0, Q8DP_Q4_1: torch.ops.dspine_cpu.linear_q8dp_q4_1,
-                Q8DP_Q8_0: torch.ops.dspine_cpu.linear_q8dp_q8_0,
-                Q16DP_Q4_1: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q4_1, parts=2),
-                Q16DP_Q8_0: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q8_0, parts=2)}
+        return {fmt: functools.partial(getattr(torch.ops.dspine_cpu, name), parts=parts) if parts else
+                getattr(torch.ops.dspine_cpu, name) for fmt, (name, parts) in OP_NAMES.items()}
+
+    def op_spec(self) -> tuple[str, int]:
+        """(the op's qualified name, its ``parts`` argument or 0): how ``csrc/layer.cpp`` calls this linear."""
+        name, parts = OP_NAMES[self.format]
+        return f"dspine_cpu::{name}", parts
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"

@@ -219,6 +219,9 @@ class Target(nn.Module):
         for m in self.modules():
             if hasattr(m, "fast"):
                 m.fast = True
+        for m in self.modules():  # whole layers in one native call where a block can (``llama.Block.plan_fused``)
+            if callable(plan := getattr(m, "plan_fused", None)):
+                plan()
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
         from dspine.cpu.kernels import BF16DP, INT_FORMATS, bf16_isa, weight_formats
