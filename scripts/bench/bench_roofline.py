@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -159,18 +160,42 @@ def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, integer: bool) -> di
 # ---- steps and the engine ----------------------------------------------------------------------------------------
 
 
-def time_steps(targets: dict, rows: list[int], verifies: list[int], ctx: int, reps: int) -> dict[tuple, dict]:
-    """Median ms of each (setting, rows, tokens) forward, the settings alternating rep by rep (forward, then
-    backward), so load that comes and goes lands on all of them."""
+def variant_switch(target, amx: bool | None, fused: bool):
+    """A function that puts the process in a variant before each of its calls: the bf16 family on AMX tiles or not
+    (``kernels.set_bf16_amx``, process-wide; None: leave it) and the target's layers fused into one call each or run op
+    by op (``llama.Block.plan_fused``)."""
+    from dspine.cpu import kernels
+
+    layers = list(getattr(target, "layers", []))
+    plans = [getattr(layer, "fused", None) for layer in layers]
+
+    def switch() -> None:
+        if amx is not None:
+            kernels.set_bf16_amx(amx)
+        for layer, plan in zip(layers, plans):
+            if hasattr(layer, "fused"):
+                layer.fused = plan if fused else None
+
+    return switch
+
+
+def time_steps(variants: dict, rows: list[int], verifies: list[int], ctx: int, reps: int) -> dict[tuple, dict]:
+    """Median (and best) ms of each (variant, rows, tokens) forward; ``variants``: label -> (target, switch). The
+    variants alternate rep by rep (forward, then backward), so load that comes and goes lands on all of them."""
     out: dict[tuple, dict] = {}
     for b in rows:
         for t in (1, *verifies):
-            steps = {name: make_step(tg, b, ctx, t) for name, tg in targets.items()}
+            steps = {}
+            for name, (tg, switch) in variants.items():
+                switch()
+                steps[name] = make_step(tg, b, ctx, t)
             times: dict[str, list[float]] = {name: [] for name in steps}
-            for fn in steps.values():
+            for name, fn in steps.items():
+                variants[name][1]()
                 fn()
             for rep in range(reps):
                 for name in (list(steps) if rep % 2 == 0 else list(steps)[::-1]):
+                    variants[name][1]()
                     t0 = time.perf_counter()
                     steps[name]()
                     times[name].append(time.perf_counter() - t0)
@@ -199,14 +224,24 @@ def engine_tok_s(settings: list[str], rows: list[int], n: int, new: int, repeats
         texts = [base[i % len(base)] + ("" if i < len(base) else f" (Variant {i // len(base)}.)") for i in range(count)]
         ids = [list(tok.render_chat([{"role": "user", "content": p}])) for p in texts]
         runs: dict[str, list[float]] = {s: [] for s in settings}
+        outputs: dict[str, list[list[int]]] = {}
         for rep in range(repeats):
             for s in (settings if rep % 2 == 0 else settings[::-1]):
                 col = run_ours(ids, stops, new, c, False, s, f"ours plain {s}")
                 runs[s].append(col.tok_s)
+                outputs[s] = col.outputs
         for s, vals in runs.items():
             out[(s, c)] = statistics.median(vals)
-        print(json.dumps({"engine_rows": c, "prompts": count, **{s: round(out[(s, c)], 1) for s in settings}}),
-              flush=True)
+            # greedy agreement with the first setting: identical outputs, and the share of tokens before a row's
+            # first difference
+            ref = outputs[settings[0]]
+            same = sum(a == b for a, b in zip(outputs[s], ref))
+            prefix = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                         for a, b in zip(outputs[s], ref))
+            out[(s, c, "agree")] = f"{same}/{len(ref)} rows identical, {prefix / max(1, sum(map(len, ref))):.2f} " \
+                                   f"of tokens before the first difference"
+        print(json.dumps({"engine_rows": c, "prompts": count, **{s: round(out[(s, c)], 1) for s in settings},
+                          **{f"{s} vs {settings[0]}": out[(s, c, "agree")] for s in settings[1:]}}), flush=True)
     return out
 
 
@@ -232,6 +267,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--engine-repeats", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--compare", action="store_true", help="also time the first setting as it ran before issue 53: "
+                    "the bf16 family on AVX512-BF16 (not AMX) and the layers op by op, and on AMX op by op")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: ``configure_torch``'s choice); on a "
+                    "shared machine 1 thread measures what 2 cannot (a descheduled thread stalls every barrier)")
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
 
@@ -240,6 +279,8 @@ def main() -> None:
     from dspine import load_target
     from dspine.cpu.threads import configure_torch
 
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # configure_torch honours it, in the engine runs too
     threads = configure_torch()
     report: dict = {"cpu": cpu_line(), "threads": threads, "torch": torch.__version__,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "uptime_before": uptime()}
@@ -260,10 +301,24 @@ def main() -> None:
     print(json.dumps({"machine": mach}), flush=True)
     print(json.dumps({"target": report["target"]}), flush=True)
 
-    steps = time_steps(targets, args.rows, args.verify, args.ctx, args.reps)
+    from dspine.cpu import kernels
+
+    amx = kernels.bf16_isa().endswith("+amx")
+    variants = {name: (tg, variant_switch(tg, amx, True)) for name, tg in targets.items()}
+    setting_of = {name: name for name in targets}
+    if args.compare:
+        s0 = args.settings[0]
+        for label, on_amx in ((f"{s0} avx512-bf16 per-op", False), (f"{s0} amx per-op", True)):
+            if on_amx and not amx:
+                continue
+            variants[label] = (targets[s0], variant_switch(targets[s0], on_amx, False))
+            setting_of[label] = s0
+    steps = time_steps(variants, args.rows, args.verify, args.ctx, args.reps)
+    for _, switch in list(variants.values())[: len(targets)]:
+        switch()  # the defaults again (AMX where it runs, layers fused) for the engine runs
     table = []
     for (name, b, t), res in steps.items():
-        roof = roof_ms(costs[name], mach, b, t, name in INTEGER)
+        roof = roof_ms(costs[setting_of[name]], mach, b, t, setting_of[name] in INTEGER)
         table.append({"setting": name, "rows": b, "tokens": t, "ms": round(res["ms"], 2),
                       "min_ms": round(res["min_ms"], 2), "roof_ms": round(roof["ms"], 2),
                       "x_roof": round(res["ms"] / roof["ms"], 2), "x_roof_min": round(res["min_ms"] / roof["ms"], 2),
@@ -274,14 +329,18 @@ def main() -> None:
     if not args.skip_engine and args.engine_rows:
         eng_settings = args.engine_settings or args.settings[:1]
         tok_s = engine_tok_s(eng_settings, args.engine_rows, args.n, args.new_tokens, args.engine_repeats)
-        for (s, c), v in tok_s.items():
+        for key, v in tok_s.items():
+            if len(key) == 3:
+                continue
+            s, c = key
             cost = costs.get(s) or target_cost(load_target(path, **SETTINGS[s]), args.ctx)
             roof = roof_ms(cost, mach, c, 1, s in INTEGER)
             bare = steps.get((s, c, 1))
             engine[f"{s}@{c}"] = {"tok_s": round(v, 1), "roof_tok_s": round(1e3 * c / roof["ms"], 1),
                                   "x_roof": round(v / (1e3 * c / roof["ms"]), 2),
                                   "bare_step_tok_s": None if bare is None else round(1e3 * c / bare["ms"], 1),
-                                  "x_bare": None if bare is None else round(v / (1e3 * c / bare["ms"]), 2)}
+                                  "x_bare": None if bare is None else round(v / (1e3 * c / bare["ms"]), 2),
+                                  "greedy_vs_first": tok_s[(s, c, "agree")]}
     report["engine"] = engine
     report["uptime_after"] = uptime()
     write_json(args.json, report)
@@ -302,10 +361,11 @@ def main() -> None:
         print(f"| {r['setting']} | {r['rows']} | {r['tokens']} | {r['ms']:.2f} ({r['min_ms']:.2f}) | "
               f"{r['roof_ms']:.2f} ({r['bound']}) | {r['x_roof']:.2f} ({r['x_roof_min']:.2f}) |")
     if engine:
-        print("\n| engine plain | tok/s | roof tok/s | x roof | bare step tok/s | x bare |\n|---|---|---|---|---|---|")
+        print("\n| engine plain | tok/s | roof tok/s | x roof | bare step tok/s | x bare | greedy vs first |")
+        print("|---|---|---|---|---|---|---|")
         for k, e in engine.items():
             print(f"| {k} | {e['tok_s']} | {e['roof_tok_s']} | {e['x_roof']} | {e['bare_step_tok_s']} | "
-                  f"{e['x_bare']} |")
+                  f"{e['x_bare']} | {e['greedy_vs_first']} |")
 
 
 if __name__ == "__main__":
