@@ -77,12 +77,10 @@ inline void tile_store(int t, float* p, int64_t stride) {
   }
 }
 
-// C tile t at rows m.., columns n.. of out [M, N]: straight into out when whole, else through a buffer.
+// C tile t at rows m.., columns n.. of out [M, N], through a buffer and row stores. Why not tilestored into out: with a
+// wide output (the 49k-column head) its rows' stride is a multiple of 4 KB, and the strided tile store into lines not
+// in cache ran a 64-row head 10x slower than its multiply-adds.
 inline void store_c(int t, float* out, int64_t M, int64_t N, int64_t m, int64_t n) {
-  if (m + AMX_ROWS <= M && n + 16 <= N) {
-    tile_store(t, out + m * N + n, N * 4);
-    return;
-  }
   alignas(64) float buf[AMX_ROWS * 16];
   tile_store(t, buf, 64);
   const int64_t cols = std::min<int64_t>(16, N - n);
@@ -143,22 +141,21 @@ inline void amx_panel_groups(const uint16_t* xb, int64_t Kq, int64_t KB, const T
   }
   for (int64_t b = 0; b < KB; ++b) {
     const TileB w0 = tile(b, 0), w1 = tile(b, 1), w2 = tile(b, 2);
-    _tile_loadd(6, a + b * AMX_K, lda);
-    _tile_loadd(7, w0.p, w0.stride);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_loadd(7, w1.p, w1.stride);
-    _tile_dpbf16ps(1, 6, 7);
-    _tile_loadd(7, w2.p, w2.stride);
-    _tile_dpbf16ps(2, 6, 7);
+    // one row tile r: its A slice into tile 6, then each group's B into tile 7 and onto C tiles 3r .. 3r + 2 (the
+    // intrinsics take tile numbers as literals)
+#define DSPINE_ROW_TILE(r, c0, c1, c2)                          \
+  _tile_loadd(6, a + (r) * AMX_ROWS * Kq + b * AMX_K, lda);     \
+  _tile_loadd(7, w0.p, w0.stride);                              \
+  _tile_dpbf16ps(c0, 6, 7);                                     \
+  _tile_loadd(7, w1.p, w1.stride);                              \
+  _tile_dpbf16ps(c1, 6, 7);                                     \
+  _tile_loadd(7, w2.p, w2.stride);                              \
+  _tile_dpbf16ps(c2, 6, 7);
+    DSPINE_ROW_TILE(0, 0, 1, 2)
     if constexpr (RT == 2) {
-      _tile_loadd(6, a + AMX_ROWS * Kq + b * AMX_K, lda);
-      _tile_loadd(7, w0.p, w0.stride);
-      _tile_dpbf16ps(3, 6, 7);
-      _tile_loadd(7, w1.p, w1.stride);
-      _tile_dpbf16ps(4, 6, 7);
-      _tile_loadd(7, w2.p, w2.stride);
-      _tile_dpbf16ps(5, 6, 7);
+      DSPINE_ROW_TILE(1, 3, 4, 5)
     }
+#undef DSPINE_ROW_TILE
   }
   for (int r = 0; r < RT; ++r)
     for (int g = 0; g < GROUPS; ++g) store_c(3 * r + g, out, M, N, m0 + r * AMX_ROWS, n0 + 16 * g);
