@@ -6,7 +6,9 @@ the weights could stream at 20-40 GB/s, and a 4-row verify costs ~2x a 1-row ste
 the same. ``csrc/linear.cpp`` repacks each weight once and streams it once per forward for any small number
 of rows; it is also batch invariant (a row's outputs do not depend on the other rows), which torch's kernels
 are not. ``csrc/ops.cpp`` fuses the chains of tiny ops around them (RMSNorm, RoPE + KV store, attention over
-the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast.
+the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast; ``csrc/layer.cpp``
+runs a whole dense pre-norm layer as one call of those kernels (``llama.Block.plan_fused``). Where the CPU has AMX
+tiles the bf16 family of linears runs on them (``csrc/amx_bf16.h``, ``set_bf16_amx``; ``DSPINE_AMX=0``: never).
 
 The build is a JIT C++ extension (``torch.utils.cpp_extension``: a C++ compiler and ninja), once per machine
 kind, under ``$DSPINE_CACHE_DIR/kernels`` (default ``~/.cache/dspine/kernels``) in a folder named by the content of
