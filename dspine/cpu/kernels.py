@@ -6,7 +6,9 @@ the weights could stream at 20-40 GB/s, and a 4-row verify costs ~2x a 1-row ste
 the same. ``csrc/linear.cpp`` repacks each weight once and streams it once per forward for any small number
 of rows; it is also batch invariant (a row's outputs do not depend on the other rows), which torch's kernels
 are not. ``csrc/ops.cpp`` fuses the chains of tiny ops around them (RMSNorm, RoPE + KV store, attention over
-the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast.
+the cache, SiLU gate), which are most of what remains of a decode step once the linears are fast; ``csrc/layer.cpp``
+runs a whole dense pre-norm layer as one call of those kernels (``llama.Block.plan_fused``). Where the CPU has AMX
+tiles the bf16 family of linears runs on them (``csrc/amx_bf16.h``, ``set_bf16_amx``; ``DSPINE_AMX=0``: never).
 
 The build is a JIT C++ extension (``torch.utils.cpp_extension``: a C++ compiler and ninja), once per machine
 kind, under ``$DSPINE_CACHE_DIR/kernels`` (default ``~/.cache/dspine/kernels``) in a folder named by the content of
@@ -44,8 +46,10 @@ from dspine.cpu.precision import cpu_flags
 
 ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"generic": that build (tests)
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp")]
-HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp",
+                                    "layer.cpp")]
+HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h", "amx_bf16.h")]
+AMX_ENV = "DSPINE_AMX"  # "0"/"off": the bf16 family on AVX512-BF16 even where the CPU has AMX tiles
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
 # The bf16 precision policy's format (never tried by default: it rounds): weights rounded to bfloat16, inputs
@@ -137,6 +141,8 @@ def load() -> str | None:
     else:
         isa = _build(wanted_isa())
     _state["isa"] = isa
+    if isa is not None:
+        set_bf16_amx(os.environ.get(AMX_ENV, "").strip().lower() not in ("0", "off", "false", "no"))
     return isa
 
 
@@ -264,6 +270,21 @@ def _why_build(root: Path, name: str, isa: str, held: Any) -> str:
 def bf16dp_ok() -> bool:
     """True where the bf16 family of linears runs: the avx512 build on a CPU with AVX512-BF16."""
     return load() == "avx512" and "avx512_bf16" in cpu_flags() and bool(torch.ops.dspine_cpu.has_bf16dp())
+
+
+def set_bf16_amx(want: bool) -> bool:
+    """Run the bf16 family of linears on AMX tiles (``csrc/amx_bf16.h``) where the CPU has them and Linux grants them
+    to this process, else on AVX512-BF16 (``csrc/gemm_bf16.cpp``); True when AMX runs. ``load()`` chooses once
+    (``DSPINE_AMX=0``: never). The two give different bits (another summation order), so a target records which in
+    its kernel name when it is built (``bf16_isa``): tests switch it only around targets they build themselves."""
+    _state["amx"] = bool(torch.ops.dspine_cpu.bf16_amx(bool(want)))
+    return _state["amx"]  # type: ignore[return-value]
+
+
+def bf16_isa() -> str:
+    """The instruction set of the bf16 family as a target's kernel name says it: ``avx512+amx`` or ``avx512``."""
+    isa = load()
+    return f"{isa}+amx" if isa and _state.get("amx") else str(isa)
 
 
 BF16_ATTENTION_DIMS = (32, 64, 128)
@@ -403,6 +424,14 @@ def exact_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.to(torch.int8).reshape(n, k // QK, QK), d
 
 
+# each format's op (and its ``parts`` argument, 0: the op has none)
+OP_NAMES = {"f32": ("linear", 0), "q4_1": ("linear_q4_1", 0), "q8_0": ("linear_q8_0", 0), "bf16": ("linear_bf16", 0),
+            BF16DP: ("linear_bf16dp", 0), BF16DP_Q4_1: ("linear_bf16dp_q4_1", 0),
+            BF16DP_Q8_0: ("linear_bf16dp_q8_0", 0), Q8DP_Q4_1: ("linear_q8dp_q4_1", 1),
+            Q8DP_Q8_0: ("linear_q8dp_q8_0", 1), Q16DP_Q4_1: ("linear_q8dp_q4_1", 2),
+            Q16DP_Q8_0: ("linear_q8dp_q8_0", 2)}
+
+
 class PackedLinear(nn.Module):
     """Inference-only ``nn.Linear`` replacement whose weight is repacked for ``csrc/linear.cpp``.
 
@@ -465,13 +494,13 @@ class PackedLinear(nn.Module):
 
     @staticmethod
     def _ops() -> dict:
-        return {"f32": torch.ops.dspine_cpu.linear, "q4_1": torch.ops.dspine_cpu.linear_q4_1,
-                "q8_0": torch.ops.dspine_cpu.linear_q8_0, "bf16": torch.ops.dspine_cpu.linear_bf16,
-                BF16DP: torch.ops.dspine_cpu.linear_bf16dp, BF16DP_Q4_1: torch.ops.dspine_cpu.linear_bf16dp_q4_1,
-                BF16DP_Q8_0: torch.ops.dspine_cpu.linear_bf16dp_q8_0, Q8DP_Q4_1: torch.ops.dspine_cpu.linear_q8dp_q4_1,
-                Q8DP_Q8_0: torch.ops.dspine_cpu.linear_q8dp_q8_0,
-                Q16DP_Q4_1: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q4_1, parts=2),
-                Q16DP_Q8_0: functools.partial(torch.ops.dspine_cpu.linear_q8dp_q8_0, parts=2)}
+        return {fmt: functools.partial(getattr(torch.ops.dspine_cpu, name), parts=parts) if parts else
+                getattr(torch.ops.dspine_cpu, name) for fmt, (name, parts) in OP_NAMES.items()}
+
+    def op_spec(self) -> tuple[str, int]:
+        """(the op's qualified name, its ``parts`` argument or 0): how ``csrc/layer.cpp`` calls this linear."""
+        name, parts = OP_NAMES[self.format]
+        return f"dspine_cpu::{name}", parts
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"

@@ -118,7 +118,43 @@ class Block(nn.Module):
         self.post_feedforward_layernorm = norm() if spec.norms != "pre" else None
         self.mlp = SwiGLU(h, cfg["intermediate_size"], act=spec.act, bias=spec.mlp_bias)
 
+    def plan_fused(self) -> bool:
+        """Inference only, after ``Target.use_kernels``: run this layer as one call of ``csrc/layer.cpp`` (the same
+        kernels in the same order: the same bits) where it is the plain pre-norm block on our kernels (no QK norm, no
+        residual scale, SiLU or tanh-GELU gate); True when it will. ``self.fused = None`` turns it off again."""
+        from dspine.cpu.kernels import FusedRMSNorm, PackedLinear
+
+        a, m = self.self_attn, self.mlp
+        lins = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up", None), m.down_proj]
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        if (self.layout != "pre" or self.residual_scale != 1.0 or a.qk_norm_over or not (a.fast and m.fast)
+                or not all(isinstance(n, FusedRMSNorm) for n in norms)
+                or len({(n.eps, n.offset) for n in norms}) != 1 or not all(isinstance(x, PackedLinear) for x in lins)):
+            self.fused = None
+            return False
+        none = torch.empty(0)
+        specs = [x.op_spec() for x in lins]
+        weights = [norms[0].weight, norms[1].weight]
+        for x in lins:
+            weights += [x.packed, none if x.bias is None else x.bias]
+        ints = [x.out_features for x in lins] + [p for _, p in specs] + [a.n_heads, a.n_kv, a.head_dim]
+        self.fused = (weights, [n for n, _ in specs], ints, int(m.act != "silu"),
+                      [norms[0].eps, norms[0].offset, float(a.scale)])
+        return True
+
+    fused: tuple | None = None
+
     def forward(self, x, cos, sin, at: Positions, kv, window, packed: Packing | None = None):
+        if self.fused is not None and cos is not None and x.shape[0]:
+            from dspine.cpu.kernels import bf16_attention
+
+            weights, names, ints, gelu, floats = self.fused
+            kv.ensure(at.upto)
+            dp = int(kv.k.dtype == torch.bfloat16 and bf16_attention(ints[-1]))
+            index = packed.index if packed is not None else _NO_INDEX
+            return torch.ops.dspine_cpu.dense_layer(x, weights, names, [*ints, int(window or 0), gelu, dp], floats,
+                                                    cos[:, 0], sin[:, 0], kv.k, kv.v, at.pos, at.queries(packed),
+                                                    index)
         h = x if self.input_layernorm is None else self.input_layernorm(x)
         a = self.self_attn(h, cos, sin, at, kv, window, packed)
         if self.layout != "pre":
@@ -132,6 +168,9 @@ class Block(nn.Module):
         if self.post_feedforward_layernorm is not None:
             m = self.post_feedforward_layernorm(m)
         return x + (m if self.residual_scale == 1.0 else m * self.residual_scale)
+
+
+_NO_INDEX = torch.empty(0, dtype=torch.long)  # dense_layer's "not packed"
 
 
 class DenseTarget(Target):

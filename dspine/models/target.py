@@ -219,15 +219,20 @@ class Target(nn.Module):
         for m in self.modules():
             if hasattr(m, "fast"):
                 m.fast = True
+        for m in self.modules():  # whole layers in one native call where a block can (``llama.Block.plan_fused``)
+            if callable(plan := getattr(m, "plan_fused", None)):
+                plan()
         if self.lm_head is not None:
             self.lm_head.requires_grad_(False)
-        from dspine.cpu.kernels import BF16DP, INT_FORMATS
+        from dspine.cpu.kernels import BF16DP, INT_FORMATS, bf16_isa, weight_formats
 
         # the bf16 family rounds (weights and linear inputs to bf16): it is a precision policy, so it is named (its
         # block formats compute the same bits as its bf16 panels, so they share the name); so are the integer ones
         # (inputs quantised to int8 parts; weights on no GGUF grid fall back to the bf16 family or fp32)
         bf16 = bool(formats) and all(f.startswith(BF16DP) for f in formats)
         integer = next((name for name, fmts in INT_FORMATS.items() if formats and formats[0] in fmts), None)
+        if any(f.startswith(BF16DP) for f in weight_formats(self)):  # the bf16 family on AMX tiles or on AVX512-BF16
+            isa = bf16_isa()  # (other bits, so another name)
         self._kernel = f"dspine-{isa}-{integer or 'bf16'}" if integer or bf16 else f"dspine-{isa}"
         return self
 

@@ -29,6 +29,7 @@ SETTINGS = {
     "fp32_fused": dict(dtype=torch.float32, fuse=True, kernels=False),
     "bf16": dict(dtype=torch.bfloat16),
     "int8": dict(dtype=torch.bfloat16, quant="int8"),
+    "q8": dict(dtype=torch.bfloat16, quant="q8"),  # our integer dot products (GGUF-block weights, int8 inputs)
     "int4": dict(dtype=torch.bfloat16, quant="int4"),
 }
 

@@ -91,10 +91,32 @@ def test_fp32_family_and_attention_invariance_on_lower_isa_builds(isa):
 needs_bf16 = pytest.mark.skipif(not kernels.bf16dp_ok(), reason="no AVX512-BF16 on this CPU (or not the avx512 build)")
 
 
+def _amx_here() -> bool:
+    """Whether the bf16 family can run on AMX tiles here (the CPU has them, Linux grants them): asked once, the
+    default restored."""
+    if not kernels.bf16dp_ok():
+        return False
+    before = kernels.bf16_isa().endswith("+amx")
+    ok = kernels.set_bf16_amx(True)
+    kernels.set_bf16_amx(before)
+    return ok
+
+
+@pytest.fixture(params=["avx512_bf16", pytest.param("amx", marks=pytest.mark.skipif(
+    not _amx_here(), reason="no AMX tiles on this CPU"))])
+def bf16_path(request):
+    """The bf16 family's tests on each of its paths this CPU runs: AVX512-BF16 tiles, and AMX tiles where it has
+    them (the default there). Targets built inside a test carry the path in their kernel name."""
+    before = kernels.bf16_isa().endswith("+amx")
+    assert kernels.set_bf16_amx(request.param == "amx") == (request.param == "amx")
+    yield request.param
+    kernels.set_bf16_amx(before)
+
+
 @needs_bf16
 @pytest.mark.parametrize("fmt", list(MAKERS))
 @pytest.mark.parametrize("k,n", [*MODEL_SHAPES, (577, 97), (64, 49)])
-def test_bf16_family_rows_are_bit_identical_whatever_the_row_count(fmt, k, n):
+def test_bf16_family_rows_are_bit_identical_whatever_the_row_count(fmt, k, n, bf16_path):
     """Odd K (a zero pair pads it) and N that is no multiple of the 48-column panel included."""
     w = MAKERS[fmt](n, k, 11) if k % 32 == 0 or fmt in ("f32", "bf16") else MAKERS["f32"](n, k, 11)
     lin = kernels.PackedLinear(w, formats=(kernels.BF16DP,))
@@ -107,7 +129,7 @@ def test_bf16_family_rows_are_bit_identical_whatever_the_row_count(fmt, k, n):
 
 
 @needs_bf16
-def test_bf16_family_head_rows_are_bit_identical():
+def test_bf16_family_head_rows_are_bit_identical(bf16_path):
     k, n = HEAD
     lin = kernels.PackedLinear(_q8_0_grid(n, k, 12), formats=(kernels.BF16DP,))
     x = torch.randn(200, k, generator=torch.Generator().manual_seed(3))
@@ -115,12 +137,13 @@ def test_bf16_family_head_rows_are_bit_identical():
 
 
 @needs_bf16
-def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir):
+def test_bf16_target_is_our_kernels_and_batch_invariant(llama_dir, bf16_path):
     """dtype=bfloat16 on an AVX512-BF16 CPU: every linear in the bf16 family, the rest fp32; a row's prompt
     forward and greedy tokens do not depend on its neighbours or on the prompt being read in one piece."""
     bf16, fp32 = load_target(llama_dir, dtype=torch.bfloat16), load_target(llama_dir)
     hd = bf16.layers[0].self_attn.head_dim
     assert bf16.kernel.endswith("-bf16" + ("-kvbf16dp" if kernels.bf16_attention(hd) else "-kvbf16"))
+    assert ("+amx-" in bf16.kernel) == (bf16_path == "amx")  # the path's bits, named
     assert bf16.dtype == torch.float32
     assert set(kernels.weight_formats(bf16)) == {kernels.BF16DP}
     g = torch.Generator().manual_seed(5)
@@ -149,7 +172,7 @@ EVERY_M = (*range(1, 41), 47, 48, 64, 65, 96, 97, 191, 192, 193, 200, 1390)  # e
 @needs_bf16
 @pytest.mark.parametrize("fmt", list(BLOCK_MAKERS))
 @pytest.mark.parametrize("k,n", [*MODEL_SHAPES, (64, 49), (96, 200)])
-def test_bf16_block_formats_are_the_bf16_panels_bits_for_every_row_count(fmt, k, n):
+def test_bf16_block_formats_are_the_bf16_panels_bits_for_every_row_count(fmt, k, n, bf16_path):
     """The bf16 family over GGUF blocks (expanded per panel, rounded to bf16, the same tiles) against the bf16 panels
     of the same weight: bit for bit at every row count, in fewer bytes; and batch invariant like them."""
     make, ratio = BLOCK_MAKERS[fmt]
@@ -166,7 +189,7 @@ def test_bf16_block_formats_are_the_bf16_panels_bits_for_every_row_count(fmt, k,
 
 
 @needs_bf16
-def test_bf16_block_formats_head_and_fallback():
+def test_bf16_block_formats_head_and_fallback(bf16_path):
     k, n = HEAD
     w = _q8_0_grid(n, k, 12)
     blocks = kernels.PackedLinear(w, formats=kernels.BF16_FORMATS)
@@ -179,6 +202,28 @@ def test_bf16_block_formats_head_and_fallback():
     assert kernels.PackedLinear(torch.randn(50, 64), formats=kernels.BF16_FORMATS).format == kernels.BF16DP
     assert kernels.PackedLinear(_q4_1_grid(50, 64, 1)[:, :48].contiguous(),
                                 formats=kernels.BF16_FORMATS).format == kernels.BF16DP
+
+
+@needs_bf16
+@pytest.mark.skipif(not _amx_here(), reason="no AMX tiles on this CPU")
+def test_amx_and_avx512_paths_compute_the_same_products_in_another_order():
+    """Where the CPU has AMX the bf16 family runs on its tiles by default (``DSPINE_AMX=0``: AVX512-BF16): the same
+    bf16 weights and inputs, fp32 sums in another order, so outputs within fp32 rounding of each other, not equal."""
+    assert kernels.bf16_isa() == f"{kernels.load()}+amx"
+    w = _q4_1_grid(300, 1536, 5)
+    lin = kernels.PackedLinear(w, formats=(kernels.BF16DP_Q4_1,))
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(6))
+    amx = lin(x)
+    try:
+        kernels.set_bf16_amx(False)
+        avx = lin(x)
+    finally:
+        kernels.set_bf16_amx(True)
+    torch.testing.assert_close(amx, avx, rtol=1e-5, atol=1e-5 * 1536**0.5)
+    assert not torch.equal(amx, avx)
+    got = _in_subprocess("from dspine.cpu import kernels; import json; print(json.dumps(kernels.bf16_isa()))",
+                         DSPINE_AMX="0")
+    assert got == kernels.load()
 
 
 def _attention_mismatches(seed: int = 0) -> list[str]:

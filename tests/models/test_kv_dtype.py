@@ -79,7 +79,7 @@ def test_kv_dtype_needs_our_attention(wide_dir, hybrid_target):
 @needs_bf16
 def test_bf16_policy_stores_bf16_kv_and_says_so(wide_dir):
     t = load_target(wide_dir, dtype=torch.bfloat16)
-    isa = kernels.load()
+    isa = kernels.bf16_isa()  # avx512+amx where the bf16 family runs on AMX tiles
     assert t.dtype == torch.float32 and t.kv_dtype == torch.bfloat16
     assert t.kernel == f"dspine-{isa}-bf16-kvbf16dp"  # head_dim 32: attention on bf16 dot products
     cache = t.new_cache(2, 8)

@@ -412,6 +412,8 @@ void rows_blocks(const uint16_t* xb, int64_t Kp, const uint8_t* src, float* out,
   }
 }
 
+#include "amx_bf16.h"
+
 template <class Src>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool blocks) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_bf16dp: expected a 2-D float32 input");
@@ -420,8 +422,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool bl
   TORCH_CHECK(packed.nbytes() == static_cast<size_t>(Src::bytes(Np, Kp)),
               "linear_bf16dp: packed weight does not match N, K");
   auto xc = x.contiguous();
+  if (M == 0 || N == 0) return at::empty({M, N}, xc.options());
+#ifdef DSPINE_HAS_AMX
+  if (amx_on.load(std::memory_order_relaxed))
+    return run_amx<Src>(xc, Src{reinterpret_cast<decltype(Src::pp)>(packed.data_ptr()), K}, N);
+#endif
   auto out = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return out;
   auto xb = at::empty({M * Kp}, xc.options().dtype(at::kBFloat16));
   uint16_t* xbp = reinterpret_cast<uint16_t*>(xb.data_ptr());
   to_bf16(xc.data_ptr<float>(), M, K, Kp, xbp);
@@ -522,6 +528,18 @@ at::Tensor linear_bf16dp_q4_1(const at::Tensor& x, const at::Tensor& p, int64_t 
 at::Tensor linear_bf16dp_q8_0(const at::Tensor& x, const at::Tensor& p, int64_t n) { return linear_bf16dp(x, p, n); }
 bool has_bf16dp() { return false; }
 #endif
+// bf16_amx(want): the bf16 family on AMX tiles (amx_bf16.h) from now on when `want` and this process may use them
+// (the CPU has AMX-BF16 and Linux granted the tile state), else on AVX512-BF16; returns which one runs.
+bool bf16_amx(bool want) {
+#ifdef DSPINE_HAS_AMX
+  static const bool granted = request_amx();
+  amx_on.store(want && granted);
+  return amx_on.load();
+#else
+  (void)want;
+  return false;
+#endif
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
@@ -532,6 +550,7 @@ TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("linear_bf16dp_q4_1(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("linear_bf16dp_q8_0(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("has_bf16dp() -> bool", &has_bf16dp);
+  m.def("bf16_amx(bool want) -> bool", &bf16_amx);
 }
 
 TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {

@@ -1,0 +1,94 @@
+// A whole pre-norm decoder layer (Llama and the families that are its block without per-head QK norms) in one call:
+// norm -> q/k/v projection -> RoPE + KV-cache store -> attention over the cache -> output projection + residual ->
+// norm -> gate/up projection -> activation-gate -> down projection + residual.
+//
+// Why (issue 53): once the linears run near the memory roof (AMX tiles, the GGUF blocks expanded once a step), what is
+// left of a decode step of a small model is the interpreter: ~20 torch-level calls a layer (module calls, views,
+// splits, slicing cos/sin, the op calls themselves), a few microseconds each, 30 layers a step -- milliseconds against
+// a step of a few. Here the layer is one call from Python; inside it the same kernels run in the same order on the
+// same tensors (through the dispatcher, as the Python layer calls them), so every bit is the unfused layer's
+// (tests/models/test_fused_layer.py).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+using LinearParts = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t);
+
+const c10::OperatorHandle& op(const std::string& name) {
+  static std::unordered_map<std::string, c10::OperatorHandle> cache;
+  auto it = cache.find(name);
+  if (it == cache.end()) it = cache.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")).first;
+  return it->second;
+}
+
+// One of our linears: y = op(x, packed, n) (+ bias). parts > 0: the integer family's op (its `parts` argument).
+struct Lin {
+  at::Tensor packed, bias;
+  int64_t n = 0, parts = 0;
+  std::string name;
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = parts > 0 ? op(name).typed<LinearParts>().call(x, packed, n, parts)
+                             : op(name).typed<Linear>().call(x, packed, n);
+    return bias.numel() > 0 ? y + bias : y;
+  }
+};
+
+// x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
+// -> the layer's output, shaped as x. Weights: ln1, ln2 (norm weights), then per linear (qkv, o, gate_up, down) its
+// packed tensor and bias (an empty tensor: none). `names`: the four linears' op names; ints: the four out sizes, the
+// four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
+// dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
+// keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
+// b * T + t of the valid tokens) or an empty tensor.
+at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<std::string>& names,
+                       const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                       const at::Tensor& qpos, const at::Tensor& index) {
+  TORCH_CHECK(w.size() == 10 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+  Lin lin[4];
+  for (int i = 0; i < 4; ++i) lin[i] = Lin{w[2 + 2 * i], w[3 + 2 * i], ints[i], ints[4 + i], names[i]};
+  const int64_t Hq = ints[8], Hkv = ints[9], D = ints[10], window = ints[11];
+  const bool gelu = ints[12] != 0, bf16_attention = ints[13] != 0;
+  const double eps = floats[0], offset = floats[1], scale = floats[2];
+  const int64_t B = pos.size(0), T = pos.size(1);
+  static const auto norm = op("dspine_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double,
+                                                                       double)>();
+  static const auto rope = op("dspine_cpu::rope_store").typed<at::Tensor(at::Tensor, const at::Tensor&,
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&)>();
+  using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                            double);
+  static const auto attend = op("dspine_cpu::attend_cache").typed<Attend>();
+  static const auto attend_bf16 = op("dspine_cpu::attend_cache_bf16dp").typed<Attend>();
+  static const auto silu = op("dspine_cpu::silu_mul").typed<at::Tensor(const at::Tensor&)>();
+  static const auto gelu_op = op("dspine_cpu::gelu_tanh_mul").typed<at::Tensor(const at::Tensor&)>();
+  const bool packed = index.numel() > 0;
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+
+  at::Tensor qkv = lin[0](norm.call(x2, w[0], eps, offset));
+  if (packed) qkv = at::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, index, qkv);
+  auto parts = qkv.split_with_sizes({Hq * D, Hkv * D, Hkv * D}, 1);
+  at::Tensor q = parts[0].reshape({B, T, Hq, D}).contiguous();
+  at::Tensor k = parts[1].view({B, T, Hkv, D}), v = parts[2].view({B, T, Hkv, D});
+  q = rope.call(q, k, v, cos, sin, kc, vc, pos);
+  at::Tensor o = (bf16_attention ? attend_bf16 : attend).call(q, kc, vc, qpos, window, scale);
+  if (packed) o = o.reshape({B * T, -1}).index_select(0, index);
+  at::Tensor h = x2 + lin[1](o.reshape({-1, Hq * D}));
+  at::Tensor gu = lin[2](norm.call(h, w[1], eps, offset));
+  return (h + lin[3](gelu ? gelu_op.call(gu) : silu.call(gu))).view(x.sizes());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
+  m.def("dense_layer(Tensor x, Tensor[] w, str[] names, int[] ints, float[] floats, Tensor cos, Tensor sin, "
+        "Tensor(a!) kc, Tensor(b!) vc, Tensor pos, Tensor qpos, Tensor index) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) { m.impl("dense_layer", &dense_layer); }

@@ -1,0 +1,67 @@
+"""A dense pre-norm layer in one native call (``llama.Block.plan_fused``, ``csrc/layer.cpp``): the same kernels in the
+same order as the layer run op by op, so every hidden state and every cache entry is bit-identical, for ragged
+prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy; the blocks it cannot run
+(QK norms, post / sandwich norms, residual scales) stay op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import save_tiny_family
+from helpers import save_tiny_hf
+
+from dspine import load_target
+from dspine.cpu import kernels
+
+pytestmark = pytest.mark.skipif(kernels.disabled() or kernels.load() is None, reason="no CPU kernels here")
+
+# family -> how many of its 4 layers run fused (smollm3's NoPE layer is planned but runs op by op: no rotary tables)
+CASES = {"llama": 4, "llama-bf16": 4, "qwen2": 4, "mistral": 4, "smollm3": 4, "phi3": 4, "gemma3": 0, "olmo2": 0,
+         "granite": 0}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    family, _, dtype = request.param.partition("-")
+    if dtype == "bf16" and not kernels.bf16dp_ok():
+        pytest.skip("no AVX512-BF16 here")
+    where = tmp_path_factory.mktemp(request.param)
+    if family == "llama":
+        path = save_tiny_hf(where, "llama", layers=4, gguf=True)
+    else:
+        path = save_tiny_family(where, family)
+    return request.param, load_target(path, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def _run(target, fused: bool, plans: list) -> list[torch.Tensor]:
+    """A ragged prefill, a decode step with one finished row, a packed speculative verify: hidden states and caches."""
+    for layer, plan in zip(target.layers, plans):
+        layer.fused = plan if fused else None
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([9, 3, 14])
+    cache = target.new_cache(3, 32)
+    got = [target.forward(torch.randint(1, target.vocab_size, (3, 14), generator=g), cache, n_valid=lens).hidden]
+    got.append(target.forward(torch.randint(1, target.vocab_size, (3, 1), generator=g), cache,
+                              n_valid=torch.tensor([1, 0, 1])).hidden)
+    got.append(target.forward(torch.randint(1, target.vocab_size, (3, 1), generator=g), cache).hidden)
+    got.append(target.forward(torch.randint(1, target.vocab_size, (3, 4), generator=g), cache,
+                              n_valid=torch.tensor([4, 1, 2]), speculative=True).hidden)
+    return got + [t for layer in cache.layers for t in (layer.k, layer.v)]
+
+
+def test_a_fused_layer_is_the_layer_op_by_op_bit_for_bit(case):
+    name, target = case
+    plans = [layer.fused for layer in target.layers]
+    assert sum(p is not None for p in plans) == CASES[name]
+    fused, per_op = _run(target, True, plans), _run(target, False, plans)
+    assert len(fused) == len(per_op)
+    for i, (a, b) in enumerate(zip(fused, per_op)):
+        assert torch.equal(a, b), (name, i)
+    for layer, plan in zip(target.layers, plans):
+        layer.fused = plan
+
+
+def test_a_fused_layer_needs_our_kernels(llama_dir):
+    """Off the kernels (torch's linears) nothing is planned: the layer has no packed weights to hand over."""
+    t = load_target(llama_dir, kernels=False)
+    assert all(getattr(layer, "fused", None) is None for layer in t.layers)
