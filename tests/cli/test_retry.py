@@ -14,7 +14,7 @@ import pytest
 from helpers import Counting, prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.pipeline import supersede
-from dspine_batch.pipeline.resume import list_parts, load_done
+from dspine_batch.outdir.output import list_parts, load_done
 
 TAG = "00000-of-00001"
 

@@ -15,8 +15,8 @@ from helpers import prompts, run_cli
 from test_objstore_generate import read_s3_output
 
 from dspine_batch.errors import FatalError
-from dspine_batch.pipeline import remote_compact
-from dspine_batch.pipeline.remote import ObjectOutput
+from dspine_batch.outdir import compact as remote_compact
+from dspine_batch.outdir.output import OutDir as ObjectOutput
 from dspine_batch.pipeline.sink import part_name
 
 TAG = "00000-of-00001"

@@ -12,7 +12,8 @@ import pytest
 from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.errors import LockedError
-from dspine_batch.pipeline.resume import Lock, list_parts, load_done
+from dspine_batch.outdir.lock import Lock
+from dspine_batch.outdir.output import list_parts, open_output
 
 GEN = ["--num-samples", "2", "--temperature", "0.8", "--seed", "7", "--keep-columns", "prompt"]
 
@@ -101,7 +102,8 @@ def test_a_job_written_with_an_older_schema_is_not_resumed_into(tmp_path, capsys
     the version change named, rather than finished with parts that lack the column."""
     import json
 
-    from dspine_batch.pipeline.manifest import MANIFEST, fingerprint
+    from dspine_batch.outdir.layout import MANIFEST
+    from dspine_batch.pipeline.manifest import fingerprint
     from dspine_batch.pipeline.schema import SCHEMA_VERSION
 
     src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
@@ -167,7 +169,7 @@ def test_staging_leftovers_are_discarded_and_done_set_is_exact(tmp_path):
     assert len(parts) == 4
     # simulate a crash mid-commit: a staged part that never got renamed, and a lost last part
     os.rename(parts[-1].path, out / f".{os.path.basename(parts[-1].path)}.inprogress")
-    done = load_done(str(out), "00000-of-00001")
+    done = open_output(str(out)).load_done("00000-of-00001")
     assert done.rows == 15 and done.next_seq == 3
     assert run_cli(["generate", str(src), "-o", str(out)]) == 0
     assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]

@@ -31,7 +31,7 @@ def test_done_set_from_key_files_or_row_ids(tmp_path):
     np.save(keys_path(str(out), os.path.basename(parts[1].path)), np.zeros(3, dtype=np.uint64))  # wrong length
     slow = load_done(str(out), TAG)
     assert (fast.rows, fast.outputs, fast.next_seq) == (slow.rows, slow.outputs, slow.next_seq) == (40, 40, 4)
-    from dspine_batch.pipeline.keyset import key_hashes
+    from dspine_batch.outdir.keyset import key_hashes
 
     hashes = key_hashes([r["id"] for r in prompts(40)])
     assert fast.keys.contains_many(hashes).all() and slow.keys.contains_many(hashes).all()

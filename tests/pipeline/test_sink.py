@@ -12,9 +12,11 @@ import pytest
 from helpers import prompts, run_cli, write_jsonl
 
 from dspine_batch.engines.base import Result
+from dspine_batch.outdir.layout import KEYS, STAGING, part_name
+from dspine_batch.outdir.output import open_output
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.schema import BASE_NAMES, output_schema
-from dspine_batch.pipeline.sink import PartSink, part_name, staging_name, write_part_atomically
+from dspine_batch.pipeline.sink import PartSink
 
 
 def _sink(tmp_path, commits, **kw):
@@ -65,22 +67,42 @@ def test_time_based_commit(tmp_path):
     assert sink.due()
 
 
-def test_commit_is_atomic(tmp_path, monkeypatch):
-    """A failure before the rename leaves nothing: no visible part, no staging file, no key file or record."""
+def test_a_commit_that_fails_before_its_record_leaves_nothing(tmp_path, monkeypatch):
+    """The record's create-only write is the commit: a failure up to it (here the link that creates the record)
+    leaves no visible part, no staged bytes, no record."""
     table = pa.table({"x": [1, 2]})
+    name = part_name("00000-of-00001", 0)
+
+    def boom(*a):
+        raise OSError("link failed")
+
+    monkeypatch.setattr(os, "link", boom)
+    with pytest.raises(OSError, match="link failed"):
+        open_output(str(tmp_path)).commit_part(name, table)
+    assert os.listdir(tmp_path / STAGING) == [] and not os.listdir(tmp_path / KEYS)
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
+    monkeypatch.undo()
+    open_output(str(tmp_path)).commit_part(name, table)
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2
+
+
+def test_a_commit_whose_publish_fails_is_published_by_the_next_start(tmp_path, monkeypatch):
+    """Past its record a part is committed: a failed rename (the publish) leaves it invisible to readers until the
+    next start's recovery publishes it, exactly once."""
+    table = pa.table({"x": [1, 2]})
+    name = part_name("00000-of-00001", 0)
 
     def boom(*a):
         raise OSError("rename failed")
 
     monkeypatch.setattr(os, "rename", boom)
-    with pytest.raises(OSError):
-        write_part_atomically(str(tmp_path), "part-x.parquet", table)
-    assert staging_name("part-x.parquet") not in os.listdir(tmp_path)
-    assert os.listdir(tmp_path / "_dspine" / "keys") == []
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
+    with pytest.raises(OSError, match="rename failed"):
+        open_output(str(tmp_path)).commit_part(name, table)
     monkeypatch.undo()
-    write_part_atomically(str(tmp_path), "part-x.parquet", table)
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
+    assert len(os.listdir(tmp_path / KEYS)) == 1 and len(os.listdir(tmp_path / STAGING)) == 1
+    assert open_output(str(tmp_path)).remove_staging("00000-of-00001") == 0  # nothing uncommitted: published
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2 and not os.listdir(tmp_path / STAGING)
 
 
 def test_keep_column_clash_is_usage_error():

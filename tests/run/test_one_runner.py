@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import read_output, run_cli, stage_docs, staged_job, write_jsonl
 
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.outdir.output import list_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
