@@ -1,7 +1,8 @@
 """The exactly-once batch pipeline: source -> scheduler -> engine -> sink.
 
-Holds the job settings (``config.py``), input rows (``sources.py``), rows to requests (``mapping.py``; request fields in ``requests.py``, conversations and tools in ``prompts.py``, grammars checked up
-front in ``structures.py``), bounded in-flight work (``scheduler.py``), reading the answer (``answers.py`` with the
+Holds the job settings (``config.py``), input rows (``sources.py``), rows to requests (``mapping.py``; request
+fields in ``requests.py``, conversations and tools in ``prompts.py``, grammars checked up front in
+``structures.py``), bounded in-flight work (``scheduler.py``), reading the answer (``answers.py`` with the
 ``reasoning.py`` and ``tool_calls.py`` parsers), finished rows into Parquet parts (``sink.py``, output schema in
 ``schema.py``; how a part is committed exactly once, on a disk or an object store, is ``dspine_batch.outdir``'s),
 which failed rows ``--retry-errors`` takes out of committed parts (``retry.py``), the run's fingerprint

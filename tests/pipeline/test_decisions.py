@@ -10,8 +10,8 @@ from helpers import prompts, run_cli, write_jsonl
 from dspine_batch.engines.explain import SourceTally
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.ops.report import format_report, summarize
-from dspine_batch.pipeline import decisions
 from dspine_batch.outdir.output import open_output
+from dspine_batch.pipeline import decisions
 
 TAG = "00000-of-00001"
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.errors import LockedError
+from dspine_batch.outdir.layout import STAGING, record_rel
 from dspine_batch.outdir.lock import Lock
 from dspine_batch.outdir.output import list_parts, open_output
 
@@ -167,12 +168,16 @@ def test_staging_leftovers_are_discarded_and_done_set_is_exact(tmp_path):
     assert run_cli(["generate", str(src), "-o", str(out), "--commit-rows", "5"]) == 0
     parts = list_parts(str(out))
     assert len(parts) == 4
-    # simulate a crash mid-commit: a staged part that never got renamed, and a lost last part
-    os.rename(parts[-1].path, out / f".{os.path.basename(parts[-1].path)}.inprogress")
+    # simulate a crash mid-commit, before its record: the last part's bytes staged, no record names them
+    name = os.path.basename(parts[-1].path)
+    o = open_output(str(out))
+    staged = o.record_of(name)["staged"]
+    os.rename(parts[-1].path, out / staged)
+    os.unlink(out / record_rel(name))
     done = open_output(str(out)).load_done("00000-of-00001")
     assert done.rows == 15 and done.next_seq == 3
     assert run_cli(["generate", str(src), "-o", str(out)]) == 0
-    assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
+    assert not (out / staged).exists() and not os.listdir(out / STAGING)
     assert [r["row_id"] for r in read_output(out)] == [r["id"] for r in prompts(20)]
 
 
