@@ -10,8 +10,7 @@ the filesystem's own atomic steps:
   renamed over it;
 - publish: ``rename`` (atomic for readers), then an fsync of the directory; the source is gone afterwards
   (``renames``), so unlike a store's server-side copy it leaves nothing to delete;
-- ``upload`` of a file on the same filesystem is a rename too, and a part can be built where it is staged
-  (``local_path``): no second copy of its bytes.
+- a part is built where it is staged (``local_path``): no upload, no second copy of its bytes.
 
 Durability is explicit, as a local disk needs it and a store does not: ``durable`` writes are fsynced (file and
 directory), the others are not (a commit record, the advisory state: see ``dspine_batch.outdir.commit`` for why a
@@ -167,25 +166,9 @@ class LocalPrimitives:
             fsync_dir(os.path.dirname(path))
 
     def upload(self, local: str, rel: str) -> None:
-        """A file of this machine put in place whole: renamed when it is on this filesystem, else copied (and
-        fsynced) beside its name first."""
-        path = self.path(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            os.rename(local, path)
-            return
-        except OSError:
-            pass
-        tmp = self._temp(path)
-        try:
-            with disk_full_named(path, lambda: size_of(tmp)):
-                shutil.copyfile(local, tmp)
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-        except BaseException:
-            unlink_quietly(tmp)
-            raise
+        """A file of this machine put in place whole (copied beside its name, fsynced, renamed over); the file stays,
+        as a store's upload leaves it. A part is never uploaded here: it is built where it is staged."""
+        self._copy_in(local, rel)
 
     def create(self, rel: str, data: bytes, durable: bool = True, then: str = "") -> str | None:
         """Create-only: a complete temp file hard-linked to the name (``link`` refuses an existing name); the ETag,
@@ -221,12 +204,15 @@ class LocalPrimitives:
             os.close(fd)  # drops the flock
 
     def copy(self, src: str, dst: str, size: int | None = None) -> None:
-        path = self.path(dst)
+        self._copy_in(self.path(src), dst)
+
+    def _copy_in(self, source: str, rel: str) -> None:
+        path = self.path(rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._temp(path)
         try:
             with disk_full_named(path, lambda: size_of(tmp)):
-                shutil.copyfile(self.path(src), tmp)
+                shutil.copyfile(source, tmp)
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
                 os.replace(tmp, path)

@@ -67,41 +67,28 @@ def test_time_based_commit(tmp_path):
     assert sink.due()
 
 
-def test_a_commit_that_fails_before_its_record_leaves_nothing(tmp_path, monkeypatch):
-    """The record's create-only write is the commit: a failure up to it (here the link that creates the record)
-    leaves no visible part, no staged bytes, no record."""
+@pytest.mark.parametrize("call", ["link", "rename"])
+def test_a_failed_commit_is_all_or_nothing(tmp_path, monkeypatch, call):
+    """The record's create-only write (a link) is the commit: a failure up to it leaves no visible part, no staged
+    bytes, no record. Past it the part is committed: a failed publish (the rename) leaves it invisible to readers
+    until the next start's recovery publishes it, exactly once."""
     table = pa.table({"x": [1, 2]})
     name = part_name("00000-of-00001", 0)
 
     def boom(*a):
-        raise OSError("link failed")
+        raise OSError(f"{call} failed")
 
-    monkeypatch.setattr(os, "link", boom)
-    with pytest.raises(OSError, match="link failed"):
-        open_output(str(tmp_path)).commit_part(name, table)
-    assert os.listdir(tmp_path / STAGING) == [] and not os.listdir(tmp_path / KEYS)
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
-    monkeypatch.undo()
-    open_output(str(tmp_path)).commit_part(name, table)
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2
-
-
-def test_a_commit_whose_publish_fails_is_published_by_the_next_start(tmp_path, monkeypatch):
-    """Past its record a part is committed: a failed rename (the publish) leaves it invisible to readers until the
-    next start's recovery publishes it, exactly once."""
-    table = pa.table({"x": [1, 2]})
-    name = part_name("00000-of-00001", 0)
-
-    def boom(*a):
-        raise OSError("rename failed")
-
-    monkeypatch.setattr(os, "rename", boom)
-    with pytest.raises(OSError, match="rename failed"):
+    monkeypatch.setattr(os, call, boom)
+    with pytest.raises(OSError, match=f"{call} failed"):
         open_output(str(tmp_path)).commit_part(name, table)
     monkeypatch.undo()
     assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
-    assert len(os.listdir(tmp_path / KEYS)) == 1 and len(os.listdir(tmp_path / STAGING)) == 1
-    assert open_output(str(tmp_path)).remove_staging("00000-of-00001") == 0  # nothing uncommitted: published
+    committed = call == "rename"
+    assert len(os.listdir(tmp_path / KEYS)) == len(os.listdir(tmp_path / STAGING)) == int(committed)
+    if committed:
+        assert open_output(str(tmp_path)).remove_staging("00000-of-00001") == 0  # nothing uncommitted: published
+    else:
+        open_output(str(tmp_path)).commit_part(name, table)
     assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2 and not os.listdir(tmp_path / STAGING)
 
 
