@@ -40,6 +40,18 @@ def kind(req: dict) -> str:
     return method
 
 
+def _records(text: str) -> list[dict]:
+    """The recorder's entries: JSON objects one after another (not always one a line)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        obj, i = dec.raw_decode(text, i)
+        out.append(obj)
+    return out
+
+
 def counted(tree: str, src: Path, rows: int, commit_rows: int, tag: str, endpoint: str, rec: Path) -> dict:
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=tree)
@@ -52,7 +64,7 @@ def counted(tree: str, src: Path, rows: int, commit_rows: int, tag: str, endpoin
         urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/start-recording", method="POST"))
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/stop-recording", method="POST"))
-        kinds = collections.Counter(kind(json.loads(line)) for line in rec.read_text().splitlines() if line.strip())
+        kinds = collections.Counter(kind(r) for r in _records(rec.read_text()))
         out[step] = dict(sorted(kinds.items()))
     parts = -(-rows // commit_rows)
     out["parts"] = parts
