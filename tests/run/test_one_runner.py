@@ -149,8 +149,8 @@ def test_a_staged_job_never_writes_into_a_foreign_directory(tmp_path, capfd):
 def test_finalize_settles_a_retry_killed_inside_its_take_out(tmp_path, when):
     """kill -9 inside --retry-errors with its journal written: just before the part's record is swapped for the
     one without its failed rows (rolled back: the part as it was), or just after (the new part not yet published:
-    rolled forward). ``finalize`` runs the one recovery first, so the part is never taken for damaged and moved aside and
-    no good row is lost; the same generate command then finishes the job."""
+    rolled forward). ``finalize`` runs the one recovery first, so the part is never taken for damaged and moved aside
+    and no good row is lost; the same generate command then finishes the job."""
     rows = [{"id": f"r{i:02d}", "prompt": f"question {i}"} for i in range(12)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
