@@ -427,8 +427,8 @@ def status(outdir: str, as_json: bool, verify: bool) -> None:
       dspine-batch status out/
     """
     from dspine_batch.ops.status import format_status, read_status
-    from dspine_batch.pipeline.manifest import stage_names
-    from dspine_batch.pipeline.recovery import recover_for_reading
+    from dspine_batch.outdir.manifest import stage_names
+    from dspine_batch.outdir.recovery import recover_for_reading
 
     recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stages = stage_names(outdir)  # a job of several stages: each stage's status, in order
@@ -455,7 +455,7 @@ def report(outdir: str, as_json: bool, plot: str | None) -> None:
     """
     from dspine_batch.ops.funnel import format_funnel, funnel, plot_funnel
     from dspine_batch.ops.report import format_report, plot_report, summarize, write_report
-    from dspine_batch.pipeline.recovery import recover_for_reading
+    from dspine_batch.outdir.recovery import recover_for_reading
 
     recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stages = funnel(outdir)
@@ -496,7 +496,7 @@ def export(outdir: str, fmt: str, output: str) -> None:
       dspine-batch export out/ --format openai -o results.jsonl
     """
     from dspine_batch.ops.export import export_openai
-    from dspine_batch.pipeline.recovery import recover_for_reading
+    from dspine_batch.outdir.recovery import recover_for_reading
 
     recover_for_reading(outdir)  # what a crash left is settled first (shards no live worker holds)
     stats = export_openai(outdir, output)
@@ -525,7 +525,7 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str)
       dspine-batch finalize out/ --compact
     """
     from dspine_batch.ops.finalize import finalize as run_finalize
-    from dspine_batch.pipeline.manifest import stage_names
+    from dspine_batch.outdir.manifest import stage_names
 
     stages = stage_names(outdir)
     if stages:  # a job of several stages: each audited in order

@@ -48,7 +48,7 @@ from dspine_batch.cli import main
 from dspine_batch.engines.base import Request, SamplingParams
 from dspine_batch.engines.registry import engines_replaced
 from dspine_batch.engines.scripted import ScriptedEngine
-from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hash
+from dspine_batch.outdir.keyset import fallback_id_hashes, key_hash
 
 # -- dspine_batch -------------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,10 +1,10 @@
 """``dspine-batch`` on the scripted engine that kills itself (SIGKILL: no handler, no cleanup, no flush) at one exact
-step of the local commit protocol, for the crash tests of a local OUTDIR: ``python tests/killpoint_cli.py generate ...``
-with ``DSPINE_TEST_KILL_AT=<when>:<call>:<glob>:<n>``, e.g. ``before:rename:train-*.parquet:2`` (just before the
-second part is renamed into place: staged, its record written, not published) or ``after:replace:supersede-*:1``
-(a retry's journal written). ``call`` is an ``os`` function taking (src, dst); the glob matches the destination's
-file name. The object-store tests kill at a request instead (``objstore/faultproxy``). Only this child process is
-patched: the real protocol runs, and a real kill -9 ends it."""
+step of the commit protocol on a local OUTDIR, for its crash tests: ``python tests/killpoint_cli.py generate ...``
+with ``DSPINE_TEST_KILL_AT=<when>:<call>:<glob>:<n>``, e.g. ``before:link:commit-*.json:2`` (the second part
+staged, its record not created), ``before:rename:train-*.parquet:2`` (its record created, not published) or
+``after:replace:supersede-*:1`` (a retry's journal written). ``call`` is an ``os`` function taking (src, dst); the
+glob matches the destination's file name. The object-store tests kill at a request instead (``objstore/faultproxy``).
+Only this child process is patched: the real protocol runs, and a real kill -9 ends it."""
 
 from __future__ import annotations
 

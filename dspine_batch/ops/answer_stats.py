@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dspine_batch.pipeline.outputs import arrow_path
+from dspine_batch.outdir.output import arrow_path
 
 CHECKED = ("json_schema", "json_object", "choice", "regex")
 MAX_VALIDATORS = 1024

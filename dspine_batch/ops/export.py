@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import UsageError, engine_side
-from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
+from dspine_batch.outdir.output import arrow_path, committed_parts, open_output
 from dspine_batch.storage.fs import filesystem, retrying
 from dspine_batch.storage.objects import local_tmp_dir
 from dspine_batch.storage.urls import is_url, redact

@@ -17,14 +17,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
-from dspine_batch.pipeline import compact as compaction
-from dspine_batch.pipeline import remote_compact
-from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
+from dspine_batch.outdir.keyset import fallback_id_hashes, key_hashes
+from dspine_batch.outdir.output import Output, arrow_path, committed_parts, open_output
+from dspine_batch.outdir.recovery import recover
 from dspine_batch.pipeline.mapping import RowIds
-from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts, open_output
 from dspine_batch.pipeline.preflight import log
-from dspine_batch.pipeline.recovery import recover
-from dspine_batch.pipeline.resume import list_parts
 from dspine_batch.pipeline.shard import shard_tag
 from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
 
@@ -116,12 +113,9 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
         recover(out, [shard_tag(i, shards) for i in range(shards)], log)  # journals, publishes, orphans: one order
         good = out.verify_parts(None, on_damaged, log)  # a damaged part is moved aside: its rows show as missing
         log(f"checked {len(good)} part(s) against their commit records")
-        if compact and out.remote:
-            merged = remote_compact.compact(out, target_rows)
+        if compact:
+            merged = out.compact(target_rows)
             log(f"compacted {merged} parts into {len(out.part_urls())}")
-        elif compact:
-            merged = compaction.compact(outdir, target_rows)
-            log(f"compacted {merged} parts into {len(list_parts(outdir))}")
         problems = audit(outdir, manifest, expected)
         never, unfinished = shard_report(out, manifest)
         if problems:

@@ -15,8 +15,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from dspine_batch.ops.report import summarize
-from dspine_batch.pipeline.manifest import stage_names
-from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output
+from dspine_batch.outdir.manifest import stage_names
+from dspine_batch.outdir.output import arrow_path, committed_parts, open_output
 from dspine_batch.storage.urls import is_url
 
 DROPS = ("where false", "no field", "cut by length", "duplicate", "error")  # why a row was not kept, by column

@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 
 from dspine_batch.errors import error_kind
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
+from dspine_batch.outdir.output import arrow_path, committed_parts, open_output, shard_states
 from dspine_batch.pipeline.decisions import combine, source_lines
-from dspine_batch.pipeline.outputs import arrow_path, committed_parts, open_output, shard_states
 from dspine_batch.pipeline.schema import SOURCE_STATS
 from dspine_batch.storage.objects import ObjectStore
 from dspine_batch.storage.urls import is_url

@@ -11,31 +11,25 @@ datasets, the lines of a JSON Lines file), whatever the state of the shards.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from dspine_batch.pipeline.manifest import read_manifest
-from dspine_batch.pipeline.outputs import open_output
-from dspine_batch.pipeline.resume import STATE_DIR, check_parts, held_locks
+from dspine_batch.outdir.output import open_output
 from dspine_batch.storage.fs import size as store_size
-from dspine_batch.storage.urls import is_url
 
 
 def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
-    """Counts from the parts that pass their check: size and footer against the commit record (cheap: status
-    stays fast on big outputs), plus the crc32 of every part's bytes with ``verify``. Damaged parts are only
-    listed: status runs next to live writers without their lock, so it never moves files."""
-    if is_url(outdir):
-        return _remote_status(outdir, verify)
-    manifest = read_manifest(outdir) or {}
+    """Counts from the parts that pass their check: size against the commit record (cheap: status stays fast on big
+    outputs; an old part's footer), plus the crc32 of every part's bytes with ``verify``. Damaged parts are only
+    listed: status runs next to live writers without their lock, so it never moves files. Running = a held lock
+    (the kernel drops it when the process dies, even kill -9) or a live lease."""
+    out = open_output(outdir)
+    manifest = out.read_manifest() or {}
     done = failed = outputs = 0
-    checks = check_parts(outdir, None, checksum=verify)
+    checks = out.check_parts(None, checksum=verify)
     damaged = [{"path": c.path, "problem": c.problem} for c in checks if c.problem is not None]
     parts = [c for c in checks if c.problem is None]
     for part in list(parts):
@@ -44,7 +38,7 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
             done, failed, outputs = done + info["rows"], failed + info.get("error_rows", 0), outputs + info["outputs"]
             continue
         try:
-            t = pq.read_table(part.path, columns=["row_id", "status"])
+            t = out.read_table(part.name, columns=["row_id", "status"])
         except (pa.ArrowException, OSError, ValueError) as e:
             damaged.append({"path": part.path, "problem": f"unreadable ({str(e).strip()[:160]})"})
             parts.remove(part)
@@ -52,31 +46,25 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
         outputs += t.num_rows
         done += len(pc.unique(t.column("row_id")))
         failed += len(pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error"))))
-    held = set(held_locks(outdir))
+    held = {h.removeprefix("lock-").removeprefix("lease-") for h in out.held_locks()}
     shards = []
-    state_dir = os.path.join(outdir, STATE_DIR)
-    for name in sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []:
-        if name.startswith("state-") and name.endswith(".json"):
-            with open(os.path.join(state_dir, name)) as f:
-                st = json.load(f)
-            tag = name[len("state-"):-len(".json")]
-            st["running"] = f"lock-{tag}" in held  # the kernel drops the lock when the process dies (kill -9)
-            if st.get("state") == "running" and not st["running"]:
-                st["state"] = "dead"  # it never wrote its end: killed, or its machine went away
-            shards.append(st)
+    for tag, st in out.states():
+        st["running"] = tag in held
+        if st.get("state") == "running" and not st["running"]:
+            st["state"] = "dead"  # it never wrote its end: killed, or its machine went away
+        shards.append(st)
     total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
-    all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and \
-        len(shards) == manifest.get("num_shards", 1)
-    inputs = total if all_done else input_rows(manifest)
     n_shards = int(manifest.get("num_shards", 1) or 1)
+    all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and len(shards) == n_shards
+    inputs = total if all_done else input_rows(manifest)
     started = {s.get("shard") for s in shards}
     missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
     last = max((s.get("last_commit_at") or 0 for s in shards), default=0)
-    return {"outdir": os.path.abspath(outdir), "fingerprint": manifest.get("fingerprint"),
+    return {"outdir": out.display, "fingerprint": manifest.get("fingerprint"),
             "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
             "output_rows": outputs, "parts": len(parts),
             "input_rows": inputs, "rows_remaining": max(inputs - done, 0) if inputs is not None else None,
-            "complete": os.path.exists(os.path.join(outdir, "_SUCCESS")) and not damaged,
+            "complete": out.has_success() and not damaged,
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
             "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,
             "parts_verified": sum(c.verified for c in parts) if verify else None}
@@ -121,38 +109,3 @@ def format_status(st: dict[str, Any]) -> str:
     if st.get("shards_not_started"):
         lines.append(f"  shards not started yet: {', '.join(st['shards_not_started'])}")
     return "\n".join(lines)
-
-
-def _remote_status(outdir: str, verify: bool) -> dict[str, Any]:
-    """``read_status`` of an object-store OUTDIR: counts from the commit records (checked against the published
-    parts' sizes, and crc32 with ``verify``), running = a live lease."""
-    out = open_output(outdir)
-    manifest = out.read_manifest() or {}
-    checks = out.check_parts(None, checksum=verify)  # type: ignore[attr-defined]
-    damaged = [{"path": c.path, "problem": c.problem} for c in checks if c.problem is not None]
-    parts = [c for c in checks if c.problem is None]
-    done = sum((c.info or {}).get("rows", 0) for c in parts)
-    failed = sum((c.info or {}).get("error_rows", 0) for c in parts)
-    outputs = sum((c.info or {}).get("outputs", 0) for c in parts)
-    leases = out.lease_states()  # type: ignore[attr-defined]
-    shards = []
-    for tag, st in out.states():  # type: ignore[attr-defined]
-        st["running"] = bool(leases.get(tag))
-        if st.get("state") == "running" and not st["running"]:
-            st["state"] = "dead"
-        shards.append(st)
-    total = sum(s.get("total_rows", 0) for s in shards if s.get("state") == "done")
-    n_shards = int(manifest.get("num_shards", 1) or 1)
-    all_done = bool(shards) and all(s.get("state") == "done" for s in shards) and len(shards) == n_shards
-    inputs = total if all_done else input_rows(manifest)
-    started = {s.get("shard") for s in shards}
-    missing = [f"{i}/{n_shards}" for i in range(n_shards) if f"{i}/{n_shards}" not in started] if manifest else []
-    last = max((s.get("last_commit_at") or 0 for s in shards), default=0)
-    return {"outdir": out.display, "fingerprint": manifest.get("fingerprint"),
-            "num_shards": manifest.get("num_shards"), "rows_done": done - failed, "rows_failed": failed,
-            "output_rows": outputs, "parts": len(parts),
-            "input_rows": inputs, "rows_remaining": max(inputs - done, 0) if inputs is not None else None,
-            "complete": out.has_success() and not damaged,  # type: ignore[attr-defined]
-            "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
-            "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,
-            "parts_verified": len(parts) if verify else None}

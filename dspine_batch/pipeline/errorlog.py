@@ -82,6 +82,6 @@ def committed_kinds(parts: list[str]) -> Counter[str]:
 
 
 def part_paths(outdir: str, tag: str) -> list[str]:
-    from dspine_batch.pipeline.resume import list_parts
+    from dspine_batch.outdir.output import list_parts
 
     return [p.path for p in list_parts(outdir, tag) if os.path.exists(p.path)]

@@ -17,12 +17,12 @@ import numpy as np
 
 from dspine_batch import IMPORTED_AT
 from dspine_batch.engines.base import Engine
+from dspine_batch.outdir.done import DoneSet
+from dspine_batch.outdir.keyset import KeySet
+from dspine_batch.outdir.output import OutDir, Output
 from dspine_batch.pipeline import deaths
-from dspine_batch.pipeline.keyset import KeySet
 from dspine_batch.pipeline.mapping import RowMapper, WorkItem
-from dspine_batch.pipeline.outputs import LocalOutput, Output
 from dspine_batch.pipeline.preflight import log
-from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.rowrecord import RowRecorder
 from dspine_batch.pipeline.shard import attempt_from_env
 from dspine_batch.pipeline.sink import SinkStats
@@ -84,7 +84,7 @@ class ShardState:
     out: Output | None = None  # where the state file lives (None: the local directory ``outdir``)
 
     def _out(self) -> Output:
-        return self.out if self.out is not None else LocalOutput(self.outdir)
+        return self.out if self.out is not None else OutDir(self.outdir)
 
     def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
         prev = self._out().read_state(self.tag)

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from dspine_batch.engines.base import STRUCTURE_KINDS, Request, Tokenizer, derive_seed
 from dspine_batch.errors import RowError, UsageError
-from dspine_batch.pipeline.keyset import KeySet, index_hashes, key_hash, key_hashes
+from dspine_batch.outdir.keyset import KeySet, index_hashes, key_hash, key_hashes
 from dspine_batch.pipeline.prompts import PromptRenderer, check_messages
 from dspine_batch.pipeline.requests import ROW_FIELDS, Defaults, RowOptions, merge, parse_fields
 from dspine_batch.pipeline.schema import BASE_NAMES, TOKEN_IDS_FIELD

@@ -19,15 +19,15 @@ from dspine_batch.errors import (
     disk_full_named,
     human_bytes,
 )
+from dspine_batch.outdir.output import Output, open_output
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.mapping import Columns
-from dspine_batch.pipeline.outputs import Output, open_output
 from dspine_batch.pipeline.requests import Defaults, RowOptions, RowRequest, merge
-from dspine_batch.pipeline.sink import fsync_dir
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.pipeline.structures import StructureCheck, prescan
 from dspine_batch.pipeline.totals import exact_rows
 from dspine_batch.storage.fs import size as input_size
+from dspine_batch.storage.local import fsync_dir
 from dspine_batch.storage.urls import redact
 
 SUCCESS = "_SUCCESS"

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from dspine_batch.errors import FingerprintMismatch
+from dspine_batch.outdir.keyset import KeySet
+from dspine_batch.outdir.manifest import diff
 from dspine_batch.pipeline.config import IDENTITY_FIELDS, GenerateConfig
-from dspine_batch.pipeline.keyset import KeySet
-from dspine_batch.pipeline.manifest import describe_inputs, diff
+from dspine_batch.pipeline.manifest import describe_inputs
 from dspine_batch.pipeline.mapping import Columns, RowIds
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.requests import identity as request_identity

@@ -26,12 +26,12 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import FingerprintMismatch, UsageError
+from dspine_batch.outdir.keyset import fallback_id_hashes, key_hashes
+from dspine_batch.outdir.output import Output, arrow_path, committed_parts
 from dspine_batch.pipeline import rowrecord
 from dspine_batch.pipeline.config import GenerateConfig
-from dspine_batch.pipeline.keyset import fallback_id_hashes, key_hashes
 from dspine_batch.pipeline.manifest import describe_inputs, fingerprint
 from dspine_batch.pipeline.mapping import Columns, RowIds
-from dspine_batch.pipeline.outputs import Output, arrow_path, committed_parts
 from dspine_batch.pipeline.requests import RowRequest
 from dspine_batch.pipeline.rerun import run_changes
 from dspine_batch.pipeline.sources import InputFile, iter_inputs

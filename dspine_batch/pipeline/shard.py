@@ -15,6 +15,7 @@ import os
 import re
 
 from dspine_batch.errors import UsageError
+from dspine_batch.outdir.layout import shard_tag
 
 
 def parse_shard(spec: str | None, env: dict[str, str] | None = None) -> tuple[int, int]:
@@ -54,10 +55,6 @@ def _array_shard(env: dict[str, str]) -> str | None:
     return None
 
 
-def shard_tag(i: int, n: int) -> str:
-    return f"{i:05d}-of-{n:05d}"
-
-
 def attempt_from_env(env: dict[str, str] | None = None) -> int:
     env = dict(os.environ) if env is None else env
     try:
@@ -66,3 +63,6 @@ def attempt_from_env(env: dict[str, str] | None = None) -> int:
         return max(0, int(env.get("AWS_BATCH_JOB_ATTEMPT", "1") or 1) - 1)
     except ValueError:
         return 0
+
+
+__all__ = ["attempt_from_env", "parse_shard", "shard_tag"]

@@ -1,246 +1,27 @@
-"""Parquet part writer with atomic commits: the only code that makes output visible.
+"""The sink: finished rows buffered and committed as Parquet parts every ``--commit-rows`` rows or
+``--commit-seconds``.
 
-Commit protocol (invariant: a part is committed iff it exists under its final name):
-  1. write ``OUTDIR/.{name}.inprogress`` (hidden: readers and globs for ``*.parquet`` skip it), counting and
-     crc32-ing its bytes on the way out, and fsync it;
-  2. write the part's **key file** ``_dspine/keys/keys-{shard}-{seq}.npy`` (the 64-bit hashes of its row ids,
-     so a resume loads its done-set without reading or hashing row ids) and its **commit record**
-     ``_dspine/keys/commit-{shard}-{seq}.json`` (rows, outputs, bytes, crc32: what resume checks the part
-     against), each temp + rename (the key file fsynced; the record not: a lost record only makes its part
-     "trusted by row count", see ``write_record``);
-  3. rename the staging file to ``OUTDIR/{name}`` (atomic on POSIX), 4. fsync the directory.
-All samples of a row go into the same part, so "row_id present in a part" means "row done".
-A crash before 3 leaves a staging file (and maybe its sidecars), all removed on the next start; after 3 the
-rows are done. A failure before 3 (a full disk) removes what it wrote, so nothing is half-committed. A commit
-record whose part is gone while no staging file explains it means the part was lost after its commit
-(``resume.check_parts`` reports it as missing). A part without a record (older versions) is trusted by its
-row count; a part whose key file is missing or does not match its row count falls back to reading
-``row_id`` (``resume.load_done``).
+Rows are built into columns at commit time, all samples of a row in the same part, so "the row's key is in a
+committed part" means "the row is done". How a part is committed (exactly once, on any store) is
+``dspine_batch.outdir``'s: the sink hands each table to ``Output.commit_part``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
-from dspine_batch.errors import disk_full_named
+from dspine_batch.outdir.layout import part_name
+from dspine_batch.outdir.output import open_output
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.schema import BASE_NAMES, SOURCE_STATS
-
-# Parts are named like Hub shards ("train-00000-of-00001-000012.parquet"): `datasets.load_dataset("parquet",
-# data_dir=OUTDIR)` then matches them by its split pattern and skips _manifest.json, _SUCCESS and _dspine/
-# (it does not ignore "_" names itself). pyarrow, pandas, polars and duckdb only need the ".parquet" suffix.
-PART_PREFIX = "train-"
-
-
-def part_name(shard_tag: str, seq: int) -> str:
-    return f"{PART_PREFIX}{shard_tag}-{seq:06d}.parquet"
-
-
-def staging_name(name: str) -> str:
-    return f".{name}.inprogress"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-KEYS_DIR = os.path.join("_dspine", "keys")
-CHECKSUM = "crc32"  # zlib.crc32: ~1.3 GiB/s on one core here (BENCHMARKS.md), stdlib, catches bit rot and torn writes
-
-
-def _sidecar(outdir: str, name: str, prefix: str, suffix: str) -> str:
-    return os.path.join(outdir, KEYS_DIR, prefix + name.removeprefix(PART_PREFIX).removesuffix(".parquet") + suffix)
-
-
-def keys_path(outdir: str, name: str) -> str:
-    """``train-X.parquet`` -> ``_dspine/keys/keys-X.npy`` (no "train" in it: datasets' split pattern)."""
-    return _sidecar(outdir, name, "keys-", ".npy")
-
-
-def record_path(outdir: str, name: str) -> str:
-    """``train-X.parquet`` -> ``_dspine/keys/commit-X.json``: the commit record resume checks the part against."""
-    return _sidecar(outdir, name, "commit-", ".json")
-
-
-def record_part_name(record_file: str) -> str:
-    """``commit-X.json`` -> ``train-X.parquet`` (inverse of ``record_path``)."""
-    return PART_PREFIX + record_file.removeprefix("commit-").removesuffix(".json") + ".parquet"
-
-
-def _write_durably(path: str, write: Callable[[Any], None], binary: bool, fsync: bool = True) -> None:
-    """temp (+ fsync) + rename; on any failure the temp file is removed, and a full disk is named (``DiskFull``)."""
-    tmp = f"{path}.tmp"
-    try:
-        with disk_full_named(path, lambda: _size(tmp)):
-            with open(tmp, "wb" if binary else "w") as f:
-                write(f)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-
-
-def _size(path: str) -> int:
-    """Bytes that reached the file (what a full disk let through), 0 when it is gone."""
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def write_keys(outdir: str, name: str, keys: np.ndarray) -> None:
-    path = keys_path(outdir, name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _write_durably(path, lambda f: np.save(f, keys.astype("<u8"), allow_pickle=False), binary=True)
-
-
-def write_record(outdir: str, name: str, record: dict[str, Any]) -> None:
-    """No fsync (it cost ~10% of throughput at 1,000-row commits): a record lost or torn by a power cut only
-    makes its part "trusted by row count" like a part from before records existed; it can never drop rows."""
-    path = record_path(outdir, name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _write_durably(path, lambda f: json.dump(record, f, sort_keys=True), binary=False, fsync=False)
-
-
-def keys_checksum(keys: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(keys, dtype="<u8").view(np.uint8))
-
-
-def load_keys(outdir: str, name: str, rows: int | None, record: dict[str, Any] | None) -> np.ndarray | None:
-    """The part's key file when it can be trusted: present, ``rows`` long, and matching the crc32 in the commit
-    record (when there is one). A key file is only a cache of the part's row ids, but a wrong hash in it would
-    skip an unrelated row or redo a done one, so a doubtful one is ignored and ``row_id`` is read instead."""
-    path = keys_path(outdir, name)
-    try:
-        hashes = np.load(path) if os.path.exists(path) else None
-    except (OSError, ValueError):
-        return None
-    if hashes is None or rows is None or len(hashes) != rows:
-        return None
-    if record is not None and "keys_crc32" in record and keys_checksum(hashes) != record["keys_crc32"]:
-        return None
-    return hashes
-
-
-def read_record(outdir: str, name: str) -> dict[str, Any] | None:
-    """The part's commit record; None when it has none (written before records existed) or it is unreadable
-    (then the part is trusted by its row count, as an old part is: never worse than before records)."""
-    try:
-        with open(record_path(outdir, name)) as f:
-            rec = json.load(f)
-        return rec if isinstance(rec, dict) and {"bytes", CHECKSUM, "outputs"} <= rec.keys() else None
-    except (OSError, ValueError):
-        return None
-
-
-def file_checksum(path: str, chunk: int = 4 << 20) -> int:
-    """crc32 of a file's bytes, read in 4 MiB chunks into one buffer (zlib releases the GIL: threads scale)."""
-    crc = 0
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return crc
-
-
-class ChecksumWriter:
-    """A write-only file wrapper that counts and crc32s the bytes on their way to disk, so the commit record's
-    checksum costs no second read of the part."""
-
-    def __init__(self, f: Any):
-        self.f, self.size, self.crc = f, 0, 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.f.write(view)
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    @property
-    def closed(self) -> bool:
-        return self.f.closed
-
-    def writable(self) -> bool:
-        return True
-
-
-def stage_part(outdir: str, name: str, table: pa.Table, keys: np.ndarray | None = None,
-               rows: int | None = None) -> dict[str, Any]:
-    """Steps 1-2 of the commit protocol: the fsynced staging file, its key file and its commit record; returns
-    the record. On any failure all of them are removed again (``unstage``), so a full disk leaves the output
-    exactly as it was before the commit."""
-    staged, final = os.path.join(outdir, staging_name(name)), os.path.join(outdir, name)
-    try:
-        with disk_full_named(final, lambda: _size(staged), "this part was not committed"):
-            with open(staged, "wb") as f:
-                w = ChecksumWriter(f)
-                pq.write_table(table, w, compression="zstd", row_group_size=256 * 1024)
-                f.flush()
-                os.fsync(f.fileno())
-        record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
-                  "bytes": w.size, CHECKSUM: w.crc, "committed_at": time.time()}
-        if keys is not None:
-            write_keys(outdir, name, keys)
-            record["keys_crc32"] = keys_checksum(keys)
-        write_record(outdir, name, record)
-    except BaseException:
-        unstage(outdir, name)
-        raise
-    return record
-
-
-def unstage(outdir: str, name: str) -> None:
-    """Remove an uncommitted part's staging file and sidecars. The record goes first: a record with neither
-    part nor staging file is how a lost committed part is recognised (``resume.check_parts``)."""
-    for path in (record_path(outdir, name), keys_path(outdir, name), os.path.join(outdir, staging_name(name))):
-        _unlink_quietly(path)
-
-
-def write_part_atomically(outdir: str, name: str, table: pa.Table, keys: np.ndarray | None = None,
-                          rows: int | None = None) -> dict[str, Any]:
-    """Steps 1-4 of the commit protocol; returns the commit record. Nothing of a failed commit stays behind."""
-    record = stage_part(outdir, name, table, keys, rows)
-    try:
-        with disk_full_named(os.path.join(outdir, name), lambda: record["bytes"], "this part was not committed"):
-            os.rename(os.path.join(outdir, staging_name(name)), os.path.join(outdir, name))
-    except BaseException:
-        unstage(outdir, name)
-        raise
-    fsync_dir(outdir)
-    return record
 
 
 @dataclass
@@ -285,9 +66,8 @@ class PartSink:
                  commit_rows: int, commit_seconds: float, attempt: int, on_commit: Callable[[SinkStats], None],
                  commit: Callable[..., dict[str, Any]] | None = None):
         self.outdir, self.schema, self.shard_tag, self.seq = outdir, schema, shard_tag, next_seq
-        # how a part is committed: the local protocol here, or an object store's (``outputs.Output.commit_part``)
-        self.commit_part = commit or (lambda name, table, keys, rows: write_part_atomically(outdir, name, table,
-                                                                                            keys, rows))
+        # how a part is committed: ``Output.commit_part`` (``dspine_batch.outdir``)
+        self.commit_part = commit or open_output(outdir).commit_part
         self.num_samples, self.commit_rows, self.commit_seconds = num_samples, commit_rows, commit_seconds
         self.attempt, self.on_commit = attempt, on_commit
         self.save_ids = "output_token_ids" in schema.names

@@ -6,7 +6,7 @@ start-up, loop and end, so a guarantee built for one holds for all:
 
 **Start-up**, cheapest checks first, nothing loaded: the inputs and their columns, every stage's settings and
 structures (one line for anything a stage cannot do); then for every stage its output prepared (a foreign
-prefix refused), its lock or lease taken, --overwrite / --resume, and the one recovery (``pipeline.recovery``:
+prefix refused), its lock or lease taken, --overwrite / --resume, and the one recovery (``outdir.recovery``:
 journals, interrupted publishes, orphans); only then ``_stages.json`` is written. ``--retry-errors`` takes the
 failed rows out of every stage; a rerun with nothing left ends here without loading a model
 (``stages.rerun``); grammars and free space are checked.
@@ -36,13 +36,14 @@ from dspine_batch.errors import (
     Interrupted,
     UsageError,
 )
+from dspine_batch.outdir.manifest import STAGES_FILE
+from dspine_batch.outdir.output import open_output
+from dspine_batch.outdir.recovery import recover
 from dspine_batch.pipeline import retry
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.errorlog import committed_kinds, part_paths, top_kinds
 from dspine_batch.pipeline.job import ShardState
-from dspine_batch.pipeline.manifest import STAGES_FILE
 from dspine_batch.pipeline.mapping import Columns, resolve_columns
-from dspine_batch.pipeline.outputs import open_output
 from dspine_batch.pipeline.preflight import (
     Job,
     check_free_space,
@@ -53,7 +54,6 @@ from dspine_batch.pipeline.preflight import (
     log,
     total_rows,
 )
-from dspine_batch.pipeline.recovery import recover
 from dspine_batch.pipeline.requests import job_request
 from dspine_batch.pipeline.shard import parse_shard, shard_tag
 from dspine_batch.pipeline.shutdown import Shutdown

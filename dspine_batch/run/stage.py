@@ -18,15 +18,16 @@ from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingP
 from dspine_batch.errors import (
     UsageError,
 )
+from dspine_batch.outdir.done import DoneSet
+from dspine_batch.outdir.keyset import key_hash
+from dspine_batch.outdir.output import arrow_path, committed_parts
 from dspine_batch.pipeline.answers import Answers
 from dspine_batch.pipeline.config import GenerateConfig
 from dspine_batch.pipeline.decisions import DecisionLog
 from dspine_batch.pipeline.errorlog import ErrorLog
 from dspine_batch.pipeline.job import RowSelector, ShardState, manifest_meta
-from dspine_batch.pipeline.keyset import key_hash
 from dspine_batch.pipeline.manifest import build_manifest
 from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem
-from dspine_batch.pipeline.outputs import arrow_path, committed_parts
 from dspine_batch.pipeline.preflight import (
     Job,
     job_defaults,
@@ -35,7 +36,6 @@ from dspine_batch.pipeline.preflight import (
 )
 from dspine_batch.pipeline.progress import Progress
 from dspine_batch.pipeline.rerun import run_fields
-from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.schema import output_schema
 from dspine_batch.pipeline.shard import attempt_from_env
 from dspine_batch.pipeline.shutdown import Shutdown

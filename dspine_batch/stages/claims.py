@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dspine_batch.pipeline.resume import CLAIM_SPACES, STATE_DIR
+from dspine_batch.outdir.layout import CLAIM_SPACES, STATE
 
 EXACT_SPACE, NEAR_SPACE = CLAIM_SPACES  # exact keys, minhash bands: each its own directory, wiped with the run
 
@@ -49,8 +49,8 @@ class Claims:
 
     def __init__(self, output: Any, space: str = EXACT_SPACE):
         self.store = getattr(output, "store", None) if getattr(output, "remote", False) else None
-        self.prefix = f"{STATE_DIR}/{space}"
-        self.root = None if self.store is not None else os.path.join(output.path, STATE_DIR, space)
+        self.prefix = f"{STATE}/{space}"
+        self.root = None if self.store is not None else os.path.join(output.path, STATE, space)
 
     def claim(self, key: str, me: Owner, note: str = "") -> tuple[Owner, str]:
         """Who holds ``key`` after this call, and the note they left: ``me`` when the claim is (or already was)

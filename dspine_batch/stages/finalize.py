@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK
 from dspine_batch.ops.finalize import finalize
-from dspine_batch.pipeline.outputs import SUCCESS, arrow_path, committed_parts, open_output
+from dspine_batch.outdir.output import SUCCESS, arrow_path, committed_parts, open_output
 from dspine_batch.pipeline.preflight import log, write_success
 from dspine_batch.stages.rows import child_ids, committed_parents
 from dspine_batch.storage.objects import ObjectStore

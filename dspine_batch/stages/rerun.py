@@ -9,7 +9,7 @@ children of every kept row its parent stage committed in this shard. Anything el
 start runs — with the done-sets loaded here handed on, not loaded twice; a stage whose settings, template, rules
 or inputs changed is refused here, before any model loads, naming what changed.
 
-It runs after the one recovery (``pipeline.recovery``), so a part whose publish a crash interrupted is published
+It runs after the one recovery (``outdir.recovery``), so a part whose publish a crash interrupted is published
 before it is counted, the same for every stage.
 """
 
@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspine_batch.pipeline.keyset import key_hash
+from dspine_batch.outdir.done import DoneSet
+from dspine_batch.outdir.keyset import key_hash
+from dspine_batch.outdir.output import committed_parts
 from dspine_batch.pipeline.mapping import Columns
-from dspine_batch.pipeline.outputs import committed_parts
 from dspine_batch.pipeline.rerun import count_missing, refuse_other_run, run_changes, same_engine_asked
-from dspine_batch.pipeline.resume import DoneSet
 from dspine_batch.pipeline.sources import InputFile
 from dspine_batch.stages.rows import child_ids, committed_parents
 

@@ -7,7 +7,7 @@ writes, compare-and-swap, server-side copy: the primitives an exactly-once OUTDI
 the one interface the commit protocol sees), ``primitives.py`` (what each store implements under it), ``s3.py``
 and ``azure.py`` (those primitives as S3's API and Azure Blob Storage spell them, picked by URL scheme) and
 ``lease.py`` (shard ownership on a store without ``flock``: a lease object with an expiry, renewed by
-compare-and-swap). The commit protocol built on them lives in ``dspine_batch.pipeline.remote``.
+compare-and-swap). The commit protocol built on them lives in ``dspine_batch.outdir``.
 
 May import: ``dspine_batch.errors`` only (the pipeline and the ops import this package, never the reverse).
 """

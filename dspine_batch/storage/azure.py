@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from dspine_batch.errors import FatalError, UsageError
 from dspine_batch.storage.fs import retrying, store_errors
-from dspine_batch.storage.primitives import Listed
+from dspine_batch.storage.primitives import Listed, RemotePrimitives
 
 T = TypeVar("T")
 BATCH = 256  # Blob Batch: at most 256 sub-requests a batch
@@ -126,7 +126,7 @@ def _quoted(etag: str | None) -> str | None:
     return etag if etag.startswith('"') else f'"{etag}"'
 
 
-class AzurePrimitives:
+class AzurePrimitives(RemotePrimitives):
     """The requests on one Azure Blob Storage prefix (``fs`` an adlfs filesystem, used for its path rules and its
     resolved credentials; ``path``/``url_of`` the store's naming of a name relative to the prefix)."""
 
@@ -205,7 +205,7 @@ class AzurePrimitives:
         with ThreadPoolExecutor(min(CONCURRENCY, len(paths)), thread_name_prefix="dspine-az-get") as pool:
             return dict(zip(paths, pool.map(one, paths), strict=True))
 
-    def put(self, rel: str, data: bytes) -> None:
+    def put(self, rel: str, data: bytes, durable: bool = True) -> None:
         self._run(rel, lambda b: b.upload_blob(data, overwrite=True))
 
     def upload(self, local: str, rel: str) -> None:
@@ -243,7 +243,7 @@ class AzurePrimitives:
             return None
         return data, str(_quoted(etag))
 
-    def create(self, rel: str, data: bytes) -> str | None:
+    def create(self, rel: str, data: bytes, durable: bool = True, then: str = "") -> str | None:
         """Put Blob with ``If-None-Match: *``: the new ETag, None when the blob exists (409 BlobAlreadyExists)."""
         try:
             out = self._run(rel, lambda b: b.upload_blob(data, overwrite=False))

@@ -22,7 +22,7 @@ the lease sends nothing after the lease's validity (``deadline``). Expiry uses e
 within a small fraction of the lifetime (NTP does).
 
 A lease alone cannot stop a worker that paused past its expiry from committing once more; the commit records'
-create-only writes do (see ``dspine_batch.pipeline.remote``): a shard's parts are numbered, and of two writers
+create-only writes do (see ``dspine_batch.outdir``): a shard's parts are numbered, and of two writers
 racing for one number exactly one wins.
 """
 

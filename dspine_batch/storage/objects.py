@@ -1,4 +1,5 @@
-"""An object-store prefix (an OUTDIR URL) and the few primitives an exactly-once commit needs there.
+"""An OUTDIR's store (an object-store prefix, or a local directory) and the few primitives an exactly-once commit
+needs there.
 
 An object store has no rename, no fsync and no ``flock``. What it has, and what this module exposes:
 create-only writes (``If-None-Match: *``: the first writer wins, every other is refused), compare-and-swap
@@ -7,12 +8,13 @@ with backoff on transient failures (``fs.retrying``); a create-only write retrie
 its own object already there, so ``create`` returns the existing body's ETag-less verdict and callers compare
 contents (a commit record carries a unique token for exactly that).
 
-``ObjectStore`` is the one interface the commit protocol (``pipeline.remote``) and the lease (``storage.lease``)
+``ObjectStore`` is the one interface the commit protocol (``dspine_batch.outdir``) and the lease (``storage.lease``)
 use; they never learn which store is behind it. It names objects relative to the prefix and hands each request
-to one ``primitives.Primitives`` implementation, picked by URL scheme: ``storage.s3.S3Primitives`` (s3fs: AWS,
-MinIO, R2, Ceph, moto) or ``storage.azure.AzurePrimitives`` (azure-storage-blob: Azure, Azurite); only ``open``
-(reading a part back) is fsspec's for every store. A store without such a class cannot be an OUTDIR
-(``check_outdir_url``).
+to one ``primitives.Primitives`` implementation, picked by the -o value: ``storage.s3.S3Primitives`` (s3fs: AWS,
+MinIO, R2, Ceph, moto), ``storage.azure.AzurePrimitives`` (azure-storage-blob: Azure, Azurite), or, for a local
+path, ``storage.local.LocalPrimitives`` (the disk as one more store: ``link``, ``flock``, ``rename``); only
+``open`` (reading a part back) is fsspec's for every object store. A store without such a class cannot be an
+OUTDIR (``check_outdir_url``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from typing import Any
 from dspine_batch.errors import UsageError
 from dspine_batch.storage.fs import filesystem, need_library, retrying
 from dspine_batch.storage.primitives import Listed, Primitives
-from dspine_batch.storage.urls import AZURE_SCHEMES, NO_CREATE_ONLY, OUTDIR_SCHEMES, redact, scheme, strip_url
+from dspine_batch.storage.urls import (
+    AZURE_SCHEMES,
+    NO_CREATE_ONLY,
+    OUTDIR_SCHEMES,
+    is_url,
+    local_path,
+    redact,
+    scheme,
+    strip_url,
+)
 
 
 def check_outdir_url(url: str) -> None:
@@ -43,12 +54,18 @@ __all__ = ["Listed", "ObjectStore", "Primitives", "check_outdir_url", "local_tmp
 
 
 class ObjectStore:
-    """Objects under one prefix, addressed by names relative to it (``_dspine/keys/commit-X.json``)."""
+    """Objects under one prefix, addressed by names relative to it (``_dspine/keys/commit-X.json``): an object-store
+    URL, or a local directory (``local``)."""
 
-    def __init__(self, url: str):
-        self.url = strip_url(url)
-        self.display = redact(self.url)
-        self.fs, self.root = filesystem(self.url)
+    def __init__(self, where: str):
+        self.local = not is_url(where)
+        if self.local:
+            self.url = self.root = self.display = os.path.abspath(local_path(where))
+            self.fs: Any = None
+        else:
+            self.url = strip_url(where)
+            self.display = redact(self.url)
+            self.fs, self.root = filesystem(self.url)
         self._ops: Primitives | None = None
 
     @property
@@ -56,7 +73,11 @@ class ObjectStore:
         """The primitives of this URL's store, by scheme (built on first use)."""
         if self._ops is None:
             proto = scheme(self.url)
-            if proto in ("s3", "s3a"):
+            if self.local:
+                from dspine_batch.storage.local import LocalPrimitives
+
+                self._ops = LocalPrimitives(self.root, self.url_of)
+            elif proto in ("s3", "s3a"):
                 from dspine_batch.storage.s3 import S3Primitives
 
                 self._ops = S3Primitives(self.fs, self.path, self.url_of, self.display)
@@ -102,22 +123,36 @@ class ObjectStore:
         return self.ops.cat_many(paths)
 
     def open(self, rel: str, mode: str = "rb") -> Any:
-        """A read-ahead buffered file object (fsspec's): for reading parts back (checksums, row ids, retries)."""
+        """A read-ahead buffered file object (fsspec's on a store): for reading parts back (checksums, row ids,
+        retries)."""
+        if self.local:
+            return open(self.path(rel), mode)  # noqa: SIM115 - the caller closes it
         return retrying(lambda: self.fs.open(self.path(rel), mode, block_size=8 << 20), self.url_of(rel))
 
+    @property
+    def renames(self) -> bool:
+        """Whether ``publish`` moves its source (a disk's rename) rather than copying it (a store)."""
+        return self.ops.renames
+
+    def local_path(self, rel: str) -> str | None:
+        """Where ``rel`` lives on this machine (a local OUTDIR), None on an object store."""
+        return self.ops.local_path(rel)
+
     # -- writes ---------------------------------------------------------------------------------------------------
-    def put(self, rel: str, data: bytes) -> None:
-        """Plain overwrite: for advisory files (state) only, never for anything a commit depends on."""
-        self.ops.put(rel, data)
+    def put(self, rel: str, data: bytes, durable: bool = True) -> None:
+        """Overwrite, whole for readers: for journals and advisory files, never for a commit record.
+        ``durable=False``: a local disk need not fsync it (advisory state)."""
+        self.ops.put(rel, data, durable)
 
     def upload(self, local: str, rel: str) -> None:
         """A local file to ``rel`` (in parts or blocks above a few MiB, each retried by the client)."""
         self.ops.upload(local, rel)
 
-    def create(self, rel: str, data: bytes) -> bool:
+    def create(self, rel: str, data: bytes, durable: bool = True, then: str = "") -> bool:
         """Create-only (``If-None-Match: *``): True when this call created it, False when it already existed
-        (then the caller reads it: a retry after a lost answer finds its own write)."""
-        return self.ops.create(rel, data) is not None
+        (then the caller reads it: a retry after a lost answer finds its own write). ``then``: what a full local
+        disk's one line says became of the write."""
+        return self.ops.create(rel, data, durable, then) is not None
 
     def replace(self, rel: str, data: bytes, etag: str) -> str | None:
         """Compare-and-swap (``If-Match: etag``): the new ETag, or None when the object changed (or is gone)."""
@@ -132,6 +167,17 @@ class ObjectStore:
         a request."""
         self.ops.copy(src, dst, size)
 
+    def publish(self, src: str, dst: str, size: int | None = None) -> None:
+        """``src``'s bytes under ``dst``, atomically for readers: a rename on a disk (``src`` is gone after), a
+        server-side copy on a store (``src`` stays, for a batched delete)."""
+        self.ops.publish(src, dst, size)
+
+    def move(self, src: str, dst: str) -> None:
+        """``src`` to ``dst``: a rename on a disk, a copy then a delete on a store."""
+        self.ops.publish(src, dst)
+        if not self.ops.renames:
+            self.ops.delete(src)
+
     def delete(self, rel: str) -> None:
         """One object; absent is fine."""
         self.ops.delete(rel)
@@ -140,6 +186,10 @@ class ObjectStore:
         """Batched deletes (S3: 1,000 keys a request; Azure: 256), no lookups first; absent keys are fine."""
         if rels:
             self.ops.delete_many(rels)
+
+    def delete_tree(self, rel: str) -> None:
+        """Everything under ``rel`` (a stage's claims); absent is fine."""
+        self.ops.delete_tree(rel)
 
     def check_bucket(self) -> None:
         """Fail early and in one line when the bucket (container) is missing or not ours to write (before any

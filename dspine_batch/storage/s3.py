@@ -18,10 +18,10 @@ from typing import Any
 
 from dspine_batch.errors import FatalError
 from dspine_batch.storage.fs import RETRIES, permanent, retrying, store_errors, transient
-from dspine_batch.storage.primitives import Listed
+from dspine_batch.storage.primitives import Listed, RemotePrimitives
 
 
-class S3Primitives:
+class S3Primitives(RemotePrimitives):
     """The requests on one S3 prefix (``fs`` an s3fs filesystem, ``path``/``url_of`` the store's naming of a
     name relative to the prefix, ``display`` the redacted URL)."""
 
@@ -80,7 +80,7 @@ class S3Primitives:
                 time.sleep(min(10.0, 0.2 * 2 ** attempt))
         return out
 
-    def put(self, rel: str, data: bytes) -> None:
+    def put(self, rel: str, data: bytes, durable: bool = True) -> None:
         retrying(lambda: self.fs.pipe_file(self.path(rel), data), self.url_of(rel))
 
     def upload(self, local: str, rel: str) -> None:
@@ -130,7 +130,7 @@ class S3Primitives:
 
         return sync(self.fs.loop, read)
 
-    def create(self, rel: str, data: bytes) -> str | None:
+    def create(self, rel: str, data: bytes, durable: bool = True, then: str = "") -> str | None:
         """PutObject with ``If-None-Match: *``: the new ETag ("" when the store sent none), None on 412."""
         bucket, key = self._bucket_key(rel)
         try:

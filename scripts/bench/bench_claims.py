@@ -50,7 +50,7 @@ def main() -> None:
         new, dup = timed(Claims(SimpleNamespace(path=d, remote=False)), args.n, "bench")
         print(f"local directory ({d}): {new:.3f} ms a new claim, {dup:.3f} ms a duplicate's", flush=True)
     if args.url:
-        from dspine_batch.pipeline.outputs import open_output
+        from dspine_batch.outdir.output import open_output
 
         out = open_output(args.url)
         new, dup = timed(Claims(out), args.n, "bench")

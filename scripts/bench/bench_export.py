@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import cpu_line, load_line  # noqa: E402
 
 from dspine_batch.engines.base import Result  # noqa: E402
-from dspine_batch.pipeline.manifest import build_manifest, create_or_check  # noqa: E402
+from dspine_batch.outdir.output import open_output  # noqa: E402
+from dspine_batch.pipeline.manifest import build_manifest  # noqa: E402
 from dspine_batch.pipeline.mapping import WorkItem  # noqa: E402
 from dspine_batch.pipeline.schema import output_schema  # noqa: E402
 from dspine_batch.pipeline.sink import PartSink  # noqa: E402
@@ -44,8 +45,8 @@ CALL = json.dumps([{"id": "call_x", "type": "function", "function": {"name": "lo
 def make_outdir(outdir: Path, rows: int, samples: int, commit_rows: int) -> None:
     outdir.mkdir(parents=True)
     schema = output_schema([], False)
-    manifest = create_or_check(str(outdir), build_manifest({"bench": "export"}, {"model": "bench", "num_samples":
-                                                                                   samples}, 1, schema.names))
+    manifest = open_output(str(outdir)).create_or_check(
+        build_manifest({"bench": "export"}, {"model": "bench", "num_samples": samples}, 1, schema.names))
     schema = schema.with_metadata({"dspine_batch.pipeline.manifest": json.dumps({"fingerprint":
                                                                                  manifest["fingerprint"]})})
     sink = PartSink(str(outdir), schema, "00000-of-00001", 0, samples, commit_rows, 1e9, 0, lambda s: None)

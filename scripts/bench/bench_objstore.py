@@ -89,7 +89,7 @@ def commit_latency(url: str, parts: int) -> dict:
     import numpy as np
     import pyarrow as pa
 
-    from dspine_batch.pipeline.outputs import open_output
+    from dspine_batch.outdir.output import open_output
 
     out = open_output(url)
     out.prepare()

@@ -43,8 +43,20 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dspine_batch.pipeline.resume import check_parts, load_done  # noqa: E402
-from dspine_batch.pipeline.sink import part_name, write_part_atomically  # noqa: E402
+from dspine_batch.outdir.layout import part_name  # noqa: E402
+from dspine_batch.outdir.output import open_output  # noqa: E402
+
+
+def check_parts(outdir: str, tag: str, checksum: bool = True) -> list:
+    return open_output(outdir).check_parts(tag, checksum)
+
+
+def load_done(outdir: str, tag: str):  # noqa: ANN201
+    return open_output(outdir).load_done(tag)
+
+
+def write_part_atomically(outdir: str, name: str, table: pa.Table, keys: np.ndarray, rows: int) -> dict:
+    return open_output(outdir).commit_part(name, table, keys, rows)
 
 TAG = "00000-of-00001"
 def vocabulary(size: int = 5000, seed: int = 1) -> np.ndarray:
@@ -105,18 +117,24 @@ COMMIT_COST = """
 import json, os, sys, tempfile, time
 import numpy as np, pyarrow as pa
 try:
-    from dspine_batch.pipeline import sink
-except ImportError:  # a checkout from before the package layout
-    from dspine_batch import sink
+    from dspine_batch.outdir.output import open_output
+    sink = None
+except ImportError:  # a checkout from before the one protocol
+    try:
+        from dspine_batch.pipeline import sink
+    except ImportError:  # a checkout from before the package layout
+        from dspine_batch import sink
 t = pa.table({"row_id": [f"r{i}" for i in range(1000)], "output": ["word " * 40] * 1000, "n": list(range(1000))})
 keys = np.arange(1000, dtype=np.uint64)
 d = tempfile.mkdtemp(dir=sys.argv[1])
 os.makedirs(os.path.join(d, "_dspine", "keys"))
 wall, cpu0 = [], time.process_time()
 for i in range(300):
-    name = sink.part_name("00000-of-00001", i)
+    name = f"train-00000-of-00001-{i:06d}.parquet"
     t0 = time.perf_counter()
-    if hasattr(sink, "stage_part"):  # with commit records
+    if sink is None:
+        open_output(d).commit_part(name, t, keys, 1000)
+    elif hasattr(sink, "stage_part"):  # with commit records
         sink.write_part_atomically(d, name, t, keys, rows=1000)
     else:  # before them: key file, then the part
         sink.write_keys(d, name, keys)
@@ -152,9 +170,10 @@ def best_of(repeat: int, cold: bool, fn) -> float:
 def load_done_elsewhere(root: str, outdir: str, repeat: int, cold: bool) -> float:
     """``load_done`` timed in a subprocess that imports dspine_batch from ``root``."""
     code = ("import importlib, sys, time\n"
-            "try:\n    load_done = importlib.import_module('dspine_batch.pipeline.resume').load_done\n"
-            "except ImportError:  # a checkout from before the package layout\n"
-            "    load_done = importlib.import_module('dspine_batch.resume').load_done\n"
+            "try:\n    out = importlib.import_module('dspine_batch.outdir.output').open_output\n"
+            "    load_done = lambda d, tag: out(d).load_done(tag)\n"
+            "except ImportError:  # a checkout from before the one protocol\n"
+            "    load_done = importlib.import_module('dspine_batch.pipeline.resume').load_done\n"
             f"t = time.perf_counter(); d = load_done({outdir!r}, {TAG!r}); print(time.perf_counter() - t, d.rows)")
     env = dict(os.environ, PYTHONPATH=root)
     times = []

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from helpers import ROOT, prompts, read_output, run_cli, shard_of, spawn, write_jsonl
 
 from dspine_batch.cli import cli
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.outdir.output import list_parts
 from dspine_batch.pipeline.shard import parse_shard
 
 

@@ -16,8 +16,10 @@ from dspine_batch.cli import cli
 from dspine_batch.engines.registry import ENGINES, engines_replaced, open_engine
 from dspine_batch.errors import UsageError
 from dspine_batch.ops.status import format_status, read_status
+from dspine_batch.outdir.layout import STATE as STATE_DIR
+from dspine_batch.outdir.lock import Lock, held_locks
+from dspine_batch.outdir.output import open_output
 from dspine_batch.pipeline.preflight import default_output
-from dspine_batch.pipeline.resume import STATE_DIR, Lock, held_locks, write_state
 
 
 def test_bare_command_uses_a_default_outdir_and_resumes(tmp_path, monkeypatch, capsys):
@@ -76,7 +78,7 @@ def test_status_shows_a_killed_shard_as_dead(tmp_path):
     assert run_cli(["generate", str(src), "-o", str(out)]) == 0
     tag = "00000-of-00001"
     state = json.loads((out / STATE_DIR / f"state-{tag}.json").read_text())
-    write_state(str(out), tag, state | {"state": "running", "pid": 999999})  # what kill -9 leaves behind
+    open_output(str(out)).write_state(tag, state | {"state": "running", "pid": 999999})  # what kill -9 leaves behind
     (shard,) = read_status(str(out))["shards"]
     assert shard["state"] == "dead" and not shard["running"]
     assert "dead (pid 999999 ended without finishing" in format_status(read_status(str(out)))

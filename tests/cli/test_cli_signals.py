@@ -8,7 +8,7 @@ import time
 import pytest
 from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.outdir.output import list_parts
 
 
 def _wait_for_parts(out, n=1, timeout=30.0):

@@ -13,8 +13,9 @@ import pyarrow.dataset as ds
 import pytest
 from helpers import Counting, prompts, read_output, run_cli, spawn, write_jsonl
 
-from dspine_batch.pipeline import supersede
-from dspine_batch.pipeline.resume import list_parts, load_done
+from dspine_batch.outdir import supersede
+from dspine_batch.outdir.layout import STAGING
+from dspine_batch.outdir.output import list_parts, open_output
 
 TAG = "00000-of-00001"
 
@@ -159,29 +160,27 @@ def test_a_crash_inside_a_supersede_rolls_forward_or_back(tmp_path, monkeypatch)
     out = tmp_path / "out"
     assert run_cli(["generate", str(src), "-o", str(out)]) == 0
     part = list_parts(str(out))[0].path
+    o = open_output(str(out))
 
-    def crash(*a):
-        raise KeyboardInterrupt("killed between the rename and the record")
+    def crash(*a, **kw):
+        raise KeyboardInterrupt("killed between the record swap and the publish")
 
-    monkeypatch.setattr(supersede, "_finish", crash)
+    monkeypatch.setattr(o, "publish", crash)
     with pytest.raises(KeyboardInterrupt):
-        supersede.drop_rows(str(out), TAG, part, {"r00001", "r00002"})
+        supersede.drop_rows(o, TAG, os.path.basename(part), {"r00001", "r00002"})
     monkeypatch.undo()
-    assert "finished replacing" in supersede.recover(str(out), TAG)
-    done = load_done(str(out), TAG)
+    assert "finished replacing" in supersede.recover(open_output(str(out)), TAG)
+    done = open_output(str(out)).load_done(TAG)
     assert (done.rows, done.damaged) == (8, 0)  # the part checks out against its new record
 
-    replace = supersede.os.replace
+    def crash_on_the_swap(*a, **kw):
+        raise KeyboardInterrupt("killed after the journal, before the swap")
 
-    def crash_on_the_part(src, dst):
-        if dst == part:
-            raise KeyboardInterrupt("killed after the journal, before the rename")
-        replace(src, dst)
-
-    monkeypatch.setattr(supersede.os, "replace", crash_on_the_part)
+    monkeypatch.setattr(supersede, "_swap", crash_on_the_swap)
     with pytest.raises(KeyboardInterrupt):
-        supersede.drop_rows(str(out), TAG, part, {"r00003"})
+        supersede.drop_rows(open_output(str(out)), TAG, os.path.basename(part), {"r00003"})
     monkeypatch.undo()
-    assert "left as it was" in supersede.recover(str(out), TAG)
-    assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
-    assert (load_done(str(out), TAG).rows, supersede.recover(str(out), TAG)) == (8, None)
+    assert "left as it was" in supersede.recover(open_output(str(out)), TAG)
+    assert not os.listdir(out / STAGING)
+    assert open_output(str(out)).load_done(TAG).rows == 8
+    assert supersede.recover(open_output(str(out)), TAG) is None

@@ -27,7 +27,7 @@ from helpers import (  # noqa: E402
     write_jsonl,
 )
 
-from dspine_batch.pipeline.resume import list_parts  # noqa: E402
+from dspine_batch.outdir.output import list_parts  # noqa: E402
 
 ROWS = 8
 # every row starts with this (~220 tokens with the tiny tokenizer), as a system prompt or template would

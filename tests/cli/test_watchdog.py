@@ -9,7 +9,7 @@ import pyarrow.dataset as ds
 from helpers import prompts, read_output, run_cli, write_jsonl
 
 from dspine_batch.ops.status import format_status, read_status
-from dspine_batch.pipeline.resume import read_state
+from dspine_batch.outdir.output import open_output
 
 TAG = "00000-of-00001"
 
@@ -27,7 +27,7 @@ def test_a_stalled_engine_is_stopped_with_its_rows_committed_and_the_resume_fini
     assert "stalled: nothing produced for" in err and "request(s) in flight (oldest: 'r000" in err
     assert "engine: scripted engine, 1 request(s) held" in err and "exiting 75" in err
     assert len(_ids(out)) == 9  # every finished row committed, nothing else
-    assert read_state(str(out), TAG)["stalled"].startswith("stalled: nothing produced")
+    assert open_output(str(out)).read_state(TAG)["stalled"].startswith("stalled: nothing produced")
     assert "    stalled: nothing produced for" in format_status(read_status(str(out)))
     assert run_cli(args) == 0
     assert _ids(out) == sorted(r["id"] for r in prompts(30))

@@ -102,7 +102,7 @@ def test_kill_9_and_resume_on_a_new_family(pair, tmp_path, monkeypatch):
     from helpers import ROOT, subprocess_env
 
     from dspine_batch.engines.reference import ReferenceEngine
-    from dspine_batch.pipeline.resume import list_parts
+    from dspine_batch.outdir.output import list_parts
 
     family, (model, _) = pair
     monkeypatch.delenv("DSPINE_BATCH_TEST_ENGINE", raising=False)

@@ -1,4 +1,4 @@
-"""``finalize --compact`` on an s3:// OUTDIR (``pipeline/remote_compact``), against the real S3 server on 127.0.0.1:
+"""``finalize --compact`` on an s3:// OUTDIR (``outdir/compact``), against the real S3 server on 127.0.0.1:
 small parts merged into big ones with the same rows; a crash at either side of the merged part's commit record
 is completed (or dropped) by the next start, never a row lost or left doubled, and a record under the merged
 part's name that another writer created is told apart by its token; the merged records keep the done-set (a rerun
@@ -15,9 +15,10 @@ from helpers import prompts, run_cli
 from test_objstore_generate import read_s3_output
 
 from dspine_batch.errors import FatalError
-from dspine_batch.pipeline import remote_compact
-from dspine_batch.pipeline.remote import ObjectOutput
-from dspine_batch.pipeline.sink import part_name
+from dspine_batch.outdir import compact as remote_compact
+from dspine_batch.outdir.commit import Committer
+from dspine_batch.outdir.layout import part_name
+from dspine_batch.outdir.output import OutDir as ObjectOutput
 
 TAG = "00000-of-00001"
 NEW = part_name(TAG, 99)
@@ -57,9 +58,8 @@ def _interrupted(out: ObjectOutput, commit: bool) -> tuple[str, list[str]]:
     real = remote_compact.recover
     remote_compact.recover = lambda o: None  # the crash: nothing after the commit ran
     try:
-        group = [(n, records[n]) for n in old]
         if commit:
-            remote_compact._merge(out, group, NEW)
+            remote_compact._merge(out, Committer(out), old, records, NEW)
         else:
             out.store.put(remote_compact.JOURNAL, json.dumps({"new": NEW,
                                                               "old": old}).encode())
@@ -94,7 +94,7 @@ def test_a_compaction_interrupted_before_its_commit_is_dropped(tmp_path, s3, buc
 
 def test_compact_never_blesses_doubtful_keys(tmp_path, s3, bucket, capsys):
     """A record whose row keys do not check out (crc32) gives the merged record no keys, never a fresh checksum over
-    them (``remote_layout.record_keys``): the resume reads the merged part's row ids and finds nothing left."""
+    them (``records.record_keys``): the resume reads the merged part's row ids and finds nothing left."""
     args, prefix = _job(tmp_path, s3, bucket, "c4")
     before = read_s3_output(s3, prefix)
     first = sorted(s3.ls(f"{prefix}/_dspine/keys", detail=False))[0]
@@ -119,19 +119,19 @@ def test_a_record_under_the_journals_name_from_another_writer_is_not_the_merged_
     before = read_s3_output(s3, prefix)
     old = _parts(s3, prefix)
     out, rival = ObjectOutput(f"s3://{bucket}/c5"), ObjectOutput(f"s3://{bucket}/c5")
-    real = out.commit_part
+    real = remote_compact.commit_part
     taken: list[str] = []
 
-    def rival_first(name, table, *a, **kw):
+    def rival_first(o, committer, name, table, *a, **kw):
         rival.commit_part(name, table.slice(0, 1), None, rows=1)  # the other writer's part of that number
         rival.flush()
         taken.append(name)
-        return real(name, table, *a, **kw)
+        return real(o, committer, name, table, *a, **kw)
 
     with monkeypatch.context() as m:  # (undo() would drop s3env's variables)
-        m.setattr(out, "commit_part", rival_first)
+        m.setattr(remote_compact, "commit_part", rival_first)
         with pytest.raises(FatalError, match="another worker committed this part first"):
-            remote_compact.compact(out, 16)
+            out.compact(16)
     assert taken and s3.exists(f"{prefix}/{remote_compact.JOURNAL}")
     remote_compact.recover(ObjectOutput(f"s3://{bucket}/c5"))  # what the next start (or finalize) runs first
     assert not s3.exists(f"{prefix}/{remote_compact.JOURNAL}")

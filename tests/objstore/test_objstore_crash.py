@@ -172,7 +172,7 @@ def paused_worker_cannot_commit(url: str) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from dspine_batch.pipeline.remote import ObjectOutput
+    from dspine_batch.outdir.output import OutDir as ObjectOutput
 
     a, b = ObjectOutput(url), ObjectOutput(url)
     a.prepare()

@@ -16,8 +16,8 @@ from helpers import Counting, prompts, run_cli, spawn, write_jsonl
 from test_objstore_crash import _assert_clean
 from test_objstore_generate import read_s3_output
 
-from dspine_batch.pipeline import remote_supersede
-from dspine_batch.pipeline.outputs import open_output
+from dspine_batch.outdir import supersede as remote_supersede
+from dspine_batch.outdir.output import open_output
 
 TAG = "00000-of-00001"
 

@@ -167,7 +167,7 @@ def _reference(shape: Shape, tmp_path: Path, retry: bool = False) -> Where:
 # -- kill -9 at each step of a commit ----------------------------------------------------------------------------
 # step -> (local kill point, the object-store request the proxy kills the worker at, before the store sees it)
 KILLS = {
-    "uploaded": ("before:replace:commit-*.json:3", (b"PUT ", b"/_dspine/keys/commit-")),  # bytes there, no record
+    "uploaded": ("before:link:commit-*.json:3", (b"PUT ", b"/_dspine/keys/commit-")),  # bytes there, no record
     "recorded": ("before:rename:train-*.parquet:3", (b"PUT ", b"-copy-source")),  # record, not published
     "published": ("after:rename:train-*.parquet:3", None),  # published, cleanup not done (object store: below)
 }

@@ -147,7 +147,7 @@ def test_prefix_cache_hit_rate_counts_only_outputs_that_report_it(tmp_path, caps
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dspine_batch.pipeline.resume import list_parts
+    from dspine_batch.outdir.output import list_parts
 
     rows = [{"id": "e1", "prompt": ""}] + prompts(6)  # the error row lands in the first part
     src = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -10,8 +10,8 @@ from helpers import prompts, run_cli, write_jsonl
 from dspine_batch.engines.explain import SourceTally
 from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.ops.report import format_report, summarize
+from dspine_batch.outdir.output import open_output
 from dspine_batch.pipeline import decisions
-from dspine_batch.pipeline.resume import read_state
 
 TAG = "00000-of-00001"
 
@@ -43,20 +43,20 @@ def test_the_record_survives_a_kill_adds_up_on_resume_and_the_report_says_why(tm
     assert run_cli([*args, "--engine-arg", "crash_after=17"], loader=explaining) == 75  # a transient death
     err = capfd.readouterr().err
     assert err.count("suffix, so far: not run — told not to (test)") == 1  # once, early
-    first = read_state(str(out), TAG)["decisions"]
+    first = open_output(str(out)).read_state(TAG)["decisions"]
     assert first["suffix"] == {"rounds": 0, "proposed": 0, "accepted": 0, "ran": False, "why": "told not to (test)"}
     assert first["dspine"]["ran"] and first["dspine"]["rounds"] > 0 and first["dspine"]["chooser"] == "the test"
 
     assert run_cli(args, loader=explaining) == 0  # resumed: a new engine counts from zero, the record adds up
     assert capfd.readouterr().err.count("so far: not run — told not to (test)") == 1
     s = summarize(str(out))
-    final = read_state(str(out), TAG)["decisions"]
+    final = open_output(str(out)).read_state(TAG)["decisions"]
     assert final["dspine"]["rounds"] >= s["by_source"]["dspine"]["verify_steps"] > first["dspine"]["rounds"]
     text = format_report(s)
     assert "  suffix       not run — told not to (test)" in text and "  dspine draft " in text
 
     assert run_cli(args, loader=explaining) == 0  # a no-op rerun (no engine) keeps the record
-    assert read_state(str(out), TAG)["decisions"] == final
+    assert open_output(str(out)).read_state(TAG)["decisions"] == final
 
 
 def test_merge_and_combine():

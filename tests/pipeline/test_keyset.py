@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspine_batch.pipeline.keyset import KeySet, key_hash, key_hashes
+from dspine_batch.outdir.keyset import KeySet, key_hash, key_hashes
 
 
 def test_membership_single_and_batched():
@@ -28,7 +28,7 @@ def test_hash_is_stable_across_processes():
 
 
 def test_fallback_ids_hash_by_index():
-    from dspine_batch.pipeline.keyset import fallback_id_hashes, index_hashes
+    from dspine_batch.outdir.keyset import fallback_id_hashes, index_hashes
 
     h = index_hashes("data/in.jsonl", np.arange(100_000))
     assert len(np.unique(h)) == 100_000  # a bijection per file: no collisions

@@ -8,7 +8,7 @@ import os
 
 from helpers import prompts, read_output, run_cli, scripted_engine, write_jsonl
 
-from dspine_batch.pipeline.resume import list_parts, read_state
+from dspine_batch.outdir.output import list_parts, open_output
 
 
 class Opens:
@@ -39,7 +39,7 @@ def test_a_finished_run_again_never_opens_the_engine(tmp_path, capfd):
     assert opens.count == 1, err
     assert "nothing left to do: all 30 input rows are committed" in err and "loading the model" not in err
     assert (out / "_SUCCESS").exists() and read_output(out) == before
-    state = read_state(str(out), "00000-of-00001")
+    state = open_output(str(out)).read_state("00000-of-00001")
     assert state["state"] == "done" and state["starts"] == 2 and state["rows_done"] == 30
 
 

@@ -12,7 +12,9 @@ import pytest
 from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.errors import LockedError
-from dspine_batch.pipeline.resume import Lock, list_parts, load_done
+from dspine_batch.outdir.layout import STAGING, record_rel
+from dspine_batch.outdir.lock import Lock
+from dspine_batch.outdir.output import list_parts, open_output
 
 GEN = ["--num-samples", "2", "--temperature", "0.8", "--seed", "7", "--keep-columns", "prompt"]
 
@@ -101,7 +103,8 @@ def test_a_job_written_with_an_older_schema_is_not_resumed_into(tmp_path, capsys
     the version change named, rather than finished with parts that lack the column."""
     import json
 
-    from dspine_batch.pipeline.manifest import MANIFEST, fingerprint
+    from dspine_batch.outdir.layout import MANIFEST
+    from dspine_batch.pipeline.manifest import fingerprint
     from dspine_batch.pipeline.schema import SCHEMA_VERSION
 
     src = write_jsonl(tmp_path / "in.jsonl", prompts(3))
@@ -165,12 +168,16 @@ def test_staging_leftovers_are_discarded_and_done_set_is_exact(tmp_path):
     assert run_cli(["generate", str(src), "-o", str(out), "--commit-rows", "5"]) == 0
     parts = list_parts(str(out))
     assert len(parts) == 4
-    # simulate a crash mid-commit: a staged part that never got renamed, and a lost last part
-    os.rename(parts[-1].path, out / f".{os.path.basename(parts[-1].path)}.inprogress")
-    done = load_done(str(out), "00000-of-00001")
+    # simulate a crash mid-commit, before its record: the last part's bytes staged, no record names them
+    name = os.path.basename(parts[-1].path)
+    o = open_output(str(out))
+    staged = o.record_of(name)["staged"]
+    os.rename(parts[-1].path, out / staged)
+    os.unlink(out / record_rel(name))
+    done = open_output(str(out)).load_done("00000-of-00001")
     assert done.rows == 15 and done.next_seq == 3
     assert run_cli(["generate", str(src), "-o", str(out)]) == 0
-    assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
+    assert not (out / staged).exists() and not os.listdir(out / STAGING)
     assert [r["row_id"] for r in read_output(out)] == [r["id"] for r in prompts(20)]
 
 

@@ -12,9 +12,11 @@ import pytest
 from helpers import prompts, run_cli, write_jsonl
 
 from dspine_batch.engines.base import Result
+from dspine_batch.outdir.layout import KEYS, STAGING, part_name
+from dspine_batch.outdir.output import open_output
 from dspine_batch.pipeline.mapping import WorkItem
 from dspine_batch.pipeline.schema import BASE_NAMES, output_schema
-from dspine_batch.pipeline.sink import PartSink, part_name, staging_name, write_part_atomically
+from dspine_batch.pipeline.sink import PartSink
 
 
 def _sink(tmp_path, commits, **kw):
@@ -65,22 +67,29 @@ def test_time_based_commit(tmp_path):
     assert sink.due()
 
 
-def test_commit_is_atomic(tmp_path, monkeypatch):
-    """A failure before the rename leaves nothing: no visible part, no staging file, no key file or record."""
+@pytest.mark.parametrize("call", ["link", "rename"])
+def test_a_failed_commit_is_all_or_nothing(tmp_path, monkeypatch, call):
+    """The record's create-only write (a link) is the commit: a failure up to it leaves no visible part, no staged
+    bytes, no record. Past it the part is committed: a failed publish (the rename) leaves it invisible to readers
+    until the next start's recovery publishes it, exactly once."""
     table = pa.table({"x": [1, 2]})
+    name = part_name("00000-of-00001", 0)
 
     def boom(*a):
-        raise OSError("rename failed")
+        raise OSError(f"{call} failed")
 
-    monkeypatch.setattr(os, "rename", boom)
-    with pytest.raises(OSError):
-        write_part_atomically(str(tmp_path), "part-x.parquet", table)
-    assert staging_name("part-x.parquet") not in os.listdir(tmp_path)
-    assert os.listdir(tmp_path / "_dspine" / "keys") == []
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
+    monkeypatch.setattr(os, call, boom)
+    with pytest.raises(OSError, match=f"{call} failed"):
+        open_output(str(tmp_path)).commit_part(name, table)
     monkeypatch.undo()
-    write_part_atomically(str(tmp_path), "part-x.parquet", table)
-    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 0
+    committed = call == "rename"
+    assert len(os.listdir(tmp_path / KEYS)) == len(os.listdir(tmp_path / STAGING)) == int(committed)
+    if committed:
+        assert open_output(str(tmp_path)).remove_staging("00000-of-00001") == 0  # nothing uncommitted: published
+    else:
+        open_output(str(tmp_path)).commit_part(name, table)
+    assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 2 and not os.listdir(tmp_path / STAGING)
 
 
 def test_keep_column_clash_is_usage_error():

@@ -3,8 +3,8 @@ altered is reported in one line, moved aside and regenerated (or, with --on-dama
 a full disk (ENOSPC/EDQUOT) in a commit, the manifest, the lock or the state file ends in one line naming the
 path, exit 1, nothing half-committed, and the same command resumes exactly once after space is freed.
 
-Faults are injected by patching the write path (``os.fsync``, ``os.pwrite``, ``os.replace``,
-``sink.ChecksumWriter.write``) to raise ``OSError(ENOSPC)``, and, where the machine allows ``mount``, by a real
+Faults are injected by patching the write path (``os.fsync``, ``os.pwrite``, ``os.replace``, ``os.link``,
+``records.ChecksumWriter.write``) to raise ``OSError(ENOSPC)``, and, where the machine allows ``mount``, by a real
 1 MiB tmpfs."""
 
 from __future__ import annotations
@@ -25,19 +25,40 @@ from helpers import prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch import errors
 from dspine_batch.errors import DiskFull, FatalError
-from dspine_batch.pipeline import sink
-from dspine_batch.pipeline.resume import DAMAGED_DIR, STATE_DIR, check_parts, list_parts, load_done, remove_staging
-from dspine_batch.pipeline.sink import (
-    KEYS_DIR,
-    file_checksum,
-    keys_path,
-    read_record,
-    record_path,
-    staging_name,
-    write_part_atomically,
-)
+from dspine_batch.outdir import records
+from dspine_batch.outdir.layout import DAMAGED as DAMAGED_DIR
+from dspine_batch.outdir.layout import KEYS as KEYS_DIR
+from dspine_batch.outdir.layout import STAGING, record_rel
+from dspine_batch.outdir.layout import STATE as STATE_DIR
+from dspine_batch.outdir.output import list_parts, open_output
+from dspine_batch.outdir.records import crc_of
 
 TAG = "00000-of-00001"
+
+
+def check_parts(out: str, tag: str | None = None) -> list:
+    return open_output(out).check_parts(tag)
+
+
+def load_done(out: str, tag: str):  # noqa: ANN201
+    return open_output(out).load_done(tag)
+
+
+def read_record(out: str, name: str) -> dict | None:
+    return open_output(out).record_of(name)
+
+
+def record_path(out: str, name: str) -> str:
+    return os.path.join(out, record_rel(name))
+
+
+def file_checksum(path: str) -> int:
+    with open(path, "rb") as f:
+        return crc_of(f)
+
+
+def write_part_atomically(out: str, name: str, table: pa.Table, keys: np.ndarray) -> dict:
+    return open_output(out).commit_part(name, table, keys)
 N = 40
 GEN = ["--num-samples", "2", "--temperature", "0.8", "--seed", "3", "--commit-rows", "10"]
 
@@ -176,8 +197,7 @@ def test_unreadable_row_ids_of_an_old_part_are_damage_too(tmp_path, capsys):
     args, out = _job(tmp_path)
     part = list_parts(str(out))[1].path
     name = os.path.basename(part)
-    os.unlink(record_path(str(out), name))
-    os.unlink(keys_path(str(out), name))
+    os.unlink(record_path(str(out), name))  # (its row keys were in it)
     data = bytearray(Path(part).read_bytes())
     data[8:400] = os.urandom(392)  # the first data pages; the footer at the end still reads
     Path(part).write_bytes(bytes(data))
@@ -189,17 +209,19 @@ def test_unreadable_row_ids_of_an_old_part_are_damage_too(tmp_path, capsys):
     _assert_same_as_reference(tmp_path, out)
 
 
-def test_altered_key_file_is_not_trusted(tmp_path):
-    """A key file is what the done-set is built from: one wrong hash would skip an unrelated row (lost) or redo a
-    done one (duplicated). Its crc32 is in the commit record; a mismatch falls back to reading row_id."""
-    from dspine_batch.pipeline.keyset import key_hashes
+def test_altered_row_keys_are_not_trusted(tmp_path):
+    """A record's row keys are what the done-set is built from: one wrong hash would skip an unrelated row (lost) or
+    redo a done one (duplicated). Their crc32 is in the record too; a mismatch falls back to reading row_id."""
+    from dspine_batch.outdir.keyset import key_hashes
 
     args, out = _job(tmp_path)
     name = os.path.basename(list_parts(str(out))[1].path)
-    keys = np.load(keys_path(str(out), name))
+    rec = read_record(str(out), name)
+    keys = records.record_keys(rec)
     bogus = keys.copy()
     bogus[0] = key_hashes(["r99999"])[0]  # a row that is not done, in place of one that is
-    np.save(keys_path(str(out), name), bogus)
+    rec["keys_b64"] = records.keys_fields(bogus)["keys_b64"]
+    Path(record_path(str(out), name)).write_text(json.dumps(rec))
     done = load_done(str(out), TAG)
     assert done.rows == N and done.damaged == 0
     assert done.keys.contains_many(key_hashes([r["id"] for r in prompts(N)])).all()
@@ -209,14 +231,16 @@ def test_altered_key_file_is_not_trusted(tmp_path):
 
 
 def test_crash_mid_commit_is_not_mistaken_for_a_lost_part(tmp_path, capsys):
-    """Staging file + key file + record, no part: an interrupted commit, silently discarded (as before)."""
+    """Staged bytes + record, no part: a commit whose publish a crash interrupted; committed, so the next start
+    publishes it (nothing reported, nothing regenerated)."""
     args, out = _job(tmp_path)
     last = list_parts(str(out))[-1].path
     name = os.path.basename(last)
-    os.rename(last, out / staging_name(name))
+    os.rename(last, out / read_record(str(out), name)["staged"])
     assert check_parts(str(out)) and all(c.problem is None for c in check_parts(str(out)))
-    assert remove_staging(str(out), TAG) == 1
-    assert not os.path.exists(record_path(str(out), name)) and not os.path.exists(keys_path(str(out), name))
+    assert len(check_parts(str(out))) == 4
+    assert open_output(str(out)).remove_staging(TAG) == 0
+    assert os.path.exists(last) and os.path.exists(record_path(str(out), name)) and not os.listdir(out / STAGING)
     capsys.readouterr()
     assert run_cli([*args, "-o", str(out)]) == 0
     assert "committed part" not in capsys.readouterr().err and not _damaged_files(out)
@@ -263,8 +287,7 @@ def test_compaction_writes_a_record_for_the_merged_part(tmp_path, capsys):
     rec = read_record(str(out), os.path.basename(part.path))
     assert rec["rows"] == N and rec["crc32"] == file_checksum(part.path)
     name = os.path.basename(part.path)
-    assert sorted(os.listdir(out / KEYS_DIR)) == sorted([os.path.basename(record_path(str(out), name)),
-                                                         os.path.basename(keys_path(str(out), name))])
+    assert os.listdir(out / KEYS_DIR) == [os.path.basename(record_path(str(out), name))]
     capsys.readouterr()
     assert run_cli([*args, "-o", str(out)]) == 0
     assert "committed part" not in capsys.readouterr().err
@@ -291,14 +314,14 @@ def _fail_fsync_for(monkeypatch, needle: str, code: int = errno.ENOSPC) -> None:
 
 def test_enospc_mid_part_leaves_nothing_half_committed(tmp_path, monkeypatch):
     table = pa.table({"x": list(range(50_000))})
-    real = sink.ChecksumWriter.write
+    real = records.ChecksumWriter.write
 
     def write(self, data):
         if self.size > 1000:
             raise _enospc()
         return real(self, data)
 
-    monkeypatch.setattr(sink.ChecksumWriter, "write", write)
+    monkeypatch.setattr(records.ChecksumWriter, "write", write)
     name = "train-00000-of-00001-000000.parquet"
     with pytest.raises(DiskFull) as e:
         write_part_atomically(str(tmp_path), name, table, np.arange(3, dtype=np.uint64))
@@ -307,30 +330,38 @@ def test_enospc_mid_part_leaves_nothing_half_committed(tmp_path, monkeypatch):
     assert "this part was not committed" in msg and "run the same command again" in msg and "\n" not in msg
     assert os.listdir(tmp_path) == [] or os.listdir(tmp_path) == ["_dspine"]
     assert not os.path.exists(tmp_path / KEYS_DIR) or os.listdir(tmp_path / KEYS_DIR) == []
+    assert not os.path.exists(tmp_path / STAGING) or os.listdir(tmp_path / STAGING) == []
     monkeypatch.undo()
     write_part_atomically(str(tmp_path), name, table, np.arange(3, dtype=np.uint64))
     assert ds.dataset(str(tmp_path), format="parquet").count_rows() == 50_000
 
 
-@pytest.mark.parametrize("needle", ["commit-", "keys-"])
-def test_edquot_on_a_sidecar_unstages_the_part(tmp_path, monkeypatch, needle):
-    real = os.replace
-
-    def replace(a, b, *rest, **kw):
-        if needle in str(b):
-            raise _enospc(errno.EDQUOT)
-        return real(a, b, *rest, **kw)
-
-    monkeypatch.setattr(os, "replace", replace)
+@pytest.mark.parametrize("call", ["link", "fsync_of_the_part"])
+def test_edquot_on_the_record_or_the_staged_part_commits_nothing(tmp_path, monkeypatch, call):
     name = "train-00000-of-00001-000000.parquet"
-    with pytest.raises(DiskFull, match=rf"{needle}00000-of-00001-000000\.(json|npy): disk quota exceeded after"):
+    if call == "link":  # the record's create-only write
+        real = os.link
+
+        def link(a, b, *rest, **kw):
+            if "commit-" in str(b):
+                raise _enospc(errno.EDQUOT)
+            return real(a, b, *rest, **kw)
+
+        monkeypatch.setattr(os, "link", link)
+        want = r"commit-00000-of-00001-000000\.json: disk quota exceeded after"
+    else:
+        _fail_fsync_for(monkeypatch, "part-00000-of-00001-000000.", errno.EDQUOT)
+        want = rf"{name}: disk quota exceeded after"
+    with pytest.raises(DiskFull, match=want) as e:
         write_part_atomically(str(tmp_path), name, pa.table({"x": [1, 2]}), np.arange(2, dtype=np.uint64))
-    assert os.listdir(tmp_path) == ["_dspine"] and os.listdir(tmp_path / KEYS_DIR) == []
+    assert "this part was not committed" in str(e.value)
+    assert os.listdir(tmp_path) == ["_dspine"] and not os.listdir(tmp_path / STAGING)
+    assert not os.path.exists(tmp_path / KEYS_DIR) or not os.listdir(tmp_path / KEYS_DIR)
 
 
 def _disk_of(monkeypatch, budget: int) -> None:
     """Every part write draws on one byte budget: a disk that fills up part way through the run."""
-    real = sink.ChecksumWriter.write
+    real = records.ChecksumWriter.write
     left = [budget]
 
     def write(self, data):
@@ -340,7 +371,7 @@ def _disk_of(monkeypatch, budget: int) -> None:
         left[0] -= n
         return real(self, data)
 
-    monkeypatch.setattr(sink.ChecksumWriter, "write", write)
+    monkeypatch.setattr(records.ChecksumWriter, "write", write)
 
 
 def test_cli_disk_full_mid_run_exits_1_with_one_line_then_resumes_exactly_once(tmp_path, monkeypatch, capsys):
@@ -358,7 +389,7 @@ def test_cli_disk_full_mid_run_exits_1_with_one_line_then_resumes_exactly_once(t
     assert "free space" in err[-1] and "run the same command again" in err[-1]
     assert not [ln for ln in err if "Traceback" in ln]
     assert len(list_parts(str(out))) == 2 and all(c.problem is None for c in check_parts(str(out)))
-    assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
+    assert not [n for n in os.listdir(out) if n.endswith(".inprogress")] and not os.listdir(out / STAGING)
     assert not (out / "_SUCCESS").exists()
     assert json.loads((out / STATE_DIR / f"state-{TAG}.json").read_text())["state"] == "failed"
     monkeypatch.undo()  # space freed

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import read_output, run_cli, stage_docs, staged_job, write_jsonl
 
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.outdir.output import list_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,10 +147,10 @@ def test_a_staged_job_never_writes_into_a_foreign_directory(tmp_path, capfd):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_finalize_settles_a_retry_killed_inside_its_take_out(tmp_path, when):
-    """kill -9 inside --retry-errors with its journal written: just before the part without its failed rows
-    replaces the old one (rolled back: the part as it was), or just after (the record not yet swapped: rolled
-    forward). ``finalize`` runs the one recovery first, so the part is never taken for damaged and moved aside and
-    no good row is lost; the same generate command then finishes the job."""
+    """kill -9 inside --retry-errors with its journal written: just before the part's record is swapped for the
+    one without its failed rows (rolled back: the part as it was), or just after (the new part not yet published:
+    rolled forward). ``finalize`` runs the one recovery first, so the part is never taken for damaged and moved aside
+    and no good row is lost; the same generate command then finishes the job."""
     rows = [{"id": f"r{i:02d}", "prompt": f"question {i}"} for i in range(12)]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
@@ -159,7 +159,7 @@ def test_finalize_settles_a_retry_killed_inside_its_take_out(tmp_path, when):
     assert run_cli(base) == 0
     good = {r["row_id"]: r["output"] for r in read_output(out) if r["status"] == "ok"}
     everything = {r["row_id"]: r["output"] for r in read_output(out)}
-    env = {**os.environ, "DSPINE_TEST_KILL_AT": f"{when}:replace:train-*.parquet:1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "DSPINE_TEST_KILL_AT": f"{when}:replace:commit-*.json:1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "killpoint_cli.py"), *base, "--retry-errors"],
                        env=env, capture_output=True, timeout=300)
     assert p.returncode == -9, p.stderr.decode()[-2000:]

@@ -30,7 +30,7 @@ from helpers import (
 from helpers import stage_docs as _docs
 from helpers import staged_job as _job
 
-from dspine_batch.pipeline.resume import list_parts
+from dspine_batch.outdir.output import list_parts
 from dspine_batch.stages.where import parse_where
 
 ROOT = Path(__file__).resolve().parents[2]

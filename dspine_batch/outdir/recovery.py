@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspine_batch.errors import BatchError
-from dspine_batch.pipeline.manifest import stage_names
-from dspine_batch.pipeline.outputs import Output, open_output
-from dspine_batch.pipeline.shard import shard_tag
+from dspine_batch.outdir.layout import shard_tag
+from dspine_batch.outdir.manifest import stage_names
+from dspine_batch.outdir.output import Output, open_output
 
 
 @dataclass

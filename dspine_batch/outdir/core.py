@@ -1,0 +1,104 @@
+"""What every step of the exactly-once protocol shares: the OUTDIR's store, the owner's authority, the records.
+
+``Outdir`` is the state the modules of this package work on (``commit``, ``check``, ``done``, ``compact``,
+``supersede``, ``recovery``), whatever the store: a local directory or an object-store prefix
+(``storage.objects.ObjectStore`` and its primitives). ``output.OutDir`` adds the run's surface (``Output``) on top.
+
+The few places where a local disk and a store differ are properties of the store, not branches of the protocol:
+``inline`` (a disk commits on the pipeline's thread: a rename is cheap and a full disk must stop the commit that
+met it; a store's requests run on the committer's threads), ``verify_on_start`` (a start reads a local part's
+bytes for their crc32: cheap; on a store that is a GET of every part, left to ``finalize`` and ``status
+--verify``), and the store's own ``renames``/``local_path``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dspine_batch.outdir.layout import KEYS, PART_RE, record_part, record_rel
+from dspine_batch.outdir.records import parse_record
+from dspine_batch.storage.fs import retry_deadline
+from dspine_batch.storage.objects import ObjectStore, check_outdir_url
+
+
+class Outdir:
+    """One OUTDIR's store, its lease (on an object store, while this process owns a shard) and the commit records
+    this start has read."""
+
+    def __init__(self, where: str):
+        check_outdir_url(where)
+        self.store = ObjectStore(where)
+        self.display = self.store.display
+        self.path = self.store.root  # a local OUTDIR's directory (``stages.claims`` writes under it)
+        self.remote = not self.store.local
+        self.inline = self.store.local
+        self.verify_on_start = self.store.local
+        self.lease: Any = None  # ``storage.lease.Lease`` of the shard this process writes (object stores)
+        self._records: dict[str | None, dict[str, dict[str, Any] | None]] = {}
+
+    # -- the owner's authority -------------------------------------------------------------------------------------
+    @contextmanager
+    def owning(self) -> Iterator[None]:
+        """A write as the shard's owner (a commit record, a record swap): refused once the lease is lost, and never
+        sent or retried past the lease's validity (``storage.lease``). Without a lease (a local shard's ``flock``
+        is held by the kernel until the process dies), a plain block."""
+        if self.lease is None:
+            yield
+            return
+        self.lease.check()
+        with retry_deadline(self.lease.deadline):
+            yield
+
+    # -- records --------------------------------------------------------------------------------------------------
+    def record_of(self, name: str) -> dict[str, Any] | None:
+        """A part's commit record as the store holds it now (None when absent or unreadable)."""
+        return parse_record(self.store.get(record_rel(name)))
+
+    def records(self, tag: str | None = None) -> dict[str, dict[str, Any] | None]:
+        """Every commit record (of one shard), by part name, None for one that does not read as a record: fetched
+        concurrently on a store (one GET each), once per start (a start sweeps, checks and loads the same records;
+        only this worker adds or moves them meanwhile, and it forgets them when it does)."""
+        if tag not in self._records:
+            names = []
+            for n in self.store.list(KEYS):
+                part = record_part(n)
+                m = PART_RE.match(part) if part else None
+                if m and (tag is None or m.group(1) == tag):
+                    names.append(m.group(0))
+            paths = [self.store.path(record_rel(n)) for n in names]
+            got = self.store.cat_many(paths)
+            self._records[tag] = dict(sorted((n, parse_record(got.get(p))) for n, p in zip(names, paths, strict=True)))
+        return dict(self._records[tag])
+
+    def forget_records(self) -> None:
+        """The records this start read are stale (it committed, moved or swapped some): read them again next time."""
+        self._records.clear()
+
+    # -- parts ----------------------------------------------------------------------------------------------------
+    def publish(self, record: dict[str, Any], delete: bool = True) -> None:
+        """Make a committed part visible under its final name, from its staged bytes; idempotent on a store (the
+        record says what and from where). ``delete=False``: a store's staged copy is left for a batched delete (or
+        the next start's sweep); a disk's rename leaves none."""
+        self.store.publish(record["staged"], record["part"], int(record["bytes"]))
+        if delete and not self.store.renames:
+            self.store.delete(record["staged"])
+
+    def read_table(self, rel: str, columns: list[str] | None = None) -> pa.Table:
+        """A part (published or staged) read back, all of it or some columns."""
+        local = self.store.local_path(rel)
+        if local is not None:
+            return pq.read_table(local, columns=columns)
+        with self.store.open(rel) as f:
+            return pq.read_table(f, columns=columns)
+
+    def read_footer(self, rel: str) -> pq.FileMetaData:
+        local = self.store.local_path(rel)
+        if local is not None:
+            return pq.read_metadata(local)
+        with self.store.open(rel) as f:
+            return pq.read_metadata(f)

@@ -1,0 +1,84 @@
+"""The done-set of a shard: the row keys of its committed parts, built from the records every start.
+
+"The row's key is in a committed part" means "the row is done" (all samples of a row go into one part), so a resume
+skips exactly the committed rows. Keys are 64-bit hashes (``keyset``), loaded from the records (one small read a
+part, no row id read or hashed), each list checked against its record's row count and crc32: a wrong hash would
+skip an unrelated row or redo a done one. A part whose list is missing or doubtful (an old part: its key file, or
+its ``row_id`` column) is read instead; one whose ``row_id`` cannot be read is damaged (``check.handle_damage``).
+The advisory state file is never trusted for correctness: the done-set is rebuilt from the parts every time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dspine_batch.outdir import legacy
+from dspine_batch.outdir.check import PartCheck, check_parts, handle_damage, short, warn
+from dspine_batch.outdir.core import Outdir
+from dspine_batch.outdir.keyset import KeySet, fallback_id_hashes, key_hashes
+from dspine_batch.outdir.layout import seq_of
+from dspine_batch.outdir.records import record_keys
+
+
+@dataclass
+class DoneSet:
+    keys: KeySet
+    rows: int  # distinct row ids committed
+    error_rows: int
+    outputs: int
+    next_seq: int
+    damaged: int = 0  # parts moved aside by this start (their rows are not in the done-set)
+
+
+def load_done(out: Outdir, tag: str, id_column: bool = True, on_damaged: str = "repair",
+              report: Callable[[str], None] = warn) -> DoneSet:
+    """The done-set of one shard, from its checked parts (``id_column``: ids hash as strings, else as
+    ``<file>:<index>``, like ``mapping.RowIds``). A damaged part is handled by ``handle_damage`` and left out."""
+    records = out.records(tag)
+    checks = check_parts(out, tag)
+    seqs = [seq_of(c.name) for c in checks] + [seq_of(n) for n in records]
+    keys = KeySet()
+    rows = errors = outputs = damaged = 0
+    for check in checks:
+        if check.problem is not None:
+            handle_damage(out, check, on_damaged, report)
+            damaged += 1
+            continue
+        info = check.info or {}
+        rec = records.get(check.name)
+        hashes = record_keys(rec) if rec is not None else None
+        if hashes is None:
+            hashes = legacy.load_keys(out, check.name, info.get("rows"), rec)
+        if hashes is not None:
+            keys.add_many(hashes)
+            rows += int(info["rows"])
+            errors += int(info.get("error_rows", 0))
+            outputs += int(info["outputs"])
+            continue
+        try:
+            got = _from_row_ids(out, check, rec, id_column)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            check.problem = f"unreadable ({short(e)})"
+            handle_damage(out, check, on_damaged, report)
+            damaged += 1
+            continue
+        keys.add_many(got[0])
+        rows, errors, outputs = rows + got[1], errors + got[2], outputs + got[3]
+    return DoneSet(keys, rows, errors, outputs, max(seqs) + 1 if seqs else 0, damaged)
+
+
+def _from_row_ids(out: Outdir, check: PartCheck, rec: dict | None, id_column: bool) -> tuple[np.ndarray, int, int,
+                                                                                             int]:
+    """(key hashes, rows, error rows, outputs) of a part read from its ``row_id`` and ``status`` columns (published,
+    or still staged when its publish is pending)."""
+    rel = check.name if rec is None or out.store.head(check.name) is not None else rec["staged"]
+    t = out.read_table(rel, columns=["row_id", "status"])
+    ids = pc.unique(t.column("row_id"))
+    bad = pc.unique(pc.filter(t.column("row_id"), pc.equal(t.column("status"), "error")))
+    hashes = (key_hashes if id_column else fallback_id_hashes)(ids.to_pylist())
+    return hashes, len(ids), len(bad), t.num_rows

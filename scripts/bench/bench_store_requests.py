@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""Requests an object-store OUTDIR costs, counted by the server: one ``dspine-batch generate`` into ``s3://`` on a
+local S3 server (moto's server mode, its request recorder on), then the same command again (a resume with nothing
+left), for each checkout given, alternating, with repeats. Prints requests per committed part by kind (PUT, GET,
+HEAD, COPY, batched DELETE, LIST) and those of the resume, per tree: what the commit protocol asks of a store,
+independent of the machine's speed and load.
+
+Usage:
+    python scripts/bench/bench_store_requests.py --trees /path/to/base /path/to/new --rows 20000 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_objstore import BUCKET, start_moto  # noqa: E402
+from bench_pipeline import make_input  # noqa: E402
+
+
+def kind(req: dict) -> str:
+    method, url = req.get("method", "?"), req.get("url", "")
+    headers = {k.lower(): v for k, v in (req.get("headers") or {}).items()}
+    if method == "PUT" and "x-amz-copy-source" in headers:
+        return "COPY"
+    if method == "POST" and "delete" in url.split("?", 1)[-1]:
+        return "DELETE(batch)"
+    if method == "GET" and ("list-type" in url or url.rstrip("/").endswith(BUCKET) or "prefix=" in url):
+        return "LIST"
+    return method
+
+
+def _records(text: str) -> list[dict]:
+    """The recorder's entries: JSON objects one after another (not always one a line)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        obj, i = dec.raw_decode(text, i)
+        out.append(obj)
+    return out
+
+
+def counted(tree: str, src: Path, rows: int, commit_rows: int, tag: str, endpoint: str, rec: Path) -> dict:
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=tree)
+    cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", str(src), "-o", f"s3://{BUCKET}/{tag}", "--engine",
+           "scripted", "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--progress", "none",
+           "--commit-rows", str(commit_rows)]
+    out = {}
+    for step in ("run", "resume"):
+        rec.write_text("")
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/start-recording", method="POST"))
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/stop-recording", method="POST"))
+        kinds = collections.Counter(kind(r) for r in _records(rec.read_text()))
+        out[step] = dict(sorted(kinds.items()))
+    parts = -(-rows // commit_rows)
+    out["parts"] = parts
+    out["per_part"] = round(sum(out["run"].values()) / parts, 2)
+    out["resume_total"] = sum(out["resume"].values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", nargs="+", default=[str(ROOT)], help="checkouts whose dspine_batch to run")
+    ap.add_argument("--rows", type=int, default=20_000)
+    ap.add_argument("--commit-rows", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_requests_"))
+    rec = tmp / "recording.jsonl"
+    os.environ.update(MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=str(rec))
+    moto, endpoint = start_moto()
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        src = tmp / "in.parquet"
+        make_input(src, a.rows)
+        report: dict = {"rows": a.rows, "commit_rows": a.commit_rows, "runs": []}
+        for r in range(a.repeats):
+            for i, tree in enumerate(a.trees):  # alternating
+                got = counted(tree, src, a.rows, a.commit_rows, f"t{i}-r{r}", endpoint, rec)
+                report["runs"].append({"tree": tree, **got})
+                print(f"{tree} #{r}: {got['per_part']} requests a part, resume {got['resume_total']}", file=sys.stderr)
+        print(json.dumps(report, indent=1))
+    finally:
+        moto.terminate()
+        moto.wait()
+
+
+if __name__ == "__main__":
+    main()
