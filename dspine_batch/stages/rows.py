@@ -159,6 +159,16 @@ def cut_by_length(where: str) -> str:
             "what the predicate reads; raise max-new-tokens)")
 
 
+# what a predicate meets in an output cut before its JSON closed: a field not there yet, or half a value of the
+# wrong type; a budget blown or an overflow is the data's, said as such whatever the finish reason
+_WANT_OF_TEXT = ("no field ", "TypeError:", "ValueError:", "KeyError:", "IndexError:", "AttributeError:")
+
+
+def for_want_of_text(why: str | None, where: str) -> bool:
+    """Whether ``where``'s reason for not keeping a row is one an output cut by length gives."""
+    return why is not None and why.startswith(tuple(f"where {where}: {k}" for k in _WANT_OF_TEXT))
+
+
 @dataclass
 class Judge:
     """Decides ``kept`` / ``dropped_by`` / ``dedup_key`` of a stage's finished rows, in the order they are
@@ -187,7 +197,7 @@ class Judge:
                                           ctx), self.spec.name)
             if self.spec.where is not None:
                 kept, why = self.spec.where.test(fields)
-                if not kept and why != f"where {self.spec.where.text}" and r.finish_reason == "length":
+                if not kept and r.finish_reason == "length" and for_want_of_text(why, self.spec.where.text):
                     why = cut_by_length(self.spec.where.text)  # no field, or half a value: the output was cut
                 self.filtered += not kept
             if kept and self.spec.dedup == "minhash":

@@ -119,7 +119,8 @@ def test_dedup_holds_across_shards_on_s3(tmp_path, s3, s3env, bucket):
 
 def test_minhash_dedup_on_s3(tmp_path, s3, s3env, bucket):
     """Near-duplicate dedup on an s3:// OUTDIR, two shards at once: band claims are create-only objects, a
-    duplicate's claims are deleted again, one row per group of near duplicates is kept."""
+    duplicate's claims are given up (marked "-": passed over by later walks of the band), one row per group of
+    near duplicates is kept."""
     src = near_docs(tmp_path)
     prefix = f"{bucket}/near"
     job = near_job(tmp_path, src, f"s3://{prefix}", 'engine-args = {latency = "0.01"}\n')
@@ -128,4 +129,4 @@ def test_minhash_dedup_on_s3(tmp_path, s3, s3env, bucket):
     kept = {r["row_id"] for r in rows if r["kept"]}
     assert sorted(k.split("-")[0] for k in kept) == ["g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3"]
     holders = {json.loads(s3.cat_file(p))["row"] for p in s3.ls(f"{prefix}/notes/_dspine/minhash", refresh=True)}
-    assert holders == kept  # every kept row holds its bands; no dropped row holds one
+    assert holders - {"-"} == kept  # every kept row holds its bands; no dropped row holds one
