@@ -21,8 +21,8 @@ from click_option_group import GroupedOption, optgroup
 
 from dspine_batch import __version__
 from dspine_batch.cli_help import SECTIONS, engine_arg_table
+from dspine_batch.config import GenerateConfig, default, load_toml
 from dspine_batch.errors import DISK_FULL_ERRNOS, EXIT_FATAL, EXIT_INTERRUPTED, EXIT_USAGE, BatchError, UsageError
-from dspine_batch.pipeline.config import GenerateConfig, default, load_toml
 
 ENV = "DSPINE_BATCH_"
 
@@ -331,7 +331,7 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     resumes there. Every option is also an environment variable, DSPINE_BATCH_<OPTION> (--max-new-tokens:
     DSPINE_BATCH_MAX_NEW_TOKENS), and a key of a --config job file (max-new-tokens = 512); a flag wins over the
     variable, the variable over the job file. The options most jobs need come first in each section."""
-    from dspine_batch.pipeline.preflight import default_output
+    from dspine_batch.run.preflight import default_output
     from dspine_batch.run.runner import run_job
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))

@@ -1,6 +1,6 @@
 """Content digests of files: what a run's identity records of its inputs and of the model it loaded.
 
-Its own module because both sides of the pipeline need it (``pipeline.manifest`` for input files,
+Its own module because both sides of the pipeline need it (``run.fingerprint`` for input files,
 ``engines.models`` for model directories) and neither may import the other.
 """
 

@@ -101,10 +101,10 @@ class EngineDied(Exception):
     OOM-killed, a lost device): finished rows are committed and the run exits 75 so Slurm requeues it.
     Engines raise this and only this for transient deaths; any other exception is a bug or a bad setting,
     and exits 1 so a requeue loop does not repeat a deterministic failure. A death that repeats on the same rows
-    is told apart by the pipeline (``pipeline.deaths``): the rows in flight (``in_flight``, set by the scheduler)
+    is told apart by the pipeline (``run.deaths``): the rows in flight (``in_flight``, set by the scheduler)
     run alone on the next start, and one the engine dies on again becomes an error row."""
 
-    in_flight: list[str] = []  # row ids in flight when it died (``pipeline.scheduler`` sets it)
+    in_flight: list[str] = []  # row ids in flight when it died (``run.scheduler`` sets it)
 
 
 def engine_side(error: str) -> bool:

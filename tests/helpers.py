@@ -72,7 +72,7 @@ def prompts(n: int, start: int = 0) -> list[dict]:
 
 def map_rows(mapper: Any, files: list, columns: Any) -> list:
     """Every input row through a ``RowMapper`` as the pipeline does it (ids first, then the work item)."""
-    from dspine_batch.pipeline.sources import iter_inputs
+    from dspine_batch.inputs.sources import iter_inputs
 
     out = []
     for b in iter_inputs(files, columns.read_columns()):

@@ -210,7 +210,7 @@ def grammar_wins(logits: torch.Tensor, held: dict[int, torch.Tensor], masks: dic
     closed before ``min_tokens`` tokens): the grammar's end wins. The stop ids the grammar allows get back the
     logits ``min_tokens`` took from them (``held``: slot -> its stop ids' logits before), so the row ends with the
     stop the model prefers among those the grammar allows, and never with a token the grammar refuses. The batch
-    tool refuses the combination up front instead (``dspine_batch.pipeline.requests``: both engines agree by
+    tool refuses the combination up front instead (``dspine_batch.requests.fields``: both engines agree by
     never running it); this keeps a library caller's job alive. In place."""
     for n, before in held.items():
         if not bool((logits[n] == float("-inf")).all()):

@@ -96,7 +96,7 @@ DEFAULTS = SamplingParams()
 # ``top_logprobs`` most likely tokens at that position as ``((token_id, logprob), ...)``, most likely first
 # (empty without top_logprobs). Log-probabilities of the model's own logits (log-softmax before temperature,
 # top-k/top-p, penalties or grammar), as OpenAI and vLLM report them by default. Engines return ids and numbers;
-# the pipeline adds each token's text (``pipeline.answers``).
+# the pipeline adds each token's text (``requests.answers``).
 TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 

@@ -13,7 +13,7 @@ engine has none (e.g. "proposers=suffix", or from the scheduler, "its measured �
 costs on this CPU"). A ``why`` is a decision, not "nothing yet": the log prints the first one it sees for each
 source, so an engine gives none before it knows. Extra keys are allowed and kept. The pipeline records it with
 the shard's state at every commit and logs each source's ``why`` once, when it first appears
-(``dspine_batch.pipeline.decisions``); ``dspine-batch report`` shows a line per source, "not run — <why>" for one
+(``dspine_batch.engines.decisions``); ``dspine-batch report`` shows a line per source, "not run — <why>" for one
 that never ran.
 """
 

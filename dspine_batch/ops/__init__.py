@@ -5,5 +5,6 @@ progress), ``finalize.py`` (prove exactly-once coverage, write ``_SUCCESS``), ``
 statistics of an output directory; answers and structured-output validity in ``answer_stats.py``) and
 ``export.py`` (an output directory as an OpenAI batch results file).
 
-May import: ``dspine_batch.pipeline``, ``dspine_batch.engines``, ``dspine_batch.errors``, ``dspine_batch.storage``.
+May import: ``dspine_batch.requests``, ``dspine_batch.inputs``, ``dspine_batch.outdir``, ``dspine_batch.engines``,
+``dspine_batch.storage``, ``dspine_batch.config``, ``dspine_batch.log``, ``dspine_batch.errors``.
 """

@@ -17,13 +17,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK, UsageError
+from dspine_batch.inputs.sources import iter_inputs, resolve_inputs
+from dspine_batch.log import log
 from dspine_batch.outdir.keyset import fallback_id_hashes, key_hashes
+from dspine_batch.outdir.layout import shard_tag
 from dspine_batch.outdir.output import Output, arrow_path, committed_parts, open_output
 from dspine_batch.outdir.recovery import recover
-from dspine_batch.pipeline.mapping import RowIds
-from dspine_batch.pipeline.preflight import log
-from dspine_batch.pipeline.shard import shard_tag
-from dspine_batch.pipeline.sources import iter_inputs, resolve_inputs
+from dspine_batch.requests.mapping import RowIds
 
 
 def expected_ids(manifest: dict) -> pa.Array:

@@ -5,7 +5,7 @@ completion tokens / total verify steps); the two differ when long outputs accept
 notes). "tau by position" is the fraction of verify steps whose draft was accepted at least up to position j.
 
 By source (the DSpine draft, suffix matches): verify steps, tokens proposed and accepted from the parts, and from
-the engine's own record in the shards' state files (``dspine_batch.pipeline.decisions``) whether a source ran and,
+the engine's own record in the shards' state files (``dspine_batch.engines.decisions``) whether a source ran and,
 when it never did, why ("dspine draft  not run — --engine-arg proposers=suffix").
 
 The prefix-cache hit rate is cached prompt tokens / prompt tokens over the ok rows whose engine reported a cache
@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from dspine_batch.engines.decisions import combine, source_lines
 from dspine_batch.errors import error_kind
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
 from dspine_batch.outdir.output import arrow_path, committed_parts, open_output, shard_states
-from dspine_batch.pipeline.decisions import combine, source_lines
-from dspine_batch.pipeline.schema import SOURCE_STATS
+from dspine_batch.outdir.schema import SOURCE_STATS
 from dspine_batch.storage.objects import ObjectStore
 from dspine_batch.storage.urls import is_url
 
@@ -121,7 +121,7 @@ def summarize(outdir: str) -> dict[str, Any]:
 
 
 def _by_source(totals: dict[str, int], decided: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per source: the parts' counts (the truth) and, from the engine's record (``pipeline.decisions``), whether it
+    """Per source: the parts' counts (the truth) and, from the engine's record (``engines.decisions``), whether it
     ran and why not. A source only the record knows (a newer engine's) comes with the record's counts."""
     out = {}
     for src in dict.fromkeys(("dspine", "suffix", "forced", *decided)):

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dspine_batch.config import load_toml_raw
 from dspine_batch.errors import UsageError
-from dspine_batch.pipeline.config import load_toml_raw
 from dspine_batch.storage.urls import is_url
 
 TEMPLATE_DIR_ENV = "DSPINE_BATCH_SLURM_TEMPLATES"

@@ -72,8 +72,8 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
 
 def input_rows(manifest: dict[str, Any]) -> int | None:
     """The job's input rows, counted now, when its inputs are the files the manifest recorded (None otherwise)."""
-    from dspine_batch.pipeline.sources import resolve_inputs
-    from dspine_batch.pipeline.totals import count_rows
+    from dspine_batch.inputs.sources import resolve_inputs
+    from dspine_batch.inputs.totals import count_rows
 
     config = manifest.get("config") or {}
     recorded = (manifest.get("fingerprint_fields") or {}).get("inputs") or []

@@ -11,6 +11,7 @@ recovery every command runs first (``recovery.py``), the manifest (``manifest.py
 the run, the stages and the ops call. The store is ``storage.objects.ObjectStore`` (S3, Azure, or the local disk
 as one more store): no module here knows which. See ``docs/design.md``, "Parts and the commit protocol".
 
-May import: ``dspine_batch.errors`` and ``dspine_batch.storage`` only (the pipeline, the stages, the runner and the
-ops import this package, never the reverse).
+May import: ``dspine_batch.errors`` and ``dspine_batch.storage`` only (the requests, the stages, the runner and the
+ops import this package, never the reverse). The output schema (``schema.py``: every column typed up front) is
+the contract readers rely on.
 """

@@ -1,6 +1,6 @@
 """``_manifest.json``: the run an OUTDIR holds, created once and checked by every later start, on every store.
 
-Resuming is only safe if it is the same run (``pipeline.manifest`` builds the fingerprint: inputs, settings, model).
+Resuming is only safe if it is the same run (``run.fingerprint`` builds the fingerprint: inputs, settings, model).
 The manifest is created with a create-only write (a hard link on a disk, ``If-None-Match: *`` on a store), so of
 shards starting together exactly one creates it and the others check theirs against it; a mismatch is refused with
 a list of what changed. ``--retry-errors`` replaces it by compare-and-swap (``update_manifest``).

@@ -9,7 +9,7 @@ structures (one line for anything a stage cannot do); then for every stage its o
 prefix refused), its lock or lease taken, --overwrite / --resume, and the one recovery (``outdir.recovery``:
 journals, interrupted publishes, orphans); only then ``_stages.json`` is written. ``--retry-errors`` takes the
 failed rows out of every stage; a rerun with nothing left ends here without loading a model
-(``stages.rerun``); grammars and free space are checked.
+(``run.precheck``); grammars and free space are checked.
 
 **The loop** (``segment``): consecutive stages on one engine share it, and one scheduler stream feeds it (the
 deepest stage's ready rows first, then the next input row: ``segment.Feed``). Each finished row goes through its
@@ -29,6 +29,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from dspine_batch.config import GenerateConfig
 from dspine_batch.errors import (
     EXIT_ERROR_BUDGET,
     EXIT_INTERRUPTED,
@@ -36,33 +37,32 @@ from dspine_batch.errors import (
     Interrupted,
     UsageError,
 )
+from dspine_batch.inputs.sources import InputFile, arrow_schema, peek_rows, resolve_inputs
+from dspine_batch.log import log
 from dspine_batch.outdir.manifest import STAGES_FILE
 from dspine_batch.outdir.output import open_output
 from dspine_batch.outdir.recovery import recover
-from dspine_batch.pipeline import retry
-from dspine_batch.pipeline.config import GenerateConfig
-from dspine_batch.pipeline.errorlog import committed_kinds, part_paths, top_kinds
-from dspine_batch.pipeline.job import ShardState
-from dspine_batch.pipeline.mapping import Columns, resolve_columns
-from dspine_batch.pipeline.preflight import (
+from dspine_batch.requests.fields import job_request
+from dspine_batch.requests.mapping import Columns, resolve_columns
+from dspine_batch.requests.templates import job_templates
+from dspine_batch.run import retry
+from dspine_batch.run.errorlog import committed_kinds, part_paths, top_kinds
+from dspine_batch.run.precheck import Precheck, precheck
+from dspine_batch.run.preflight import (
     Job,
     check_free_space,
     check_job_structure,
     check_previous_run,
     check_row_structures,
     load_engine,
-    log,
     total_rows,
 )
-from dspine_batch.pipeline.requests import job_request
-from dspine_batch.pipeline.shard import parse_shard, shard_tag
-from dspine_batch.pipeline.shutdown import Shutdown
-from dspine_batch.pipeline.sink import SinkStats
-from dspine_batch.pipeline.sources import InputFile, arrow_schema, peek_rows, resolve_inputs
-from dspine_batch.pipeline.templates import job_templates
 from dspine_batch.run.segment import Segment
+from dspine_batch.run.shard import parse_shard, shard_tag
+from dspine_batch.run.shutdown import Shutdown
+from dspine_batch.run.sink import SinkStats
 from dspine_batch.run.stage import Run, Stage, stage_fields, stage_log
-from dspine_batch.stages.rerun import Precheck, precheck
+from dspine_batch.run.state import ShardState
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
     LINEAGE_TYPES,

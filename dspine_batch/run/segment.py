@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from dspine_batch.engines.base import Engine, Result
+from dspine_batch.engines.decisions import DecisionLog
 from dspine_batch.errors import (
     EXIT_INTERRUPTED,
     DiskFull,
@@ -16,21 +17,19 @@ from dspine_batch.errors import (
     FatalError,
     Interrupted,
 )
-from dspine_batch.pipeline import deaths
-from dspine_batch.pipeline.decisions import DecisionLog
-from dspine_batch.pipeline.heap import setup_frozen
-from dspine_batch.pipeline.job import RowSelector, first_token_s
-from dspine_batch.pipeline.mapping import WorkItem
-from dspine_batch.pipeline.preflight import (
-    log,
-)
-from dspine_batch.pipeline.progress import Progress
-from dspine_batch.pipeline.rowrecord import RowRecorder
-from dspine_batch.pipeline.scheduler import schedule
-from dspine_batch.pipeline.sources import iter_inputs
-from dspine_batch.pipeline.totals import ReadPosition
-from dspine_batch.pipeline.watchdog import InFlight, Watchdog
+from dspine_batch.inputs.rowrecord import RowRecorder
+from dspine_batch.inputs.sources import iter_inputs
+from dspine_batch.inputs.totals import ReadPosition
+from dspine_batch.log import log
+from dspine_batch.requests.mapping import WorkItem
+from dspine_batch.run import deaths
+from dspine_batch.run.heap import setup_frozen
+from dspine_batch.run.progress import Progress
+from dspine_batch.run.scheduler import schedule
+from dspine_batch.run.selector import RowSelector
 from dspine_batch.run.stage import Run, Stage, committed_parents_of, offer, open_stage, parents_of, stage_log
+from dspine_batch.run.state import first_token_s
+from dspine_batch.run.watchdog import InFlight, Watchdog
 
 
 # -- the loop ---------------------------------------------------------------------------------------------------

@@ -14,35 +14,36 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from dspine_batch.config import GenerateConfig
 from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams
+from dspine_batch.engines.decisions import DecisionLog
 from dspine_batch.errors import (
     UsageError,
 )
+from dspine_batch.inputs.sources import InputFile
+from dspine_batch.log import log
 from dspine_batch.outdir.done import DoneSet
 from dspine_batch.outdir.keyset import key_hash
 from dspine_batch.outdir.output import arrow_path, committed_parts
-from dspine_batch.pipeline.answers import Answers
-from dspine_batch.pipeline.config import GenerateConfig
-from dspine_batch.pipeline.decisions import DecisionLog
-from dspine_batch.pipeline.errorlog import ErrorLog
-from dspine_batch.pipeline.job import RowSelector, ShardState, manifest_meta
-from dspine_batch.pipeline.manifest import build_manifest
-from dspine_batch.pipeline.mapping import Columns, MapSettings, RowMapper, WorkItem
-from dspine_batch.pipeline.preflight import (
+from dspine_batch.outdir.schema import output_schema
+from dspine_batch.requests.answers import Answers
+from dspine_batch.requests.mapping import Columns, MapSettings, RowMapper, WorkItem
+from dspine_batch.run.errorlog import ErrorLog
+from dspine_batch.run.fingerprint import build_manifest
+from dspine_batch.run.precheck import Precheck
+from dspine_batch.run.preflight import (
     Job,
     job_defaults,
-    log,
     wants_chat,
 )
-from dspine_batch.pipeline.progress import Progress
-from dspine_batch.pipeline.rerun import run_fields
-from dspine_batch.pipeline.schema import output_schema
-from dspine_batch.pipeline.shard import attempt_from_env
-from dspine_batch.pipeline.shutdown import Shutdown
-from dspine_batch.pipeline.sink import PartSink
-from dspine_batch.pipeline.sources import InputFile
+from dspine_batch.run.progress import Progress
+from dspine_batch.run.rerun import run_fields
+from dspine_batch.run.selector import RowSelector
+from dspine_batch.run.shard import attempt_from_env
+from dspine_batch.run.shutdown import Shutdown
+from dspine_batch.run.sink import PartSink
+from dspine_batch.run.state import ShardState, manifest_meta
 from dspine_batch.stages.claims import NEAR_SPACE, Claims
-from dspine_batch.stages.rerun import Precheck
 from dspine_batch.stages.rows import (
     Judge,
     Parent,
@@ -156,7 +157,7 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     manifest = job.output.create_or_check(build_manifest(fields, cfg.as_dict(), job.shard[1], schema.names))
     st.fingerprint = manifest["fingerprint"]
     meta = json.dumps({"fingerprint": st.fingerprint, "stage": st.name}) if st.lineage else manifest_meta(manifest)
-    schema = schema.with_metadata({"dspine_batch.pipeline.manifest": meta})
+    schema = schema.with_metadata({"dspine_batch.run.fingerprint": meta})
     loaded = run.pre.done.get(st.spec.index) if run.pre is not None else None
     t0 = time.monotonic()
     st.done = done = loaded if loaded is not None else \

@@ -13,12 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK
+from dspine_batch.log import log
 from dspine_batch.ops.finalize import finalize
 from dspine_batch.outdir.output import SUCCESS, arrow_path, committed_parts, open_output
-from dspine_batch.pipeline.preflight import log, write_success
 from dspine_batch.stages.rows import child_ids, committed_parents
 from dspine_batch.storage.objects import ObjectStore
-from dspine_batch.storage.urls import is_url
 
 
 def expected_children(parent_dir: str):
@@ -36,10 +35,7 @@ def expected_children(parent_dir: str):
 
 def _root_success(outdir: str) -> None:
     """``OUTDIR/_SUCCESS`` of the whole staged job (on an object store: a create-only write)."""
-    if is_url(outdir):
-        ObjectStore(outdir).create(SUCCESS, b"")
-    else:
-        write_success(outdir)
+    ObjectStore(outdir).create(SUCCESS, b"")  # a local directory is one more store (``storage.local``)
 
 
 def shared_keys(stage_dir: str) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from dspine_batch.engines.base import Result
 from dspine_batch.errors import RowError
 from dspine_batch.outdir.output import arrow_path
-from dspine_batch.pipeline.mapping import WorkItem
+from dspine_batch.requests.mapping import WorkItem
 from dspine_batch.stages import near
 from dspine_batch.stages.claims import RELEASED, Claims, Owner
 from dspine_batch.stages.spec import StageSpec

@@ -23,10 +23,10 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dspine_batch.config import GenerateConfig
 from dspine_batch.errors import UsageError
 from dspine_batch.outdir.manifest import STAGE_NAME
-from dspine_batch.pipeline.config import GenerateConfig
-from dspine_batch.pipeline.templates import PromptTemplates, job_templates
+from dspine_batch.requests.templates import PromptTemplates, job_templates
 from dspine_batch.stages.near import need_datasketch
 from dspine_batch.stages.where import Predicate, parse_where
 

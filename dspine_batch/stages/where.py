@@ -5,7 +5,7 @@ node kinds below exist, names read the row's fields, and the only calls are a ha
 predicate that uses anything else, or that is longer or deeper than a predicate needs to be (``MAX_CHARS``,
 ``MAX_DEPTH``, ``MAX_NODES``), is refused when the job is read, before the model loads, naming the stage.
 
-On a row it runs under the budgets of ``pipeline.budgets``: an operation whose result would pass them
+On a row it runs under the budgets of ``requests.budgets``: an operation whose result would pass them
 (``len(prompt * 10000000000)``) is refused before it runs, and the row is not kept, with the reason in its
 ``dropped_by`` — as for a missing field or a value of the wrong type (``int(score)`` on ``1e999``). No row can end
 the job. The language has no loops, so the work of one test is bounded by the predicate's size and the row's.
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspine_batch.pipeline.budgets import CAUGHT, OverBudget, check_binop
+from dspine_batch.requests.budgets import CAUGHT, OverBudget, check_binop
 
 _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
     ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,

@@ -2,7 +2,7 @@
 """What the budgets on user code cost, and what DuckDB would have cost for ``where`` (issue 50).
 
 1. Templates: one row rendered by a plain ``SandboxedEnvironment`` (before) and by ours under budgets
-   (``pipeline.templates``: counted loops and calls, checked sizes, a deadline), µs a row, for a one-field
+   (``requests.templates``: counted loops and calls, checked sizes, a deadline), µs a row, for a one-field
    template and one with a loop and filters.
 2. ``where``: our walker (``stages.where``) a row, against DuckDB evaluating the same predicate in SQL over an
    Arrow batch of the same rows (the alternative weighed in ``stages/where.py``), per batch and per row.
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from jinja2 import StrictUndefined
 from jinja2.sandbox import SandboxedEnvironment
 
-from dspine_batch.pipeline.templates import compile_template
+from dspine_batch.requests.templates import compile_template
 from dspine_batch.stages.where import parse_where
 
 TEMPLATES = {

@@ -32,10 +32,10 @@ from machine import cpu_line, load_line  # noqa: E402
 
 from dspine_batch.engines.base import Result  # noqa: E402
 from dspine_batch.outdir.output import open_output  # noqa: E402
-from dspine_batch.pipeline.manifest import build_manifest  # noqa: E402
-from dspine_batch.pipeline.mapping import WorkItem  # noqa: E402
-from dspine_batch.pipeline.schema import output_schema  # noqa: E402
-from dspine_batch.pipeline.sink import PartSink  # noqa: E402
+from dspine_batch.outdir.schema import output_schema  # noqa: E402
+from dspine_batch.requests.mapping import WorkItem  # noqa: E402
+from dspine_batch.run.fingerprint import build_manifest  # noqa: E402
+from dspine_batch.run.sink import PartSink  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the committee reviews row {i}; the answer, after "
         "careful thought, is {j}. Everything else stays as it was, and the report is filed by Friday.")
@@ -47,7 +47,7 @@ def make_outdir(outdir: Path, rows: int, samples: int, commit_rows: int) -> None
     schema = output_schema([], False)
     manifest = open_output(str(outdir)).create_or_check(
         build_manifest({"bench": "export"}, {"model": "bench", "num_samples": samples}, 1, schema.names))
-    schema = schema.with_metadata({"dspine_batch.pipeline.manifest": json.dumps({"fingerprint":
+    schema = schema.with_metadata({"dspine_batch.run.fingerprint": json.dumps({"fingerprint":
                                                                                  manifest["fingerprint"]})})
     sink = PartSink(str(outdir), schema, "00000-of-00001", 0, samples, commit_rows, 1e9, 0, lambda s: None)
     for i in range(rows):

@@ -121,7 +121,7 @@ try:
     sink = None
 except ImportError:  # a checkout from before the one protocol
     try:
-        from dspine_batch.pipeline import sink
+        from dspine_batch.run import sink
     except ImportError:  # a checkout from before the package layout
         from dspine_batch import sink
 t = pa.table({"row_id": [f"r{i}" for i in range(1000)], "output": ["word " * 40] * 1000, "n": list(range(1000))})

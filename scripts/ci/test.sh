@@ -8,7 +8,7 @@
 #
 #   bash scripts/ci/test.sh           everything above
 #   bash scripts/ci/test.sh --quick   a contributor's check before a commit: set-up, ruff, and the default suite's
-#                                     core (tests/house, pipeline, ops, stages, the CLI's help and main commands; stops
+#                                     core (tests/house, inputs, requests, run, outdir, ops, stages, the CLI's help and main commands; stops
 #                                     at the first failure); no SGLang, Slurm or Azurite (az:// tests skip)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ if [ "$quick" = 1 ]; then
   DSPINE_SKIP_AZURITE=1 bash scripts/setup.sh --test || exit 1
   "$PY" -m ruff check . || exit 1
   exec "$PY" -m pytest -q -x -m "not slow and not sglang and not slurm" -p no:cacheprovider \
-    tests/house tests/pipeline tests/ops tests/stages tests/cli/test_cli.py tests/cli/test_help.py
+    tests/house tests/inputs tests/requests tests/run tests/outdir tests/ops tests/stages tests/cli/test_cli.py tests/cli/test_help.py
 fi
 bash scripts/setup.sh --test || exit 1
 fail=0

@@ -13,7 +13,7 @@ from helpers import ROOT, prompts, read_output, run_cli, shard_of, spawn, write_
 
 from dspine_batch.cli import cli
 from dspine_batch.outdir.output import list_parts
-from dspine_batch.pipeline.shard import parse_shard
+from dspine_batch.run.shard import parse_shard
 
 
 def test_help_is_discoverable():
@@ -160,7 +160,7 @@ def test_console_script_is_declared():
 
 
 def test_job_files_use_real_options():
-    from dspine_batch.pipeline.config import load_toml
+    from dspine_batch.config import load_toml
 
     names = {p.name for p in cli.commands["generate"].params}
     jobs = list((ROOT / "jobs").glob("*.toml"))

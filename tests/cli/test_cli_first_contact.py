@@ -19,7 +19,7 @@ from dspine_batch.ops.status import format_status, read_status
 from dspine_batch.outdir.layout import STATE as STATE_DIR
 from dspine_batch.outdir.lock import Lock, held_locks
 from dspine_batch.outdir.output import open_output
-from dspine_batch.pipeline.preflight import default_output
+from dspine_batch.run.preflight import default_output
 
 
 def test_bare_command_uses_a_default_outdir_and_resumes(tmp_path, monkeypatch, capsys):

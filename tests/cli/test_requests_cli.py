@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion
 from dspine_batch.cli import main
 from dspine_batch.engines.registry import engines_replaced
 from dspine_batch.engines.scripted import ScriptedEngine
-from dspine_batch.pipeline.schema import LOGPROBS_TYPE
+from dspine_batch.outdir.schema import LOGPROBS_TYPE
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
                                            "tags": {"type": "array", "items": {"type": "string"}}},

@@ -179,7 +179,7 @@ def test_kill9_then_resume_is_exactly_once_and_identical(models, uninterrupted, 
     # proposers=auto (the default): suffix proposals read the finished outputs this engine has seen, which a
     # resumed engine starts without, so the speculative stats may differ; the rows themselves may not
     # likewise the radix cache: the resumed engine starts empty, so its first row's prefix is computed again
-    from dspine_batch.pipeline.schema import SOURCE_STATS  # the same stats by source
+    from dspine_batch.outdir.schema import SOURCE_STATS  # the same stats by source
 
     stats = ("verify_steps", "draft_tokens_proposed", "draft_tokens_accepted", "accept_length", "accept_histogram",
              "cached_prompt_tokens", *SOURCE_STATS)

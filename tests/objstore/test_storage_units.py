@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from dspine_batch.errors import UsageError
-from dspine_batch.pipeline.shard import attempt_from_env, parse_shard
+from dspine_batch.run.shard import attempt_from_env, parse_shard
 from dspine_batch.storage.fs import need_library, transient
 from dspine_batch.storage.objects import check_outdir_url
 from dspine_batch.storage.urls import is_url, parse_options, redact, scheme

@@ -1,0 +1,85 @@
+"""Bounded in-flight scheduling between the row stream and the engine.
+
+The engine pulls requests lazily from ``feed``; at most ``max_in_flight`` are open at once, so memory is
+bounded by in-flight work, never by input size. Samples of a row are gathered until the row is complete
+(a row commits whole). Rows that need no engine work (input errors) bypass the engine; if many pile up, the
+current ``engine.run`` is drained and restarted so they can flow out without unbounded buffering.
+Setting ``stop.requested`` stops admission: in-flight requests finish, then the schedule ends. An engine death
+(``EngineDied``) leaves with the ids of the rows in flight (``in_flight``): ``deaths.py`` tells a crash that
+repeats on them from a transient one. ``inflight`` (``watchdog.InFlight``) holds the rows in the engine, so the
+watchdog can see them and rows past --request-timeout end as error rows when the engine next yields.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from dspine_batch.engines.base import Engine, Request, Result
+from dspine_batch.errors import EngineDied
+from dspine_batch.requests.mapping import WorkItem
+from dspine_batch.run.watchdog import InFlight
+
+MAX_BYPASS = 4096
+
+
+class StopFlag(Protocol):
+    requested: bool
+    in_engine: bool  # set while the engine runs: only there may a grace timeout abort work
+
+
+def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop: StopFlag,
+             inflight: InFlight | None = None) -> Iterator[tuple[WorkItem, list[Result] | None]]:
+    """Yield ``(item, results)`` for every admitted row as it completes; ``results`` is None for error rows."""
+    source = iter(items)
+    bypass: deque[WorkItem] = deque()
+    inflight = inflight if inflight is not None else InFlight()
+    pending = inflight.pending  # row_id -> [item, results, remaining]
+    state = {"exhausted": False}
+
+    def feed() -> Iterator[Request]:
+        while not stop.requested and len(bypass) < MAX_BYPASS:
+            try:
+                item = next(source)
+            except StopIteration:
+                state["exhausted"] = True
+                return
+            if not item.requests:
+                bypass.append(item)
+                continue
+            pending[item.row_id] = [item, [None] * len(item.requests), len(item.requests)]
+            for req in item.requests:
+                inflight.admit(req)
+                yield req
+
+    while True:
+        stop.in_engine = True  # off only while our consumer (sink, progress) runs, i.e. around each yield
+        try:
+            for res in engine.run(feed(), max_in_flight):
+                entry = inflight.finish(res)
+                if entry is not None:
+                    entry[1][res.sample_index] = res
+                    entry[2] -= 1
+                late = inflight.expire()
+                if (entry is not None and entry[2] == 0) or late:
+                    if entry is not None and entry[2] == 0:
+                        del pending[res.row_id]
+                        late.insert(0, (entry[0], entry[1]))
+                    stop.in_engine = False
+                    yield from late
+                    stop.in_engine = True
+                if bypass:
+                    stop.in_engine = False
+                    while bypass:
+                        yield bypass.popleft(), None
+                    stop.in_engine = True
+        except EngineDied as e:  # the rows it died with: a rerun runs them alone first (``deaths``)
+            e.in_flight = list(pending)
+            raise
+        finally:
+            stop.in_engine = False
+        while bypass:
+            yield bypass.popleft(), None
+        if state["exhausted"] or stop.requested:
+            return

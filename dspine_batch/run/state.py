@@ -1,0 +1,102 @@
+"""A shard's run as ``status`` and ``report`` see it: its advisory state file (``ShardState``: progress, pid, starts,
+the engine's decisions, an engine death's suspects), when its first token came (``first_token_s``), and what each
+part's schema metadata says of its run (``manifest_meta``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspine_batch import IMPORTED_AT
+from dspine_batch.engines.base import Engine
+from dspine_batch.log import log
+from dspine_batch.outdir.done import DoneSet
+from dspine_batch.outdir.output import OutDir, Output
+from dspine_batch.run import deaths
+from dspine_batch.run.shard import attempt_from_env
+from dspine_batch.run.sink import SinkStats
+
+
+@dataclass
+class ShardState:
+    """The advisory ``_dspine/state-<shard>.json`` that ``status`` reads (the truth is in the parts)."""
+
+    outdir: str
+    tag: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    before: DoneSet | None = None
+    decisions: Callable[[], dict[str, Any] | None] | None = None  # the engine's record (``decisions.DecisionLog``)
+    out: Output | None = None  # where the state file lives (None: the local directory ``outdir``)
+
+    def _out(self) -> Output:
+        return self.out if self.out is not None else OutDir(self.outdir)
+
+    def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
+        prev = self._out().read_state(self.tag)
+        attempt = attempt_from_env()
+        self.before = done
+        self.fields = {"shard": f"{shard[0]}/{shard[1]}", "fingerprint": fingerprint, "state": "running",
+                       "pid": os.getpid(), "attempt": attempt, "starts": int(prev.get("starts", 0)) + 1,
+                       "started_at": time.time(), "elapsed_before_s": float(prev.get("elapsed_s", 0.0)),
+                       "rows_before": done.rows, "error_rows_before": done.error_rows}
+        if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
+            self.fields["decisions"] = prev["decisions"]
+        if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)
+            self.fields[deaths.STATE_KEY] = prev[deaths.STATE_KEY]
+        if os.environ.get("SLURM_JOB_ID"):  # batch logs are appended across requeues: say which start this is
+            job = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job = f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if job else os.environ["SLURM_JOB_ID"]
+            self.fields["slurm_job"] = job
+            log(f"shard {shard[0]}/{shard[1]}: Slurm job {job}, restart {attempt}, start {self.fields['starts']} "
+                "of this shard")
+        self.save(SinkStats())
+
+    def save(self, committed: SinkStats, state: str | None = None, **extra: Any) -> None:
+        f, before = self.fields, self.before
+        assert before is not None
+        f.update(rows_done=before.rows + committed.rows, error_rows=before.error_rows + committed.error_rows,
+                 parts=committed.parts, last_commit_at=committed.last_commit,
+                 completion_tokens_this_run=committed.completion_tokens,
+                 elapsed_s=f["elapsed_before_s"] + time.time() - f["started_at"], **extra)
+        if state:
+            f["state"] = state
+        record = self.decisions() if self.decisions else None
+        if record is not None:
+            f["decisions"] = record
+        self._out().write_state(self.tag, f)
+
+
+START_SLACK_S = 1.0  # Python's own start-up before ``dspine_batch`` is imported: tens of milliseconds, rarely more
+
+
+def since_start() -> float:
+    """Seconds since this process started: the kernel's record on Linux (so Python's own start-up counts) when it
+    is within ``START_SLACK_S`` of this package's import, else the time since that import. Why the check: the
+    kernel records when the process was forked, not when it began running Python, and a shell hands its own start
+    on: ``bash -c 'setup && dspine-batch ...'`` runs setup, then execs dspine-batch in its own process (bash does
+    so with a list's last command), whose recorded start is then the shell's, minutes early."""
+    imported = time.monotonic() - IMPORTED_AT
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        kernel = float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return imported
+    return kernel if kernel - imported <= START_SLACK_S else imported
+
+
+def first_token_s(engine: Engine) -> float | None:
+    """Seconds from the command's start to the first token the engine sampled, where the engine records it
+    (``first_token_at``, a ``time.monotonic()``); None where it does not, or before any row got a token."""
+    at = getattr(engine, "first_token_at", None)
+    return None if at is None else max(0.0, since_start() - (time.monotonic() - at))
+
+
+def manifest_meta(manifest: dict) -> str:
+    """What each part's schema metadata says of its run (a one-stage job's parts)."""
+    return json.dumps({k: manifest[k] for k in ("fingerprint", "config", "versions", "num_shards")} |
+                      {"engine": manifest["fingerprint_fields"]["engine"]}, default=str)
