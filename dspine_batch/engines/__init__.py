@@ -7,5 +7,6 @@ by name (``registry.py``), what every engine does with ``--model`` / ``--draft``
 (``sglang/``: the in-process engine, server-argument mapping, process supervision, stats normalisation) and the
 deterministic scripted engine the tests use (``scripted.py``).
 
-May import: ``dspine`` (the library), ``dspine_batch.errors``, ``dspine_batch.digest``. Never the run or what it reads and writes.
+May import: ``dspine`` (the library), ``dspine_batch.errors``, ``dspine_batch.digest``. Never the run or what it
+reads and writes. ``decisions.py`` keeps what an engine decided about its proposal sources with the run.
 """
