@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import xgrammar
-from helpers import JoiningScriptedDraft, random_mistakes, token_prompts
+from helpers import JoiningScriptedDraft, joint3_counts, random_mistakes, token_prompts
 from test_generate import CHEAP, WIDE, _chi2_pvalue, _random_dspine
 
 from dspine import generate
@@ -224,24 +224,12 @@ def test_sampled_joint_of_three_tokens_under_a_grammar_matches_the_exact_law(sma
                     max_new_tokens=3, temperature=[1.0] * n + [0.0] * k, seed=list(range(n + k)), verify="cost",
                     cost=WIDE, prices="static", proposers="auto", batch_size=13, grammar=grammar, stop_token_ids=[15],
                     presence_penalty=pen[0], frequency_penalty=pen[1], repetition_penalty=pen[2])
-    V = small_vocab_target.vocab_size
-    counts = torch.zeros(V**3, dtype=torch.long)
-    for o in outs[:n]:
-        a, b, c = o.token_ids
-        counts[(a * V + b) * V + c] += 1
+    counts = joint3_counts(outs[:n], small_vocab_target.vocab_size)
     support = exact > 0  # the grammar leaves few sequences: nothing may fall outside them
     assert int(counts[~support].sum()) == 0
     assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
     assert sum(o.stats.forced_accepted for o in outs[:n]) > n // 4  # the forced 'b' was proposed and kept
     assert all(o.token_ids[1] == 1 for o in outs)  # and the grammar holds on every row
-
-
-def _joint3_counts(outs, V: int) -> torch.Tensor:
-    counts = torch.zeros(V**3, dtype=torch.long)
-    for o in outs:
-        a, b, c = o.token_ids
-        counts[(a * V + b) * V + c] += 1
-    return counts
 
 
 def _drafted_under_grammar(target, grammar, prompt, pen, n: int):
@@ -268,7 +256,7 @@ def test_sampled_rows_verifying_the_drafts_q_under_a_grammar_match_the_exact_law
     exact = _exact_joint3(small_vocab_target, prompt, grammar, *pen)
     n = 12000
     outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, pen, n)
-    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    counts = joint3_counts(outs, small_vocab_target.vocab_size)
     support = exact > 0
     assert int(counts[~support].sum()) == 0
     assert _chi2_pvalue(counts[support], exact[support]) > 1e-3
@@ -288,7 +276,7 @@ def test_the_old_grammar_cut_of_drawn_proposals_is_detected(small_vocab_target, 
     prompt = [0, 3, 1, 4, 0, 3, 2, 5, 0, 3]
     exact = _exact_joint3(small_vocab_target, prompt, grammar, 0.0, 0.0, 1.0)
     outs = _drafted_under_grammar(small_vocab_target, grammar, prompt, DRAFT_GRAMMAR_CASES[0], 12000)
-    counts = _joint3_counts(outs, small_vocab_target.vocab_size)
+    counts = joint3_counts(outs, small_vocab_target.vocab_size)
     support = exact > 0
     assert int(counts[~support].sum()) == 0  # the grammar still holds: the bias is in the law, not the support
     assert _chi2_pvalue(counts[support], exact[support]) < 1e-6
