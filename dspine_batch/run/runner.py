@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -225,32 +226,28 @@ def _input_names(files: list[InputFile]) -> list[str]:
     return []
 
 
+# ``_stages.json`` on its way in: another shard of the same array writing it at this moment (a temp name of the
+# store's, hidden or not), never a stranger's file
+_STAGES_TEMP = re.compile(r"^\.?" + re.escape(STAGES_FILE) + r"\..*\.tmp$")
+
+
 def _check_root(outdir: str, specs: list[StageSpec]) -> None:
     """A job of stages writes ``OUTDIR/<stage>/`` folders and ``OUTDIR/_stages.json``: OUTDIR must be empty or
-    hold only those (a previous start of this job, or of another job of stages: its stages then say so)."""
-    if is_url(outdir):
-        names = ObjectStore(outdir).names()
-    else:
-        names = os.listdir(outdir) if os.path.isdir(outdir) else []
+    hold only those (a previous start of this job, another shard of it starting at the same moment, or another job
+    of stages: its stages then say so)."""
+    names = ObjectStore(outdir).names()  # a local directory is one more store (``storage.local``)
     ours = {s.name for s in specs} | {STAGES_FILE, "_SUCCESS", "_report.json"}
-    foreign = sorted(n for n in names if n not in ours)
+    foreign = sorted(n for n in names if n.rstrip("/") not in ours and not _STAGES_TEMP.match(n))
     if foreign and STAGES_FILE not in names:
         raise UsageError(f"{redact(outdir)}: not empty and not a dspine-batch output (found {foreign[0]!r}); "
                          "choose a new -o directory")
 
 
 def _write_stages(outdir: str, specs: list[StageSpec]) -> None:
-    """``OUTDIR/_stages.json``: the stages in order (what `status`/`report` and readers look for)."""
+    """``OUTDIR/_stages.json``: the stages in order (what `status`/`report` and readers look for); the same on every
+    start and every shard, so a plain overwrite is safe."""
     body = json.dumps({"stages": [s.name for s in specs], "final": specs[-1].name}, indent=2)
-    if is_url(outdir):
-        ObjectStore(outdir).put(STAGES_FILE, body.encode())  # the same on every start: a plain overwrite is safe
-        return
-    os.makedirs(outdir, exist_ok=True)
-    path = os.path.join(outdir, STAGES_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
+    ObjectStore(outdir).put(STAGES_FILE, body.encode())
 
 
 def _engine_key(cfg: GenerateConfig) -> tuple[Any, ...]:

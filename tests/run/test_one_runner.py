@@ -172,3 +172,15 @@ def test_finalize_settles_a_retry_killed_inside_its_take_out(tmp_path, when):
     assert run_cli(base) == 0 and run_cli(["finalize", str(out)]) == 0
     assert sorted(r["row_id"] for r in read_output(out)) == [r["id"] for r in rows]
     assert len(list_parts(str(out))) >= 1
+
+
+@pytest.mark.parametrize("temp", ["_stages.json.31494.tmp", "._stages.json.31494.1a2b3c4d.tmp"])
+def test_another_shard_writing_stages_json_at_that_moment_is_not_a_stranger(tmp_path, temp):
+    """An array's shards start together: one may find another's ``_stages.json`` on its way in (a temp name) beside
+    the stage folders it made. That is this job, not a foreign folder (a Slurm array lost a task to it)."""
+    src = stage_docs(tmp_path, 4)
+    out = tmp_path / "out"
+    (out / "questions").mkdir(parents=True)
+    (out / temp).write_text("{}")
+    assert run_cli(["generate", "--config", staged_job(tmp_path, src, out)]) == 0
+    assert json.loads((out / "_stages.json").read_text())["stages"] == ["questions", "answers", "judge"]
