@@ -17,7 +17,7 @@ TORCH_VERSION=2.14.1
 SGLANG_VERSION=0.5.23
 # Light deps of dspine/dspine_batch (pyproject's `dependencies` minus torch) and the test tools. transformers and
 # tokenizers come pinned by sglang; we do not name them so the resolver keeps sglang's pins.
-LIGHT_DEPS=(safetensors numpy click pyarrow tqdm pytest hypothesis ninja)
+LIGHT_DEPS=(safetensors numpy click click-option-group gguf pyarrow tqdm pytest hypothesis ninja)
 
 log() { printf '[setup_sglang_venv] %s\n' "$*" >&2; }
 
@@ -68,7 +68,7 @@ else
   log "sglang==$SGLANG_VERSION already installed"
 fi
 
-if [ "$FORCE" = 1 ] || ! ours_ok || ! "$VPY" -c "import safetensors, click, pyarrow, pytest, hypothesis, ninja" 2>/dev/null; then
+if [ "$FORCE" = 1 ] || ! ours_ok || ! "$VPY" -c "import safetensors, click, click_option_group, gguf, pyarrow, pytest, hypothesis, ninja" 2>/dev/null; then
   log "installing dspine-batch (editable, --no-deps) and light deps"
   "${PIP[@]}" -q "${LIGHT_DEPS[@]}" "torch==$TORCH_VERSION" "sglang==$SGLANG_VERSION"
   "${PIP[@]}" -q --no-deps -e .
