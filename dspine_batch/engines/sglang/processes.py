@@ -76,6 +76,29 @@ def scoped_shutdown(engine: Any, owned: set[int]) -> None:
         if original is not None:
             module.kill_process_tree = original
         kill_owned(owned)  # whatever shutdown left behind, but nothing else
+        close_sockets(engine)
+
+
+def close_sockets(engine: Any) -> None:
+    """Close the engine's own ZeroMQ sockets (the engine's RPC socket, the tokenizer manager's to the scheduler and
+    from the detokenizer) with no linger, and their contexts. ``Engine.shutdown`` leaves them open; when the garbage
+    collector later finds a context in a cycle with its still-open sockets, ``Context.__del__`` calls ``term()``,
+    which waits for those sockets forever: a process that starts engines one after another (the SGLang tests) hung
+    in an unrelated allocation with only the old engine's detokenizer left."""
+    try:
+        import zmq
+    except ImportError:
+        return
+    holders = [engine, getattr(engine, "tokenizer_manager", None)]
+    contexts = []
+    for holder in holders:
+        for value in list(vars(holder).values()) if holder is not None else ():
+            if isinstance(value, zmq.Socket) and not value.closed:
+                contexts.append(value.context)
+                value.close(linger=0)
+    for ctx in contexts:
+        if not ctx.closed:
+            ctx.destroy(linger=0)
 
 
 def reclaim_signals(engine: Any, handlers: dict[int, Any], loop: Any = None) -> None:
