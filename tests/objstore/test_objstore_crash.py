@@ -37,6 +37,17 @@ def _wait(cond, what: str, limit: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+def glob_now(fs, pattern: str) -> list[str]:
+    """``fs.glob`` for a poll while a worker writes: fresh from the store, and [] when the folder vanishes between
+    s3fs's listing and its look at the folder itself (a lease or probe object deleted in between raises
+    FileNotFoundError from inside ``glob``)."""
+    fs.invalidate_cache()
+    try:
+        return fs.glob(pattern)
+    except FileNotFoundError:
+        return []
+
+
 def _assert_clean(s3, prefix: str) -> None:
     """No staging object left (orphans swept, published parts' staged copies deleted), and the published parts are
     exactly the ones with a commit record."""
@@ -137,7 +148,7 @@ def second_worker_then_takeover(tmp_path, capsys, fs, scheme: str, prefix: str, 
     url, env = f"{scheme}://{prefix}", {"DSPINE_BATCH_LEASE_SECONDS": lease_s}
     holder = spawn([*args, "-o", url], **env)
     try:
-        _wait(lambda: bool(fs.glob(f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
+        _wait(lambda: bool(glob_now(fs, f"{prefix}/_dspine/keys/commit-*.json")), "the first worker committed a part")
         capsys.readouterr()
         assert run_cli([*args, "-o", url], env) == 75
         err = capsys.readouterr().err.strip().splitlines()

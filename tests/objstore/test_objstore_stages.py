@@ -21,7 +21,7 @@ from helpers import (
     stage_docs,
     staged_job,
 )
-from test_objstore_crash import _wait
+from test_objstore_crash import _wait, glob_now
 from test_objstore_generate import read_s3_output
 
 STAGES = ("questions", "answers", "judge")
@@ -72,7 +72,7 @@ def test_kill9_during_a_staged_s3_job_resumes_each_stage_exactly_once(tmp_path, 
     kills = 0
     for _ in range(12):
         p = spawn(["generate", "--config", job], **s3env)
-        _wait(lambda p=p: s3.glob(f"{prefix}/*/*.parquet") or p.poll() is not None, "a first committed part")
+        _wait(lambda p=p: glob_now(s3, f"{prefix}/*/*.parquet") or p.poll() is not None, "a first committed part")
         time.sleep(rng.uniform(0.0, 1.5))
         if p.poll() is None:
             p.kill()
