@@ -769,7 +769,7 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     import sglang
 
     from dspine.sglang import plugin
-    from dspine_batch.engines.sglang.engine import scoped_shutdown
+    from dspine_batch.engines.sglang.processes import scoped_shutdown, zmq_contexts
 
     plugin.register()
     kw = {**engine_kwargs(), "model_path": model, **kwargs}
@@ -780,6 +780,7 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     before = _child_pids()
+    contexts = zmq_contexts()
     try:
         engine = sglang.Engine(**kw)
     finally:
@@ -791,7 +792,7 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     try:
         return workload(engine)
     finally:
-        scoped_shutdown(engine, _child_pids() - before)
+        scoped_shutdown(engine, _child_pids() - before, contexts)
 
 
 def cache_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor, window: int = 0

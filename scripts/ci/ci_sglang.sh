@@ -22,20 +22,29 @@ t0=$(date +%s)
 bash scripts/setup_sglang_venv.sh
 echo "[ci_sglang] venv ready in $(( $(date +%s) - t0 ))s at $DSPINE_SGLANG_VENV ($(du -sh "$DSPINE_SGLANG_VENV" 2>/dev/null | cut -f1))"
 unset SGLANG_PLUGINS  # the tests set it where they need it
-PYTEST=("$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning)
+# A hang must end as a failure with every thread's stack, not as CI's own time-out: faulthandler prints the stacks
+# of a test (its fixtures included) still running after 10 min, and each pass has a hard limit (about 2.5x what it
+# takes on a quiet 2-core machine; DSPINE_SGLANG_PASS_LIMIT scales both, in seconds for the first).
+limit=${DSPINE_SGLANG_PASS_LIMIT:-1800}
+PYTEST=("$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider -W ignore::DeprecationWarning
+        -o faulthandler_timeout=600)
 set +e
-"${PYTEST[@]}" "$@" \
+timeout -k 30 "$limit" "${PYTEST[@]}" "$@" \
   tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py \
   tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py
 rc=$?
 if [ "$rc" = 0 ]; then
   echo "[ci_sglang] the request contract again: plain scheduler loop, eager selector"
-  DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0 "${PYTEST[@]}" "$@" tests/sglang_plugin/test_sglang_requests.py \
+  DSPINE_SGLANG_OVERLAP=0 DSPINE_SGLANG_GRAPH_TWIN=0 timeout -k 30 $(( limit / 2 )) "${PYTEST[@]}" "$@" tests/sglang_plugin/test_sglang_requests.py \
     tests/sglang_plugin/test_sglang_e2e.py -k "test_sglang_requests or (not hybrid and (greedy_dspine or \
 custom_logit or suffix_proposals_keep or no_round_reads or retraction or branch_a_gpu))"
   rc=$?
 fi
 set -e
+if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  echo "[ci_sglang] a pass ran past its limit (DSPINE_SGLANG_PASS_LIMIT=$limit s): a hang; the stacks are above" >&2
+  exit 1
+fi
 if [ "$rc" = 5 ]; then
   echo "[ci_sglang] no sglang tests ran" >&2
   exit 1

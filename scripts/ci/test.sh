@@ -31,7 +31,10 @@ run() {
 # the az:// tests fail (not skip) without Azurite here: scripts/setup.sh installed it (scripts/ci/install_azurite.sh)
 export DSPINE_REQUIRE_AZURITE=${DSPINE_REQUIRE_AZURITE:-1}
 # pytest exits 5 when it collects nothing: that is a failure for the default suite too
-run "$PY" -m pytest -q -m "not slow and not sglang and not slurm" -p no:cacheprovider
+# a hang ends as a failure with the stacks (faulthandler after 5 min in one test; the whole suite after 45 min,
+# about twice what it takes on a quiet 2-core machine), not as CI's own time-out with nothing to read
+run timeout -k 30 "${DSPINE_SUITE_LIMIT:-2700}" "$PY" -m pytest -q -m "not slow and not sglang and not slurm" \
+  -p no:cacheprovider -o faulthandler_timeout=300
 [[ $skip == *" sglang "* ]] || run bash scripts/ci/ci_sglang.sh -q
 [[ $skip == *" slurm "* ]] || { [ -f scripts/ci/ci_slurm.sh ] && run bash scripts/ci/ci_slurm.sh; }
 exit $fail

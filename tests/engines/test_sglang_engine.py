@@ -407,6 +407,39 @@ def test_close_kills_only_the_engines_processes():
         bystander.wait()
 
 
+def test_close_destroys_the_zeromq_contexts_made_since_the_engine_started(qwen3_dir, qwen3_target, tmp_path):
+    """SGLang makes its ZeroMQ contexts as locals and keeps some sockets in helper objects. A context left with an
+    open socket holding an unsent message hung the whole process in ``term()`` when the garbage collector met it
+    later (the SGLang test leg, the second engine on). ``close`` destroys, with no linger, every context made since
+    the engine started, and leaves older ones alone."""
+    zmq = pytest.importorskip("zmq")
+    from dspine.draft.io import init_draft
+
+    init_draft(qwen3_target, num_layers=2, block_size=8, transfer_rank=8, message_size=16, top_k=4,
+               intermediate_size=64).save(tmp_path / "draft")
+    older = zmq.Context()
+    made = {}
+
+    def factory(**kw):
+        engine = FakeEngine()
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect("tcp://127.0.0.1:9")  # no peer: the message stays queued
+        push.send(b"pending", zmq.NOBLOCK)
+        engine.helper = {"socket": push}  # where close_sockets does not look
+        made.update(ctx=ctx, push=push)
+        return engine
+
+    try:
+        eng = se.SGLangEngine.load(qwen3_dir, str(tmp_path / "draft"), {}, engine_factory=factory,
+                                   tokenizer=FakeTokenizer(), server_parser=_mini_parser())
+        eng.close()
+        assert made["ctx"].closed and made["push"].closed
+        assert not older.closed
+    finally:
+        older.destroy(linger=0)
+
+
 @pytest.fixture
 def tiny_pair(qwen3_dir, qwen3_target, tmp_path):
     from dspine.draft.io import init_draft

@@ -52,6 +52,7 @@ from dspine_batch.engines.sglang.processes import (  # noqa: F401  (re-exported)
     on_sigquit,
     reclaim_signals,
     scoped_shutdown,
+    zmq_contexts,
 )
 from dspine_batch.engines.stop_strings import cut_at_stop
 from dspine_batch.errors import UsageError
@@ -106,6 +107,7 @@ class SGLangEngine:
         self._meta_log = meta_log
         self._loop = loop or getattr(engine, "loop", None) or asyncio.new_event_loop()
         self._old_sigquit = None
+        self._contexts_before = None
         self.proposers = proposers  # DSPINE's proposal sources (None: no DSPINE speculation)
         self.tally = SourceTally()
         self._said_seeds = False
@@ -168,6 +170,7 @@ class SGLangEngine:
         old = signal.getsignal(signal.SIGQUIT) if main else None
         ours = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGQUIT: on_sigquit} if main else {}
         before = _child_pids()
+        contexts_before = zmq_contexts()
         from dspine.sglang.sampling import engine_env
 
         env = engine_env()  # the request contract's semantics in SGLang's processes (dspine.sglang.sampling)
@@ -195,6 +198,7 @@ class SGLangEngine:
                    _child_pids() - before, opts["poll_seconds"], meta_log=opts["meta_log"], proposers=proposers,
                    watch_pids=_child_pids(recursive=False) - before)  # scheduler(s), detokenizer
         self._old_sigquit = old
+        self._contexts_before = contexts_before  # close() destroys the ZeroMQ contexts SGLang made since
         reclaim_signals(engine, ours, self._loop)
         return self
 
@@ -263,7 +267,7 @@ class SGLangEngine:
         if engine is None:
             return
         try:
-            scoped_shutdown(engine, self._owned)
+            scoped_shutdown(engine, self._owned, self._contexts_before)
         finally:
             if self._old_sigquit is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGQUIT, self._old_sigquit)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -55,9 +56,11 @@ def kill_owned(pids: Iterable[int], timeout: float = 60.0) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def scoped_shutdown(engine: Any, owned: set[int]) -> None:
+def scoped_shutdown(engine: Any, owned: set[int], contexts_before: Any = None) -> None:
     """``engine.shutdown()`` with its ``kill_process_tree(os.getpid(), ...)`` limited to the engine's own
-    processes (those that appeared while it started), so other children of this process survive."""
+    processes (those that appeared while it started), so other children of this process survive; then the
+    engine's ZeroMQ sockets and contexts closed with no linger (``close_sockets``; with ``contexts_before``, what
+    ``zmq_contexts()`` returned before the engine started, every context made since too: ``close_contexts``)."""
     module = sys.modules.get(type(engine).__module__)
     original = getattr(module, "kill_process_tree", None)
     me = os.getpid()
@@ -77,6 +80,8 @@ def scoped_shutdown(engine: Any, owned: set[int]) -> None:
             module.kill_process_tree = original
         kill_owned(owned)  # whatever shutdown left behind, but nothing else
         close_sockets(engine)
+        if contexts_before is not None:
+            close_contexts(contexts_before)
 
 
 def close_sockets(engine: Any) -> None:
@@ -98,6 +103,35 @@ def close_sockets(engine: Any) -> None:
                 value.close(linger=0)
     for ctx in contexts:
         if not ctx.closed:
+            ctx.destroy(linger=0)
+
+
+def zmq_contexts() -> Any:
+    """The ZeroMQ contexts alive in this process now (a weak set; the garbage collector's list), taken before an
+    engine starts so that ``close_contexts`` can tell the engine's from the others."""
+    import weakref
+
+    try:
+        import zmq
+    except ImportError:
+        return weakref.WeakSet()
+    return weakref.WeakSet(o for o in gc.get_objects() if isinstance(o, zmq.Context))
+
+
+def close_contexts(before: Any) -> None:
+    """Destroy, with no linger, every ZeroMQ context alive now that was not in ``before``: those SGLang made while
+    the engine ran. ``close_sockets`` reaches the sockets the engine and its tokenizer manager hold by name; SGLang
+    also keeps some in helper objects (a load-snapshot reader, communicators) and makes its contexts as locals, so
+    a context in a cycle with an open socket still met the garbage collector later and hung the process in
+    ``term()`` (the SGLang test leg, two engines on). Only this process's engine makes contexts between its start
+    and its close in dspine-batch; a library user sharing the process with other ZeroMQ users passes no
+    ``contexts_before``."""
+    try:
+        import zmq
+    except ImportError:
+        return
+    for ctx in [o for o in gc.get_objects() if isinstance(o, zmq.Context)]:
+        if ctx not in before and not ctx.closed:
             ctx.destroy(linger=0)
 
 
