@@ -174,6 +174,7 @@ Examples:
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
+  dspine-batch generate big.parquet -o out/nightly --metrics-push http://pushgateway:9091 --price-per-hour 2.49
 
 \b
 Rows: the prompt column (default `prompt`; `messages` when there is no `prompt`) is rendered with the
@@ -320,6 +321,19 @@ def cli() -> None:
 @grouped("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @grouped("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
+@section("Watching and cost")
+@grouped("--metrics-push", metavar="URL",
+         help="Push the job's Prometheus metrics to this Pushgateway every --metrics-interval seconds and at the end "
+              "(grouped by --job-name and shard); a push that fails is one warning, never the job's end. E.g. "
+              "--metrics-push http://pushgateway:9091.")
+@grouped("--metrics-textfile", metavar="FILE",
+         help="Write the same metrics to FILE (written whole) for node_exporter's textfile collector, e.g. "
+              "/var/lib/node_exporter/textfile/nightly.prom.")
+@grouped("--metrics-interval", type=FiniteFloatRange(min=0, min_open=True), help="Seconds between pushes/writes.")
+@grouped("--job-name", help="The metrics' job label.  [default: OUTDIR's name]")
+@grouped("--price-per-hour", type=FiniteFloatRange(min=0),
+         help="A machine-hour's price (one shard = one machine): the log's last line, report, status and the "
+              "metrics then say the cost and the cost per million generated tokens. E.g. --price-per-hour 2.49.")
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],

@@ -18,10 +18,14 @@ import numpy as np
 import pyarrow as pa
 
 from dspine_batch.engines.base import Result
+from dspine_batch.ops.funnel import drop_reason
 from dspine_batch.outdir.layout import part_name
 from dspine_batch.outdir.output import open_output
 from dspine_batch.outdir.schema import BASE_NAMES, SOURCE_STATS
 from dspine_batch.requests.mapping import WorkItem
+
+TALLIES = ("rows", "outputs", "error_rows", "filtered", "duplicates", "prompt_tokens", "completion_tokens",
+           "verify_steps", "spec_tokens")
 
 
 @dataclass
@@ -32,26 +36,44 @@ class SinkStats:
     rows: int = 0  # input rows
     outputs: int = 0  # output rows (rows x samples)
     error_rows: int = 0
+    filtered: int = 0  # ok rows a stage's ``where`` did not keep
+    duplicates: int = 0  # ok rows a stage's ``dedup`` did not keep
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
     spec_tokens: float = 0.0  # tokens committed by verify rounds (accept_length x verify_steps): running tau
+    by_source: dict[str, int] = field(default_factory=dict)  # the parts' per-source columns (``SOURCE_STATS``)
     parts: int = 0
     last_commit: float = field(default_factory=time.time)
+    commit_s: float = 0.0  # how long the last commit took (the metrics' commit latency)
 
-    def add_row(self, results: list[Result]) -> None:
+    def add_row(self, results: list[Result], dropped: str | None = None) -> None:
+        """One finished row; ``dropped``: why a stage's rules did not keep it (``funnel.drop_reason``)."""
         self.rows += 1
         self.outputs += len(results)
         self.error_rows += any(r.error is not None for r in results)
+        self.filtered += dropped in ("where false", "no field", "cut by length")
+        self.duplicates += dropped == "duplicate"
         for r in results:
             if r.error is None:
+                self.prompt_tokens += r.prompt_tokens or 0
                 self.completion_tokens += r.completion_tokens
                 if r.verify_steps:
                     self.verify_steps += r.verify_steps
                     self.spec_tokens += (r.accept_length or 0.0) * r.verify_steps
+                    for name in SOURCE_STATS:
+                        if v := getattr(r, name, None):
+                            self.by_source[name] = self.by_source.get(name, 0) + v
 
     def absorb(self, other: SinkStats) -> None:
-        for name in ("rows", "outputs", "error_rows", "completion_tokens", "verify_steps", "spec_tokens"):
+        for name in TALLIES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, v in other.by_source.items():
+            self.by_source[name] = self.by_source.get(name, 0) + v
+
+    def totals(self) -> dict[str, Any]:
+        """The tallies as the state file keeps them (``ShardState``: carried across starts)."""
+        return {**{name: getattr(self, name) for name in TALLIES}, "by_source": dict(self.by_source)}
 
     @property
     def tau(self) -> float | None:
@@ -89,7 +111,17 @@ class PartSink:
         self.items.append(item)
         self.results.extend(results)
         self.owners.extend([item] * len(results))
-        self.pending.add_row(results)
+        self.pending.add_row(results, self._dropped(item, results))
+
+    def _dropped(self, item: WorkItem, results: list[Result]) -> str | None:
+        """Why a stage's rules did not keep this row (None: kept, or a job without rules)."""
+        if item.keep is None or "dropped_by" not in self.keep_names:
+            return None
+        v = dict(zip(self.keep_names, item.keep, strict=True))
+        if v.get("kept"):
+            return None
+        status = "error" if item.error or any(r.error for r in results) else "ok"
+        return drop_reason(v.get("dropped_by"), status, results[0].finish_reason if results else None, None)
 
     @property
     def taken(self) -> SinkStats:
@@ -153,7 +185,9 @@ class PartSink:
         table = table.replace_schema_metadata(meta)
         name = part_name(self.shard_tag, self.seq)
         keys = np.fromiter((item.row_hash for item in self.items), dtype=np.uint64, count=len(self.items))
+        t0 = time.monotonic()
         self.commit_part(name, table, keys, self.pending.rows)
+        self.stats.commit_s = time.monotonic() - t0
         self.stats.absorb(self.pending)
         self.stats.parts += 1
         self.stats.last_commit = time.time()

@@ -6,6 +6,7 @@ the next stage's rows at once, so a child never exists without its committed par
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -115,6 +116,18 @@ class Run:
 
 
 
+def run_facts(cfg: GenerateConfig) -> dict[str, Any]:
+    """What the state file records of this start for its cost (``ops.cost``): the price of a machine-hour, and the
+    GPUs the process sees (only where torch is loaded already: a CPU job never imports CUDA for this)."""
+    facts: dict[str, Any] = {}
+    if cfg.price_per_hour is not None:
+        facts["price_per_hour"] = cfg.price_per_hour
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        facts["gpus"] = torch.cuda.device_count()
+    return facts
+
+
 def stage_log(st: Stage) -> Callable[[str], None]:
     return (lambda m: log(f"stage {st.name}: {m}")) if st.lineage else log
 
@@ -190,7 +203,7 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     kind = FirstStageMapper if st.lineage and parent is None else RowMapper
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
     st.state = ShardState(job.outdir, job.tag, out=job.output)
-    st.state.start(job.shard, st.fingerprint, done)
+    st.state.start(job.shard, st.fingerprint, done, run_facts(cfg))
     sink = StageSink(job.outdir, schema, job.tag, done.next_seq, cfg.num_samples,
                       cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
                       st.state.save, commit=job.output.commit_part)
