@@ -37,6 +37,7 @@ from dspine_batch.run.stage import Run, Stage
 PREFIX = "dspine_batch_"
 SUCCESS = PREFIX + "last_success_timestamp_seconds"
 SOURCES = ("dspine", "suffix", "forced")  # the parts' per-source columns (``schema.SOURCE_STATS``)
+DRAFT_STATES = ("running", "retired", "not_run", "unknown")
 
 
 def job_name(cfg_name: str | None, outdir: str) -> str:
@@ -126,8 +127,14 @@ def families(s: Snapshot) -> Iterator[Metric]:
         commit.add_metric([name], float(f.get("commit_s") or 0.0))
     yield from (rows, tokens, tps, tau, src_tau, src_acc, src_steps, commit)
     first = s.stages[0][1] if s.stages else {}
-    yield _one("rows_expected", "The shard's input rows (estimated while a JSON Lines input is read)", s.expected)
-    yield _one("eta_seconds", "Time left for the shard's first stage at this run's rate", s.eta_s)
+    expected = _gauge("rows_expected", "The shard's input rows (estimated while a JSON Lines input is read), by its "
+                      "first stage", ("stage",))
+    eta = _gauge("eta_seconds", "Time left for the shard's first stage at this run's rate", ("stage",))
+    if s.stages and s.expected is not None:
+        expected.add_metric([s.stages[0][0]], s.expected)
+    if s.stages and s.eta_s is not None:
+        eta.add_metric([s.stages[0][0]], s.eta_s)
+    yield from (expected, eta)
     yield _one("engine_deaths", "Engine deaths of the shard, all starts", first.get("engine_deaths", 0))
     yield _one("watchdog_firings", "Watchdog (--stall-seconds) firings of the shard, all starts",
                first.get("watchdog_firings", 0))
@@ -136,12 +143,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield _one("start_timestamp_seconds", "When this start of the shard began", first.get("started_at"))
     yield _one("running", "1 while the shard runs, 0 once it ended", int(s.running))
     yield _one("exit_code", "The shard's exit code (once it ended)", s.exit_code)
-    draft = _gauge("draft_state", "The DSpine draft: 1 for its state (running, retired, not_run)", ("state",))
+    draft = _gauge("draft_state", "The DSpine draft: 1 for its state (running, retired, not_run, unknown)", ("state",))
     rec = (first.get("decisions") or {}).get("dspine")
-    if rec is not None:
-        state = "retired" if rec.get("stopped") else "running" if rec.get("ran") or rec.get("rounds") else "not_run"
-        for name in ("running", "retired", "not_run"):
-            draft.add_metric([name], int(name == state))
+    state = "unknown" if rec is None else "retired" if rec.get("stopped") else \
+        "running" if rec.get("ran") or rec.get("rounds") else "not_run"  # unknown: the engine does not say
+    for name in DRAFT_STATES:
+        draft.add_metric([name], int(name == state))
     yield draft
     cost = job_cost([first]) if first else None
     if cost is not None:

@@ -33,8 +33,10 @@ from typing import Any
 from dspine_batch.config import GenerateConfig
 from dspine_batch.errors import (
     EXIT_ERROR_BUDGET,
+    EXIT_FATAL,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    BatchError,
     Interrupted,
     UsageError,
 )
@@ -130,6 +132,12 @@ def run_job(cfg: GenerateConfig, raw_stages: Any = None) -> int:
     try:
         rc = _run_stages(run, staged, specs, outdir)
         return rc
+    except BatchError as e:
+        rc = e.exit_code  # the metrics say how it ended (the CLI prints the line)
+        raise
+    except Exception:
+        rc = EXIT_FATAL
+        raise
     finally:
         if exporter is not None:
             exporter.close(rc)
