@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
 from dspine_batch.ops.funnel import drop_reason
 from dspine_batch.outdir.layout import part_name
-from dspine_batch.outdir.output import open_output
+from dspine_batch.outdir.output import arrow_path, open_output
 from dspine_batch.outdir.schema import BASE_NAMES, SOURCE_STATS
 from dspine_batch.requests.mapping import WorkItem
 
@@ -79,6 +80,43 @@ class SinkStats:
     def tau(self) -> float | None:
         """Mean tokens committed per verify round; None without speculation."""
         return self.spec_tokens / self.verify_steps if self.verify_steps else None
+
+
+def committed_tallies(paths: list[str]) -> SinkStats:
+    """The tallies of committed parts, read from their columns: what a start carries when its state file lags its
+    parts (killed between a commit and the state's save that follows it, or a --retry-errors that took rows out),
+    so its totals are the parts' and never count a row twice or miss one."""
+    total = SinkStats()
+    wanted = ["row_id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
+              "accept_length", "kept", "dropped_by", *SOURCE_STATS]
+    for path in paths:
+        src = arrow_path(path)
+        have = set(pq.read_schema(src["source"], filesystem=src.get("filesystem")).names)
+        t = pq.read_table(**src, columns=[c for c in wanted if c in have]).to_pydict()
+        seen: dict[str, bool] = {}  # row -> errored (a row's samples are in one part)
+        for i, rid in enumerate(t["row_id"]):
+            ok = t["status"][i] == "ok"
+            if rid not in seen:
+                seen[rid] = False
+                if "kept" in t and not t["kept"][i]:
+                    why = drop_reason(t["dropped_by"][i], t["status"][i], t["finish_reason"][i], None)
+                    total.filtered += why in ("where false", "no field", "cut by length")
+                    total.duplicates += why == "duplicate"
+            seen[rid] = seen[rid] or not ok
+            total.outputs += 1
+            if not ok:
+                continue
+            total.prompt_tokens += t["prompt_tokens"][i] or 0
+            total.completion_tokens += t["completion_tokens"][i] or 0
+            if steps := t["verify_steps"][i]:
+                total.verify_steps += steps
+                total.spec_tokens += (t["accept_length"][i] or 0.0) * steps
+                for name in SOURCE_STATS:
+                    if name in t and t[name][i]:
+                        total.by_source[name] = total.by_source.get(name, 0) + t[name][i]
+        total.rows += len(seen)
+        total.error_rows += sum(seen.values())
+    return total
 
 
 class PartSink:

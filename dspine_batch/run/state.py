@@ -16,10 +16,10 @@ from dspine_batch import IMPORTED_AT
 from dspine_batch.engines.base import Engine
 from dspine_batch.log import log
 from dspine_batch.outdir.done import DoneSet
-from dspine_batch.outdir.output import OutDir, Output
+from dspine_batch.outdir.output import OutDir, Output, committed_parts
 from dspine_batch.run import deaths
 from dspine_batch.run.shard import attempt_from_env
-from dspine_batch.run.sink import TALLIES, SinkStats
+from dspine_batch.run.sink import TALLIES, SinkStats, committed_tallies
 
 # counts a shard keeps across its starts (each start adds its own): engine deaths, watchdog firings
 CARRIED_COUNTS = ("engine_deaths", "watchdog_firings")
@@ -55,7 +55,11 @@ class ShardState:
         # the tallies of the starts before (tokens, filtered rows, by source: what the done-set does not count), at
         # their last commit: this start's are added to them, so a resumed job's totals are the job's
         kept = (*TALLIES, "by_source")
-        self.carried = SinkStats(**{k: v for k, v in (prev.get("totals") or {}).items() if k in kept})
+        if prev.get("totals") is not None and prev.get("rows_done") == done.rows:
+            self.carried = SinkStats(**{k: v for k, v in prev["totals"].items() if k in kept})
+        else:  # the state lags the parts (or says nothing of them): the parts' own figures
+            self.carried = committed_tallies([p.path for p in committed_parts(self.outdir) if p.shard == self.tag]) \
+                if done.rows else SinkStats()
         self._cpu0 = time.process_time()
         self.fields.update(facts or {})
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
