@@ -212,6 +212,7 @@ def cli() -> None:
     dspine-batch export OUTDIR -o FILE         OpenAI batch results file (JSONL)
     dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
     dspine-batch slurm JOB.toml --submit       Slurm array job + finalize (docs/slurm.md)
+    dspine-batch estimate INPUT... [options]   tokens, time and cost of a job, from a sample of its rows
     """
 
 
@@ -345,17 +346,55 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     resumes there. Every option is also an environment variable, DSPINE_BATCH_<OPTION> (--max-new-tokens:
     DSPINE_BATCH_MAX_NEW_TOKENS), and a key of a --config job file (max-new-tokens = 512); a flag wins over the
     variable, the variable over the job file. The options most jobs need come first in each section."""
-    from dspine_batch.run.preflight import default_output
     from dspine_batch.run.runner import run_job
+
+    cfg = generate_config(ctx, inputs, output_dir, engine_arg, keep_columns, stop, logit_bias, choice, **kw)
+    return run_job(cfg, ctx.meta.get("stages"))
+
+
+def generate_config(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
+                    engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
+                    logit_bias: tuple[tuple[str, str], ...], choice: tuple[str, ...], **kw: Any) -> GenerateConfig:
+    """generate's options as its settings (``estimate`` takes the same)."""
+    from dspine_batch.run.preflight import default_output
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:
         raise click.UsageError("no INPUT given (pass files, or `inputs` in --config)")
     keep = [c.strip() for k in keep_columns for c in k.split(",") if c.strip()]
-    cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
-                         engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
-                         logit_bias=dict(logit_bias), choice=list(choice), **kw)
-    return run_job(cfg, ctx.meta.get("stages"))
+    return GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
+                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
+                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
+
+
+ESTIMATE_EXAMPLES = """
+\b
+Examples:
+  dspine-batch estimate prompts.parquet --max-new-tokens 512           # this machine, 1 shard
+  dspine-batch estimate big.jsonl --shards 8 --price-per-hour 2.49 --json
+  dspine-batch estimate --config jobs/nightly-synth.toml --sample-rows 200
+"""
+
+
+@cli.command(epilog=ESTIMATE_EXAMPLES, context_settings={"show_default": True})
+@click.option("--sample-rows", type=click.IntRange(min=1),
+              help="Rows to run (spread over the input).  [default: 1% of the input, at least 64]")
+@click.option("--shards", type=click.IntRange(min=1), default=1, help="Also the figures for this many shards.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def estimate(ctx: click.Context, sample_rows: int | None, shards: int, as_json: bool, **kw: Any) -> None:
+    """What a generate job will take — generated tokens, time, machine-hours and cost (--price-per-hour), with 95%
+    intervals, on this machine and for --shards shards — from a small sample of its own rows run for real with
+    the job's settings into a scratch folder (removed after; OUTDIR is never touched). Takes INPUT... and every
+    generate option. docs/monitoring.md."""
+    from dspine_batch.run.estimate import estimate_job, format_estimate
+
+    cfg = generate_config(ctx, **kw)
+    result = estimate_job(cfg, ctx.meta.get("stages"), sample_rows, shards)
+    click.echo(json.dumps(result, indent=2) if as_json else format_estimate(result))
+
+
+estimate.params += [p for p in generate.params if p.name not in {q.name for q in estimate.params}]  # generate's
 
 
 PREPARE_EXAMPLES = """
