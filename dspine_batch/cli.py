@@ -567,7 +567,12 @@ def export(outdir: str, fmt: str, output: str) -> None:
               envvar=ENV + "ON_DAMAGED_PART", show_envvar=True,
               help="A part that is missing, truncated, unreadable or fails its checksum: move it aside (its rows "
                    "are then reported missing: run generate again), or stop (exit 1) and leave it.")
-def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str) -> int:
+@env_option("--metrics-push", metavar="URL", help="As for generate: on success, push the job's "
+            "dspine_batch_last_success_timestamp_seconds (shard \"finalize\") to this Pushgateway.")
+@env_option("--metrics-textfile", metavar="FILE", help="As for generate: the same, to a textfile.")
+@env_option("--job-name", help="As for generate.  [default: OUTDIR's name]")
+def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str, metrics_push: str | None,
+             metrics_textfile: str | None, job_name: str | None) -> int:
     """Check that every input row x sample is in OUTDIR exactly once, then write _SUCCESS.
 
     Run it after all shards finished. Every part is first checked against its commit record (size, crc32,
@@ -584,8 +589,15 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str)
     if stages:  # a job of several stages: each audited in order
         from dspine_batch.stages.finalize import finalize_stages
 
-        return finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
-    return run_finalize(outdir, compact, target_rows, on_damaged_part)
+        rc = finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
+    else:
+        rc = run_finalize(outdir, compact, target_rows, on_damaged_part)
+    if rc == 0:
+        from dspine_batch.log import log
+        from dspine_batch.run.metrics import finalized
+
+        finalized(outdir, metrics_push, metrics_textfile, job_name, log)
+    return rc
 
 
 SLURM_EXAMPLES = """

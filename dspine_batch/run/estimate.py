@@ -3,8 +3,10 @@ from a small sample of its own rows, run for real (its settings, its engine, thi
 
 The sample is the rows whose id hash is 0 modulo K (the way ``--shard 0/K`` picks a shard's rows: spread evenly
 over the input, whatever its order), K chosen for ``--sample-rows`` rows (default: 1 % of the input, at least 64).
-From it: the mean and spread of the tokens a row generates (and reads), the engine's seconds per generated token
-once loaded, and the start-up (inputs checked, model loaded) that every shard pays once. The whole job's tokens are
+From it: the mean and spread of the tokens a row generates (and reads), the rate at which the engine generates once
+warm (generated tokens over the time between the sample's first and last commits: it commits in ~``PARTS`` parts),
+and the start-up every shard pays once (Python, the checks, the model's load and warm-up: what the first part took
+beyond that rate). The whole job's tokens are
 the mean times its rows, with a 95 % interval from the sample's spread (normal approximation, finite-population
 corrected); its time is those tokens at the sample's rate, the interval widened by ``RATE_MARGIN`` for the rate
 itself (a sample's batches are as full as a job's only when it has enough rows; BENCHMARKS.md measures how well the
@@ -15,6 +17,7 @@ The scratch folder is removed at the end; the job's own OUTDIR is never created 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -25,6 +28,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from dspine_batch.config import GenerateConfig
 from dspine_batch.errors import EXIT_OK, UsageError
@@ -32,12 +36,14 @@ from dspine_batch.inputs.sources import resolve_inputs
 from dspine_batch.inputs.totals import count_rows
 from dspine_batch.log import log
 from dspine_batch.ops.cost import job_cost
-from dspine_batch.outdir.output import committed_parts, shard_states
+from dspine_batch.outdir.output import arrow_path, committed_parts
 from dspine_batch.run.progress import format_seconds
 from dspine_batch.run.runner import run_job
+from dspine_batch.run.state import since_start
 
 Z95 = 1.96
 RATE_MARGIN = 0.15  # the sample's tokens per second, +/- this share, for the time's interval
+PARTS = 8  # the sample commits in about this many parts: its timeline (``timeline``)
 
 
 def sample_size(total: int, asked: int | None) -> int:
@@ -58,37 +64,36 @@ def estimate_job(cfg: GenerateConfig, raw_stages: Any, sample_rows: int | None, 
     try:
         sample = replace(cfg, output=scratch, shard=f"0/{k}" if k > 1 else "0/1", metrics_push=None,
                          metrics_textfile=None, resume=True, overwrite=False, retry_errors=False,
-                         retry_length=False, price_per_hour=None)
+                         retry_length=False, price_per_hour=None, commit_rows=max(2, n // PARTS))
         log(f"estimate: running a sample of ~{n:,} of the {total:,} input rows (those whose id hash is 0 modulo {k}) "
             f"into a scratch folder, with the job's settings")
-        t0 = time.monotonic()
+        started = time.time() - since_start()  # a job's process starts Python first: its shards pay that too
         rc = run_job(sample)
-        wall = time.monotonic() - t0
         if rc != EXIT_OK:
             raise UsageError(f"estimate: the sample run ended with exit {rc}; see its lines above")
-        return extrapolate(scratch, total, wall, shards, cfg.price_per_hour)
+        return extrapolate(scratch, total, started, time.time(), shards, cfg.price_per_hour)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def extrapolate(outdir: str, total: int, wall_s: float, shards: int, price: float | None) -> dict[str, Any]:
-    """The whole job's figures from a finished sample in ``outdir`` (``wall_s``: the sample's whole run)."""
-    paths = [p.path for p in committed_parts(outdir)]
-    if not paths:
+def extrapolate(outdir: str, total: int, started: float, ended: float, shards: int,
+                price: float | None) -> dict[str, Any]:
+    """The whole job's figures from a finished sample in ``outdir`` (``started``/``ended``: the Unix times of its
+    process's start and of the sample's end)."""
+    parts = committed_parts(outdir)
+    if not parts:
         raise UsageError("estimate: the sample committed no rows (too few input rows for --sample-rows?)")
-    t = ds.dataset(paths, format="parquet").to_table(
+    t = ds.dataset([p.path for p in parts], format="parquet").to_table(
         columns=["row_id", "status", "prompt_tokens", "completion_tokens"])
     ok = t.filter(pc.equal(t.column("status"), "ok"))
     per_row = ok.group_by("row_id").aggregate([("completion_tokens", "sum"), ("prompt_tokens", "sum")])
     n = len(set(t.column("row_id").to_pylist()))
     gen = [x or 0 for x in per_row.column("completion_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
     read = [x or 0 for x in per_row.column("prompt_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
-    states = [st for _, st in shard_states(outdir)]
-    run_s = sum(float(st.get("elapsed_s") or 0.0) for st in states)  # the engine's part, once loaded
-    startup = max(wall_s - run_s, 0.0)
+    startup, rate = timeline(parts, started, ended)
+    wall_s = ended - started
     tokens = _total(gen, total)
     prompt = _total(read, total)
-    rate = sum(gen) / run_s if run_s > 0 and sum(gen) else None  # generated tokens per second, this machine
     errors = n - per_row.num_rows  # rows with no ok sample
 
     def seconds(tok: float, margin: float) -> float | None:
@@ -108,6 +113,28 @@ def extrapolate(outdir: str, total: int, wall_s: float, shards: int, price: floa
             "generated_tokens": tokens, "prompt_tokens": prompt, "price_per_hour": price, "plans": plans,
             "cost_per_million_tokens": _r(price / 3600 / rate * 1e6) if price is not None and rate else None,
             "confidence": 0.95}
+
+
+def timeline(parts: list[Any], started: float, ended: float) -> tuple[float, float | None]:
+    """(seconds every shard pays once, generated tokens per second) from the sample's commits: the rate between its
+    first and last part (the engine warm, its batches full), and the start-up what the first part took beyond that
+    rate (Python, the checks, the model's load, the engine's warm-up)."""
+    points = []
+    for p in parts:
+        src = arrow_path(p.path)
+        table = pq.read_table(**src, columns=["completion_tokens"])
+        info = json.loads((table.schema.metadata or {}).get(b"dspine_batch.part", b"{}"))
+        tok = pc.sum(table.column(0)).as_py() or 0
+        points.append((float(info.get("committed_at") or ended), tok))
+    points.sort()
+    first_at, first_tokens = points[0]
+    later = sum(tok for _, tok in points[1:])
+    if len(points) > 1 and points[-1][0] > first_at and later:
+        rate = later / (points[-1][0] - first_at)
+    else:  # one part: the whole sample at one rate, from the process's start
+        rate = first_tokens / (ended - started) if first_tokens and ended > started else None
+    startup = max(first_at - started - (first_tokens / rate if rate else 0.0), 0.0)
+    return startup, rate
 
 
 def _total(per_row: list[float], total: int) -> dict[str, float]:

@@ -69,6 +69,7 @@ class Snapshot:
     running: bool = True
     exit_code: int | None = None
     success_at: float | None = None
+    outcome_only: bool = False  # finalize's group: how it ended, nothing of a run
 
 
 def snapshot(run: Run, job: str, running: bool = True) -> Snapshot:
@@ -93,6 +94,11 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFami
 def families(s: Snapshot) -> Iterator[Metric]:
     """The metric families of one snapshot (the grouping labels, job and shard, are the push's or the textfile
     collector's; in a textfile they are labels of every sample)."""
+    if s.outcome_only:
+        yield _one("running", "1 while the shard runs, 0 once it ended", 0)
+        yield _one("exit_code", "The shard's exit code (once it ended)", s.exit_code)
+        yield _one("last_success_timestamp_seconds", "When the shard's run last succeeded (Unix time)", s.success_at)
+        return
     rows = _gauge("rows", "Rows committed, by stage and status (ok, error, filtered, duplicate)", ("stage", "status"))
     tokens = _gauge("tokens", "Tokens of the committed ok rows, by stage and kind (prompt, generated)",
                     ("stage", "kind"))
@@ -213,7 +219,7 @@ def previous_success(path: str) -> float | None:
 class Metrics:
     """The run's exporter: ``start`` (a thread pushing/writing every ``interval`` s), ``close`` (the final one)."""
 
-    def __init__(self, run: Run, push: str | None, textfile: str | None, job: str, interval: float,
+    def __init__(self, run: Run | None, push: str | None, textfile: str | None, job: str, interval: float,
                  log: Callable[[str], None], timeout: float = 5.0):
         self.run, self.textfile, self.job, self.interval, self.log = run, textfile, job, interval, log
         self.timeout = timeout
@@ -235,12 +241,14 @@ class Metrics:
         return self
 
     def _loop(self) -> None:
+        assert self.run is not None
         while not self._stop.wait(self.interval):
             self.export(snapshot(self.run, self.job))
 
     def close(self, rc: int | None) -> None:
         """The final export: the exit code, and the success time when the run succeeded (``rc`` 0)."""
         self._stop.set()
+        assert self.run is not None
         if self._thread is not None:
             self._thread.join(self.timeout + 1)
         snap = snapshot(self.run, self.job, running=False)
@@ -277,6 +285,17 @@ class Metrics:
 def _why(e: Exception) -> str:
     reason = getattr(e, "reason", None)
     return str(reason or e).strip()[:160] or type(e).__name__
+
+
+def finalized(outdir: str, push: str | None, textfile: str | None, name: str | None,
+              log: Callable[[str], None]) -> None:
+    """``finalize`` succeeded: the job's success time, in a group of its own (shard ``finalize``), once."""
+    if not push and not textfile:
+        return
+    job = job_name(name, outdir)
+    exporter = Metrics(None, push, textfile, job, 0.0, log)
+    exporter.success_at = time.time()
+    exporter.export(Snapshot(job, "finalize", running=False, exit_code=0, outcome_only=True))
 
 
 def watch(run: Run, log: Callable[[str], None]) -> Metrics | None:

@@ -2,11 +2,12 @@
 installed by scripts/ci/install_prometheus.sh), started once for this module on 127.0.0.1 and stopped after.
 
 A job pushes while it runs and at the end; the values equal the report's; a killed (kill -9) and resumed job's
-figures are the job's, not twice its committed rows; an array of two shards is two groups the dashboard sums; the
-textfile parses with prometheus_client's parser; a dead gateway costs one warning line and the job's rows are
-unaffected; Prometheus, scraping the gateway, answers every query of jobs/grafana/dspine-batch.json and every
-rule of jobs/grafana/dspine-batch-alerts.yml with a series for the job, and the error-rate alert goes pending for
-a job over its budget. The scripted engine generates (no model): the module takes seconds."""
+figures are the job's, not twice its committed rows; an array of two shards is two groups the dashboard sums, and
+its finalize pushes the job's success; the textfile parses with prometheus_client's parser; a dead gateway costs one
+warning line and the job's rows are unaffected; Prometheus, scraping the gateway, answers every query of
+jobs/grafana/dspine-batch.json and every rule of jobs/grafana/dspine-batch-alerts.yml with a series for the job, and
+the error-rate alert goes pending for a job over its budget. The scripted engine generates (no model): the module
+takes seconds."""
 
 from __future__ import annotations
 
@@ -233,11 +234,15 @@ def test_array_of_two_shards_is_two_groups_the_dashboard_sums(servers, tmp_path)
         assert run_cli(["generate", str(src), "-o", str(out), "--shard", f"{i}/2", "--job-name", "array",
                         "--metrics-push", servers.gateway, *FAST]) == 0
     final = servers.pushed("array")
-    shards = {dict(ls)["shard"] for _, ls in final}
-    assert shards == {"0", "1"}
+    assert {dict(ls)["shard"] for _, ls in final} == {"0", "1"}
     per_shard = [value(final, "dspine_batch_rows", status="ok", shard=s) for s in ("0", "1")]
     assert all(per_shard) and sum(per_shard) == 40
     assert_equals_report(final, out)
+    assert run_cli(["finalize", str(out), "--job-name", "array", "--metrics-push", servers.gateway]) == 0
+    ended = {n: v for (n, ls), v in servers.pushed("array").items() if dict(ls)["shard"] == "finalize"}
+    assert abs(ended["dspine_batch_last_success_timestamp_seconds"] - time.time()) < 60  # the job as a whole
+    assert set(ended) == {"dspine_batch_last_success_timestamp_seconds", "dspine_batch_running",
+                          "dspine_batch_exit_code"}
     _until("Prometheus's sum of both shards' groups is the job's rows",
            lambda: [r for r in servers.query('sum by (job) (dspine_batch_rows{job="array"})')
                     if float(r["value"][1]) == 40])
