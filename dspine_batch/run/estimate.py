@@ -4,9 +4,9 @@ from a small sample of its own rows, run for real (its settings, its engine, thi
 The sample is the rows whose id hash is 0 modulo K (the way ``--shard 0/K`` picks a shard's rows: spread evenly
 over the input, whatever its order), K chosen for ``--sample-rows`` rows (default: 1 % of the input, at least 64).
 From it: the mean and spread of the tokens a row generates (and reads), the rate at which the engine generates once
-warm (generated tokens over the time between the sample's first and last commits: it commits in ~``PARTS`` parts),
-and the start-up every shard pays once (Python, the checks, the model's load and warm-up: what the first part took
-beyond that rate). The whole job's tokens are
+warm (generated tokens over the time between the sample's first and last-but-one commits: it commits in ~``PARTS``
+parts), and the fixed cost every shard pays once (Python, the checks, the model's load and warm-up, the tail's
+part-full batches: what the sample took beyond that rate). The whole job's tokens are
 the mean times its rows, with a 95 % interval from the sample's spread (normal approximation, finite-population
 corrected); its time is those tokens at the sample's rate, the interval widened by ``RATE_MARGIN`` for the rate
 itself (a sample's batches are as full as a job's only when it has enough rows; BENCHMARKS.md measures how well the
@@ -90,7 +90,7 @@ def extrapolate(outdir: str, total: int, started: float, ended: float, shards: i
     n = len(set(t.column("row_id").to_pylist()))
     gen = [x or 0 for x in per_row.column("completion_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
     read = [x or 0 for x in per_row.column("prompt_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
-    startup, rate = timeline(parts, started, ended)
+    fixed, rate = timeline(parts, started, ended)
     wall_s = ended - started
     tokens = _total(gen, total)
     prompt = _total(read, total)
@@ -102,14 +102,14 @@ def extrapolate(outdir: str, total: int, started: float, ended: float, shards: i
     work = [seconds(tokens["low"], RATE_MARGIN), seconds(tokens["mean"], 0.0), seconds(tokens["high"], -RATE_MARGIN)]
     plans = []
     for k in sorted({1, shards}):
-        each = [None if w is None else startup + w / k for w in work]
+        each = [None if w is None else fixed + w / k for w in work]
         cost = [None if e is None else job_cost([{"elapsed_s": e * k, "price_per_hour": price}]) for e in each]
         plans.append({"shards": k, "seconds_per_shard": _interval(each),
                       "machine_hours": _interval([None if e is None else e * k / 3600 for e in each]),
                       "cost": _interval([c["cost"] if c and c["cost"] is not None else None for c in cost])
                       if price is not None else None})
     return {"input_rows": total, "sample_rows": n, "sample_error_rows": errors, "sample_seconds": round(wall_s, 3),
-            "startup_seconds": round(startup, 3), "generated_tokens_per_second": _r(rate),
+            "fixed_seconds_per_shard": round(fixed, 3), "generated_tokens_per_second": _r(rate),
             "generated_tokens": tokens, "prompt_tokens": prompt, "price_per_hour": price, "plans": plans,
             "cost_per_million_tokens": _r(price / 3600 / rate * 1e6) if price is not None and rate else None,
             "confidence": 0.95}
@@ -117,8 +117,9 @@ def extrapolate(outdir: str, total: int, started: float, ended: float, shards: i
 
 def timeline(parts: list[Any], started: float, ended: float) -> tuple[float, float | None]:
     """(seconds every shard pays once, generated tokens per second) from the sample's commits: the rate between its
-    first and last part (the engine warm, its batches full), and the start-up what the first part took beyond that
-    rate (Python, the checks, the model's load, the engine's warm-up)."""
+    first part and its last but one (the engine warm, its batches full), and the fixed cost what the whole sample
+    took beyond that rate (Python, the checks, the model's load and warm-up, and the tail's part-full batches:
+    a shard has each once, whatever its rows)."""
     points = []
     for p in parts:
         src = arrow_path(p.path)
@@ -127,14 +128,14 @@ def timeline(parts: list[Any], started: float, ended: float) -> tuple[float, flo
         tok = pc.sum(table.column(0)).as_py() or 0
         points.append((float(info.get("committed_at") or ended), tok))
     points.sort()
-    first_at, first_tokens = points[0]
-    later = sum(tok for _, tok in points[1:])
-    if len(points) > 1 and points[-1][0] > first_at and later:
-        rate = later / (points[-1][0] - first_at)
-    else:  # one part: the whole sample at one rate, from the process's start
-        rate = first_tokens / (ended - started) if first_tokens and ended > started else None
-    startup = max(first_at - started - (first_tokens / rate if rate else 0.0), 0.0)
-    return startup, rate
+    body = points[:-1] if len(points) >= 3 else points  # the last part is the tail: batches no longer full
+    between = sum(tok for _, tok in body[1:])
+    everything = sum(tok for _, tok in points)
+    if len(body) > 1 and body[-1][0] > body[0][0] and between:
+        rate = between / (body[-1][0] - body[0][0])
+    else:  # one or two parts: the whole sample at one rate, from the process's start
+        rate = everything / (ended - started) if everything and ended > started else None
+    return max(ended - started - (everything / rate if rate else 0.0), 0.0), rate
 
 
 def _total(per_row: list[float], total: int) -> dict[str, float]:
@@ -162,7 +163,8 @@ def _r(x: float | None) -> float | None:
 def format_estimate(e: dict[str, Any]) -> str:
     g, p = e["generated_tokens"], e["prompt_tokens"]
     lines = [f"estimate from {e['sample_rows']:,} of {e['input_rows']:,} rows (run in {e['sample_seconds']:.1f}s, "
-             f"{e['startup_seconds']:.1f}s of it start-up), 95% intervals:",
+             f"{e['fixed_seconds_per_shard']:.1f}s of it what a shard pays once: start-up, load, warm-up, tail), 95% "
+             "intervals:",
              f"  generated tokens  {g['mean']:,} ({g['low']:,} .. {g['high']:,}); {g['per_row']:,.1f} a row",
              f"  prompt tokens     {p['mean']:,} ({p['low']:,} .. {p['high']:,})",
              f"  rate              {e['generated_tokens_per_second'] or 0:,.1f} generated tokens/s on this machine"]

@@ -30,6 +30,7 @@ from helpers import ROOT, prompts, run_cli, spawn, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
 
 from dspine_batch.ops.report import summarize
+from dspine_batch.ops.status import read_status
 
 DASHBOARD = ROOT / "jobs" / "grafana" / "dspine-batch.json"
 RULES = ROOT / "jobs" / "grafana" / "dspine-batch-alerts.yml"
@@ -238,6 +239,9 @@ def test_array_of_two_shards_is_two_groups_the_dashboard_sums(servers, tmp_path)
     per_shard = [value(final, "dspine_batch_rows", status="ok", shard=s) for s in ("0", "1")]
     assert all(per_shard) and sum(per_shard) == 40
     assert_equals_report(final, out)
+    whole = read_status(str(out))["cost"]  # status on an array: the whole job's cost, every shard's starts
+    assert whole["cost"] == pytest.approx(value(final, "dspine_batch_cost"), abs=5e-6)
+    assert whole["machine_hours"] == pytest.approx(value(final, "dspine_batch_machine_hours"), abs=5e-6)
     assert run_cli(["finalize", str(out), "--job-name", "array", "--metrics-push", servers.gateway]) == 0
     ended = {n: v for (n, ls), v in servers.pushed("array").items() if dict(ls)["shard"] == "finalize"}
     assert abs(ended["dspine_batch_last_success_timestamp_seconds"] - time.time()) < 60  # the job as a whole
