@@ -144,6 +144,8 @@ def families(s: Snapshot) -> Iterator[Metric]:
     yield _one("engine_deaths", "Engine deaths of the shard, all starts", first.get("engine_deaths", 0))
     yield _one("watchdog_firings", "Watchdog (--stall-seconds) firings of the shard, all starts",
                first.get("watchdog_firings", 0))
+    yield _one("retried_rows", "Committed rows --retry-errors / --retry-length took out to generate again, all "
+               "starts", first.get("retried_rows", 0))
     yield _one("starts", "Starts of the shard (the first, then each resume or requeue)", first.get("starts", 0))
     yield _one("duration_seconds", "The shard's running time, all starts", first.get("elapsed_s", 0.0))
     yield _one("start_timestamp_seconds", "When this start of the shard began", first.get("started_at"))

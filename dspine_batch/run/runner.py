@@ -225,7 +225,8 @@ def _prepare_retry(run: Run) -> None:
         job = st.job
         parent = run.stages[st.spec.index - 1] if st.spec.index else None
         extra = stage_fields(st, parent, parent_fingerprint(parent)) if st.lineage else None
-        retry.prepare(job.cfg, job.files, job.columns, job.output, job.tag, job.request, stage_log(st), extra)
+        st.retried = retry.prepare(job.cfg, job.files, job.columns, job.output, job.tag, job.request, stage_log(st),
+                                   extra)
 
 
 def parent_fingerprint(parent: Stage | None) -> str | None:

@@ -87,6 +87,7 @@ class Stage:
     ready: deque[WorkItem] = field(default_factory=deque)
     made: int = 0  # rows made from parents (stages after the first)
     discarded: int = 0  # uncommitted uploads the recovery removed at this start
+    retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
 
     @property
@@ -203,7 +204,7 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     kind = FirstStageMapper if st.lineage and parent is None else RowMapper
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
     st.state = ShardState(job.outdir, job.tag, out=job.output)
-    st.state.start(job.shard, st.fingerprint, done, run_facts(cfg))
+    st.state.start(job.shard, st.fingerprint, done, run_facts(cfg) | {"retried_rows": st.retried})
     sink = StageSink(job.outdir, schema, job.tag, done.next_seq, cfg.num_samples,
                       cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
                       st.state.save, commit=job.output.commit_part)

@@ -21,8 +21,8 @@ from dspine_batch.run import deaths
 from dspine_batch.run.shard import attempt_from_env
 from dspine_batch.run.sink import TALLIES, SinkStats, committed_tallies
 
-# counts a shard keeps across its starts (each start adds its own): engine deaths, watchdog firings
-CARRIED_COUNTS = ("engine_deaths", "watchdog_firings")
+# counts a shard keeps across its starts (each start adds its own): engine deaths, watchdog firings, rows retried
+CARRIED_COUNTS = ("engine_deaths", "watchdog_firings", "retried_rows")
 
 
 @dataclass
@@ -61,7 +61,8 @@ class ShardState:
             self.carried = committed_tallies([p.path for p in committed_parts(self.outdir) if p.shard == self.tag]) \
                 if done.rows else SinkStats()
         self._cpu0 = time.process_time()
-        self.fields.update(facts or {})
+        for k, v in (facts or {}).items():  # a count of this start's adds to the starts' before
+            self.fields[k] = self.fields[k] + v if k in CARRIED_COUNTS else v
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
             self.fields["decisions"] = prev["decisions"]
         if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)

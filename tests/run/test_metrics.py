@@ -283,6 +283,13 @@ def test_dashboard_queries_and_alert_rules_return_a_series(servers, tmp_path):
            lambda: [a for a in json.loads(_get(f"{servers.prometheus}/api/v1/alerts"))["data"]["alerts"]
                     if a["labels"].get("alertname") == "DspineBatchErrorRate" and a["labels"].get("job") == "dash"],
            limit=10)
+    # --retry-errors takes the error rows out of the parts: counted as retried, and the totals are the parts' again
+    errors = summarize(str(tmp_path / "dash"))["errors"]
+    assert run_cli(["generate", str(src), "-o", str(tmp_path / "dash"), "--metrics-push", servers.gateway, *FAST,
+                    "--engine-arg", "error_every=3", "--max-error-rate", "1", "--retry-errors"]) == 0
+    again = servers.pushed("dash")
+    assert value(again, "dspine_batch_retried_rows") == errors > 0
+    assert_equals_report(again, tmp_path / "dash")
 
 
 def test_textfile_parses_and_says_what_the_report_says(tmp_path):
