@@ -29,6 +29,7 @@ import pytest
 from helpers import ROOT, prompts, run_cli, spawn, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
 
+from dspine_batch.ops.funnel import funnel
 from dspine_batch.ops.report import summarize
 from dspine_batch.ops.status import read_status
 
@@ -326,3 +327,24 @@ def test_a_dead_gateway_is_one_warning_and_the_rows_are_unaffected(tmp_path, cap
         (30, 0, b["completion_tokens"])
     manifest = (tmp_path / "a" / "_manifest.json").read_text()
     assert "hunter2" not in manifest
+
+
+def test_a_job_of_stages_says_every_stage_as_its_funnel_does(tmp_path):
+    """jobs/recipes/qa-from-docs.toml (questions -> answers -> judge with `where` and `dedup`): the one runner's
+    metrics for every stage, its filtered and duplicate rows as `report`'s funnel counts them."""
+    out, prom = tmp_path / "qa", tmp_path / "qa.prom"
+    assert run_cli(["generate", str(ROOT / "examples" / "docs.jsonl"), "--config",
+                    str(ROOT / "jobs" / "recipes" / "qa-from-docs.toml"), "-o", str(out), "--metrics-textfile",
+                    str(prom)]) == 0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(prom.read_text()) for s in fam.samples}
+    stages = funnel(str(out))
+    assert [s["stage"] for s in stages] == ["questions", "answers", "judge"]
+    for s in stages:
+        assert value(samples, "dspine_batch_rows", stage=s["stage"], status="filtered") == s["filtered"]
+        assert value(samples, "dspine_batch_rows", stage=s["stage"], status="duplicate") == s["duplicates"]
+        assert value(samples, "dspine_batch_rows", stage=s["stage"], status="error") == s["errors"]
+        assert value(samples, "dspine_batch_rows", stage=s["stage"]) == s["rows"]  # one sample a row
+        assert value(samples, "dspine_batch_tokens", stage=s["stage"], kind="generated") == s["completion_tokens"]
+    assert sum(s["filtered"] + s["duplicates"] for s in stages) > 0  # the recipe's rules dropped rows
+    assert value(samples, "dspine_batch_rows_expected", stage="questions") == 6  # the first stage's input rows
