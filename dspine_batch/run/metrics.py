@@ -245,14 +245,23 @@ class Metrics:
     def _loop(self) -> None:
         assert self.run is not None
         while not self._stop.wait(self.interval):
-            self.export(snapshot(self.run, self.job))
+            if not self.run.owned:  # not this shard's run yet (its lock may be another worker's)
+                continue
+            try:  # the run's figures read while the loop moves them: a read that races is taken again next time
+                snap = snapshot(self.run, self.job)
+            except RuntimeError:
+                continue
+            self.export(snap)
 
     def close(self, rc: int | None) -> None:
-        """The final export: the exit code, and the success time when the run succeeded (``rc`` 0)."""
+        """The final export: the exit code, and the success time when the run succeeded (``rc`` 0). Nothing when
+        the run never held its shard (a bad option, or another worker's lock: that worker's figures stand)."""
         self._stop.set()
         assert self.run is not None
         if self._thread is not None:
             self._thread.join(self.timeout + 1)
+        if not self.run.owned:
+            return
         snap = snapshot(self.run, self.job, running=False)
         snap.exit_code = rc
         if rc == 0:

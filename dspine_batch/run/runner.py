@@ -150,6 +150,7 @@ def _run_stages(run: Run, staged: bool, specs: list[StageSpec], outdir: str) -> 
     try:
         for st in stages:
             _take_stage(st, held)
+        run.owned = True
         run.shutdown.install()
         if staged:
             _write_stages(outdir, specs)  # only now: every stage's prefix checked and held

@@ -114,6 +114,7 @@ class Run:
     selector: RowSelector | None = None  # the first stage's reader of the inputs
     progress: Progress | None = None
     pre: Precheck | None = None  # what the "nothing left" check loaded (done-sets), handed on
+    owned: bool = False  # every stage's lock or lease is this process's: what it says of the shard is the shard's
 
 
 
