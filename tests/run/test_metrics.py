@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dspine_batch.ops.funnel import funnel
 from dspine_batch.ops.report import summarize
 from dspine_batch.ops.status import read_status
+from dspine_batch.outdir.lock import Lock
 
 DASHBOARD = ROOT / "jobs" / "grafana" / "dspine-batch.json"
 RULES = ROOT / "jobs" / "grafana" / "dspine-batch-alerts.yml"
@@ -348,3 +349,14 @@ def test_a_job_of_stages_says_every_stage_as_its_funnel_does(tmp_path):
         assert value(samples, "dspine_batch_tokens", stage=s["stage"], kind="generated") == s["completion_tokens"]
     assert sum(s["filtered"] + s["duplicates"] for s in stages) > 0  # the recipe's rules dropped rows
     assert value(samples, "dspine_batch_rows_expected", stage="questions") == 6  # the first stage's input rows
+
+
+def test_a_start_refused_by_a_live_workers_lock_leaves_that_workers_figures(servers, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", prompts(10))
+    out = tmp_path / "out"
+    args = ["generate", str(src), "-o", str(out), "--job-name", "held", "--metrics-push", servers.gateway, *FAST]
+    assert run_cli(args) == 0
+    before = servers.pushed("held")
+    with Lock(str(out), "00000-of-00001"):  # the shard's worker, alive
+        assert run_cli(args) == 75
+    assert servers.pushed("held") == before
