@@ -329,7 +329,7 @@ def cli() -> None:
               "--metrics-push http://pushgateway:9091.")
 @grouped("--metrics-textfile", metavar="FILE",
          help="Write the same metrics to FILE (written whole) for node_exporter's textfile collector, e.g. "
-              "/var/lib/node_exporter/textfile/nightly.prom.")
+              "textfile/nightly.prom in its --collector.textfile.directory.")
 @grouped("--metrics-interval", type=FiniteFloatRange(min=0, min_open=True), help="Seconds between pushes/writes.")
 @grouped("--job-name", help="The metrics' job label.  [default: OUTDIR's name]")
 @grouped("--price-per-hour", type=FiniteFloatRange(min=0),
