@@ -174,6 +174,7 @@ Examples:
   dspine-batch generate my_dataset/ --split test -o out/ --keep-columns answer
   dspine-batch generate --config jobs/example.toml       # the same options from a TOML job file
   dspine-batch generate big.parquet -o out/ --shard 3/8  # one of 8 workers (Slurm arrays: automatic)
+  dspine-batch generate big.parquet -o out/nightly --metrics-push http://pushgateway:9091 --price-per-hour 2.49
 
 \b
 Rows: the prompt column (default `prompt`; `messages` when there is no `prompt`) is rendered with the
@@ -211,6 +212,7 @@ def cli() -> None:
     dspine-batch export OUTDIR -o FILE         OpenAI batch results file (JSONL)
     dspine-batch finalize OUTDIR               check coverage, write _SUCCESS
     dspine-batch slurm JOB.toml --submit       Slurm array job + finalize (docs/slurm.md)
+    dspine-batch estimate INPUT... [options]   tokens, time and cost of a job, from a sample of its rows
     """
 
 
@@ -320,6 +322,19 @@ def cli() -> None:
 @grouped("--progress", type=click.Choice(["auto", "bar", "log", "none"]),
             help="auto: a bar on a terminal, log lines otherwise.")
 @grouped("--log-interval", type=FiniteFloatRange(min=0), help="Seconds between progress log lines.")
+@section("Watching and cost")
+@grouped("--metrics-push", metavar="URL",
+         help="Push the job's Prometheus metrics to this Pushgateway every --metrics-interval seconds and at the end "
+              "(grouped by --job-name and shard); a push that fails is one warning, never the job's end. E.g. "
+              "--metrics-push http://pushgateway:9091.")
+@grouped("--metrics-textfile", metavar="FILE",
+         help="Write the same metrics to FILE (written whole) for node_exporter's textfile collector, e.g. "
+              "textfile/nightly.prom in its --collector.textfile.directory.")
+@grouped("--metrics-interval", type=FiniteFloatRange(min=0, min_open=True), help="Seconds between pushes/writes.")
+@grouped("--job-name", help="The metrics' job label.  [default: OUTDIR's name]")
+@grouped("--price-per-hour", type=FiniteFloatRange(min=0),
+         help="A machine-hour's price (one shard = one machine): the log's last line, report, status and the "
+              "metrics then say the cost and the cost per million generated tokens. E.g. --price-per-hour 2.49.")
 @click.pass_context
 def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
              engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
@@ -331,17 +346,55 @@ def generate(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None
     resumes there. Every option is also an environment variable, DSPINE_BATCH_<OPTION> (--max-new-tokens:
     DSPINE_BATCH_MAX_NEW_TOKENS), and a key of a --config job file (max-new-tokens = 512); a flag wins over the
     variable, the variable over the job file. The options most jobs need come first in each section."""
-    from dspine_batch.run.preflight import default_output
     from dspine_batch.run.runner import run_job
+
+    cfg = generate_config(ctx, inputs, output_dir, engine_arg, keep_columns, stop, logit_bias, choice, **kw)
+    return run_job(cfg, ctx.meta.get("stages"))
+
+
+def generate_config(ctx: click.Context, inputs: tuple[str, ...], output_dir: str | None,
+                    engine_arg: tuple[tuple[str, str], ...], keep_columns: tuple[str, ...], stop: tuple[str, ...],
+                    logit_bias: tuple[tuple[str, str], ...], choice: tuple[str, ...], **kw: Any) -> GenerateConfig:
+    """generate's options as its settings (``estimate`` takes the same)."""
+    from dspine_batch.run.preflight import default_output
 
     inputs = inputs or tuple(_as_list(ctx.meta.get("config_inputs")))
     if not inputs:
         raise click.UsageError("no INPUT given (pass files, or `inputs` in --config)")
     keep = [c.strip() for k in keep_columns for c in k.split(",") if c.strip()]
-    cfg = GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
-                         engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
-                         logit_bias=dict(logit_bias), choice=list(choice), **kw)
-    return run_job(cfg, ctx.meta.get("stages"))
+    return GenerateConfig(inputs=list(inputs), output=output_dir or default_output(list(inputs)),
+                          engine_args=dict(engine_arg), keep_columns=keep, stop=list(stop),
+                          logit_bias=dict(logit_bias), choice=list(choice), **kw)
+
+
+ESTIMATE_EXAMPLES = """
+\b
+Examples:
+  dspine-batch estimate prompts.parquet --max-new-tokens 512           # this machine, 1 shard
+  dspine-batch estimate big.jsonl --shards 8 --price-per-hour 2.49 --json
+  dspine-batch estimate --config jobs/nightly-synth.toml --sample-rows 200
+"""
+
+
+@cli.command(epilog=ESTIMATE_EXAMPLES, context_settings={"show_default": True})
+@click.option("--sample-rows", type=click.IntRange(min=1),
+              help="Rows to run (spread over the input).  [default: 1% of the input, at least 64]")
+@click.option("--shards", type=click.IntRange(min=1), default=1, help="Also the figures for this many shards.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def estimate(ctx: click.Context, sample_rows: int | None, shards: int, as_json: bool, **kw: Any) -> None:
+    """What a generate job will take — generated tokens, time, machine-hours and cost (--price-per-hour), with 95%
+    intervals, on this machine and for --shards shards — from a small sample of its own rows run for real with
+    the job's settings into a scratch folder (removed after; OUTDIR is never touched). Takes INPUT... and every
+    generate option. docs/monitoring.md."""
+    from dspine_batch.run.estimate import estimate_job, format_estimate
+
+    cfg = generate_config(ctx, **kw)
+    result = estimate_job(cfg, ctx.meta.get("stages"), sample_rows, shards)
+    click.echo(json.dumps(result, indent=2) if as_json else format_estimate(result))
+
+
+estimate.params += [p for p in generate.params if p.name not in {q.name for q in estimate.params}]  # generate's
 
 
 PREPARE_EXAMPLES = """
@@ -514,7 +567,12 @@ def export(outdir: str, fmt: str, output: str) -> None:
               envvar=ENV + "ON_DAMAGED_PART", show_envvar=True,
               help="A part that is missing, truncated, unreadable or fails its checksum: move it aside (its rows "
                    "are then reported missing: run generate again), or stop (exit 1) and leave it.")
-def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str) -> int:
+@env_option("--metrics-push", metavar="URL", help="As for generate: on success, push the job's "
+            "dspine_batch_last_success_timestamp_seconds (shard \"finalize\") to this Pushgateway.")
+@env_option("--metrics-textfile", metavar="FILE", help="As for generate: the same, to a textfile.")
+@env_option("--job-name", help="As for generate.  [default: OUTDIR's name]")
+def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str, metrics_push: str | None,
+             metrics_textfile: str | None, job_name: str | None) -> int:
     """Check that every input row x sample is in OUTDIR exactly once, then write _SUCCESS.
 
     Run it after all shards finished. Every part is first checked against its commit record (size, crc32,
@@ -531,8 +589,15 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged_part: str)
     if stages:  # a job of several stages: each audited in order
         from dspine_batch.stages.finalize import finalize_stages
 
-        return finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
-    return run_finalize(outdir, compact, target_rows, on_damaged_part)
+        rc = finalize_stages(outdir, stages, compact, target_rows, on_damaged_part)
+    else:
+        rc = run_finalize(outdir, compact, target_rows, on_damaged_part)
+    if rc == 0:
+        from dspine_batch.log import log
+        from dspine_batch.run.metrics import finalized
+
+        finalized(outdir, metrics_push, metrics_textfile, job_name, log)
+    return rc
 
 
 SLURM_EXAMPLES = """

@@ -17,6 +17,7 @@ SECTIONS = (
     ("Speculation and engine", "the model, the draft that proposes tokens, and the engine that runs them"),
     ("Output", "what is written to OUTDIR, and how often"),
     ("Run control", "resuming, retrying, sharding, errors, hangs and progress"),
+    ("Watching and cost", "Prometheus metrics for dashboards and alerts, and what the job costs (docs/monitoring.md)"),
 )
 
 # (key, engine, default, what it does) for ``--engine-arg KEY=VALUE``

@@ -76,6 +76,12 @@ class GenerateConfig:
     retry_length: bool = False  # with it, also rows cut by length; --max-new-tokens may grow
     progress: str = "auto"
     log_interval: float = 10.0
+    # watching and budgeting (``run.metrics``, ``ops.cost``): operational, never part of the run's identity
+    metrics_push: str | None = None  # a Pushgateway URL
+    metrics_textfile: str | None = None  # a .prom file for node_exporter's textfile collector
+    metrics_interval: float = 15.0
+    job_name: str | None = None  # the metrics' job label (default: the output's name)
+    price_per_hour: float | None = None  # a machine-hour's price: the cost in the log, report, status, metrics
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

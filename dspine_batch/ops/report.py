@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from dspine_batch.engines.decisions import combine, source_lines
 from dspine_batch.errors import error_kind
 from dspine_batch.ops.answer_stats import AnswerTally, format_answers
+from dspine_batch.ops.cost import cost_line, job_cost
 from dspine_batch.outdir.output import arrow_path, committed_parts, open_output, shard_states
 from dspine_batch.outdir.schema import SOURCE_STATS
 from dspine_batch.storage.objects import ObjectStore
@@ -114,6 +115,7 @@ def summarize(outdir: str) -> dict[str, Any]:
         "accept_rate": _r(accepted / proposed) if proposed else None,
         "verify_steps": steps, "accept_histogram": hist.tolist(), "accept_rate_by_position": [_r(x) for x in by_pos],
         "by_source": _by_source(by_source, decided),
+        "cost": job_cost([states[tag] for tag in shards if tag in states], comp_toks),
         "answers": answers.summary(),
         "finish_reasons": dict(finish.most_common()),
         "error_kinds": [{"error": k, "count": c, "example": examples[k]} for k, c in errors.most_common(20)],
@@ -176,6 +178,8 @@ def format_report(s: dict[str, Any]) -> str:
         "  finish      outputs by finish reason: "
         + (", ".join(f"{k} {v:,}" for k, v in s["finish_reasons"].items()) or "-"),
     ]
+    if s.get("cost") and (s["cost"]["cpu_s"] or s["cost"]["cost"] is not None):  # runs from before say nothing
+        lines.append(f"  cost        {cost_line(s['cost'])}")
     lines += format_answers(s.get("answers"))
     lines += _source_lines(s)
     if s["latency_s"]:

@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dspine_batch.ops.cost import cost_line, job_cost
 from dspine_batch.outdir.output import open_output
 from dspine_batch.storage.fs import size as store_size
 
@@ -67,6 +68,7 @@ def read_status(outdir: str, verify: bool = False) -> dict[str, Any]:
             "complete": out.has_success() and not damaged,
             "last_commit_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else None,
             "shards": shards, "shards_not_started": missing, "damaged_parts": damaged,
+            "cost": job_cost(shards),  # every shard's starts: the whole job's machine time
             "parts_verified": sum(c.verified for c in parts) if verify else None}
 
 
@@ -103,6 +105,9 @@ def format_status(st: dict[str, Any]) -> str:
                      f"{slurm}")
         if s.get("stalled") and what == "interrupted":  # the watchdog ended its last start (``watchdog``)
             lines.append(f"    {s['stalled']}")
+    cost = st.get("cost")
+    if cost and (cost["cpu_s"] or cost["cost"] is not None):
+        lines.append(f"  cost {cost_line(cost)}")
     for d in st.get("damaged_parts") or ():
         lines.append(f"  damaged: {d['path']}: {d['problem']}; the next generate (or finalize) of this output moves "
                      "it aside and generates its rows again")

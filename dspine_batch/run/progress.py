@@ -73,14 +73,26 @@ class Progress:
             return None
         return max(read, round(read / share))
 
+    def eta(self, stats: SinkStats | None = None, now: float | None = None) -> float | None:
+        """Seconds left: the rows left at this run's rate (None without a total or a finished row; 0 when done)."""
+        stats = stats if stats is not None else self.taken()
+        now = now if now is not None else time.monotonic()
+        total, done = self.expected(), self.initial + stats.rows
+        rate = stats.rows / max(now - self.start, 1e-9)
+        if not total:
+            return None
+        if total <= done:
+            return 0.0
+        return (total - done) / rate if rate > 0 else None
+
     def log_line(self, stats: SinkStats, now: float) -> None:
         dt = max(now - self.start, 1e-9)
         done = self.initial + stats.rows
         total = self.expected()
         of = ""
         if total:
-            rate = stats.rows / dt
-            left = format_seconds((total - done) / rate) if rate > 0 and total > done else "-"
+            eta = self.eta(stats, now)
+            left = format_seconds(eta) if eta else "-"
             of = f"/{'~' if self.approx else ''}{total:,} ({min(done / total, 1.0):.1%}, {left} left)"
         print(f"dspine-batch: {done:,}{of} rows done, {self.read():,} read ({stats.rows / dt:,.1f} rows/s this run) "
               f"| {self._postfix(stats, now)}", file=self.stream, flush=True)

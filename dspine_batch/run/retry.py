@@ -81,7 +81,7 @@ def find_failed(outdir: str, tag: str, lengths: bool, id_column: bool) -> Failed
 
 
 def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: Output, tag: str,
-            request: RowRequest, log: Callable[[str], None], extra: dict[str, Any] | None = None) -> None:
+            request: RowRequest, log: Callable[[str], None], extra: dict[str, Any] | None = None) -> int:
     """Before the model loads, with the shard's lock held and the OUTDIR recovered: accept a fixed input (or
     refuse, naming what changed), then take the failed rows out of this shard's parts so the run generates them
     again (on a local disk or an object store: ``Output.drop_rows``). ``extra``: a stage's fingerprint fields
@@ -90,7 +90,7 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: 
     manifest = out.read_manifest()
     if manifest is None:
         log("--retry-errors: OUTDIR holds no run yet; nothing to retry")
-        return
+        return 0
     failed = find_failed(cfg.output if out.remote else out.path, tag, cfg.retry_length,  # type: ignore[attr-defined]
                          columns.id is not None)
     if extra is not None and "inputs" in extra:  # a later stage: its input is its parent stage's output
@@ -106,13 +106,14 @@ def prepare(cfg: GenerateConfig, files: list[InputFile], columns: Columns, out: 
             "stopped before the old limit: a larger one does not change them)")
     if not failed.rows:
         log("--retry-errors: no failed rows in this shard's committed parts")
-        return
+        return 0
     out.remove_success()  # no longer true once rows are taken out; the run that finishes writes it again
     for path, ids in failed.parts.items():
         out.drop_rows(tag, path, ids)
     what = f"{failed.errors:,} error rows" + (f" and {failed.lengths:,} cut by length" if cfg.retry_length else "")
     log(f"--retry-errors: {what} taken out of {len(failed.parts)} committed part(s); they are generated again "
         "(readers see each row once: its latest committed attempt)")
+    return failed.rows
 
 
 def _accept_parent(out: Output, cfg: GenerateConfig, files: list[InputFile], columns: Columns,

@@ -33,20 +33,23 @@ from typing import Any
 from dspine_batch.config import GenerateConfig
 from dspine_batch.errors import (
     EXIT_ERROR_BUDGET,
+    EXIT_FATAL,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    BatchError,
     Interrupted,
     UsageError,
 )
 from dspine_batch.inputs.sources import InputFile, arrow_schema, peek_rows, resolve_inputs
 from dspine_batch.log import log
+from dspine_batch.ops.cost import cost_line, job_cost
 from dspine_batch.outdir.manifest import STAGES_FILE
 from dspine_batch.outdir.output import open_output
 from dspine_batch.outdir.recovery import recover
 from dspine_batch.requests.fields import job_request
 from dspine_batch.requests.mapping import Columns, resolve_columns
 from dspine_batch.requests.templates import job_templates
-from dspine_batch.run import retry
+from dspine_batch.run import metrics, retry
 from dspine_batch.run.errorlog import committed_kinds, part_paths, top_kinds
 from dspine_batch.run.precheck import Precheck, precheck
 from dspine_batch.run.preflight import (
@@ -62,7 +65,7 @@ from dspine_batch.run.segment import Segment
 from dspine_batch.run.shard import parse_shard, shard_tag
 from dspine_batch.run.shutdown import Shutdown
 from dspine_batch.run.sink import SinkStats
-from dspine_batch.run.stage import Run, Stage, stage_fields, stage_log
+from dspine_batch.run.stage import Run, Stage, run_facts, stage_fields, stage_log
 from dspine_batch.run.state import ShardState
 from dspine_batch.stages.rows import (
     LINEAGE_FIELDS,
@@ -124,10 +127,30 @@ def run_job(cfg: GenerateConfig, raw_stages: Any = None) -> int:
     if staged:
         _check_root(outdir, specs)  # a mistyped -o onto a foreign folder is refused before anything is written
     run = Run(cfg, stages, files, columns, shard, Shutdown(cfg.grace_seconds), outdir)
+    exporter = metrics.watch(run, log)  # reads the run's own figures; a push never blocks the loop
+    rc: int | None = None
+    try:
+        rc = _run_stages(run, staged, specs, outdir)
+        return rc
+    except BatchError as e:
+        rc = e.exit_code  # the metrics say how it ended (the CLI prints the line)
+        raise
+    except Exception:
+        rc = EXIT_FATAL
+        raise
+    finally:
+        if exporter is not None:
+            exporter.close(rc)
+
+
+def _run_stages(run: Run, staged: bool, specs: list[StageSpec], outdir: str) -> int:
+    """Every stage taken, checked and run, segment by segment; the exit code."""
+    cfg, stages, files, columns, shard = run.cfg, run.stages, run.files, run.columns, run.shard
     held: list[Any] = []
     try:
         for st in stages:
             _take_stage(st, held)
+        run.owned = True
         run.shutdown.install()
         if staged:
             _write_stages(outdir, specs)  # only now: every stage's prefix checked and held
@@ -203,7 +226,8 @@ def _prepare_retry(run: Run) -> None:
         job = st.job
         parent = run.stages[st.spec.index - 1] if st.spec.index else None
         extra = stage_fields(st, parent, parent_fingerprint(parent)) if st.lineage else None
-        retry.prepare(job.cfg, job.files, job.columns, job.output, job.tag, job.request, stage_log(st), extra)
+        st.retried = retry.prepare(job.cfg, job.files, job.columns, job.output, job.tag, job.request, stage_log(st),
+                                   extra)
 
 
 def parent_fingerprint(parent: Stage | None) -> str | None:
@@ -291,6 +315,11 @@ def _finish(run: Run) -> int:
         for line in st.errors.summary():
             log(line)
         over = _over_budget(st, rows, errors) or over
+    if run.cfg.price_per_hour is not None:  # the job's cost: its machine time is the first stage's record
+        first = run.stages[0].state
+        assert first is not None
+        generated = sum(int(st.state.fields["totals"]["completion_tokens"]) for st in run.stages if st.state)
+        log(f"cost: {cost_line(job_cost([first.fields], generated))}")
     if over:
         return EXIT_ERROR_BUDGET
     for st in run.stages:
@@ -311,7 +340,7 @@ def _nothing_left(run: Run, pre: Precheck) -> int:
     for st in run.stages:
         st.done = pre.done[st.spec.index]
         st.state = ShardState(st.job.outdir, st.job.tag, out=st.job.output)
-        st.state.start(st.job.shard, pre.manifests[st.spec.index]["fingerprint"], st.done)
+        st.state.start(st.job.shard, pre.manifests[st.spec.index]["fingerprint"], st.done, run_facts(st.job.cfg))
     return _finish(run)
 
 

@@ -171,6 +171,8 @@ class Segment:
             self._stop_on_full_disk()
             raise
         except deaths.RepeatedDeath:
+            fields = self.seg[0].state.fields
+            fields["engine_deaths"] = fields.get("engine_deaths", 0) + 1
             self._stop_with("interrupted")  # the row it died on is committed as an error row
             return EXIT_INTERRUPTED
         except EngineDied as e:
@@ -185,6 +187,8 @@ class Segment:
             if run.selector is not None and not run.selector.finished and run.selector.recorder is not None:
                 run.selector.recorder.finish(complete=False)
         if watchdog.fired:  # rows past --request-timeout are error rows now, not the next start's stall
+            assert first.state is not None
+            first.state.fields["watchdog_firings"] = first.state.fields.get("watchdog_firings", 0) + 1
             for item, results in self.inflight.expire():
                 self.take(item, results)
         try:
@@ -289,6 +293,8 @@ class Segment:
             by_stage[int(k)].append(own)
         for st in self.seg:
             assert st.state is not None
+            if st is self.seg[0]:  # the metrics' count of the shard's engine deaths, all starts
+                st.state.fields["engine_deaths"] = st.state.fields.get("engine_deaths", 0) + 1
             if by_stage[st.spec.index] or st is self.seg[0]:  # the first stage counts deaths even with none
                 died = deaths.after_death(deaths.Death.of(st.state.fields.get(deaths.STATE_KEY)), e)
                 died.rows = by_stage[st.spec.index]

@@ -16,12 +16,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
+from dspine_batch.ops.funnel import drop_reason
 from dspine_batch.outdir.layout import part_name
-from dspine_batch.outdir.output import open_output
+from dspine_batch.outdir.output import arrow_path, open_output
 from dspine_batch.outdir.schema import BASE_NAMES, SOURCE_STATS
 from dspine_batch.requests.mapping import WorkItem
+
+TALLIES = ("rows", "outputs", "error_rows", "filtered", "duplicates", "prompt_tokens", "completion_tokens",
+           "verify_steps", "spec_tokens")
 
 
 @dataclass
@@ -32,31 +37,86 @@ class SinkStats:
     rows: int = 0  # input rows
     outputs: int = 0  # output rows (rows x samples)
     error_rows: int = 0
+    filtered: int = 0  # ok rows a stage's ``where`` did not keep
+    duplicates: int = 0  # ok rows a stage's ``dedup`` did not keep
+    prompt_tokens: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
     spec_tokens: float = 0.0  # tokens committed by verify rounds (accept_length x verify_steps): running tau
+    by_source: dict[str, int] = field(default_factory=dict)  # the parts' per-source columns (``SOURCE_STATS``)
     parts: int = 0
     last_commit: float = field(default_factory=time.time)
+    commit_s: float = 0.0  # how long the last commit took (the metrics' commit latency)
 
-    def add_row(self, results: list[Result]) -> None:
+    def add_row(self, results: list[Result], dropped: str | None = None) -> None:
+        """One finished row; ``dropped``: why a stage's rules did not keep it (``funnel.drop_reason``)."""
         self.rows += 1
         self.outputs += len(results)
         self.error_rows += any(r.error is not None for r in results)
+        self.filtered += dropped in ("where false", "no field", "cut by length")
+        self.duplicates += dropped == "duplicate"
         for r in results:
             if r.error is None:
+                self.prompt_tokens += r.prompt_tokens or 0
                 self.completion_tokens += r.completion_tokens
                 if r.verify_steps:
                     self.verify_steps += r.verify_steps
                     self.spec_tokens += (r.accept_length or 0.0) * r.verify_steps
+                    for name in SOURCE_STATS:
+                        if v := getattr(r, name, None):
+                            self.by_source[name] = self.by_source.get(name, 0) + v
 
     def absorb(self, other: SinkStats) -> None:
-        for name in ("rows", "outputs", "error_rows", "completion_tokens", "verify_steps", "spec_tokens"):
+        for name in TALLIES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, v in other.by_source.items():
+            self.by_source[name] = self.by_source.get(name, 0) + v
+
+    def totals(self) -> dict[str, Any]:
+        """The tallies as the state file keeps them (``ShardState``: carried across starts)."""
+        return {**{name: getattr(self, name) for name in TALLIES}, "by_source": dict(self.by_source)}
 
     @property
     def tau(self) -> float | None:
         """Mean tokens committed per verify round; None without speculation."""
         return self.spec_tokens / self.verify_steps if self.verify_steps else None
+
+
+def committed_tallies(paths: list[str]) -> SinkStats:
+    """The tallies of committed parts, read from their columns: what a start carries when its state file lags its
+    parts (killed between a commit and the state's save that follows it, or a --retry-errors that took rows out),
+    so its totals are the parts' and never count a row twice or miss one."""
+    total = SinkStats()
+    wanted = ["row_id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
+              "accept_length", "kept", "dropped_by", *SOURCE_STATS]
+    for path in paths:
+        src = arrow_path(path)
+        have = set(pq.read_schema(src["source"], filesystem=src.get("filesystem")).names)
+        t = pq.read_table(**src, columns=[c for c in wanted if c in have]).to_pydict()
+        seen: dict[str, bool] = {}  # row -> errored (a row's samples are in one part)
+        for i, rid in enumerate(t["row_id"]):
+            ok = t["status"][i] == "ok"
+            if rid not in seen:
+                seen[rid] = False
+                if "kept" in t and not t["kept"][i]:
+                    why = drop_reason(t["dropped_by"][i], t["status"][i], t["finish_reason"][i], None)
+                    total.filtered += why in ("where false", "no field", "cut by length")
+                    total.duplicates += why == "duplicate"
+            seen[rid] = seen[rid] or not ok
+            total.outputs += 1
+            if not ok:
+                continue
+            total.prompt_tokens += t["prompt_tokens"][i] or 0
+            total.completion_tokens += t["completion_tokens"][i] or 0
+            if steps := t["verify_steps"][i]:
+                total.verify_steps += steps
+                total.spec_tokens += (t["accept_length"][i] or 0.0) * steps
+                for name in SOURCE_STATS:
+                    if name in t and t[name][i]:
+                        total.by_source[name] = total.by_source.get(name, 0) + t[name][i]
+        total.rows += len(seen)
+        total.error_rows += sum(seen.values())
+    return total
 
 
 class PartSink:
@@ -89,7 +149,17 @@ class PartSink:
         self.items.append(item)
         self.results.extend(results)
         self.owners.extend([item] * len(results))
-        self.pending.add_row(results)
+        self.pending.add_row(results, self._dropped(item, results))
+
+    def _dropped(self, item: WorkItem, results: list[Result]) -> str | None:
+        """Why a stage's rules did not keep this row (None: kept, or a job without rules)."""
+        if item.keep is None or "dropped_by" not in self.keep_names:
+            return None
+        v = dict(zip(self.keep_names, item.keep, strict=True))
+        if v.get("kept"):
+            return None
+        status = "error" if item.error or any(r.error for r in results) else "ok"
+        return drop_reason(v.get("dropped_by"), status, results[0].finish_reason if results else None, None)
 
     @property
     def taken(self) -> SinkStats:
@@ -153,7 +223,9 @@ class PartSink:
         table = table.replace_schema_metadata(meta)
         name = part_name(self.shard_tag, self.seq)
         keys = np.fromiter((item.row_hash for item in self.items), dtype=np.uint64, count=len(self.items))
+        t0 = time.monotonic()
         self.commit_part(name, table, keys, self.pending.rows)
+        self.stats.commit_s = time.monotonic() - t0
         self.stats.absorb(self.pending)
         self.stats.parts += 1
         self.stats.last_commit = time.time()

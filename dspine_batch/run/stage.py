@@ -6,6 +6,7 @@ the next stage's rows at once, so a child never exists without its committed par
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class Stage:
     ready: deque[WorkItem] = field(default_factory=deque)
     made: int = 0  # rows made from parents (stages after the first)
     discarded: int = 0  # uncommitted uploads the recovery removed at this start
+    retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
 
     @property
@@ -112,7 +114,20 @@ class Run:
     selector: RowSelector | None = None  # the first stage's reader of the inputs
     progress: Progress | None = None
     pre: Precheck | None = None  # what the "nothing left" check loaded (done-sets), handed on
+    owned: bool = False  # every stage's lock or lease is this process's: what it says of the shard is the shard's
 
+
+
+def run_facts(cfg: GenerateConfig) -> dict[str, Any]:
+    """What the state file records of this start for its cost (``ops.cost``): the price of a machine-hour, and the
+    GPUs the process sees (only where torch is loaded already: a CPU job never imports CUDA for this)."""
+    facts: dict[str, Any] = {}
+    if cfg.price_per_hour is not None:
+        facts["price_per_hour"] = cfg.price_per_hour
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        facts["gpus"] = torch.cuda.device_count()
+    return facts
 
 
 def stage_log(st: Stage) -> Callable[[str], None]:
@@ -190,7 +205,7 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     kind = FirstStageMapper if st.lineage and parent is None else RowMapper
     st.mapper = kind(settings, tokenizer, engine.max_context, job.structures, warn=log)
     st.state = ShardState(job.outdir, job.tag, out=job.output)
-    st.state.start(job.shard, st.fingerprint, done)
+    st.state.start(job.shard, st.fingerprint, done, run_facts(cfg) | {"retried_rows": st.retried})
     sink = StageSink(job.outdir, schema, job.tag, done.next_seq, cfg.num_samples,
                       cfg.commit_rows or job.output.commit_rows, cfg.commit_seconds, attempt_from_env(),
                       st.state.save, commit=job.output.commit_part)

@@ -16,10 +16,13 @@ from dspine_batch import IMPORTED_AT
 from dspine_batch.engines.base import Engine
 from dspine_batch.log import log
 from dspine_batch.outdir.done import DoneSet
-from dspine_batch.outdir.output import OutDir, Output
+from dspine_batch.outdir.output import OutDir, Output, committed_parts
 from dspine_batch.run import deaths
 from dspine_batch.run.shard import attempt_from_env
-from dspine_batch.run.sink import SinkStats
+from dspine_batch.run.sink import TALLIES, SinkStats, committed_tallies
+
+# counts a shard keeps across its starts (each start adds its own): engine deaths, watchdog firings, rows retried
+CARRIED_COUNTS = ("engine_deaths", "watchdog_firings", "retried_rows")
 
 
 @dataclass
@@ -32,18 +35,34 @@ class ShardState:
     before: DoneSet | None = None
     decisions: Callable[[], dict[str, Any] | None] | None = None  # the engine's record (``decisions.DecisionLog``)
     out: Output | None = None  # where the state file lives (None: the local directory ``outdir``)
+    carried: SinkStats = field(default_factory=SinkStats)  # the earlier starts' tallies (``start``)
+    _cpu0: float = 0.0  # this process's CPU time at ``start``
 
     def _out(self) -> Output:
         return self.out if self.out is not None else OutDir(self.outdir)
 
-    def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet) -> None:
+    def start(self, shard: tuple[int, int], fingerprint: str, done: DoneSet,
+              facts: dict[str, Any] | None = None) -> None:
         prev = self._out().read_state(self.tag)
         attempt = attempt_from_env()
         self.before = done
         self.fields = {"shard": f"{shard[0]}/{shard[1]}", "fingerprint": fingerprint, "state": "running",
                        "pid": os.getpid(), "attempt": attempt, "starts": int(prev.get("starts", 0)) + 1,
                        "started_at": time.time(), "elapsed_before_s": float(prev.get("elapsed_s", 0.0)),
-                       "rows_before": done.rows, "error_rows_before": done.error_rows}
+                       "rows_before": done.rows, "error_rows_before": done.error_rows,
+                       "cpu_before_s": float(prev.get("cpu_s", 0.0)),
+                       **{k: int(prev.get(k, 0)) for k in CARRIED_COUNTS}}
+        # the tallies of the starts before (tokens, filtered rows, by source: what the done-set does not count), at
+        # their last commit: this start's are added to them, so a resumed job's totals are the job's
+        kept = (*TALLIES, "by_source")
+        if prev.get("totals") is not None and prev.get("rows_done") == done.rows:
+            self.carried = SinkStats(**{k: v for k, v in prev["totals"].items() if k in kept})
+        else:  # the state lags the parts (or says nothing of them): the parts' own figures
+            self.carried = committed_tallies([p.path for p in committed_parts(self.outdir) if p.shard == self.tag]) \
+                if done.rows else SinkStats()
+        self._cpu0 = time.process_time()
+        for k, v in (facts or {}).items():  # a count of this start's adds to the starts' before
+            self.fields[k] = self.fields[k] + v if k in CARRIED_COUNTS else v
         if prev.get("decisions"):  # kept until this start's engine says more (a no-op rerun never does)
             self.fields["decisions"] = prev["decisions"]
         if prev.get(deaths.STATE_KEY):  # the rows the last engine death left to run alone (``deaths``)
@@ -59,10 +78,14 @@ class ShardState:
     def save(self, committed: SinkStats, state: str | None = None, **extra: Any) -> None:
         f, before = self.fields, self.before
         assert before is not None
+        totals = SinkStats()
+        totals.absorb(self.carried)
+        totals.absorb(committed)
         f.update(rows_done=before.rows + committed.rows, error_rows=before.error_rows + committed.error_rows,
-                 parts=committed.parts, last_commit_at=committed.last_commit,
-                 completion_tokens_this_run=committed.completion_tokens,
-                 elapsed_s=f["elapsed_before_s"] + time.time() - f["started_at"], **extra)
+                 parts=committed.parts, last_commit_at=committed.last_commit, commit_s=round(committed.commit_s, 4),
+                 completion_tokens_this_run=committed.completion_tokens, totals=totals.totals(),
+                 elapsed_s=f["elapsed_before_s"] + time.time() - f["started_at"],
+                 cpu_s=round(f["cpu_before_s"] + time.process_time() - self._cpu0, 3), **extra)
         if state:
             f["state"] = state
         record = self.decisions() if self.decisions else None

@@ -17,7 +17,7 @@ skip=" ${DSPINE_TEST_SKIP:-} "
 quick=0
 [ "${1:-}" = --quick ] && quick=1
 if [ "$quick" = 1 ]; then
-  DSPINE_SKIP_AZURITE=1 bash scripts/setup.sh --test || exit 1
+  DSPINE_SKIP_AZURITE=1 DSPINE_SKIP_PROMETHEUS=1 bash scripts/setup.sh --test || exit 1
   "$PY" -m ruff check . || exit 1
   exec "$PY" -m pytest -q -x -m "not slow and not sglang and not slurm" -p no:cacheprovider \
     tests/house tests/inputs tests/requests tests/run tests/outdir tests/ops tests/stages tests/cli/test_cli.py tests/cli/test_help.py
@@ -30,6 +30,8 @@ run() {
 }
 # the az:// tests fail (not skip) without Azurite here: scripts/setup.sh installed it (scripts/ci/install_azurite.sh)
 export DSPINE_REQUIRE_AZURITE=${DSPINE_REQUIRE_AZURITE:-1}
+# and the metrics tests without Prometheus and its Pushgateway (scripts/ci/install_prometheus.sh)
+export DSPINE_REQUIRE_PROMETHEUS=${DSPINE_REQUIRE_PROMETHEUS:-1}
 # pytest exits 5 when it collects nothing: that is a failure for the default suite too
 # a hang ends as a failure with the stacks (faulthandler after 5 min in one test; the whole suite after 45 min,
 # about twice what it takes on a quiet 2-core machine), not as CI's own time-out with nothing to read
