@@ -1,4 +1,4 @@
-"""Help that guides: ``generate --help`` in sections (every option in exactly one, in ``cli_help.SECTIONS``'s order),
+"""Help that guides: ``generate --help`` in sections (every option in exactly one, in ``cli.help.SECTIONS``'s order),
 the ``--engine-arg`` keys as a table naming every key the engines accept, and the error for an input without a
 prompt column naming the three options that say where the prompt is."""
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from helpers import run_cli, write_jsonl
 
 from dspine_batch.cli import cli
-from dspine_batch.cli_help import ENGINE_ARGS, SECTIONS
+from dspine_batch.cli.help import ENGINE_ARGS, SECTIONS
 
 
 def _sections(text: str) -> dict[str, list[str]]:
