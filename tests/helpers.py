@@ -783,6 +783,12 @@ def run_engine(model: str, workload: Callable[[Any], Any], draft: str | None = N
     contexts = zmq_contexts()
     try:
         engine = sglang.Engine(**kw)
+    except BaseException:  # a refused start: its processes, and the contexts its tokenizer manager made, go now
+        from dspine_batch.engines.sglang.processes import close_contexts, kill_owned
+
+        kill_owned(_child_pids() - before)
+        close_contexts(contexts)
+        raise
     finally:
         for k, v in saved.items():
             if v is None:

@@ -17,7 +17,7 @@ from fake_sglang import FakeEngine, FakeTokenizer
 from dspine_batch.engines.base import FEATURES, Request, Result, SamplingParams, Structure
 from dspine_batch.engines.sglang import engine as se
 from dspine_batch.engines.sglang import stats as sglang_stats
-from dspine_batch.errors import UsageError
+from dspine_batch.errors import FatalError, UsageError
 
 RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang_0_5_23_meta_info.json").read_text())
 
@@ -407,7 +407,7 @@ def test_close_kills_only_the_engines_processes():
         bystander.wait()
 
 
-def test_close_destroys_the_zeromq_contexts_made_since_the_engine_started(qwen3_dir, qwen3_target, tmp_path):
+def test_close_and_a_refused_start_destroy_the_zeromq_contexts_made_since_the_start(qwen3_dir, qwen3_target, tmp_path):
     """SGLang makes its ZeroMQ contexts as locals and keeps some sockets in helper objects. A context left with an
     open socket holding an unsent message hung the whole process in ``term()`` when the garbage collector met it
     later (the SGLang test leg, the second engine on). ``close`` destroys, with no linger, every context made since
@@ -430,11 +430,20 @@ def test_close_destroys_the_zeromq_contexts_made_since_the_engine_started(qwen3_
         made.update(ctx=ctx, push=push)
         return engine
 
+    def refused(**kw):  # a start SGLang gives up after its tokenizer manager made its sockets
+        factory(**kw)
+        raise RuntimeError("the scheduler died during start-up")
+
     try:
         eng = se.SGLangEngine.load(qwen3_dir, str(tmp_path / "draft"), {}, engine_factory=factory,
                                    tokenizer=FakeTokenizer(), server_parser=_mini_parser())
         eng.close()
         assert made["ctx"].closed and made["push"].closed
+        assert not older.closed
+        with pytest.raises(FatalError, match="failed to start"):
+            se.SGLangEngine.load(qwen3_dir, str(tmp_path / "draft"), {}, engine_factory=refused,
+                                 tokenizer=FakeTokenizer(), server_parser=_mini_parser())
+        assert made["ctx"].closed and made["push"].closed  # the refused start's, closed: close() never comes
         assert not older.closed
     finally:
         older.destroy(linger=0)

@@ -48,6 +48,7 @@ from dspine_batch.engines.sglang.processes import (  # noqa: F401  (re-exported)
     _SIGQUIT,
     EngineDied,
     _child_pids,
+    close_contexts,
     kill_owned,
     on_sigquit,
     reclaim_signals,
@@ -182,11 +183,13 @@ class SGLangEngine:
             engine = engine_factory(**kwargs)
         except (TypeError, ValueError) as e:  # bad ServerArgs / resolution errors (incl. DSPINE's checks)
             kill_owned(_child_pids() - before)  # whatever it had started
+            close_contexts(contexts_before)  # and the ZeroMQ contexts it had made (close() never comes)
             raise UsageError(f"--engine sglang: {e}") from e
         except Exception as e:
             from dspine_batch.errors import FatalError
 
             kill_owned(_child_pids() - before)
+            close_contexts(contexts_before)
             raise FatalError(f"--engine sglang: the engine failed to start: {type(e).__name__}: {e}") from e
         finally:
             for k, v in saved_env.items():
