@@ -84,15 +84,20 @@ def extrapolate(outdir: str, total: int, started: float, ended: float, shards: i
     if not parts:
         raise UsageError("estimate: the sample committed no rows (too few input rows for --sample-rows?)")
     t = ds.dataset([p.path for p in parts], format="parquet").to_table(
-        columns=["row_id", "status", "prompt_tokens", "completion_tokens"])
+        columns=["row_id", "status", "prompt_tokens", "completion_tokens", "finish_reason"])
     ok = t.filter(pc.equal(t.column("status"), "ok"))
+    cut = ok.filter(pc.equal(ok.column("finish_reason"), "length"))  # samples that ran to their token cap
     per_row = ok.group_by("row_id").aggregate([("completion_tokens", "sum"), ("prompt_tokens", "sum")])
     n = len(set(t.column("row_id").to_pylist()))
     gen = [x or 0 for x in per_row.column("completion_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
     read = [x or 0 for x in per_row.column("prompt_tokens_sum").to_pylist()] + [0] * (n - per_row.num_rows)
     fixed, rate = timeline(parts, started, ended)
     wall_s = ended - started
-    tokens = _total(gen, total)
+    # a row's tokens are bounded by its cap (max tokens x samples); when rows reach it, the sample's spread is
+    # capped too and understates the job's (its few short rows are what a small sample misses): the spread is then
+    # taken as at least the largest a bounded value with this mean can have (Bhatia-Davis: (cap - mean) x mean)
+    # (the cap: the most any sampled row generated, when some of its samples were cut by length)
+    tokens = _total(gen, total, per_row_max(per_row) if cut.num_rows else None)
     prompt = _total(read, total)
     errors = n - per_row.num_rows  # rows with no ok sample
 
@@ -138,12 +143,20 @@ def timeline(parts: list[Any], started: float, ended: float) -> tuple[float, flo
     return max(ended - started - (everything / rate if rate else 0.0), 0.0), rate
 
 
-def _total(per_row: list[float], total: int) -> dict[str, float]:
+def per_row_max(per_row: Any) -> float:
+    """The most generated tokens any sampled row has (all its samples)."""
+    return max(x or 0 for x in per_row.column("completion_tokens_sum").to_pylist()) if per_row.num_rows else 0.0
+
+
+def _total(per_row: list[float], total: int, cap: float | None = None) -> dict[str, float]:
     """The whole input's sum from a sample's values: mean x rows, with a 95 % interval (finite-population
-    corrected: a sample of every row has none)."""
+    corrected: a sample of every row has none). ``cap``: the values are bounded by it and some sampled rows reached
+    it; the spread used is then at least the Bhatia-Davis bound for that cap and the sample's mean."""
     n = len(per_row)
     mean = sum(per_row) / n if n else 0.0
     sd = math.sqrt(sum((x - mean) ** 2 for x in per_row) / (n - 1)) if n > 1 else 0.0
+    if cap is not None and 0.0 < mean < cap:
+        sd = max(sd, math.sqrt((cap - mean) * mean))
     half = Z95 * sd / math.sqrt(n) * math.sqrt(max(total - n, 0) / max(total - 1, 1)) * total if n else 0.0
     return {"mean": round(mean * total), "low": max(round(mean * total - half), 0), "high": round(mean * total + half),
             "per_row": _r(mean)}

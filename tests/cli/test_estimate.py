@@ -39,3 +39,21 @@ def test_estimate_of_a_job_of_stages_is_refused_in_one_line(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("dspine-batch: error: estimate: not for a job of [[stages]]")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_sample_whose_rows_reach_their_cap_does_not_trust_its_narrow_spread():
+    """Rows cut at their token cap make a sample's spread small (its few short rows are what a small sample misses):
+    the benchmark's sampled job, 29 of 31 sampled rows at the cap, put the full run outside a +/-1.4 % interval. With
+    the cap known the spread is at least the Bhatia-Davis bound, (cap - mean) x mean; without one it is the
+    sample's own."""
+    import math
+
+    from dspine_batch.run.estimate import _total
+
+    sample = [128.0] * 29 + [100.0, 90.0]
+    free, capped = _total(sample, 96), _total(sample, 96, cap=128.0)
+    assert free["mean"] == capped["mean"]
+    mean = sum(sample) / len(sample)
+    half = 1.96 * math.sqrt((128 - mean) * mean) / math.sqrt(31) * math.sqrt(65 / 95) * 96
+    assert capped["high"] - capped["mean"] >= round(half) - 1 > 1.5 * (free["high"] - free["mean"])
+    assert _total([128.0] * 31, 96, cap=128.0)["low"] == 96 * 128  # every row at the cap: nothing to widen
