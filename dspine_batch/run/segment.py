@@ -291,10 +291,11 @@ class Segment:
         for rid in getattr(e, "in_flight", None) or []:
             k, own = rid.split(":", 1) if self.tagged else (self.seg[0].spec.index, rid)
             by_stage[int(k)].append(own)
+        first = self.seg[0].state
+        assert first is not None
+        first.fields["engine_deaths"] = first.fields.get("engine_deaths", 0) + 1  # the metrics' count, all starts
         for st in self.seg:
             assert st.state is not None
-            if st is self.seg[0]:  # the metrics' count of the shard's engine deaths, all starts
-                st.state.fields["engine_deaths"] = st.state.fields.get("engine_deaths", 0) + 1
             if by_stage[st.spec.index] or st is self.seg[0]:  # the first stage counts deaths even with none
                 died = deaths.after_death(deaths.Death.of(st.state.fields.get(deaths.STATE_KEY)), e)
                 died.rows = by_stage[st.spec.index]

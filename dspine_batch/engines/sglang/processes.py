@@ -106,16 +106,22 @@ def close_sockets(engine: Any) -> None:
             ctx.destroy(linger=0)
 
 
-def zmq_contexts() -> Any:
-    """The ZeroMQ contexts alive in this process now (a weak set; the garbage collector's list), taken before an
-    engine starts so that ``close_contexts`` can tell the engine's from the others."""
-    import weakref
-
+def _live_contexts() -> list[Any]:
+    """The ZeroMQ contexts alive in this process (the garbage collector's list; [] without pyzmq). ``type(o)``, not
+    ``isinstance``: a proxy's ``__class__`` is never asked (torch's deprecated ``reduce_op`` warns when it is)."""
     try:
         import zmq
     except ImportError:
-        return weakref.WeakSet()
-    return weakref.WeakSet(o for o in gc.get_objects() if issubclass(type(o), zmq.Context))
+        return []
+    return [o for o in gc.get_objects() if issubclass(type(o), zmq.Context)]
+
+
+def zmq_contexts() -> Any:
+    """The ZeroMQ contexts alive in this process now (a weak set), taken before an engine starts so that
+    ``close_contexts`` can tell the engine's from the others."""
+    import weakref
+
+    return weakref.WeakSet(_live_contexts())
 
 
 def close_contexts(before: Any) -> None:
@@ -126,11 +132,7 @@ def close_contexts(before: Any) -> None:
     ``term()`` (the SGLang test leg, two engines on). Only this process's engine makes contexts between its start
     and its close in dspine-batch; a library user sharing the process with other ZeroMQ users passes no
     ``contexts_before``."""
-    try:
-        import zmq
-    except ImportError:
-        return
-    for ctx in [o for o in gc.get_objects() if issubclass(type(o), zmq.Context)]:  # type(): no proxy's __class__
+    for ctx in _live_contexts():
         if ctx not in before and not ctx.closed:
             ctx.destroy(linger=0)
 
