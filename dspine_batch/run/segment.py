@@ -171,8 +171,7 @@ class Segment:
             self._stop_on_full_disk()
             raise
         except deaths.RepeatedDeath:
-            fields = self.seg[0].state.fields
-            fields["engine_deaths"] = fields.get("engine_deaths", 0) + 1
+            self.seg[0].state.count("engine_deaths")
             self._stop_with("interrupted")  # the row it died on is committed as an error row
             return EXIT_INTERRUPTED
         except EngineDied as e:
@@ -188,7 +187,7 @@ class Segment:
                 run.selector.recorder.finish(complete=False)
         if watchdog.fired:  # rows past --request-timeout are error rows now, not the next start's stall
             assert first.state is not None
-            first.state.fields["watchdog_firings"] = first.state.fields.get("watchdog_firings", 0) + 1
+            first.state.count("watchdog_firings")
             for item, results in self.inflight.expire():
                 self.take(item, results)
         try:
@@ -293,7 +292,7 @@ class Segment:
             by_stage[int(k)].append(own)
         first = self.seg[0].state
         assert first is not None
-        first.fields["engine_deaths"] = first.fields.get("engine_deaths", 0) + 1  # the metrics' count, all starts
+        first.count("engine_deaths")  # the metrics' count, all starts
         for st in self.seg:
             assert st.state is not None
             if by_stage[st.spec.index] or st is self.seg[0]:  # the first stage counts deaths even with none

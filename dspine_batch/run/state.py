@@ -75,6 +75,10 @@ class ShardState:
                 "of this shard")
         self.save(SinkStats())
 
+    def count(self, key: str) -> None:
+        """One more of a carried count (``CARRIED_COUNTS``: engine deaths, watchdog firings), kept across starts."""
+        self.fields[key] = int(self.fields.get(key, 0)) + 1
+
     def save(self, committed: SinkStats, state: str | None = None, **extra: Any) -> None:
         f, before = self.fields, self.before
         assert before is not None
