@@ -391,7 +391,7 @@ def test_a_lost_race_for_a_log_position_decides_the_part_again(tmp_path):
     assert _settled(a, ["y", "z"]) == [False, True]  # a in turn loses position 1 to b's y
     assert len(list((tmp_path / "_dspine" / "dedup").glob("log-*"))) == 3
 def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, capsys):
-    """The audit behind the claims: shards that dedup alone (claims switched off) keep one row per score each;
+    """The audit behind the key log: shards that dedup alone (the log switched off) keep one row per score each;
     ``finalize`` names the shared key's rows and writes no ``_SUCCESS``."""
     import dspine_batch.run.stage as run
 
@@ -411,7 +411,8 @@ def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("shards", [1, 2])
 def test_minhash_keeps_one_row_of_each_group_of_near_duplicates(tmp_path, shards):
     """``dedup = "minhash"``: one kept row per group of near duplicates (case, punctuation, one word changed),
-    every text that only shares words kept, on one shard or two at once; the index lives in band claims on disk."""
+    every text that only shares words kept, on one shard or two at once; the index lives in the stage's key log
+    (one entry a part, kept rows only)."""
     src, out = near_docs(tmp_path), tmp_path / "out"
     job = near_job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
     run_shards(["generate", "--config", job], shards)
