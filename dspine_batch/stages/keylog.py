@@ -14,7 +14,8 @@ A part's rows are decided against everything the log holds before its entry (``r
 key an earlier entry (or an earlier row of its shard) holds is a duplicate. Losing the race for position ``n``
 (another shard appended first) means reading that entry, deciding the part again and trying ``n + 1``: optimistic
 concurrency, so the requests a part costs are one write, plus one read for each entry other shards appended
-since this shard last looked (and one failed write when it lost a race). They grow with parts, not rows.
+since this shard last looked and one that finds the end (and one failed write when it lost a race: a shard that
+sees others appending reads before it writes). They grow with parts, not rows.
 
 A crash between a part's entry and its commit record leaves an entry whose part never committed. Other shards
 cannot tell, and take its keys as held (a row of theirs with such a key is dropped: the guarantee that holds in
@@ -82,7 +83,10 @@ class KeyLog:
     output: Any
     space: str = EXACT_SPACE
     next: int = 0  # the first position this shard has not read (nor written)
-    contended: bool = False  # the last append lost a race: read before writing next time (saves a failed write)
+    # read before writing next time: at the start (the log may hold anything), and while other shards are seen
+    # appending (then a blind write would mostly lose its race and upload its entry for nothing); a shard that
+    # found nothing new writes first: one request a part
+    busy: bool = True
     requests: dict[str, int] = field(default_factory=lambda: {"get": 0, "create": 0})
 
     def name(self, n: int) -> str:
@@ -95,6 +99,7 @@ class KeyLog:
             self.requests["get"] += 1
             data = self.output.store.get(self.name(self.next))
             if data is None:
+                self.busy = bool(got)
                 return got
             got.append(decode(data))
             self.next += 1
@@ -105,7 +110,6 @@ class KeyLog:
         self.requests["create"] += 1
         if self.output.store.create(self.name(self.next), entry.encode()):
             self.next += 1
-            self.contended = False
             return True
-        self.contended = True
+        self.busy = True
         return False

@@ -257,7 +257,7 @@ class Judge:
         sigs = {i: self.pending.pop(items[i].row_id) for i in cands} if self.index is not None else {}
         if not cands:
             return items
-        if self.log is not None and self.log.contended:
+        if self.log is not None and self.log.busy:
             self._absorb()
         while True:
             kept = self._decided(items, cands, sigs, at["dedup_key"])

@@ -385,9 +385,10 @@ def test_a_lost_race_for_a_log_position_decides_the_part_again(tmp_path):
     """Two shards decide parts at the same moment: the one whose append loses the position reads the winner's
     entry and decides again, so the key the winner kept is dropped (and the next position taken)."""
     a, b = _log_judge(tmp_path, "00000-of-00002"), _log_judge(tmp_path, "00001-of-00002")
+    assert b.log.read_new() == [] and not b.log.busy  # b looked: nothing yet, so it will write first
     assert _settled(a, ["x"]) == [True]
     assert _settled(b, ["y"]) == [True]  # b had not read a's entry: it lost position 0, read it, took 1
-    assert b.log.requests == {"get": 2, "create": 2} and b.log.contended is False
+    assert b.log.requests == {"get": 3, "create": 2} and b.log.busy  # others append: b reads first from now on
     assert _settled(a, ["y", "z"]) == [False, True]  # a in turn loses position 1 to b's y
     assert len(list((tmp_path / "_dspine" / "dedup").glob("log-*"))) == 3
 def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, capsys):
