@@ -13,6 +13,8 @@ key log after), the bytes they carried (PUT bodies; GETs as the size of the obje
 Usage:
     python scripts/bench/bench_store_requests.py --trees /path/to/base /path/to/new --rows 20000 --repeats 2
     python scripts/bench/bench_store_requests.py --trees /path/to/new --dedup exact --shards 2 --rows 100000
+    python scripts/bench/bench_store_requests.py --trees /path/to/new --dedup minhash --shards 4 --rows 100000 \
+        --commit-seconds 600
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def dedup_input(path: Path, rows: int) -> None:
 
 
 def dedup_counted(tree: str, src: Path, rows: int, dedup: str, shards: int, tag: str, endpoint: str, rec: Path,
-                  s3) -> dict:
+                  s3, commit_seconds: float | None = None) -> dict:
     """One sharded dedup job, every request it made counted at the server, and those of the dedup alone."""
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true", PYTHONPATH=tree)
@@ -112,8 +114,9 @@ dedup-on = "text"
     urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/start-recording", method="POST"))
     procs = [subprocess.Popen([sys.executable, "-m", "dspine_batch.cli", "generate", "--config", str(job), "--engine",
                                "scripted", "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024",
-                               "--progress", "none", "--shard", f"{i}/{shards}"], env=env, stderr=subprocess.PIPE,
-                              cwd=tree)
+                               "--progress", "none", "--shard", f"{i}/{shards}",
+                               *(["--commit-seconds", str(commit_seconds)] if commit_seconds else [])],
+                              env=env, stderr=subprocess.PIPE, cwd=tree)
              for i in range(shards)]
     for p in procs:
         _, err = p.communicate()
@@ -139,8 +142,10 @@ dedup-on = "text"
         elif k == "GET":
             get_bytes += sizes.get(path.split(f"/{BUCKET}/", 1)[-1], 0)
     n_dedup = sum(ours.values())
+    parts = sum(1 for key in sizes if key.startswith(f"{tag}/notes/") and key.endswith(".parquet"))
     return {"dedup": dedup, "shards": shards, "all": dict(sorted(total.items())), "dedup_requests": dict(ours),
-            "dedup_total": n_dedup, "dedup_put_bytes": put_bytes, "dedup_get_bytes": get_bytes,
+            "dedup_total": n_dedup, "parts": parts, "dedup_per_part": round(n_dedup / max(parts, 1), 2),
+            "dedup_put_bytes": put_bytes, "dedup_get_bytes": get_bytes,
             "dedup_per_1M_rows": round(n_dedup * 1_000_000 / rows),
             "dedup_bytes_per_1M_rows": round((put_bytes + get_bytes) * 1_000_000 / rows),
             "all_per_1M_rows": round(sum(total.values()) * 1_000_000 / rows),
@@ -155,6 +160,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dedup", choices=("exact", "minhash"), default=None, help="count a sharded dedup job instead")
     ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--commit-seconds", type=float, default=None,
+                    help="--dedup: the jobs' --commit-seconds (default the tool's: a slow stage's parts end by time)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_requests_"))
     rec = tmp / "recording.jsonl"
@@ -173,7 +180,8 @@ def main() -> None:
             runs = []
             for r in range(a.repeats):
                 for i, tree in enumerate(a.trees):  # alternating
-                    got = dedup_counted(tree, src, a.rows, a.dedup, a.shards, f"d{i}-r{r}", endpoint, rec, s3)
+                    got = dedup_counted(tree, src, a.rows, a.dedup, a.shards, f"d{i}-r{r}", endpoint, rec, s3,
+                                        a.commit_seconds)
                     runs.append({"tree": tree, **got})
                     print(f"{tree} #{r}: {got['dedup_total']} dedup requests, {got['dedup_per_1M_rows']:,} per 1M "
                           f"rows", file=sys.stderr)
