@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import read_output, run_cli, spawn, write_jsonl
+from helpers import near_job, read_output, run_cli, spawn, write_jsonl
 from test_objstore_crash import _wait
 from test_objstore_generate import read_s3_output
 
@@ -41,22 +41,7 @@ def _inputs(tmp_path: Path, dedup: str) -> Path:
 
 
 def _job(tmp_path: Path, src: Path, out: str, dedup: str, extra: str = "") -> str:
-    job = tmp_path / f"job-{dedup}-{out.rstrip('/').rsplit('/', 1)[-1]}.toml"
-    job.write_text(f'''inputs = ["{src}"]
-output = "{out}"
-id-column = "doc_id"
-max-new-tokens = 8
-commit-rows = 20
-commit-seconds = 5
-{extra}
-[[stages]]
-name = "notes"
-template = "Note on: {{{{ text }}}}"
-dedup = "{dedup}"
-dedup-on = "text"
-{'dedup-threshold = 0.7' if dedup == 'minhash' else ''}
-''')
-    return str(job)
+    return near_job(tmp_path, src, out, f"commit-seconds = 5\n{extra}", dedup, commit_rows=20)
 
 
 class _Local:
