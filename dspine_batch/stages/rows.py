@@ -174,22 +174,51 @@ def for_want_of_text(why: str | None, where: str) -> bool:
 @dataclass
 class NearIndex:
     """The kept rows' MinHash signatures by LSH band (``near``): this shard's, and every other shard's the key log
-    holds. A band lists every row holding it, so a false positive never hides a near duplicate behind it."""
+    holds. A band lists every row holding it, so a false positive never hides a near duplicate behind it.
+
+    Compact, since every shard holds the whole job's kept rows: signatures in one growing ``uint32`` array (512
+    bytes a row), bands as sorted ``uint64`` hashes with the row each belongs to (12 bytes a band), new bands in a
+    small dict merged into the sorted arrays as it grows (an insert of a sorted batch: linear, not a re-sort)."""
 
     threshold: float
     bands: near.Bands
-    sigs: list[np.ndarray] = field(default_factory=list)
-    by_band: dict[int, list[int]] = field(default_factory=dict)
+    n: int = 0
+    sigs: np.ndarray = field(default_factory=lambda: np.empty((0, near.NUM_PERM), np.uint32))
+    keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))  # sorted band hashes
+    rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))  # the row of each
+    recent: dict[int, list[int]] = field(default_factory=dict)
+    in_recent: int = 0
+
+    def _holding(self, h: int) -> list[int]:
+        at = np.uint64(h)
+        lo, hi = np.searchsorted(self.keys, at, "left"), np.searchsorted(self.keys, at, "right")
+        return self.rows[lo:hi].tolist() + self.recent.get(h, [])
 
     def near_one(self, sig: np.ndarray, hashes: list[int]) -> bool:
         """Whether a row held here is a near duplicate of ``sig`` (``hashes``: its bands)."""
-        return any(near.similarity(sig, self.sigs[j]) >= self.threshold
-                   for h in hashes for j in self.by_band.get(h, ()))
+        return any(near.similarity(sig, self.sigs[j]) >= self.threshold for h in hashes for j in self._holding(h))
 
     def add(self, sig: np.ndarray, hashes: list[int] | None = None) -> None:
-        self.sigs.append(sig)
+        if self.n == len(self.sigs):
+            grown = np.empty((max(1024, 2 * self.n), near.NUM_PERM), np.uint32)
+            grown[:self.n] = self.sigs[:self.n]
+            self.sigs = grown
+        self.sigs[self.n] = sig
         for h in hashes if hashes is not None else near.band_hashes(sig, self.bands):
-            self.by_band.setdefault(h, []).append(len(self.sigs) - 1)
+            self.recent.setdefault(h, []).append(self.n)
+            self.in_recent += 1
+        self.n += 1
+        if self.in_recent >= max(65536, len(self.keys) // 8):
+            self._merge()
+
+    def _merge(self) -> None:
+        ks = np.fromiter((h for h, js in self.recent.items() for _ in js), np.uint64, self.in_recent)
+        rs = np.fromiter((j for js in self.recent.values() for j in js), np.uint32, self.in_recent)
+        order = np.argsort(ks, kind="stable")
+        ks, rs = ks[order], rs[order]
+        at = np.searchsorted(self.keys, ks)
+        self.keys, self.rows = np.insert(self.keys, at, ks), np.insert(self.rows, at, rs)
+        self.recent, self.in_recent = {}, 0
 
 
 @dataclass

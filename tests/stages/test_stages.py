@@ -457,3 +457,24 @@ def test_a_band_shared_by_rows_that_are_no_duplicates_keeps_every_one_of_them(tm
     other = _log_judge(tmp_path, "00001-of-00002", "minhash")
     fresh = "deep roots hold the soil of the river bank against the spring floods every year"
     assert _settled(other, [c, fresh]) == [False, True]  # through the log: B holds C; a new text is kept
+
+
+def test_the_band_index_finds_every_row_after_it_merges_its_new_bands():
+    """``rows.NearIndex`` keeps new bands in a dict and merges them into sorted arrays past 65,536: rows on either
+    side of a merge (and a row sharing a band with one without being near it) are found, a fresh row is not."""
+    import numpy as np
+
+    from dspine_batch.stages import near
+    from dspine_batch.stages.rows import NearIndex
+
+    bands = near.bands_for(0.8)
+    rng = np.random.default_rng(56)
+    sigs = rng.integers(0, 2**32, (8000, near.NUM_PERM), dtype=np.uint32)
+    index = NearIndex(0.8, bands)
+    for s in sigs:
+        index.add(s)
+    assert len(index.keys) >= 65536 and index.in_recent < 65536  # merged at least once, the rest still new
+    assert all(index.near_one(sigs[k], near.band_hashes(sigs[k], bands)) for k in (0, 4000, 7999))
+    fresh = rng.integers(0, 2**32, near.NUM_PERM, dtype=np.uint32)
+    assert not index.near_one(fresh, near.band_hashes(fresh, bands))
+    assert not index.near_one(fresh, near.band_hashes(sigs[0], bands))  # shares row 0's bands, is not near it
