@@ -224,7 +224,7 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     st.sink = sink
     if st.lineage:
         own = committed_kept(st) if st.spec.dedup is not None else set()
-        st.judge = Judge(st.spec, {key for _, key in own}, own, shard=job.tag)
+        st.judge = Judge(st.spec, {key for _, key in own} if st.spec.dedup == "exact" else set(), own, shard=job.tag)
         if st.spec.dedup == "minhash":  # the signatures of every shard's kept rows (its own committed: from the log)
             st.judge.log = KeyLog(job.output, NEAR_SPACE)
         elif st.spec.dedup is not None and job.shard[1] > 1:  # other shards keep rows this one cannot see

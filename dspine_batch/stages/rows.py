@@ -297,9 +297,10 @@ class Judge:
         for i in cands:
             key = items[i].keep[at["dedup_key"]]
             if i in kept:
-                self.seen.add(key)
                 if self.index is not None:
                     self.index.add(sigs[i])
+                else:
+                    self.seen.add(key)
                 continue
             self.duplicates += 1
             values = list(items[i].keep)
