@@ -153,3 +153,33 @@ def test_sharded_dedup_killed_in_every_shard_keeps_what_one_run_keeps(tmp_path, 
     assert 0 < len(entries) <= store.parts() + kills  # one entry a committed part, one more a killed attempt
     if isinstance(store, _Local):
         assert run_cli(["finalize", store.out]) == 0  # the audit: no kept key shared across shards
+
+
+def test_a_shard_killed_between_its_log_entry_and_its_commit_takes_its_keys_back(tmp_path):
+    """kill -9 at the one step the key log adds (``tests/killpoint_cli.py``: right after shard 0 created its second
+    entry, before that part's commit record): shard 1, run next, takes the dead entry's keys as held and drops its
+    rows with them; shard 0's rerun reads its own dead entry as holding nothing, so it keeps those keys itself — the
+    job keeps each key once, and the keys one unsharded run keeps (none lost to the dead entry)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    src = _inputs(tmp_path, "exact")
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_cli(["generate", "--config", _job(tmp_path, src, str(ref), "exact")]) == 0
+    job = _job(tmp_path, src, str(out), "exact")
+    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "killpoint_cli.py"), "generate", "--config", job,
+                             "--shard", "0/2"], env=subprocess_env(DSPINE_TEST_KILL_AT="after:link:log-*:2"),
+                            capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    entries = sorted((out / "notes" / "_dspine" / "dedup").glob("log-*"))
+    assert len(entries) == 2 and len(list((out / "notes").glob("*.parquet"))) == 1  # the second part never committed
+    for shard in (1, 0):
+        assert run_cli(["generate", "--config", job, "--shard", f"{shard}/2"]) == 0
+    rows = read_output(out / "notes")
+    assert sorted(r["row_id"] for r in rows) == sorted(r["row_id"] for r in read_output(ref / "notes"))
+    keys = [r["dedup_key"] for r in rows if r["kept"]]
+    assert len(keys) == len(set(keys)) == KEYS
+    assert set(keys) == {r["dedup_key"] for r in read_output(ref / "notes") if r["kept"]}
+    assert run_cli(["finalize", str(out)]) == 0
