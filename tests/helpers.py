@@ -957,21 +957,21 @@ def near_docs(tmp_path):
     return write_jsonl(tmp_path / "near.jsonl", rows)
 
 
-def near_job(tmp_path, src, out, extra: str = "") -> str:
-    """A one-stage job file whose stage drops near duplicates of the input's ``text`` (``dedup = "minhash"``, 0.7)
-    writing to ``out`` (a directory or a URL)."""
+def near_job(tmp_path, src, out, extra: str = "", dedup: str = "minhash", commit_rows: int = 2) -> str:
+    """A one-stage job file whose stage drops near duplicates of the input's ``text`` (``dedup = "minhash"``, 0.7;
+    or ``dedup = "exact"``) writing to ``out`` (a directory or a URL)."""
     job = tmp_path / f"near-{str(out).rstrip('/').rsplit('/', 1)[-1]}.toml"
     job.write_text(f'''inputs = ["{src}"]
 output = "{out}"
 id-column = "doc_id"
 max-new-tokens = 8
-commit-rows = 2
+commit-rows = {commit_rows}
 {extra}
 [[stages]]
 name = "notes"
 template = "Note on: {{{{ text }}}}"
-dedup = "minhash"
+dedup = "{dedup}"
 dedup-on = "text"
-dedup-threshold = 0.7
+{"dedup-threshold = 0.7" if dedup == "minhash" else ""}
 ''')
     return str(job)

@@ -34,7 +34,7 @@ class Outdir:
         check_outdir_url(where)
         self.store = ObjectStore(where)
         self.display = self.store.display
-        self.path = self.store.root  # a local OUTDIR's directory (``stages.claims`` writes under it)
+        self.path = self.store.root  # a local OUTDIR's directory (``stages.keylog`` writes under it)
         self.remote = not self.store.local
         self.inline = self.store.local
         self.verify_on_start = self.store.local

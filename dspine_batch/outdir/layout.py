@@ -32,7 +32,7 @@ KEYS = f"{STATE}/keys"
 DAMAGED = f"{STATE}/damaged"
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS"
-CLAIM_SPACES = ("dedup", "minhash")  # ``stages.claims``' folders under STATE: wiped with the run
+CLAIM_SPACES = ("dedup", "minhash")  # ``stages.keylog``'s folders under STATE: wiped with the run
 # what may be in an OUTDIR's top folder besides parts ("." names: a crash's temp and legacy staging files)
 OUTPUT_NAMES = re.compile(r"^(train-.*\.parquet|\..*\.inprogress|\..*\.tmp|_manifest\.json|_dspine|_SUCCESS|"
                           r"_report\.json)$")

@@ -151,7 +151,7 @@ class OutDir(Outdir):
         ours = [f"{KEYS}/{n}" for n in self.store.list(KEYS)] + [f"{STAGING}/{n}" for n in self.store.list(STAGING)]
         ours += [f"{STATE}/{n}" for n in self.store.list(STATE) if not n.startswith(("lease-", "lock-"))]
         self.store.delete_many(ours + top)
-        for space in CLAIM_SPACES:  # a stage's dedup claims
+        for space in CLAIM_SPACES:  # a stage's dedup key log
             self.store.delete_tree(f"{STATE}/{space}")
         self.forget_records()
 

@@ -24,7 +24,7 @@ from dspine_batch.errors import (
 from dspine_batch.inputs.sources import InputFile
 from dspine_batch.log import log
 from dspine_batch.outdir.done import DoneSet
-from dspine_batch.outdir.keyset import key_hash
+from dspine_batch.outdir.keyset import key_hash, key_hashes
 from dspine_batch.outdir.output import arrow_path, committed_parts
 from dspine_batch.outdir.schema import output_schema
 from dspine_batch.requests.answers import Answers
@@ -44,7 +44,7 @@ from dspine_batch.run.shard import attempt_from_env
 from dspine_batch.run.shutdown import Shutdown
 from dspine_batch.run.sink import PartSink
 from dspine_batch.run.state import ShardState, manifest_meta
-from dspine_batch.stages.claims import NEAR_SPACE, Claims
+from dspine_batch.stages.keylog import NEAR_SPACE, KeyLog
 from dspine_batch.stages.rows import (
     Judge,
     Parent,
@@ -150,6 +150,8 @@ class StageSink(PartSink):
     stage: Stage | None = None
 
     def commit(self) -> bool:
+        if self.stage is not None and self.stage.judge is not None and self.items:
+            self._settle(self.stage.judge)
         owners, results = self.owners, self.results
         wrote = super().commit()
         st = self.stage
@@ -158,6 +160,15 @@ class StageSink(PartSink):
                 st.job.output.flush()
             st.on_part(owners, results)
         return wrote
+
+    def _settle(self, judge: Judge) -> None:
+        """The part's dedup decided (``Judge.settle``: against every shard's kept keys) before its rows are built."""
+        before = judge.duplicates
+        settled = judge.settle(self.items, self.keep_names)
+        if judge.duplicates != before:
+            now = {id(old): new for old, new in zip(self.items, settled, strict=True)}
+            self.items, self.owners = settled, [now[id(o)] for o in self.owners]
+            self.pending.duplicates += judge.duplicates - before
 
 
 def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> None:
@@ -212,12 +223,12 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     sink.stage = st
     st.sink = sink
     if st.lineage:
-        st.judge = Judge(st.spec, committed_keys(st) if st.spec.dedup == "exact" else set(),
-                         kept_rows=committed_kept_rows(st) if st.spec.dedup == "minhash" else set())
-        if st.spec.dedup == "minhash":  # the band index lives in claims (``near``): shared, and not in memory
-            st.judge.claims, st.judge.shard = Claims(job.output, NEAR_SPACE), job.tag
+        own = committed_kept(st) if st.spec.dedup is not None else set()
+        st.judge = Judge(st.spec, {key for _, key in own} if st.spec.dedup == "exact" else set(), own, shard=job.tag)
+        if st.spec.dedup == "minhash":  # the signatures of every shard's kept rows (its own committed: from the log)
+            st.judge.log = KeyLog(job.output, NEAR_SPACE)
         elif st.spec.dedup is not None and job.shard[1] > 1:  # other shards keep rows this one cannot see
-            st.judge.claims, st.judge.shard = Claims(job.output), job.tag
+            st.judge.log = KeyLog(job.output)
     st.answers = Answers(tokenizer, cfg.reasoning_parser, cfg.tool_call_parser, log)
     st.file = InputFile(job.outdir if parent is None else parent.job.outdir,
                         f"stage {parent.name}" if parent else "input", "jsonl")
@@ -228,25 +239,15 @@ def part_paths_of(st: Stage) -> list[str]:
     return [p.path for p in committed_parts(st.job.outdir) if p.shard == st.job.tag]
 
 
-def committed_keys(st: Stage) -> set[str]:
-    """The dedup keys of a stage's committed kept rows (the set a resume starts from)."""
-    keys: set[str] = set()
+def committed_kept(st: Stage) -> set[tuple[int, str]]:
+    """(row-id hash, dedup key) of a stage's committed kept rows in this shard: what a resume starts dedup from."""
+    kept: set[tuple[int, str]] = set()
     for path in part_paths_of(st):
-        t = pq.read_table(**arrow_path(path), columns=["kept", "dedup_key"])
-        for kept, key in zip(t.column("kept").to_pylist(), t.column("dedup_key").to_pylist(), strict=True):
-            if kept and key:
-                keys.add(key)
-    return keys
-
-
-def committed_kept_rows(st: Stage) -> set[str]:
-    """The ids of a stage's committed kept rows in this shard (a minhash stage's: whose band claims are live)."""
-    rows: set[str] = set()
-    for path in part_paths_of(st):
-        t = pq.read_table(**arrow_path(path), columns=["row_id", "kept"])
-        rows.update(r for r, kept in zip(t.column("row_id").to_pylist(), t.column("kept").to_pylist(), strict=True)
-                    if kept)
-    return rows
+        t = pq.read_table(**arrow_path(path), columns=["row_id", "kept", "dedup_key"])
+        rows = [(r, key) for r, k, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")),
+                                               strict=True) if k and key]
+        kept.update(zip(key_hashes(r for r, _ in rows).tolist(), (key for _, key in rows), strict=True))
+    return kept
 
 
 def parents_of(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterator[Parent]:

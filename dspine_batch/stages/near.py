@@ -7,18 +7,15 @@ whose Jaccard similarity reaches the threshold share a band with high probabilit
 candidates, and the row is a duplicate when its signature's estimate of the Jaccard similarity with the
 candidate's reaches the threshold.
 
-The band index does not live in memory: each band of a kept row is a create-only claim (``claims``) under the
-stage's output, carrying the row's signature, so the index is shared by every shard and a stage's memory does not
-grow with the job. A row claims its bands in one order (sorted band keys) and stops at the first band held by a
-near-duplicate, giving up what it claimed: of two near-duplicates decided at the same moment on two shards, the
-one that wins the first band they share is kept, the other finds it there. A band held by a row that is no near
-duplicate (an LSH false positive) is a chain: the row takes the band's next free slot, so the band keeps every
-row that shares it.
+The band index is the job's, not the shard's: each part's kept rows go into the stage's key log (``keylog``) with
+their signatures, every shard reads the others' entries, and a row is decided against every row kept before it in
+the log's order (``rows.Judge``): a row is a duplicate when it shares a band with an earlier kept row whose
+signature estimates their Jaccard similarity at the threshold or more. A band shared by rows that are no near
+duplicates (an LSH false positive) keeps every one of them, so a third row near the second still finds it.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import re
 from dataclasses import dataclass
@@ -29,7 +26,6 @@ import numpy as np
 from dspine_batch.errors import UsageError
 
 NUM_PERM = 128
-CHAIN = 64  # slots a band may take (``rows.Judge._near_claimed``): rows sharing it without being near duplicates
 SEED = 1  # fixed: a signature must mean the same on every shard and every resume
 _WORD = re.compile(r"\w+")
 
@@ -71,25 +67,13 @@ def signature(text: str, ngram: int) -> np.ndarray:
     return m.hashvalues.astype(np.uint32)
 
 
-def band_keys(sig: np.ndarray, bands: Bands) -> list[str]:
-    """One key per band (its index and values hashed), sorted: the order every row claims them in."""
-    keys = []
+def band_hashes(sig: np.ndarray, bands: Bands) -> list[int]:
+    """One 64-bit hash per band (its index and values): rows sharing one are LSH candidates of each other."""
+    out = []
     for b in range(bands.count):
         chunk = sig[b * bands.rows:(b + 1) * bands.rows]
-        keys.append(hashlib.blake2b(bytes([b]) + chunk.tobytes(), digest_size=12).hexdigest())
-    return sorted(keys)
-
-
-def encode(sig: np.ndarray) -> str:
-    return base64.b64encode(sig.astype("<u4").tobytes()).decode()
-
-
-def decode(note: str) -> np.ndarray | None:
-    try:
-        sig = np.frombuffer(base64.b64decode(note, validate=True), dtype="<u4")
-    except ValueError:
-        return None
-    return sig if sig.size == NUM_PERM else None
+        out.append(int.from_bytes(hashlib.blake2b(bytes([b]) + chunk.tobytes(), digest_size=8).digest(), "little"))
+    return out
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> float:

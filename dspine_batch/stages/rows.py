@@ -17,15 +17,17 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
 from dspine_batch.errors import RowError
+from dspine_batch.outdir.keyset import key_hashes
 from dspine_batch.outdir.output import arrow_path
 from dspine_batch.requests.mapping import WorkItem
 from dspine_batch.stages import near
-from dspine_batch.stages.claims import RELEASED, Claims, Owner
+from dspine_batch.stages.keylog import Entry, KeyLog
 from dspine_batch.stages.spec import StageSpec
 
 LINEAGE_FIELDS = ("root_id", "lineage", "context", "kept", "dropped_by", "dedup_key")
@@ -170,19 +172,80 @@ def for_want_of_text(why: str | None, where: str) -> bool:
 
 
 @dataclass
+class NearIndex:
+    """The kept rows' MinHash signatures by LSH band (``near``): this shard's, and every other shard's the key log
+    holds. A band lists every row holding it, so a false positive never hides a near duplicate behind it.
+
+    Compact, since every shard holds the whole job's kept rows: signatures in one growing ``uint32`` array (512
+    bytes a row), bands as sorted ``uint64`` hashes with the row each belongs to (12 bytes a band), new bands in a
+    small dict merged into the sorted arrays as it grows (an insert of a sorted batch: linear, not a re-sort)."""
+
+    threshold: float
+    bands: near.Bands
+    n: int = 0
+    sigs: np.ndarray = field(default_factory=lambda: np.empty((0, near.NUM_PERM), np.uint32))
+    keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))  # sorted band hashes
+    rows: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))  # the row of each
+    recent: dict[int, list[int]] = field(default_factory=dict)
+    in_recent: int = 0
+
+    def _holding(self, h: int) -> list[int]:
+        at = np.uint64(h)
+        lo, hi = np.searchsorted(self.keys, at, "left"), np.searchsorted(self.keys, at, "right")
+        return self.rows[lo:hi].tolist() + self.recent.get(h, [])
+
+    def near_one(self, sig: np.ndarray, hashes: list[int]) -> bool:
+        """Whether a row held here is a near duplicate of ``sig`` (``hashes``: its bands)."""
+        return any(near.similarity(sig, self.sigs[j]) >= self.threshold for h in hashes for j in self._holding(h))
+
+    def add(self, sig: np.ndarray, hashes: list[int] | None = None) -> None:
+        if self.n == len(self.sigs):
+            grown = np.empty((max(1024, 2 * self.n), near.NUM_PERM), np.uint32)
+            grown[:self.n] = self.sigs[:self.n]
+            self.sigs = grown
+        self.sigs[self.n] = sig
+        for h in hashes if hashes is not None else near.band_hashes(sig, self.bands):
+            self.recent.setdefault(h, []).append(self.n)
+            self.in_recent += 1
+        self.n += 1
+        if self.in_recent >= max(65536, len(self.keys) // 8):
+            self._merge()
+
+    def _merge(self) -> None:
+        ks = np.fromiter((h for h, js in self.recent.items() for _ in js), np.uint64, self.in_recent)
+        rs = np.fromiter((j for js in self.recent.values() for j in js), np.uint32, self.in_recent)
+        order = np.argsort(ks, kind="stable")
+        ks, rs = ks[order], rs[order]
+        at = np.searchsorted(self.keys, ks)
+        self.keys, self.rows = np.insert(self.keys, at, ks), np.insert(self.rows, at, rs)
+        self.recent, self.in_recent = {}, 0
+
+
+@dataclass
 class Judge:
-    """Decides ``kept`` / ``dropped_by`` / ``dedup_key`` of a stage's finished rows, in the order they are
-    committed; ``seen`` holds the dedup keys of the kept rows (rebuilt from the committed parts on resume)."""
+    """Decides ``kept`` / ``dropped_by`` / ``dedup_key`` of a stage's finished rows. ``where`` is decided as a row
+    reaches its sink (``decide``); ``dedup`` when its part is about to be committed (``settle``), all of the part's
+    rows at once against every key held before them: this shard's committed and decided rows (``seen``, rebuilt
+    from the committed parts on resume) and, through the stage's key log (``keylog``), every other shard's. A
+    job of one shard doing exact dedup needs no log (its ``seen`` sees every row)."""
 
     spec: StageSpec
-    seen: set[str] = field(default_factory=set)
-    kept_rows: set[str] = field(default_factory=set)  # minhash: this shard's kept row ids (claims left by others)
-    claims: Claims | None = None  # a sharded job's: keys claimed across its shards (``claims``)
+    seen: set[str] = field(default_factory=set)  # exact: every key held (this shard's, and the log's)
+    own: set[tuple[int, str]] = field(default_factory=set)  # (row hash, key) of this shard's committed kept rows
+    log: KeyLog | None = None
     shard: str = ""
     filtered: int = 0
     duplicates: int = 0
+    index: NearIndex | None = None  # minhash: every kept row's signature by band
+    pending: dict[str, np.ndarray] = field(default_factory=dict)  # minhash: the signatures of rows not settled yet
+
+    def __post_init__(self) -> None:
+        if self.spec.dedup == "minhash":
+            self.index = NearIndex(self.spec.dedup_threshold, near.bands_for(self.spec.dedup_threshold))
 
     def decide(self, item: WorkItem, results: list[Result] | None, keep_names: list[str]) -> WorkItem:
+        """A finished row's ``where``, and its dedup key: a row that passes is kept until ``settle`` says it is a
+        duplicate."""
         if item.keep is None or "kept" not in keep_names:
             return item
         values = dict(zip(keep_names, item.keep, strict=True))
@@ -203,61 +266,85 @@ class Judge:
             if kept and self.spec.dedup == "minhash":
                 sig = near.signature(_text(fields.get(self.spec.dedup_on, "")), self.spec.dedup_ngram)
                 key = near.digest(sig)
-                if not self._near_claimed(sig, item.row_id):
-                    kept, why = False, f"dedup minhash on {self.spec.dedup_on}"
-                    self.duplicates += 1
+                self.pending[item.row_id] = sig
             elif kept and self.spec.dedup is not None:
                 key = dedup_key(fields.get(self.spec.dedup_on, ""))
-                if key in self.seen or not self._claimed(key, item.row_id):
-                    kept, why = False, f"dedup {self.spec.dedup} on {self.spec.dedup_on}"
-                    self.duplicates += 1
-                else:
-                    self.seen.add(key)
         values.update(kept=kept, dropped_by=why, dedup_key=key)
         return replace(item, keep=tuple(values[n] for n in keep_names))
 
-    def _near_claimed(self, sig: Any, row_id: str) -> bool:
-        """Whether no kept row of the job is a near-duplicate of this one: its LSH bands claimed in sorted order
-        (``near``), stopping at the first held by a near-duplicate and giving up what this row claimed.
+    # -- dedup, a part at a time ---------------------------------------------------------------------------------
+    def settle(self, items: list[WorkItem], keep_names: list[str]) -> list[WorkItem]:
+        """The part's rows (``items``, in the order they reached the sink) with dedup decided: a kept row whose key
+        (or a near duplicate) is held before it is dropped. With a key log, the part's kept rows are appended as
+        one entry (``keylog``) before the part commits; losing the race for a position reads the winner's entry
+        and decides again. What is decided here is what the part's rows carry into its commit."""
+        if self.spec.dedup is None or "kept" not in keep_names:
+            return items
+        at = {n: i for i, n in enumerate(keep_names)}
+        cands = [i for i, it in enumerate(items) if it.keep is not None and it.keep[at["kept"]]
+                 and it.keep[at["dedup_key"]]]
+        sigs = {i: self.pending.pop(items[i].row_id) for i in cands} if self.index is not None else {}
+        if not cands:
+            return items
+        if self.log is not None and self.log.busy:
+            self._absorb()
+        while True:
+            kept = self._decided(items, cands, sigs, at["dedup_key"])
+            if self.log is None or self.log.append(self._entry(items, kept, sigs, at["dedup_key"])):
+                break
+            self._absorb()
+        out = list(items)
+        for i in cands:
+            key = items[i].keep[at["dedup_key"]]
+            if i in kept:
+                if self.index is not None:
+                    self.index.add(sigs[i])
+                else:
+                    self.seen.add(key)
+                continue
+            self.duplicates += 1
+            values = list(items[i].keep)
+            values[at["kept"]], values[at["dropped_by"]] = False, f"dedup {self.spec.dedup} on {self.spec.dedup_on}"
+            out[i] = replace(items[i], keep=tuple(values))
+        return out
 
-        A band is a chain of slots (``band``, ``band.1``, ...): two rows that share a band without being near
-        duplicates (an LSH false positive) both hold it, the second in the next free slot, so a third row near
-        the second still finds it there (with one slot a band, the second held nothing and the third was kept
-        beside its duplicate). A slot given up becomes ``RELEASED``, never a hole a later walk would stop at. A
-        slot held by a row of this shard that is not among its kept rows was left by an attempt that died before
-        committing that row (it kept nothing): taken over, as ``_claimed`` does for exact keys."""
-        assert self.claims is not None
-        me, mine = Owner(self.shard, row_id), []
-        note = near.encode(sig)
-        for band in near.band_keys(sig, near.bands_for(self.spec.dedup_threshold)):
-            for k in range(near.CHAIN):
-                slot = band if k == 0 else f"{band}.{k}"
-                holder, theirs = self.claims.claim(slot, me, note)
-                if holder == me:
-                    mine.append(slot)
-                    break
-                if holder.shard == self.shard and holder.row not in self.kept_rows and holder != RELEASED:
-                    self.claims.take(slot, me, note)
-                    mine.append(slot)
-                    break
-                if holder == RELEASED:
+    def _decided(self, items: list[WorkItem], cands: list[int], sigs: dict[int, np.ndarray], k: int) -> set[int]:
+        """Which of the part's candidate rows stay kept, in order, against what is held (nothing is changed)."""
+        kept: set[int] = set()
+        if self.index is None:
+            part: set[str] = set()
+            for i in cands:
+                key = items[i].keep[k]
+                if key not in self.seen and key not in part:
+                    part.add(key)
+                    kept.add(i)
+            return kept
+        local = NearIndex(self.index.threshold, self.index.bands)
+        for i in cands:
+            hashes = near.band_hashes(sigs[i], self.index.bands)
+            if not self.index.near_one(sigs[i], hashes) and not local.near_one(sigs[i], hashes):
+                local.add(sigs[i], hashes)
+                kept.add(i)
+        return kept
+
+    def _entry(self, items: list[WorkItem], kept: set[int], sigs: dict[int, np.ndarray], k: int) -> Entry:
+        order = sorted(kept)
+        return Entry(self.shard, key_hashes(items[i].row_id for i in order), [items[i].keep[k] for i in order],
+                     np.stack([sigs[i] for i in order]) if self.index is not None and order else None)
+
+    def _absorb(self) -> None:
+        """The log's new entries into what is held: another shard's whole, this shard's only for rows it has
+        committed as kept (an entry whose part a crash left uncommitted holds nothing for its own shard)."""
+        assert self.log is not None
+        for e in self.log.read_new():
+            if e is None:
+                continue
+            mine = e.shard == self.shard
+            for j, (row, key) in enumerate(zip(e.rows.tolist(), e.keys, strict=True)):
+                if mine and (row, key) not in self.own:
                     continue
-                other = near.decode(theirs)
-                if other is None or near.similarity(sig, other) >= self.spec.dedup_threshold:
-                    for claimed in mine:
-                        self.claims.take(claimed, RELEASED)
-                    return False
-        self.kept_rows.add(row_id)
-        return True
-
-    def _claimed(self, key: str, row_id: str) -> bool:
-        """Whether this row may keep ``key`` across every shard of the job (always, for a job of one shard)."""
-        if self.claims is None:
-            return True
-        me = Owner(self.shard, row_id)
-        holder, _ = self.claims.claim(key, me)
-        if holder != me and holder.shard == self.shard:
-            # a claim by a row of this shard, on a key none of its kept rows holds (``seen``): left by an attempt
-            # that died before committing that row — it kept nothing, so the key is free for this row
-            holder = self.claims.take(key, me)
-        return holder == me
+                if self.index is not None:
+                    if e.sigs is not None:
+                        self.index.add(e.sigs[j])
+                else:
+                    self.seen.add(key)

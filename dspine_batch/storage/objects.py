@@ -188,7 +188,7 @@ class ObjectStore:
             self.ops.delete_many(rels)
 
     def delete_tree(self, rel: str) -> None:
-        """Everything under ``rel`` (a stage's claims); absent is fine."""
+        """Everything under ``rel`` (a stage's dedup key log); absent is fine."""
         self.ops.delete_tree(rel)
 
     def check_bucket(self) -> None:

@@ -35,7 +35,9 @@ class S3Primitives(RemotePrimitives):
     # -- reads and writes through s3fs ----------------------------------------------------------------------------
     def get(self, rel: str) -> bytes | None:
         try:
-            return retrying(lambda: self.fs.cat_file(self.path(rel)), self.url_of(rel))
+            # one GET: s3fs otherwise asks the size first (a HEAD) to read a large object in concurrent ranges, a
+            # second request for every small object read here (records, the dedup key log, the manifest)
+            return retrying(lambda: self.fs.cat_file(self.path(rel), max_concurrency=1), self.url_of(rel))
         except FileNotFoundError:
             return None
 

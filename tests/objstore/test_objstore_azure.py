@@ -223,9 +223,9 @@ def test_retry_errors_on_az_takes_out_only_the_failed_rows(tmp_path, az, contain
     assert not az.exists(f"{prefix}/_dspine/supersede-00000-of-00001.json")
 
 
-def test_compact_and_sharded_dedup_claims_on_az(tmp_path, az, azenv, container):
+def test_compact_and_sharded_dedup_on_az(tmp_path, az, azenv, container):
     """The store-independent steps on Azure too: ``finalize --compact`` (journal, merged part committed, old parts
-    deleted) and a staged job's dedup claims across two shards at once (create-only blobs)."""
+    deleted) and a staged job's dedup across two shards at once (its key log: create-only blobs)."""
     src = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(prompts(40)), src)
     prefix = f"{container}/compact"

@@ -337,7 +337,7 @@ def test_a_staged_job_as_an_array_is_exactly_once_per_stage(cluster, tmp_path):
         assert [(r["row_id"], r["output"]) for r in got] == [(r["row_id"], r["output"]) for r in
                                                               read_output(ref / stage)], stage
     kept = [r["dedup_key"] for r in read_output(out / "answers") if r["kept"]]
-    assert len(kept) == len(set(kept))  # dedup held across the array's shards (claims)
+    assert len(kept) == len(set(kept))  # dedup held across the array's shards (the key log)
     assert sorted(kept) == sorted(r["dedup_key"] for r in read_output(ref / "answers") if r["kept"])
     assert len(kept) < len(read_output(out / "answers"))  # there were duplicates to drop
     shard_of = {}

@@ -30,7 +30,9 @@ from helpers import (
 from helpers import stage_docs as _docs
 from helpers import staged_job as _job
 
+from dspine_batch.outdir.keyset import key_hash
 from dspine_batch.outdir.output import list_parts
+from dspine_batch.stages.keylog import decode
 from dspine_batch.stages.where import parse_where
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -324,38 +326,77 @@ def test_dedup_holds_across_the_shards_of_an_array(tmp_path):
     judged = [r for r in read_output(out / "judge") if not (r["dropped_by"] or "").startswith("where")]
     assert sum(r["kept"] for r in judged) + sum(r["dropped_by"] == "dedup exact on score" for r in judged) == \
         len(judged)
-    claims = list((out / "judge" / "_dspine" / "dedup").rglob("*"))
-    assert sum(c.is_file() for c in claims) == len(keys)  # one claim per kept key, nothing else left
+    entries = list((out / "judge" / "_dspine" / "dedup").glob("log-*"))
+    assert 0 < len(entries) <= len(list_parts(str(out / "judge")))  # at most one log entry a committed part
     assert run_cli(["finalize", str(out)]) == 0
 
 
-def test_a_claim_left_by_a_crash_is_taken_by_its_own_shard_only(tmp_path):
-    """Claims (``stages.claims``) as a sharded judge meets them: its own earlier claim keeps the key; a claim that an
-    earlier attempt of its own shard left (a key none of its kept rows holds) is taken over; another shard's holds."""
+def _settled(judge, texts: list[str]) -> list[bool]:
+    """``Judge.settle`` of one part whose rows hold ``texts`` as their dedup keys (exact) or texts (minhash): kept."""
+    from dspine_batch.requests.mapping import WorkItem
+    from dspine_batch.stages import near
+    from dspine_batch.stages.rows import dedup_key
+
+    names = ["kept", "dropped_by", "dedup_key"]
+    items = []
+    for i, text in enumerate(texts):
+        rid = f"r{i}-{text[:12]}"
+        if judge.index is not None:
+            judge.pending[rid] = near.signature(text, 3)
+            text = near.digest(judge.pending[rid])
+        else:
+            text = dedup_key(text)
+        items.append(WorkItem(rid, [], (True, None, text)))
+    return [it.keep[0] for it in judge.settle(items, names)]
+
+
+def _log_judge(tmp_path, shard: str, dedup: str = "exact", own=()):
     from types import SimpleNamespace
 
-    from dspine_batch.stages.claims import UNKNOWN, Claims, Owner
+    from dspine_batch.outdir.output import open_output
+    from dspine_batch.stages.keylog import CLAIM_SPACES, KeyLog
     from dspine_batch.stages.rows import Judge
 
-    claims = Claims(SimpleNamespace(path=str(tmp_path), remote=False))
-    a, b = Owner("00000-of-00002", "r1"), Owner("00001-of-00002", "r2")
-    assert claims.claim("k1", a) == (a, "") and claims.claim("k1", a)[0] == a  # a retry finds its own claim
-    assert claims.claim("k1", b, "note")[0] == a  # first claim wins
-    judge = Judge(SimpleNamespace(), claims=claims, shard=b.shard)
-    assert judge._claimed("k2", "r2") and not judge._claimed("k1", "r3")  # another shard's claim holds
-    claims.claim("k3", Owner(b.shard, "r9"))  # left by a crashed attempt of shard 1: r9 kept nothing
-    assert judge._claimed("k3", "r4") and claims.claim("k3", a)[0] == Owner(b.shard, "r4")
-    (tmp_path / "_dspine" / "dedup" / "k4"[:2]).mkdir(exist_ok=True)
-    (tmp_path / "_dspine" / "dedup" / "k4"[:2] / "k4").write_bytes(b"not json")
-    assert claims.claim("k4", a)[0] == UNKNOWN  # unreadable: held by nobody known, never kept twice
+    spec = SimpleNamespace(dedup=dedup, dedup_on="text", dedup_threshold=0.7, dedup_ngram=3)
+    out = open_output(str(tmp_path))
+    return Judge(spec, {k for _, k in own}, set(own), KeyLog(out, CLAIM_SPACES[dedup == "minhash"]), shard)
 
 
+def test_an_entry_left_by_a_crash_holds_for_other_shards_only(tmp_path):
+    """The key log (``stages.keylog``) as sharded judges meet it: a part's kept keys are one entry; another shard's
+    entry holds its keys; an entry an earlier attempt of this shard left (its part never committed) holds nothing
+    for this shard, while the keys of rows it did commit still hold."""
+    from dspine_batch.stages.rows import dedup_key
+
+    a, b = "00000-of-00002", "00001-of-00002"
+    assert _settled(_log_judge(tmp_path, a), ["k1", "k2", "k1"]) == [True, True, False]
+    entries = sorted((tmp_path / "_dspine" / "dedup").glob("log-*"))
+    assert len(entries) == 1  # one part, one entry: not one object per kept key
+    other = _log_judge(tmp_path, b)
+    assert _settled(other, ["k2", "k3"]) == [False, True]  # a's k2 holds; k3 is b's now
+    ghost = _log_judge(tmp_path, a)
+    assert _settled(ghost, ["k4", "k5"]) == [True, True]  # this attempt of shard a dies before committing
+    again = _log_judge(tmp_path, a, own={(key_hash("r0-k1"), dedup_key("k1")), (key_hash("r1-k2"), dedup_key("k2"))})
+    assert _settled(again, ["k4", "k1", "k3"]) == [True, False, False]  # its ghost's k4 is free, k1 its own
+    assert _settled(_log_judge(tmp_path, b), ["k4", "k5"]) == [False, False]  # b takes a's ghost entry as held
+
+
+def test_a_lost_race_for_a_log_position_decides_the_part_again(tmp_path):
+    """Two shards decide parts at the same moment: the one whose append loses the position reads the winner's
+    entry and decides again, so the key the winner kept is dropped (and the next position taken)."""
+    a, b = _log_judge(tmp_path, "00000-of-00002"), _log_judge(tmp_path, "00001-of-00002")
+    assert b.log.read_new() == [] and not b.log.busy  # b looked: nothing yet, so it will write first
+    assert _settled(a, ["x"]) == [True]
+    assert _settled(b, ["y"]) == [True]  # b had not read a's entry: it lost position 0, read it, took 1
+    assert b.log.requests == {"get": 3, "create": 2} and b.log.busy  # others append: b reads first from now on
+    assert _settled(a, ["y", "z"]) == [False, True]  # a in turn loses position 1 to b's y
+    assert len(list((tmp_path / "_dspine" / "dedup").glob("log-*"))) == 3
 def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, capsys):
-    """The audit behind the claims: shards that dedup alone (claims switched off) keep one row per score each;
+    """The audit behind the key log: shards that dedup alone (the log switched off) keep one row per score each;
     ``finalize`` names the shared key's rows and writes no ``_SUCCESS``."""
     import dspine_batch.run.stage as run
 
-    monkeypatch.setattr(run, "Claims", lambda output: None)
+    monkeypatch.setattr(run, "KeyLog", lambda output, space=None: None)
     src, out = _docs(tmp_path, 24), tmp_path / "out"
     job = _job(tmp_path, src, out)
     for i in range(2):
@@ -371,7 +412,8 @@ def test_finalize_refuses_kept_duplicates_across_shards(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("shards", [1, 2])
 def test_minhash_keeps_one_row_of_each_group_of_near_duplicates(tmp_path, shards):
     """``dedup = "minhash"``: one kept row per group of near duplicates (case, punctuation, one word changed),
-    every text that only shares words kept, on one shard or two at once; the index lives in band claims on disk."""
+    every text that only shares words kept, on one shard or two at once; the index lives in the stage's key log
+    (one entry a part, kept rows only)."""
     src, out = near_docs(tmp_path), tmp_path / "out"
     job = near_job(tmp_path, src, out, 'engine-args = {latency = "0.01"}\n')
     run_shards(["generate", "--config", job], shards)
@@ -380,9 +422,9 @@ def test_minhash_keeps_one_row_of_each_group_of_near_duplicates(tmp_path, shards
     kept = sorted(r["row_id"].split("-")[0] for r in rows if r["kept"])
     assert kept == ["g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3"], kept
     assert {r["dropped_by"] for r in rows if not r["kept"]} == {"dedup minhash on text"}
-    claims = [c for c in (out / "notes" / "_dspine" / "minhash").rglob("*") if c.is_file()]
-    assert claims and all(json.loads(c.read_text())["row"] in {r["row_id"] for r in rows if r["kept"]} | {"-"}
-                          for c in claims)  # a dropped row's claims were given up ("-": passed over by later walks)
+    entries = [decode(e.read_bytes()) for e in (out / "notes" / "_dspine" / "minhash").glob("log-*")]
+    held = [h for e in entries for h in e.rows.tolist()]
+    assert sorted(held) == sorted(key_hash(r["row_id"]) for r in rows if r["kept"])  # only kept rows, each once
     assert run_cli(["generate", "--config", job, "--shard", f"0/{shards}"]) == 0  # a rerun decides nothing anew
     assert read_output(out / "notes") == rows
 
@@ -398,46 +440,41 @@ def test_minhash_settings_are_checked(tmp_path, capsys):
     assert '`dedup-threshold` and `dedup-ngram` go with dedup = "minhash"' in capsys.readouterr().err
 
 
-def _near_judge(tmp_path, shard: str = "00000-of-00001", kept_rows: set[str] | None = None):
-    """A minhash judge over real band claims in ``tmp_path`` (threshold 0.7, word 3-grams)."""
-    from types import SimpleNamespace
-
-    from dspine_batch.stages import near
-    from dspine_batch.stages.claims import NEAR_SPACE, Claims
-    from dspine_batch.stages.rows import Judge
-
-    claims = Claims(SimpleNamespace(path=str(tmp_path), remote=False), NEAR_SPACE)
-    spec = SimpleNamespace(dedup_threshold=0.7, dedup_ngram=3)
-    judge = Judge(spec, claims=claims, shard=shard, kept_rows=set(kept_rows or ()))
-    return judge, claims, lambda text: near.signature(text, 3)
-
-
 def test_a_band_shared_by_rows_that_are_no_duplicates_keeps_every_one_of_them(tmp_path, monkeypatch):
-    """LSH false positives: A and B share a band (forced here: every row's bands are the same key) but are not near
-    duplicates, so both are kept; C, a near duplicate of B, must then meet B in that band and be dropped. With one
-    slot a band, B held nothing there and C was kept beside its duplicate."""
+    """LSH false positives: A and B share a band (forced here: every row's bands are the same) but are not near
+    duplicates, so both are kept; C, a near duplicate of B, must then meet B in that band and be dropped."""
     from dspine_batch.stages import near
 
-    judge, _, sig = _near_judge(tmp_path)
-    monkeypatch.setattr(near, "band_keys", lambda s, bands: ["band0"])
+    monkeypatch.setattr(near, "band_hashes", lambda s, bands: [0])
     a = "the tides of the open sea follow the moon and the sun rising twice a day"
     b = "a binary search halves the interval at each step until the key is found"
     c = "a binary search halves the interval at each step until the key is found today"
+    sig = lambda text: near.signature(text, 3)  # noqa: E731
     assert near.similarity(sig(a), sig(b)) < 0.7 <= near.similarity(sig(b), sig(c))
-    assert judge._near_claimed(sig(a), "A")
-    assert judge._near_claimed(sig(b), "B")  # no near duplicate of A: kept, in the band's next slot
-    assert not judge._near_claimed(sig(c), "C")  # B is found there
+    judge = _log_judge(tmp_path, "00000-of-00001", "minhash")
+    assert _settled(judge, [a, b]) == [True, True]
+    assert _settled(judge, [c]) == [False]  # B is found in the band A holds too
+    other = _log_judge(tmp_path, "00001-of-00002", "minhash")
+    fresh = "deep roots hold the soil of the river bank against the spring floods every year"
+    assert _settled(other, [c, fresh]) == [False, True]  # through the log: B holds C; a new text is kept
 
 
-def test_band_claims_a_crash_left_are_taken_back_by_their_own_shard(tmp_path):
-    """A row of this shard claimed its bands, then the worker died before committing it (its text may never come
-    back, from an engine that does not reproduce a sampled row): the shard's next row with that text is kept, not
-    dropped as the duplicate of a row that is in no output. A kept row's claims, and another shard's, still hold."""
-    text = "rivers carry sediment downstream and drop it where the water slows building deltas"
-    judge, claims, sig = _near_judge(tmp_path, kept_rows={"kept1"})
-    ghost, _, _ = _near_judge(tmp_path)
-    assert ghost._near_claimed(sig(text), "ghost")  # the dead attempt's claims: ghost never committed
-    assert judge._near_claimed(sig(text), "real")  # taken back: kept
-    assert not judge._near_claimed(sig(text + " today"), "near")  # and it holds for the next near duplicate
-    other, _, _ = _near_judge(tmp_path, shard="00001-of-00002")
-    assert not other._near_claimed(sig(text), "elsewhere")  # another shard's claim is never taken
+def test_the_band_index_finds_every_row_after_it_merges_its_new_bands():
+    """``rows.NearIndex`` keeps new bands in a dict and merges them into sorted arrays past 65,536: rows on either
+    side of a merge (and a row sharing a band with one without being near it) are found, a fresh row is not."""
+    import numpy as np
+
+    from dspine_batch.stages import near
+    from dspine_batch.stages.rows import NearIndex
+
+    bands = near.bands_for(0.8)
+    rng = np.random.default_rng(56)
+    sigs = rng.integers(0, 2**32, (8000, near.NUM_PERM), dtype=np.uint32)
+    index = NearIndex(0.8, bands)
+    for s in sigs:
+        index.add(s)
+    assert len(index.keys) >= 65536 and index.in_recent < 65536  # merged at least once, the rest still new
+    assert all(index.near_one(sigs[k], near.band_hashes(sigs[k], bands)) for k in (0, 4000, 7999))
+    fresh = rng.integers(0, 2**32, near.NUM_PERM, dtype=np.uint32)
+    assert not index.near_one(fresh, near.band_hashes(fresh, bands))
+    assert not index.near_one(fresh, near.band_hashes(sigs[0], bands))  # shares row 0's bands, is not near it

@@ -1,0 +1,115 @@
+"""The key log: the dedup keys every shard of a job has kept, one object per committed part, in one total order.
+
+Each shard of a sharded job runs in its own process and knows only the rows it committed, so that no two kept rows
+of the whole job share a key (or, for ``dedup = "minhash"``, are near duplicates) the shards must hear of each
+other's kept keys. Before, a row about to be kept claimed its key with a create-only object of its own (nine for a
+near-duplicate row's LSH bands): one request per kept row. Here a *part* is the unit: just before a part is
+committed, its shard appends one **entry** (the part's kept rows: row-id hashes, dedup keys, and for minhash their
+signatures) to the stage's log, ``_dspine/<space>/log-<n>``, with a create-only write of the next free position
+``n`` (``If-None-Match: *`` on an object store, a hard link on a disk: the commit protocol's own primitive). A
+position is taken by exactly one writer, and a writer only takes ``n`` after reading every entry before it, so the
+log is a total order of decisions with no holes, and each decision was taken knowing every decision before it.
+
+A part's rows are decided against everything the log holds before its entry (``rows.Judge.settle``): a row whose
+key an earlier entry (or an earlier row of its shard) holds is a duplicate. Losing the race for position ``n``
+(another shard appended first) means reading that entry, deciding the part again and trying ``n + 1``: optimistic
+concurrency, so the requests a part costs are one write, plus one read for each entry other shards appended
+since this shard last looked and one that finds the end (and one failed write when it lost a race: a shard that
+sees others appending reads before it writes). They grow with parts, not rows.
+
+A crash between a part's entry and its commit record leaves an entry whose part never committed. Other shards
+cannot tell, and take its keys as held (a row of theirs with such a key is dropped: the guarantee that holds in
+every case is the one dedup is for, no two kept rows share a key; a unique text can be missed there, after a
+crash, on an engine that does not reproduce a sampled row). Its own shard knows: it reads its own entries only
+for rows it has committed as kept (row id and key as its parts hold them), so the rows it generates again decide
+as if the dead attempt had never been.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dspine_batch.outdir.layout import CLAIM_SPACES, STATE
+
+EXACT_SPACE, NEAR_SPACE = CLAIM_SPACES  # exact keys, minhash bands: each its own log, wiped with the run
+
+
+@dataclass
+class Entry:
+    """The kept rows of one part: their row-id hashes (``keyset.key_hash``), dedup keys (hex), and for minhash
+    their signatures (``near.signature``, one row each)."""
+
+    shard: str
+    rows: np.ndarray  # uint64
+    keys: list[str]
+    sigs: np.ndarray | None = None  # (rows, near.NUM_PERM) uint32
+
+    def encode(self) -> bytes:
+        """numpy's ``.npz`` (a zip of ``.npy`` arrays: shape and dtype travel with the bytes, nothing pickled)."""
+        arrays = {"meta": np.frombuffer(json.dumps({"shard": self.shard}).encode(), dtype=np.uint8),
+                  "rows": self.rows.astype("<u8"),
+                  "keys": np.frombuffer(b"".join(bytes.fromhex(k) for k in self.keys), dtype=np.uint8)}
+        if self.sigs is not None:
+            arrays["sigs"] = self.sigs.astype("<u4")
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+
+def decode(data: bytes) -> Entry | None:
+    """An entry's bytes, None when they do not read as one (held by nobody we know: never trusted as ours)."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            shard = str(json.loads(z["meta"].tobytes())["shard"])
+            rows = z["rows"].astype(np.uint64)
+            raw = z["keys"].tobytes()
+            sigs = z["sigs"].astype(np.uint32) if "sigs" in z.files else None
+    except (ValueError, KeyError, TypeError, OSError, EOFError):
+        return None
+    width = len(raw) // max(len(rows), 1)
+    keys = [raw[i * width:(i + 1) * width].hex() for i in range(len(rows))]
+    return Entry(shard, rows, keys, sigs)
+
+
+@dataclass
+class KeyLog:
+    """One stage's log under its output (any ``Output``: a disk is one more store), read from ``next`` on."""
+
+    output: Any
+    space: str = EXACT_SPACE
+    next: int = 0  # the first position this shard has not read (nor written)
+    # read before writing next time: at the start (the log may hold anything), and while other shards are seen
+    # appending (then a blind write would mostly lose its race and upload its entry for nothing); a shard that
+    # found nothing new writes first: one request a part
+    busy: bool = True
+    requests: dict[str, int] = field(default_factory=lambda: {"get": 0, "create": 0})
+
+    def name(self, n: int) -> str:
+        return f"{STATE}/{self.space}/log-{n:010d}"
+
+    def read_new(self) -> list[Entry | None]:
+        """Every entry appended since this shard last looked (None for one that does not read), in log order."""
+        got: list[Entry | None] = []
+        while True:
+            self.requests["get"] += 1
+            data = self.output.store.get(self.name(self.next))
+            if data is None:
+                self.busy = bool(got)
+                return got
+            got.append(decode(data))
+            self.next += 1
+
+    def append(self, entry: Entry) -> bool:
+        """``entry`` at the next position: True when it is there, False when another shard took the position first
+        (then ``read_new`` reads that entry, and the part is decided again)."""
+        self.requests["create"] += 1
+        if self.output.store.create(self.name(self.next), entry.encode()):
+            self.next += 1
+            return True
+        self.busy = True
+        return False
