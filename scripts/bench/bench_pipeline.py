@@ -130,7 +130,19 @@ def committed_outdir(tmp: Path, rows: int) -> tuple[Path, Path, int]:
         if (out / "_dspine" / "keys" / sidecar).exists():
             (out / "_dspine" / "keys" / sidecar).unlink()
     (out / "_SUCCESS").unlink()
-    return src, out, len([n for n in os.listdir(out) if n.endswith(".parquet")])
+    parts = sorted(str(out / n) for n in os.listdir(out) if n.endswith(".parquet"))
+    # the state file as the last commit left it (a kill -9 between commits): its totals those of the parts kept
+    # (read once here; a start whose state disagrees with the parts reads every part for them)
+    sys.path.insert(0, str(ROOT))
+    from dspine_batch.run.sink import committed_tallies
+
+    state_path = out / "_dspine" / "state-00000-of-00001.json"
+    state = json.loads(state_path.read_text())
+    kept = committed_tallies(parts)
+    state.update(rows_done=kept.rows, error_rows=kept.error_rows, totals=kept.totals(), next_seq=len(parts),
+                 state="interrupted")
+    state_path.write_text(json.dumps(state))
+    return src, out, len(parts)
 
 
 def _files(out: Path) -> set[Path]:
