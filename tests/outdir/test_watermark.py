@@ -202,3 +202,33 @@ def test_two_shards_resume_by_their_own_watermarks(tmp_path, capsys):
         assert run_cli([*args, "-o", str(out), "--shard", f"{i}/2"]) == 0
     assert capsys.readouterr().err.count(WATERMARKED) == 2
     _exactly_once(out, ref)
+
+
+def test_a_state_trailing_the_parts_reads_only_the_parts_after_it(tmp_path, monkeypatch, capsys):
+    """Killed between commits and the state's save: the carried tallies come from the state plus the parts after
+    its ``next_seq``, not from reading every committed part again, and they still add up to the job's."""
+    from dspine_batch.run import state as state_mod
+    from dspine_batch.run.sink import committed_tallies
+
+    srcs, ref, out, args = _committed(tmp_path, drop=4)
+    parts = sorted(p.path for p in list_parts(str(out)))
+    at = len(parts) - 2  # the state was last saved after part ``at - 1``
+    path = out / "_dspine" / "state-00000-of-00001.json"
+    st = json.loads(path.read_text())
+    before = committed_tallies(parts[:at])
+    st.update(rows_done=before.rows, error_rows=before.error_rows, totals=before.totals(), next_seq=at)
+    path.write_text(json.dumps(st))
+    asked: list[list[str]] = []
+
+    def spy(paths):
+        asked.append(sorted(paths))
+        return committed_tallies(paths)
+
+    monkeypatch.setattr(state_mod, "committed_tallies", spy)
+    assert run_cli([*args, "-o", str(out)]) == 0
+    assert asked == [parts[at:]]
+    _exactly_once(out, ref)
+    final = json.loads(path.read_text())["totals"]
+    want = json.loads((ref / "_dspine" / "state-00000-of-00001.json").read_text())["totals"]
+    assert {k: final[k] for k in ("rows", "outputs", "completion_tokens")} == \
+        {k: want[k] for k in ("rows", "outputs", "completion_tokens")}
