@@ -85,7 +85,7 @@ def test_kill9_resume_by_watermarks_matches_an_uninterrupted_run(tmp_path):
     srcs = _inputs(tmp_path)
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["generate", *srcs, *ARGS, "--max-in-flight", "48", "--commit-rows", "9", "--commit-seconds", "0.05",
-            "--engine-arg", "latency=0.08"]
+            "--engine-arg", "latency=0.2"]
     assert run_cli([*args, "-o", str(ref)]) == 0
     rng = random.Random(5656)
     p = spawn([*args, "-o", str(out)])
@@ -97,9 +97,9 @@ def test_kill9_resume_by_watermarks_matches_an_uninterrupted_run(tmp_path):
     p.kill()
     p.communicate()
     logs, kills = [], 0
-    for _ in range(12):
+    for _ in range(15):
         p = spawn([*args, "-o", str(out)])
-        time.sleep(rng.uniform(first_commit, first_commit + 1.0))
+        time.sleep(rng.uniform(0.8 * first_commit, first_commit + 0.8))
         if p.poll() is None:
             p.kill()
             kills += 1
