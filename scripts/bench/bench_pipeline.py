@@ -79,13 +79,14 @@ def peak_rss_mb(pid: int) -> float | None:
 
 
 def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows: int = 100_000,
-        stop_at_part: bool = False, env_extra: dict | None = None) -> dict:
+        stop_at_part: bool = False, env_extra: dict | None = None, commit_seconds: float | None = None) -> dict:
     """Run dspine-batch; sample RSS every 0.5 s; optionally time until part number ``watch_parts`` appears
     (``stop_at_part``: then kill it, its peak RSS read first)."""
     env = dict(os.environ, DSPINE_BATCH_PROGRESS="log", DSPINE_BATCH_LOG_INTERVAL="5",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {}))
     cmd = [sys.executable, "-m", "dspine_batch.cli", "generate", *args, "-o", str(out), "--engine", "scripted",
-           "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--commit-rows", str(commit_rows)]
+           "--engine-arg", "zero_cost=1", "--raw", "--max-in-flight", "1024", "--commit-rows", str(commit_rows),
+           *(["--commit-seconds", str(commit_seconds)] if commit_seconds else [])]
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
@@ -109,11 +110,12 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
     elif p.returncode != 0:
         raise SystemExit(f"dspine-batch failed ({p.returncode}):\n{err}")
     m = re.search(r"already committed in \d+ parts(?:, checked)? \(([\d.]+)s\)", err)
+    committed = re.search(r"resuming: ([\d,]+) rows already committed", err)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (usage.ru_utime - cpu0.ru_utime) + (usage.ru_stime - cpu0.ru_stime)
     return {"wall_s": wall, "cpu_s": cpu, "rss_samples_mb": samples, "peak_rss_mb_children": usage.ru_maxrss / 1024,
             "done_set_s": float(m.group(1)) if m else None, "first_new_part_s": first_new_part, "log": err,
-            "peak_rss_mb": peak}
+            "peak_rss_mb": peak, "committed": int(committed.group(1).replace(",", "")) if committed else None}
 
 
 def committed_outdir(tmp: Path, rows: int) -> tuple[Path, Path, int]:
@@ -122,7 +124,7 @@ def committed_outdir(tmp: Path, rows: int) -> tuple[Path, Path, int]:
     src = tmp / f"scale-{rows}.parquet"
     make_input(src, rows + 100_000)
     out = tmp / f"scale-{rows}-out"
-    run([str(src)], out)
+    run([str(src)], out, commit_seconds=86400)  # parts of exactly 100k rows
     last = sorted(n for n in os.listdir(out) if n.endswith(".parquet"))[-1]
     os.unlink(out / last)
     stem = last.removeprefix("train-").removesuffix(".parquet")
@@ -169,8 +171,9 @@ def resume_scale(tmp: Path, sizes: list[int], repeats: int) -> list[dict]:
                     p.unlink()
                 for p, body in state.items():
                     p.write_bytes(body)
-                got[label].append({"done_set_s": r["done_set_s"], "first_new_part_s": round(r["first_new_part_s"], 2)
-                                   if r["first_new_part_s"] else None, "peak_rss_mb": round(r["peak_rss_mb"] or 0),
+                first = round(r["first_new_part_s"], 2) if r["first_new_part_s"] else None
+                got[label].append({"committed": r["committed"], "done_set_s": r["done_set_s"],
+                                   "first_new_part_s": first, "peak_rss_mb": round(r["peak_rss_mb"] or 0),
                                    "load_1min": round(load, 2)})
                 print(f"scale {n:,} {label}: {got[label][-1]}", file=sys.stderr)
         rows_out.append({"committed_rows": n, "parts": parts, **got})
