@@ -55,23 +55,12 @@ def make_input(path: Path, rows: int, chunk: int = 500_000) -> None:
                                                for i in range(start, start + n)]}), row_group_size=100_000)
 
 
-def rss_mb(pid: int) -> float | None:
+def status_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """A process's memory figure from /proc (``VmRSS`` now, ``VmHWM`` its peak so far), in MB."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def peak_rss_mb(pid: int) -> float | None:
-    """The process's peak resident set so far (VmHWM)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -92,14 +81,14 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
     p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     samples, first_new_part, peak = [], None, None
     while p.poll() is None:
-        r = rss_mb(p.pid)
+        r = status_mb(p.pid)
         if r:
             samples.append((round(time.perf_counter() - t0, 2), round(r, 1)))
         if watch_parts is not None and first_new_part is None and out.exists():
             if len([n for n in os.listdir(out) if n.endswith(".parquet")]) > watch_parts:
                 first_new_part = time.perf_counter() - t0
                 if stop_at_part:
-                    peak = peak_rss_mb(p.pid)
+                    peak = status_mb(p.pid, "VmHWM")
                     p.kill()
                     break
         time.sleep(0.02 if watch_parts is not None else 0.5)

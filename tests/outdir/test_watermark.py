@@ -9,13 +9,11 @@ import gzip
 import json
 import os
 import random
-import signal
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from helpers import read_output, run_cli, spawn
+from helpers import kill9_resumes, read_output, run_cli
 
 from dspine_batch.outdir.layout import record_rel
 from dspine_batch.outdir.output import list_parts
@@ -87,31 +85,7 @@ def test_kill9_resume_by_watermarks_matches_an_uninterrupted_run(tmp_path):
     args = ["generate", *srcs, *ARGS, "--max-in-flight", "48", "--commit-rows", "9", "--commit-seconds", "0.05",
             "--engine-arg", "latency=0.2"]
     assert run_cli([*args, "-o", str(ref)]) == 0
-    rng = random.Random(5656)
-    p = spawn([*args, "-o", str(out)])
-    t0 = time.monotonic()
-    while not (out.exists() and list_parts(str(out))) and time.monotonic() - t0 < 60:
-        time.sleep(0.01)
-    first_commit = time.monotonic() - t0
-    time.sleep(0.5)
-    p.kill()
-    p.communicate()
-    logs, kills = [], 0
-    for _ in range(15):
-        p = spawn([*args, "-o", str(out)])
-        time.sleep(rng.uniform(0.8 * first_commit, first_commit + 0.8))
-        if p.poll() is None:
-            p.kill()
-            kills += 1
-        _, err = p.communicate()
-        assert p.returncode in (0, -signal.SIGKILL), err.decode()
-        logs.append(err.decode())
-        if p.returncode == 0:
-            break
-    p = spawn([*args, "-o", str(out)])
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err.decode()
-    logs.append(err.decode())
+    kills, _, logs = kill9_resumes([*args, "-o", str(out)], out, random.Random(5656), 15, 0.8, 0.8)
     assert kills >= 3
     _exactly_once(out, ref)
     assert any(WATERMARKED in log and f" 0 of them {WATERMARKED}" not in log for log in logs), logs
