@@ -66,10 +66,11 @@ class RowSelector:
             if not picks:
                 continue
             rows = batch.rows_at(list(picks))
-            ends = batch.ends
-            for k, row in zip(picks, rows, strict=True):
+            los, his = lo[picks].tolist(), (at[picks] + 1).tolist()  # (plain ints, taken once a batch)
+            ends = [batch.ends[k] for k in picks] if batch.ends is not None else [-1] * len(los)
+            for k, row, a, b, c in zip(picks, rows, los, his, ends, strict=True):
                 item = self.mapper.build(ids[k], batch.file, batch.indices[k], row, problems[k], int(hashes[k]))
-                item.span = (name, int(lo[k]), int(at[k]) + 1, ends[k] if ends is not None else -1)
+                item.span = (name, a, b, c)
                 yield item
         self.finished = True
         if self.recorder is not None:
