@@ -66,7 +66,8 @@ class RowSelector:
             if not picks:
                 continue
             rows = batch.rows_at(list(picks))
-            los, his = lo[picks].tolist(), (at[picks] + 1).tolist()  # (plain ints, taken once a batch)
+            sel = slice(None) if isinstance(picks, range) else picks  # plain ints, taken once a batch
+            los, his = lo[sel].tolist(), (at[sel] + 1).tolist()
             ends = [batch.ends[k] for k in picks] if batch.ends is not None else [-1] * len(los)
             for k, row, a, b, c in zip(picks, rows, los, his, ends, strict=True):
                 item = self.mapper.build(ids[k], batch.file, batch.indices[k], row, problems[k], int(hashes[k]))
