@@ -33,8 +33,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,6 +125,42 @@ def run_shards(args: list[str], shards: int, **extra_env: str) -> None:
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err.decode()
+
+
+def kill9_resumes(args: list[str], out: Path, rng: random.Random, tries: int, early: float, late: float,
+                  enough: int | None = None) -> tuple[int, int, list[str]]:
+    """``dspine-batch ARGS`` (writing to ``out``) killed -9 at random moments and started again, up to ``tries``
+    times (or ``enough`` kills), then run to its end, which must succeed. The moments are calibrated to this
+    machine: the first start is killed at its first commit, later ones after ``early`` x that time up to that time
+    + ``late`` seconds. Returns (kills, kills after some part was committed, each start's stderr)."""
+    from dspine_batch.outdir.output import list_parts
+
+    p = spawn(args)
+    t0 = time.monotonic()
+    while not (out.exists() and list_parts(str(out))) and time.monotonic() - t0 < 60:
+        time.sleep(0.01)
+    first_commit = time.monotonic() - t0
+    p.kill()
+    p.communicate()
+    kills, mid_run, logs = 0, 0, []
+    for _ in range(tries):
+        p = spawn(args)
+        time.sleep(rng.uniform(early * first_commit, first_commit + late))
+        if p.poll() is None:
+            p.kill()
+            kills += 1
+        _, err = p.communicate()
+        assert p.returncode in (0, -signal.SIGKILL), (p.returncode, err.decode())
+        logs.append(err.decode())
+        if out.exists() and list_parts(str(out)) and p.returncode != 0:
+            mid_run += 1
+        if p.returncode == 0 or (enough is not None and kills >= enough):
+            break
+    p = spawn(args)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err.decode()
+    logs.append(err.decode())
+    return kills, mid_run, logs
 
 
 def shard_of(row_id: str, n: int, id_column: bool = True) -> int:

@@ -66,6 +66,10 @@ class RowRecorder:
                       if f.kind in ("jsonl", "openai") and not out.has_blob(record_rel(k))}
         self.current: tuple[int, IO[bytes], str] | None = None
 
+    def wants(self, name: str) -> bool:
+        """Whether this input's record is still to be written (then every line of it must be read)."""
+        return name in self.index
+
     def see(self, batch: RowBatch, hashes: np.ndarray) -> None:
         k = self.index.get(batch.file.name)
         if self.current is not None and self.current[0] != k:

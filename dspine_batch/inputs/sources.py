@@ -67,6 +67,7 @@ class RowBatch:
 
     consumed: int | None = None  # JSON Lines: bytes of the file (compressed, as on disk) read up to this batch
     digests: list[int] | None = None  # JSON Lines: a 64-bit digest of each row's line (``line_digest``)
+    ends: list[int] | None = None  # JSON Lines: where each row's line ends (bytes of the decompressed text)
 
     def __init__(self, file: InputFile, indices: Sequence[int], rows: list[dict[str, Any] | RowError] | None = None,
                  record: pa.RecordBatch | None = None):
@@ -413,29 +414,45 @@ def arrow_schema(inp: InputFile) -> pa.Schema | None:
 
 
 def iter_file(inp: InputFile, columns: list[str] | None, batch_rows: int = BATCH_ROWS,
-              needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+              needles: re.Pattern[bytes] | None = None, start: Start | None = None) -> Iterator[RowBatch]:
     """The rows of one input. ``needles``: JSON Lines rows whose bytes do not match are skipped unparsed (a
-    quick pre-filter for scans that only care about rows mentioning some keys)."""
+    quick pre-filter for scans that only care about rows mentioning some keys). ``start``: begin at that row
+    position (a resume's watermark) without reading what lies before it where the format allows (``Start``)."""
     if inp.kind in ("jsonl", "openai"):
-        yield from _iter_jsonl(inp, batch_rows, needles)
+        yield from _iter_jsonl(inp, batch_rows, needles, start)
     elif inp.kind == "parquet":
-        yield from _iter_parquet(inp, columns, batch_rows)
+        yield from _iter_parquet(inp, columns, batch_rows, start.index if start else 0)
     elif inp.kind == "arrow":
-        yield from _iter_arrow(inp, columns, batch_rows)
+        yield from _iter_arrow(inp, columns, batch_rows, start.index if start else 0)
     elif inp.kind == "hf":
-        yield from _iter_hf(inp, columns, batch_rows)
+        yield from _iter_hf(inp, columns, batch_rows, start.index if start else 0)
     else:  # pragma: no cover - resolve_inputs only makes the kinds above
         raise FatalError(f"{inp.name}: unknown input kind {inp.kind}")
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where a resume starts reading a file: row position ``index`` (a Parquet/Arrow row, a JSON Lines line) and,
+    for JSON Lines, the byte ``offset`` in the decompressed text where that line starts (-1: unknown). Parquet
+    skips whole row groups, then rows; Arrow datasets slice by index; a plain JSON Lines file seeks to the offset;
+    a compressed one cannot seek, so its bytes before the offset are decompressed and dropped without being split
+    into lines, parsed or hashed; an HF dataset skips by index."""
+
+    index: int
+    offset: int = -1
+
+
 def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | None = None,
-                batch_rows: int = BATCH_ROWS, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+                batch_rows: int = BATCH_ROWS, needles: re.Pattern[bytes] | None = None,
+                starts: dict[str, Start] | None = None) -> Iterator[RowBatch]:
     """All rows of all inputs in a stable order, at most ``limit`` rows in total (``needles``: see
-    ``iter_file``; not with a limit, which counts the rows it skips)."""
+    ``iter_file``; not with a limit, which counts the rows it skips; ``starts``: input name -> ``Start``, not with
+    a limit either)."""
     assert needles is None or limit is None
+    assert not starts or limit is None
     left = limit if limit is not None else -1
     for inp in files:
-        for batch in iter_file(inp, columns, batch_rows, needles):
+        for batch in iter_file(inp, columns, batch_rows, needles, (starts or {}).get(inp.name)):
             if left >= 0:
                 if left == 0:
                     return
@@ -447,15 +464,48 @@ def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | 
             return
 
 
-def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | None = None) -> Iterator[RowBatch]:
+def _seek_text(f: io.BufferedIOBase, inp: InputFile, start: Start | None) -> int:
+    """Position the decompressed stream ``f`` at ``start``'s line; returns the index of the line it is at (0 when
+    it cannot: then everything is read, as before watermarks). The byte before the offset must be a newline: a
+    wrong offset is never trusted (the input's fingerprint already refuses a changed file)."""
+    if start is None or start.index <= 0 or start.offset <= 0:
+        return 0
+    try:
+        if f.seekable():
+            f.seek(start.offset - 1)
+        else:  # a .zst stream: decompress and drop
+            left = start.offset - 1
+            while left > 0 and (chunk := f.read(min(left, 1 << 20))):
+                left -= len(chunk)
+            if left:
+                raise ValueError("shorter than the watermark")
+        if f.read(1) == b"\n":
+            return start.index
+    except (OSError, ValueError, EOFError):
+        pass
+    f.close()
+    return -1
+
+
+def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | None = None,
+                start: Start | None = None) -> Iterator[RowBatch]:
     openai = inp.kind == "openai"
     rows: list[dict[str, Any] | RowError] = []
     indices: list[int] = []
     digests: list[int] = []
+    ends: list[int] = []
     index = -1
     try:
-        with _open_text_stream(inp.path) as f:
-            for index, line in enumerate(_jsonl_lines(f)):
+        f = _open_text_stream(inp.path)
+        first = _seek_text(f, inp, start)
+        if first < 0:  # the offset did not check out: read from the top
+            f, first = _open_text_stream(inp.path), 0
+        pos = start.offset if first else 0
+        with f:
+            for index, line in enumerate(f, first):
+                pos += len(line)
+                if index == 0:  # (``_jsonl_lines``' byte-order mark, removed here where the offsets are counted)
+                    line = line.removeprefix(UTF8_BOM)
                 if not line.strip():
                     continue  # blank lines are not rows (their line number is still counted)
                 if needles is not None and needles.search(line) is None:
@@ -463,14 +513,15 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
                 rows.append(_parse_line(inp.name, index, line, openai))
                 indices.append(index)
                 digests.append(line_digest(line))
+                ends.append(pos)
                 if len(rows) >= batch_rows:
-                    yield _at(RowBatch(inp, indices, rows), f, digests)
-                    rows, indices, digests = [], [], []
+                    yield _at(RowBatch(inp, indices, rows), f, digests, ends)
+                    rows, indices, digests, ends = [], [], [], []
     except _stream_errors() as e:
         # Damaged after resolve_inputs checked it (changed during the run): rows before the damage were yielded.
         raise FatalError(f"{inp.name}: unreadable after row {index} ({_short(e)})") from e
     if rows:
-        yield _at(RowBatch(inp, indices, rows), None, digests)
+        yield _at(RowBatch(inp, indices, rows), None, digests, ends)
 
 
 def line_digest(line: bytes) -> int:
@@ -478,10 +529,10 @@ def line_digest(line: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(line.rstrip(b"\r\n"), digest_size=8).digest(), "little")
 
 
-def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int]) -> RowBatch:
+def _at(batch: RowBatch, f: io.BufferedIOBase | None, digests: list[int], ends: list[int]) -> RowBatch:
     """The batch with how far into its file (bytes on disk) the reader is: the progress's share of a JSONL read
-    (``totals.ReadPosition``); None for the end of the file. And its lines' digests."""
-    batch.digests = digests
+    (``totals.ReadPosition``); None for the end of the file. And its lines' digests and end offsets."""
+    batch.digests, batch.ends = digests, ends
     raw = getattr(getattr(f, "raw", None), "_raw", None) or getattr(f, "fileobj", None) or f  # zst / gz / plain
     try:
         batch.consumed = raw.tell() if raw is not None else store.size(batch.file.path)
@@ -563,26 +614,42 @@ def _rows_of(inp: InputFile, indices: Sequence[int], batch: pa.RecordBatch) -> l
         return out
 
 
-def _iter_parquet(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iterator[RowBatch]:
+def _iter_parquet(inp: InputFile, columns: list[str] | None, batch_rows: int, first: int = 0) -> Iterator[RowBatch]:
+    """The file's rows from row ``first`` on: whole row groups before it are skipped by their footer counts (never
+    read), then the rows before it in its row group are cut from the batches."""
     start = 0
     try:
         pf = parquet_file(inp.path)
         cols = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
         for rg in range(pf.num_row_groups):
+            if start + pf.metadata.row_group(rg).num_rows <= first:
+                start += pf.metadata.row_group(rg).num_rows
+                continue
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[rg], columns=cols):
+                if start + batch.num_rows <= first:
+                    start += batch.num_rows
+                    continue
+                if start < first:
+                    batch, start = batch.slice(first - start), first
                 yield RowBatch(inp, range(start, start + batch.num_rows), None, batch)
                 start += batch.num_rows
     except (pa.ArrowException, OSError) as e:
         raise FatalError(f"{inp.name}: unreadable Parquet at row {start} ({_short(e)})") from e
 
 
-def _iter_arrow(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iterator[RowBatch]:
+def _iter_arrow(inp: InputFile, columns: list[str] | None, batch_rows: int, first: int = 0) -> Iterator[RowBatch]:
+    """The dataset's rows from row ``first`` on (memory mapped: the record batches before it are never touched)."""
     start = 0
     try:
         for path in inp.arrow_files:
             with pa.memory_map(path) as src:
                 reader = pa.ipc.open_stream(src)
                 for big in reader:
+                    if start + big.num_rows <= first:
+                        start += big.num_rows
+                        continue
+                    if start < first:
+                        big, start = big.slice(first - start), first
                     if columns is not None:
                         big = big.select([c for c in columns if c in big.schema.names])
                     for off in range(0, big.num_rows, batch_rows):
@@ -593,7 +660,7 @@ def _iter_arrow(inp: InputFile, columns: list[str] | None, batch_rows: int) -> I
         raise FatalError(f"{inp.name}: unreadable dataset file at row {start} ({_short(e)})") from e
 
 
-def _iter_hf(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iterator[RowBatch]:
+def _iter_hf(inp: InputFile, columns: list[str] | None, batch_rows: int, first: int = 0) -> Iterator[RowBatch]:
     try:
         import datasets
     except ImportError as e:
@@ -603,7 +670,9 @@ def _iter_hf(inp: InputFile, columns: list[str] | None, batch_rows: int) -> Iter
         ds = datasets.load_dataset(inp.path, split=inp.split, streaming=True)
     except Exception as e:  # datasets raises many types for a bad dir/split
         raise UsageError(f"{inp.path}: cannot load split {inp.split!r} ({_short(e)})") from e
-    start = 0
+    start = max(first, 0)
+    if start:
+        ds = ds.skip(start)
     for batch in ds.iter(batch_size=batch_rows):
         keys = [k for k in batch if columns is None or k in columns]
         n = len(next(iter(batch.values()))) if batch else 0

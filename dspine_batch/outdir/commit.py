@@ -42,6 +42,7 @@ from dspine_batch.errors import FatalError, disk_full_named
 from dspine_batch.outdir.core import Outdir
 from dspine_batch.outdir.layout import record_rel, staged_rel
 from dspine_batch.outdir.records import encode, new_record, write_part
+from dspine_batch.outdir.watermark import Span
 from dspine_batch.storage.local import size_of, unlink_quietly
 from dspine_batch.storage.objects import local_tmp_dir
 
@@ -49,7 +50,7 @@ NOT_COMMITTED = "this part was not committed"
 
 
 def stage(out: Outdir, name: str, table: pa.Table, keys: np.ndarray | None, rows: int | None,
-          token: str | None = None) -> tuple[dict[str, Any], str | None]:
+          token: str | None = None, spans: dict[str, list[Span]] | None = None) -> tuple[dict[str, Any], str | None]:
     """Step 1: the part's bytes written (to their staging name on a disk, to a local temp file for a store's
     upload); returns its record-to-be and the temp file to upload (None when built in place)."""
     token = token or uuid.uuid4().hex[:16]
@@ -72,7 +73,7 @@ def stage(out: Outdir, name: str, table: pa.Table, keys: np.ndarray | None, rows
     except BaseException:
         unlink_quietly(path)
         raise
-    return new_record(name, table, w, token, staged, rows, keys), (None if in_place is not None else path)
+    return new_record(name, table, w, token, staged, rows, keys, spans), (None if in_place is not None else path)
 
 
 def create_record(out: Outdir, record: dict[str, Any]) -> None:
@@ -241,12 +242,13 @@ class Committer:
 
 
 def commit_part(out: Outdir, committer: Committer, name: str, table: pa.Table, keys: np.ndarray | None = None,
-                rows: int | None = None, token: str | None = None) -> dict[str, Any]:
+                rows: int | None = None, token: str | None = None, spans: dict[str, list[Span]] | None = None) \
+        -> dict[str, Any]:
     """Commit one part (``token``: the record's, when a journal must name it first, as compaction's does). On a disk
     it returns once the part is published; on a store once it is built and queued (``Committer``), so the pipeline
     fills the next part while this one travels. Returns the record it commits."""
     committer.check()
     out.forget_records()
-    record, tmp = stage(out, name, table, keys, rows, token)
+    record, tmp = stage(out, name, table, keys, rows, token, spans)
     committer.submit(record, tmp)
     return record

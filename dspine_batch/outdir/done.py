@@ -6,50 +6,72 @@ part, no row id read or hashed), each list checked against its record's row coun
 skip an unrelated row or redo a done one. A part whose list is missing or doubtful (an old part: its key file, or
 its ``row_id`` column) is read instead; one whose ``row_id`` cannot be read is damaged (``check.handle_damage``).
 The advisory state file is never trusted for correctness: the done-set is rebuilt from the parts every time.
+Rows below a shard's watermarks (``watermark``: positional ids only) are done by position, not by key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dspine_batch.outdir import legacy
+from dspine_batch.outdir import legacy, watermark
 from dspine_batch.outdir.check import PartCheck, check_parts, handle_damage, short, warn
 from dspine_batch.outdir.core import Outdir
 from dspine_batch.outdir.keyset import KeySet, fallback_id_hashes, key_hashes
 from dspine_batch.outdir.layout import seq_of
 from dspine_batch.outdir.records import record_keys
+from dspine_batch.outdir.watermark import Mark
 
 
 @dataclass
 class DoneSet:
-    keys: KeySet
+    keys: KeySet  # with ``marks``: only the keys of parts holding a row at or above a watermark
     rows: int  # distinct row ids committed
     error_rows: int
     outputs: int
     next_seq: int
     damaged: int = 0  # parts moved aside by this start (their rows are not in the done-set)
+    marks: dict[str, Mark] = field(default_factory=dict)  # input name -> watermark (``watermark``)
+    below_parts: int = 0  # parts wholly below the watermarks: their keys were not loaded
 
 
 def load_done(out: Outdir, tag: str, id_column: bool = True, on_damaged: str = "repair",
               report: Callable[[str], None] = warn) -> DoneSet:
     """The done-set of one shard, from its checked parts (``id_column``: ids hash as strings, else as
-    ``<file>:<index>``, like ``mapping.RowIds``). A damaged part is handled by ``handle_damage`` and left out."""
+    ``<file>:<index>``, like ``mapping.RowIds``). A damaged part is handled by ``handle_damage`` and left out.
+    Without an id column (positional ids) the checked parts' spans give watermarks (``watermark``): the keys of
+    parts wholly below them are not loaded, the resume never reads those rows again. With an id column every key
+    stays: a later row repeating an earlier row's id is told apart only by having seen every id before it."""
     records = out.records(tag)
     checks = check_parts(out, tag)
     seqs = [seq_of(c.name) for c in checks] + [seq_of(n) for n in records]
     keys = KeySet()
     rows = errors = outputs = damaged = 0
+    good = []
     for check in checks:
         if check.problem is not None:
             handle_damage(out, check, on_damaged, report)
             damaged += 1
-            continue
+        else:
+            good.append(check)
+    spans = {}
+    if not id_column and watermark.enabled():
+        for check in good:
+            rec = records.get(check.name)
+            if rec is not None and check.info is not None and (got := watermark.record_spans(rec)) is not None:
+                spans[check.name] = got
+    marks, below = watermark.watermarks(spans)
+    for check in good:
         info = check.info or {}
+        if check.name in below:
+            rows += int(info["rows"])
+            errors += int(info.get("error_rows", 0))
+            outputs += int(info["outputs"])
+            continue
         rec = records.get(check.name)
         hashes = record_keys(rec) if rec is not None else None
         if hashes is None:
@@ -66,10 +88,14 @@ def load_done(out: Outdir, tag: str, id_column: bool = True, on_damaged: str = "
             check.problem = f"unreadable ({short(e)})"
             handle_damage(out, check, on_damaged, report)
             damaged += 1
+            if check.name in spans:  # its spans made the watermarks: made again without them (it is moved aside)
+                again = load_done(out, tag, id_column, on_damaged, report)
+                again.damaged += damaged
+                return again
             continue
         keys.add_many(got[0])
         rows, errors, outputs = rows + got[1], errors + got[2], outputs + got[3]
-    return DoneSet(keys, rows, errors, outputs, max(seqs) + 1 if seqs else 0, damaged)
+    return DoneSet(keys, rows, errors, outputs, max(seqs) + 1 if seqs else 0, damaged, marks, len(below))
 
 
 def _from_row_ids(out: Outdir, check: PartCheck, rec: dict | None, id_column: bool) -> tuple[np.ndarray, int, int,

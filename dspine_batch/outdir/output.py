@@ -35,6 +35,7 @@ from dspine_batch.outdir.layout import (
     state_rel,
 )
 from dspine_batch.outdir.lock import Lock, held_locks
+from dspine_batch.outdir.watermark import Span
 from dspine_batch.storage.lease import Lease, holder_gone, live, read_lease
 from dspine_batch.storage.urls import is_url
 
@@ -63,7 +64,7 @@ class Output(Protocol):
     def verify_parts(self, tag: str | None, on_damaged: str, report: Callable[[str], None] = warn) \
         -> list[PartCheck]: ...
     def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
-                    rows: int | None = None) -> dict[str, Any]: ...
+                    rows: int | None = None, spans: dict[str, list[Span]] | None = None) -> dict[str, Any]: ...
     def part_urls(self) -> list[str]: ...
     def flush(self) -> None: ...
     # --retry-errors: failed rows taken out of committed parts, a crash's half-done take-out settled
@@ -225,11 +226,12 @@ class OutDir(Outdir):
 
     # -- commits and parts ----------------------------------------------------------------------------------------
     def commit_part(self, name: str, table: pa.Table, keys: np.ndarray | None = None,
-                    rows: int | None = None, token: str | None = None) -> dict[str, Any]:
+                    rows: int | None = None, spans: dict[str, list[Span]] | None = None,
+                    token: str | None = None) -> dict[str, Any]:
         """Commit one part (``commit``): published on return on a disk, queued on a store."""
         if self.committer is None:
             self.committer = Committer(self)
-        return commit_part(self, self.committer, name, table, keys, rows, token)
+        return commit_part(self, self.committer, name, table, keys, rows, token, spans)
 
     def flush(self) -> None:
         """Wait until every queued part is committed and published (raises what failed)."""

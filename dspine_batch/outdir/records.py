@@ -1,14 +1,13 @@
 """Commit records: what a part is committed as, and the part bytes they describe.
 
 A record names its part, its rows (input rows), outputs (output rows), error rows, bytes and crc32, the unique
-``token`` of the commit that made it and the ``staged`` name its bytes were uploaded to, and the part's row-key
-hashes (``keys_b64``, little-endian uint64 in base64, with their own crc32): a resume builds its done-set from
-records alone, one small read a part. The crc32 is computed while the part is written (``ChecksumWriter``), so it
-costs no second read.
+``token`` of the commit that made it and the ``staged`` name its bytes were uploaded to, the part's row-key hashes
+(``keys_b64``, little-endian uint64 in base64, with their own crc32) and a first stage's ``spans`` (where its rows
+sit in the inputs, ``watermark``): a resume builds its done-set from records alone, one small read a part. The crc32
+is computed while the part is written (``ChecksumWriter``), so it costs no second read.
 
 Records written before this layout (a local disk) lack ``token``/``staged``/``error_rows``/``keys_b64``; they are
-still checked against their part (bytes, crc32, outputs), and their part's key file is ``legacy``'s.
-"""
+still checked against their part (bytes, crc32, outputs), and their part's key file is ``legacy``'s."""
 
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dspine_batch.outdir.watermark import Span, spans_fields
 
 CHECKSUM = "crc32"  # zlib.crc32: ~1.3 GiB/s on one core (BENCHMARKS.md), stdlib, catches bit rot and torn writes
 REQUIRED = frozenset({"bytes", CHECKSUM, "outputs"})
@@ -92,13 +93,16 @@ def record_keys(record: dict[str, Any]) -> np.ndarray | None:
 
 
 def new_record(name: str, table: pa.Table, w: ChecksumWriter, token: str, staged: str, rows: int | None,
-               keys: np.ndarray | None) -> dict[str, Any]:
-    """The commit record of part ``name`` whose bytes ``w`` wrote from ``table``."""
+               keys: np.ndarray | None, spans: dict[str, list[Span]] | None = None) -> dict[str, Any]:
+    """The commit record of part ``name`` whose bytes ``w`` wrote from ``table`` (``spans``: its rows' positions
+    in the inputs, ``watermark``; only a first stage's parts whose every row has one carry them)."""
     record = {"part": name, "rows": table.num_rows if rows is None else rows, "outputs": table.num_rows,
               "error_rows": part_meta(table).get("error_rows", 0), "bytes": w.size, CHECKSUM: w.crc,
               "committed_at": time.time(), "token": token, "staged": staged}
     if keys is not None:
         record.update(keys_fields(keys))
+    if spans is not None:
+        record.update(spans_fields(spans))
     return record
 
 

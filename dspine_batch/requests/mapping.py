@@ -154,6 +154,7 @@ class WorkItem:
     error: str | None = None
     row_hash: int = 0  # 64-bit hash of row_id (keyset.key_hash), stored beside each part for fast resume
     options: RowOptions | None = None  # tools and how to read the answer (None on error rows)
+    span: tuple[str, int, int, int] | None = None  # a first stage's input row: (file, lo, hi, offset), ``watermark``
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def precheck(stages: list[Any], files: list[InputFile], columns: Columns, log: C
                                     on_damaged=job.cfg.on_damaged_part, report=log)
         out.manifests[st.spec.index], out.done[st.spec.index] = manifest, done
         if st.spec.index == 0:
-            out.rows, missing = count_missing(job.cfg, files, columns, job.shard, done.keys)
+            out.rows, missing = count_missing(job.cfg, files, columns, job.shard, done.keys, done.marks, done.rows)
             if missing:
                 break
         else:

@@ -21,10 +21,11 @@ import numpy as np
 
 from dspine_batch.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.errors import FingerprintMismatch
-from dspine_batch.inputs.sources import InputFile, iter_inputs
+from dspine_batch.inputs.sources import InputFile, Start, iter_inputs
 from dspine_batch.outdir.keyset import KeySet
 from dspine_batch.outdir.manifest import diff
 from dspine_batch.outdir.schema import SCHEMA_VERSION
+from dspine_batch.outdir.watermark import Mark
 from dspine_batch.requests.fields import RowRequest
 from dspine_batch.requests.fields import identity as request_identity
 from dspine_batch.requests.mapping import Columns, RowIds
@@ -95,22 +96,32 @@ def _canon(v: Any) -> str:
 
 
 def count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns, shard: tuple[int, int],
-                   done: KeySet) -> tuple[int, int]:
+                   done: KeySet, marks: dict[str, Mark] | None = None, committed: int = 0) -> tuple[int, int]:
     """(this shard's input rows, those not in ``done``), from the row ids alone (``mapping.RowIds``: the same ids,
     duplicates and fallbacks included, that a run assigns). Stops after the first batch with a missing row: one
     is enough to load the engine, and a resumed run's committed rows come first, so a big JSONL input is not
-    parsed twice."""
+    parsed twice. ``marks``: the watermarks (``outdir.watermark``): reading starts there, and ``committed`` rows
+    (the done-set's) less those read again count the rows below them."""
     ids = RowIds(columns.id)
+    marks = marks or {}
+    starts = {f.name: Start(m.index, m.offset) for f in files if (m := marks.get(f.name))} \
+        if cfg.limit is None else None
     index, count = shard
     read = [columns.id] if columns.id else columns.read_columns()[:1]
-    rows = missing = 0
-    for batch in iter_inputs(files, read, cfg.limit):
+    rows = missing = found = 0
+    for batch in iter_inputs(files, read, cfg.limit, starts=starts):
         hashes = ids.assign_ids(batch)[2]
-        if count > 1:
-            hashes = hashes[(hashes % np.uint64(count)) == np.uint64(index)]
-        rows += len(hashes)
+        mine = (hashes % np.uint64(count)) == np.uint64(index) if count > 1 else np.ones(len(hashes), dtype=bool)
+        rows += int(np.count_nonzero(mine))
+        if (mark := marks.get(batch.file.name)) is not None:
+            below = np.asarray(batch.indices, dtype=np.int64) < mark.index
+            found += int(np.count_nonzero(mine & below))
+            mine &= ~below
+        hashes = hashes[mine]
         if len(hashes):
-            missing += int(np.count_nonzero(~done.contains_many(hashes)))
+            hit = done.contains_many(hashes)
+            found += int(np.count_nonzero(hit))
+            missing += len(hashes) - int(np.count_nonzero(hit))
         if missing:
             break
-    return rows, missing
+    return rows + (max(0, committed - found) if not missing else 0), missing

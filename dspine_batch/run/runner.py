@@ -299,7 +299,9 @@ def _finish(run: Run) -> int:
         committed, done = st.sink.stats if st.sink is not None else SinkStats(), st.done
         rows = done.rows + committed.rows
         errors = done.error_rows + committed.error_rows
-        read = selector.rows if st.spec.index == 0 and selector is not None else rows
+        # committed rows below a watermark were never read (``outdir.watermark``): every other one was read and skipped
+        unseen = max(0, done.rows - selector.skipped) if st.spec.index == 0 and selector is not None else 0
+        read = selector.rows + unseen if st.spec.index == 0 and selector is not None else rows
         st.state.save(committed, "done", total_rows=read)
         tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
         if st.lineage:
@@ -309,7 +311,7 @@ def _finish(run: Run) -> int:
             log(f"stage {st.name}: {rows:,} rows ({committed.rows:,} this run), {errors:,} with errors{extra} this "
                 f"run{tau} -> {st.job.outdir}")
         else:
-            skipped = selector.skipped if selector is not None else rows
+            skipped = selector.skipped + unseen if selector is not None else rows
             log(f"done: {rows:,} rows ({committed.rows:,} this run, {skipped:,} were already committed), "
                 f"{errors:,} with errors, {committed.completion_tokens:,} tokens this run{tau} -> {st.job.outdir}")
         for line in st.errors.summary():

@@ -26,7 +26,7 @@ from dspine_batch.run import deaths
 from dspine_batch.run.heap import setup_frozen
 from dspine_batch.run.progress import Progress
 from dspine_batch.run.scheduler import schedule
-from dspine_batch.run.selector import RowSelector
+from dspine_batch.run.selector import RowSelector, seek_starts
 from dspine_batch.run.stage import Run, Stage, committed_parents_of, offer, open_stage, parents_of, stage_log
 from dspine_batch.run.state import first_token_s
 from dspine_batch.run.watchdog import InFlight, Watchdog
@@ -229,13 +229,14 @@ class Segment:
         assert first.mapper is not None and first.done is not None
         recorder = RowRecorder(first.job.output, run.files, first.job.tag)
         run.selector = RowSelector(first.mapper, run.shard, first.done.keys, position=ReadPosition.of(run.files),
-                                   recorder=recorder)
+                                   recorder=recorder, marks=first.done.marks)
         sink, selector = first.sink, run.selector
         assert sink is not None
         run.progress = Progress(first.job.cfg.progress, run.total, first.done.rows, first.job.cfg.log_interval,
                                 taken=lambda: sink.taken, read=lambda: selector.rows,
                                 share=selector.position.share, approx=run.shard[1] > 1)
-        return selector.run(iter_inputs(run.files, run.columns.read_columns(), first.job.cfg.limit))
+        starts = seek_starts(first.done.marks, run.files, first.job.cfg.limit, recorder)
+        return selector.run(iter_inputs(run.files, run.columns.read_columns(), first.job.cfg.limit, starts=starts))
 
     # -- engine deaths ---------------------------------------------------------------------------------------
     def isolate(self) -> None:
@@ -251,8 +252,9 @@ class Segment:
             if st.spec.index == 0:
                 m = st.mapper
                 own = type(m)(m.settings, m.tokenizer, m.max_context, m.structures, warn=lambda _: None)
-                items: Iterator[WorkItem] = RowSelector(own, run.shard, st.done.keys).run(
-                    iter_inputs(run.files, run.columns.read_columns(), st.job.cfg.limit))
+                starts = seek_starts(st.done.marks, run.files, st.job.cfg.limit)
+                items: Iterator[WorkItem] = RowSelector(own, run.shard, st.done.keys, marks=st.done.marks).run(
+                    iter_inputs(run.files, run.columns.read_columns(), st.job.cfg.limit, starts=starts))
             else:
                 suspects = set(death.rows)
                 picked = [i for i in st.ready if i.row_id in suspects]

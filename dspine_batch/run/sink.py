@@ -23,6 +23,7 @@ from dspine_batch.ops.funnel import drop_reason
 from dspine_batch.outdir.layout import part_name
 from dspine_batch.outdir.output import arrow_path, open_output
 from dspine_batch.outdir.schema import BASE_NAMES, SOURCE_STATS
+from dspine_batch.outdir.watermark import Span
 from dspine_batch.requests.mapping import WorkItem
 
 TALLIES = ("rows", "outputs", "error_rows", "filtered", "duplicates", "prompt_tokens", "completion_tokens",
@@ -224,7 +225,7 @@ class PartSink:
         name = part_name(self.shard_tag, self.seq)
         keys = np.fromiter((item.row_hash for item in self.items), dtype=np.uint64, count=len(self.items))
         t0 = time.monotonic()
-        self.commit_part(name, table, keys, self.pending.rows)
+        self.commit_part(name, table, keys, self.pending.rows, spans=part_spans(self.items))
         self.stats.commit_s = time.monotonic() - t0
         self.stats.absorb(self.pending)
         self.stats.parts += 1
@@ -234,6 +235,18 @@ class PartSink:
         self._since = time.monotonic()
         self.on_commit(self.stats)
         return True
+
+
+def part_spans(items: list[WorkItem]) -> dict[str, list[Span]] | None:
+    """Where a part's rows sit in the inputs (``outdir.watermark``), by file; None unless every row has a span (a
+    part's spans must cover all its rows, or a resume would drop rows it never reads again)."""
+    by_file: dict[str, list[Span]] = {}
+    for item in items:
+        if item.span is None:
+            return None
+        name, lo, hi, off = item.span
+        by_file.setdefault(name, []).append((lo, hi, off))
+    return by_file or None
 
 
 def _structure_columns(owners: list[WorkItem]) -> dict[str, list[Any]]:

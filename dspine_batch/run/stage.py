@@ -194,8 +194,9 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
         damaged = f"; {done.damaged} damaged part(s) moved aside, their rows are generated again" \
             if done.damaged else ""
         where = f"stage {st.name}: " if st.lineage else ""
+        marks = f", {done.below_parts} of them below the inputs' watermarks, not read again" if done.marks else ""
         log(f"{where}resuming: {done.rows:,} rows already committed in {done.next_seq} parts, checked "
-            f"({seconds:.2f}s); {st.discarded} unfinished staging file(s) discarded{damaged}")
+            f"({seconds:.2f}s){marks}; {st.discarded} unfinished staging file(s) discarded{damaged}")
     defaults = job_defaults(job, SamplingParams(cfg.max_new_tokens, float(cfg.temperature), float(cfg.top_p),
                                                 max(cfg.top_k, 0), cfg.seed, tokenizer.stop_token_ids(cfg.stop),
                                                 tuple(cfg.stop)))

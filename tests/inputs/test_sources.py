@@ -275,3 +275,62 @@ def test_corrupt_row_group_mid_run_is_fatal_and_keeps_earlier_rows(tmp_path, cap
     err = capsys.readouterr().err
     assert "c.parquet: unreadable Parquet at row 10" in err and "Traceback" not in err
     assert len(read_output(out)) == 10  # the good row group was committed
+
+
+# -- a resume's start at a watermark (``Start``) ------------------------------------------------------------------
+def _from(files, starts):
+    out = []
+    for b in iter_inputs(files, None, starts=starts):
+        rows = [str(r) if isinstance(r, RowError) else r for r in b.rows]
+        out.extend(zip(b.indices, rows, b.ends or [None] * len(b), strict=True))
+    return out
+
+
+def test_parquet_start_skips_whole_row_groups_unread(tmp_path, monkeypatch):
+    from dspine_batch.inputs import sources
+
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(1000)]}), tmp_path / "a.parquet", row_group_size=64)
+    files = resolve_inputs([str(tmp_path / "a.parquet")])
+    read: list[int] = []
+    real = sources.parquet_file
+
+    def spy(path):
+        pf = real(path)
+        inner = pf.iter_batches
+
+        def iter_batches(*args, row_groups, **kwargs):
+            read.extend(row_groups)
+            return inner(*args, row_groups=row_groups, **kwargs)
+
+        pf.iter_batches = iter_batches
+        return pf
+
+    monkeypatch.setattr(sources, "parquet_file", spy)
+    got = _from(files, {files[0].name: sources.Start(700)})
+    assert [i for i, _, _ in got] == list(range(700, 1000))
+    assert [r["prompt"] for _, r, _ in got] == [f"p{i}" for i in range(700, 1000)]
+    assert read == list(range(700 // 64, 16))  # the 10 row groups before row 700 are never read
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_jsonl_start_at_a_byte_offset_gives_the_same_rows(tmp_path, suffix):
+    from dspine_batch.inputs.sources import Start
+
+    lines = [json.dumps(r).encode() for r in prompts(50)]
+    lines[20:20] = [b"", b"{broken"]  # a blank line and a bad one: line numbers, not rows, are positions
+    data = b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n"  # a byte-order mark: not part of line 0, still counted
+    if suffix == ".jsonl.gz":
+        data = gzip.compress(data)
+    elif suffix == ".jsonl.zst":
+        data = pytest.importorskip("zstandard").ZstdCompressor().compress(data)
+    (tmp_path / f"a{suffix}").write_bytes(data)
+    files = resolve_inputs([str(tmp_path / f"a{suffix}")])
+    full = _from(files, None)
+    name = files[0].name
+    for k in (1, 19, 21, 30, len(full) - 1):
+        index, _, _ = full[k]
+        end_before = full[k - 1][2]
+        assert _from(files, {name: Start(full[k - 1][0] + 1, end_before)}) == full[k:]
+        assert index >= full[k - 1][0] + 1
+    # an offset that does not sit after a newline is not trusted: everything is read, as without a start
+    assert _from(files, {name: Start(full[5][0] + 1, full[5][2] - 3)}) == full

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import prompts, read_output, run_cli, spawn, write_jsonl
+from helpers import kill9_resumes, prompts, read_output, run_cli, spawn, write_jsonl
 
 from dspine_batch.errors import LockedError
 from dspine_batch.outdir.layout import STAGING, record_rel
@@ -38,32 +37,9 @@ def _torture(tmp_path, kills_wanted: int, rows: int, seed: int) -> None:
     args = ["generate", str(src), *GEN, "--max-in-flight", "8", "--commit-rows", "7", "--commit-seconds", "0.05",
             "--engine-arg", "latency=0.06", "--max-error-rate", "1"]
     assert run_cli([*args, "-o", str(ref)]) == 0
-    rng = random.Random(seed)
-    kills, mid_run = 0, 0
-    # calibrate to this machine's speed: kill moments spread from start-up to well past the first commit
-    p = spawn([*args, "-o", str(out)])
-    t0 = time.monotonic()
-    while not (out.exists() and list_parts(str(out))) and time.monotonic() - t0 < 60:
-        time.sleep(0.01)
-    first_commit = time.monotonic() - t0
-    p.kill()
-    p.communicate()
-    for _ in range(kills_wanted + 15):
-        p = spawn([*args, "-o", str(out)])
-        time.sleep(rng.uniform(0.3 * first_commit, first_commit + 0.5))
-        if p.poll() is None:
-            p.kill()
-            kills += 1
-        _, err = p.communicate()
-        assert p.returncode in (0, -signal.SIGKILL), (p.returncode, err.decode())
-        if out.exists() and list_parts(str(out)) and p.returncode != 0:
-            mid_run += 1
-        if p.returncode == 0 or kills >= kills_wanted:
-            break
+    kills, mid_run, _ = kill9_resumes([*args, "-o", str(out)], out, random.Random(seed), kills_wanted + 15, 0.3, 0.5,
+                                      enough=kills_wanted)
     assert kills >= kills_wanted * 0.8 and mid_run >= 5, (kills, mid_run)  # also after commits
-    p = spawn([*args, "-o", str(out)])
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == 0, err.decode()
     assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
     _assert_exactly_once(out, rows + 1)
     assert read_output(out) == read_output(ref)
