@@ -183,6 +183,19 @@ class ScriptedEngine:
             produced += 1
             self._maybe_crash(produced)
 
+    def score(self, requests: list[Request]) -> list[Result]:
+        """Scoring requests (``base.Scorer``) through the same planning as a real engine (``engines.scoring``), with
+        made-up log-probabilities: a pure function of the position's prefix and the token (a proper distribution
+        is not needed by any test; equal inputs give equal numbers, across processes)."""
+        from dspine_batch.engines.scoring import score_requests
+
+        def fake(pieces: list[Any], asked: list[list[list[int]]]) -> list[list[list[float]]]:
+            self._maybe_poisoned([requests[p.i] for p in pieces])
+            return [[[-(_h(",".join(map(str, p.ids[:p.start + j])), t) % 1000) / 250 - 0.01
+                      for t in want] for j, want in enumerate(ws)] for p, ws in zip(pieces, asked, strict=True)]
+
+        return score_requests(requests, self.max_context_len, 8, fake)
+
     def _maybe_poisoned(self, in_flight: list[Request]) -> None:
         if self.poison and any(r.row_id == self.poison for r in in_flight):
             raise EngineDied(f"scripted engine crashed on row {self.poison}")

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dspine_batch.config import GenerateConfig
-from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams
+from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams, can_score
 from dspine_batch.engines.decisions import DecisionLog
 from dspine_batch.errors import (
     UsageError,
@@ -52,7 +52,19 @@ from dspine_batch.stages.rows import (
     children,
     committed_parents,
 )
+from dspine_batch.stages.score import Continuations
+from dspine_batch.stages.select import decide, group_of
 from dspine_batch.stages.spec import StageSpec
+
+
+@dataclass
+class Held:
+    """A select step's row, made from a committed parent row, waiting for its group's decision (``committed``:
+    already in the stage's output from an earlier start: it counts in its group, it is not made again)."""
+
+    row: dict[str, Any]
+    row_hash: int
+    committed: bool
 
 
 class FirstStageMapper(RowMapper):
@@ -89,6 +101,8 @@ class Stage:
     discarded: int = 0  # uncommitted uploads the recovery removed at this start
     retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
+    scorer: Continuations | None = None  # a scoring stage's continuations (``stages.score``)
+    held: dict[str, Held] = field(default_factory=dict)  # a select step's rows until their groups are decided
 
     @property
     def lineage(self) -> bool:
@@ -190,6 +204,10 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
                                                 tuple(cfg.stop)))
     features = frozenset(getattr(engine, "features", ()))
     label = f"stage {st.name!r}: " if st.lineage else ""
+    if st.spec.score is not None:
+        if not can_score(engine):
+            raise UsageError(f"{label}score: the {engine.name} engine cannot score yet (use the reference engine)")
+        st.scorer = Continuations(st.spec.score, tokenizer)
     for feature in defaults.params.features():
         if feature not in features:
             what = "structure" if feature in STRUCTURE_KINDS else feature
@@ -277,9 +295,40 @@ def offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
     for p in parents:
         for cid, row in children(p, parent.name, child.spec):
             h = key_hash(cid)
+            if child.spec.select is not None:  # held until its group is decided, committed or not (``select``)
+                if cid not in child.held and isinstance(row, dict):
+                    child.held[cid] = Held(row, h, h in child.done.keys)
+                continue
             if h in child.done.keys:
                 continue
             child.done.keys.add(h)  # queued: never made twice in this run (a part's rows are offered once)
-            child.ready.append(child.mapper.build(cid, child.file, child.made, row, None, h))
+            item = child.mapper.build(cid, child.file, child.made, row, None, h)
+            if child.scorer is not None and isinstance(row, dict):
+                item = child.scorer.attach(item, row, child.file.name)
+            child.ready.append(item)
             child.made += 1
+
+
+def select_rows(st: Stage) -> list[tuple[WorkItem, list[Result]]]:
+    """A select step's held rows decided, group by group (``stages.select``): the decisions go to its judge, and
+    the rows not committed yet come back as finished rows (the parent's output as theirs), in group and id order.
+    Called once every stage before it is finished in this shard, so every group is whole."""
+    assert st.spec.select is not None and st.judge is not None and st.sink is not None
+    spec, groups = st.spec.select, {}
+    for cid, h in st.held.items():
+        lineage = json.loads(h.row.get("lineage") or "{}")
+        groups.setdefault(group_of(spec, h.row.get("root_id") or cid, lineage), []).append(cid)
+    out = []
+    for g in sorted(groups):
+        ctx = {cid: json.loads(st.held[cid].row["context"]) for cid in groups[g]}
+        st.judge.selected.update(decide(spec, [(cid, ctx[cid].get(spec.by)) for cid in groups[g]]))
+        for cid in sorted(groups[g]):
+            h = st.held[cid]
+            if h.committed:
+                continue
+            keep = tuple(h.row.get(n) for n in st.sink.keep_names)
+            out.append((WorkItem(cid, [], keep, None, h.row_hash),
+                        [Result(cid, 0, [], ctx[cid].get("output"), "stop")]))
+    st.held.clear()
+    return out
 

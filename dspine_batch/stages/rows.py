@@ -181,6 +181,8 @@ class Judge:
     shard: str = ""
     filtered: int = 0
     duplicates: int = 0
+    selected: dict[str, str | None] = field(default_factory=dict)  # a select step's: row id -> why not selected
+    unselected: int = 0
 
     def decide(self, item: WorkItem, results: list[Result] | None, keep_names: list[str]) -> WorkItem:
         if item.keep is None or "kept" not in keep_names:
@@ -195,7 +197,10 @@ class Judge:
                 else None
             fields = parent_fields(Parent(item.row_id, 0, 1, r.text, kind, values["root_id"] or item.row_id, {},
                                           ctx), self.spec.name)
-            if self.spec.where is not None:
+            if self.spec.select is not None and self.selected.get(item.row_id):  # ``select``: decided by group
+                kept, why = False, self.selected[item.row_id]
+                self.unselected += 1
+            if kept and self.spec.where is not None:
                 kept, why = self.spec.where.test(fields)
                 if not kept and r.finish_reason == "length" and for_want_of_text(why, self.spec.where.text):
                     why = cut_by_length(self.spec.where.text)  # no field, or half a value: the output was cut
