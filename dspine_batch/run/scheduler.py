@@ -95,12 +95,12 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
                     while bypass:
                         yield bypass.popleft()
                     stop.in_engine = True
+            score()  # an engine that ended its stream without pulling to the end
         except EngineDied as e:  # the rows it died with: a rerun runs them alone first (``deaths``)
-            e.in_flight = list(pending)
+            e.in_flight = list(pending) + [it.row_id for it in scoring]  # scoring rows it died scoring too
             raise
         finally:
             stop.in_engine = False
-        score()  # an engine that ended its stream without pulling to the end
         while bypass:
             yield bypass.popleft()
         if state["exhausted"] or stop.requested:

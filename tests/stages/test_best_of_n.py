@@ -230,3 +230,17 @@ def test_the_recipe_on_the_embedded_model(tmp_path):
         assert 0 < got["score"] < 1 and math.isclose(sum(got["probs"].values()), 1.0)
     best = read_output(out / "best")
     assert sum(r["kept"] for r in best) == 2
+
+
+def test_an_engine_death_while_scoring_isolates_the_row_it_repeats_on(tmp_path):
+    """The engine dies whenever one scoring row is in its batch (``poison``): the rows it died scoring run alone on
+    the next start, the one it dies on again becomes an error row, and its group is decided without it."""
+    out = tmp_path / "best"
+    job = _job(tmp_path, out)
+    codes = [run_cli(["generate", "--config", job, "--engine-arg", "poison=1:q-02#1", "--max-error-rate", "1"])
+             for _ in range(4)]
+    assert codes[0] == 75 and 0 in codes, codes
+    bad = [r for r in read_output(out / "score") if r["status"] == "error"]
+    assert [r["row_id"] for r in bad] == ["q-02#1"] and "died twice" in bad[0]["error"]
+    group = [r for r in read_output(out / "best") if r["root_id"] == "q-02"]
+    assert len(group) == 3 and sum(r["dropped_by"] is None for r in group) == 1
