@@ -51,20 +51,11 @@ from dspine_batch.stages.rows import (
     carried,
     children,
     committed_parents,
+    parent_fields,
 )
 from dspine_batch.stages.score import Continuations
 from dspine_batch.stages.select import decide, group_of
 from dspine_batch.stages.spec import StageSpec
-
-
-@dataclass
-class Held:
-    """A select step's row, made from a committed parent row, waiting for its group's decision (``committed``:
-    already in the stage's output from an earlier start: it counts in its group, it is not made again)."""
-
-    row: dict[str, Any]
-    row_hash: int
-    committed: bool
 
 
 class FirstStageMapper(RowMapper):
@@ -102,7 +93,7 @@ class Stage:
     retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
     scorer: Continuations | None = None  # a scoring stage's continuations (``stages.score``)
-    held: dict[str, Held] = field(default_factory=dict)  # a select step's rows until their groups are decided
+    selected: bool = False  # a select step: its groups decided in this start (``select_rows``)
 
     @property
     def lineage(self) -> bool:
@@ -292,13 +283,11 @@ def committed_parents_of(st: Stage) -> Iterator[Parent]:
 def offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
     """Make ``child``'s rows from ``parents`` (skipping those already committed) and queue them."""
     assert child.done is not None and child.mapper is not None and child.file is not None
+    if child.spec.select is not None:  # its rows are made when its groups are decided (``select_rows``)
+        return
     for p in parents:
         for cid, row in children(p, parent.name, child.spec):
             h = key_hash(cid)
-            if child.spec.select is not None:  # held until its group is decided, committed or not (``select``)
-                if cid not in child.held and isinstance(row, dict):
-                    child.held[cid] = Held(row, h, h in child.done.keys)
-                continue
             if h in child.done.keys:
                 continue
             child.done.keys.add(h)  # queued: never made twice in this run (a part's rows are offered once)
@@ -309,26 +298,26 @@ def offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
             child.made += 1
 
 
-def select_rows(st: Stage) -> list[tuple[WorkItem, list[Result]]]:
-    """A select step's held rows decided, group by group (``stages.select``): the decisions go to its judge, and
-    the rows not committed yet come back as finished rows (the parent's output as theirs), in group and id order.
-    Called once every stage before it is finished in this shard, so every group is whole."""
-    assert st.spec.select is not None and st.judge is not None and st.sink is not None
+def select_rows(st: Stage, parent: Stage) -> Iterator[tuple[WorkItem, list[Result]]]:
+    """A select step's rows, its groups decided (``stages.select``): every kept row its parent stage committed in
+    this shard, read twice from the committed parts — once for each row's group and value (all a decision needs:
+    memory per row is its id and verdict, not its context), once to make the rows not committed yet, each with its
+    parent's output as its own. The decisions go to the stage's judge. Called once every stage before it is
+    finished in this shard, so every group is whole, and a group half committed by an earlier start is decided
+    again from the same rows, the same way."""
+    assert st.spec.select is not None and st.judge is not None and st.sink is not None and st.done is not None
     spec, groups = st.spec.select, {}
-    for cid, h in st.held.items():
-        lineage = json.loads(h.row.get("lineage") or "{}")
-        groups.setdefault(group_of(spec, h.row.get("root_id") or cid, lineage), []).append(cid)
-    out = []
-    for g in sorted(groups):
-        ctx = {cid: json.loads(st.held[cid].row["context"]) for cid in groups[g]}
-        st.judge.selected.update(decide(spec, [(cid, ctx[cid].get(spec.by)) for cid in groups[g]]))
-        for cid in sorted(groups[g]):
-            h = st.held[cid]
-            if h.committed:
+    for p in committed_parents_of(parent):
+        cid = p.base
+        group = group_of(spec, p.root_id, {**p.lineage, parent.name: cid})
+        groups.setdefault(group, []).append((cid, parent_fields(p, parent.name).get(spec.by)))
+    for rows in groups.values():
+        st.judge.selected.update(decide(spec, rows))
+    del groups
+    for p in committed_parents_of(parent):
+        for cid, row in children(p, parent.name, st.spec):
+            h = key_hash(cid)
+            if h in st.done.keys or not isinstance(row, dict):
                 continue
-            keep = tuple(h.row.get(n) for n in st.sink.keep_names)
-            out.append((WorkItem(cid, [], keep, None, h.row_hash),
-                        [Result(cid, 0, [], ctx[cid].get("output"), "stop")]))
-    st.held.clear()
-    return out
-
+            keep = tuple(row.get(n) for n in st.sink.keep_names)
+            yield WorkItem(cid, [], keep, None, h), [Result(cid, 0, [], p.output, "stop")]

@@ -16,9 +16,10 @@ and ``dedup`` then apply to the selected rows.
 earlier stage (rows sharing that stage's row: its lineage id). Either way a group lives in one shard (shards go
 by root), so shards never split a group. A group is decided by a pure function of its rows, which are committed
 and immutable in the parent stage: ranked by ``by`` (``order``), ties broken by row id, the same on every start.
-The runner decides a select stage's groups once every stage before it is finished in this shard (``segment``), so
-each group is complete; a start killed half way through committing a group's rows decides the group again from
-the same rows, the same way, and commits only the rows not yet committed — exactly once without claims.
+The runner decides a select stage's groups once every stage before it is finished in this shard (``segment``), from
+its parent's committed parts (``run.stage.select_rows``), so each group is complete; a start killed half way through
+committing a group's rows decides the group again from the same rows, the same way, and commits only the rows not
+yet committed — exactly once without claims.
 """
 
 from __future__ import annotations
