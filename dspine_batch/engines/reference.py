@@ -308,25 +308,16 @@ class ReferenceEngine:
             raise FatalError(f"reference engine failed: {e}") from e
 
     def score(self, requests: list[Request]) -> list[Result]:
-        """Scoring requests (``base.Scorer``): the planned sequences (``engines.scoring``) forwarded in batches of
-        equal length, log-softmax in fp32 at the positions read; no decoding, no cache kept."""
+        """Scoring requests (``base.Scorer``): ``dspine.decoding.score`` on ``batch_size`` rows at a time, their
+        prompts prefilled as the decoding loop does (the prefix cache and chunked prefill included); no decoding."""
+        from dspine.decoding.score import continuation_logprobs
         from dspine_batch.engines.scoring import score_requests
 
-        return score_requests(requests, int(self.target.max_position), self.batch_size, self._score_batch)
+        def run(batch: list[Request]) -> list[list[list[float]]]:
+            return continuation_logprobs(self.target, [r.prompt_ids for r in batch],
+                                         [r.continuations or () for r in batch], self.prefix, self.prefill_chunk)
 
-    def _score_batch(self, pieces: list[Any], asked: list[list[list[int]]]) -> list[list[list[float]]]:
-        import torch
-
-        target = self.target
-        with torch.inference_mode():
-            ids = torch.tensor([p.ids for p in pieces], dtype=torch.long, device=target.device)
-            hidden = target.forward(ids, target.new_cache(len(pieces), ids.shape[1])).hidden
-            out = []
-            for b, (p, want) in enumerate(zip(pieces, asked, strict=True)):
-                at = hidden[b:b + 1, p.start - 1:p.start - 1 + len(want)]
-                lp = target.logits(at)[0].float().log_softmax(-1)
-                out.append([lp[j, w].tolist() for j, w in enumerate(want)])
-        return out
+        return score_requests(requests, int(self.target.max_position), self.batch_size, run)
 
     def _constraint(self, structure: Any) -> Any:
         """The compiled grammar of a request's ``Structure`` (each distinct one compiled once per engine), or

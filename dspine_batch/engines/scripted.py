@@ -184,15 +184,15 @@ class ScriptedEngine:
             self._maybe_crash(produced)
 
     def score(self, requests: list[Request]) -> list[Result]:
-        """Scoring requests (``base.Scorer``) through the same planning as a real engine (``engines.scoring``), with
-        made-up log-probabilities: a pure function of the position's prefix and the token (a proper distribution
-        is not needed by any test; equal inputs give equal numbers, across processes)."""
+        """Scoring requests (``base.Scorer``) with made-up log-probabilities: a pure function of the prompt, the
+        continuation's tokens before and the token (no proper distribution is needed by any test; equal inputs give
+        equal numbers, across processes). ``poison`` dies on its row as ``run`` does."""
         from dspine_batch.engines.scoring import score_requests
 
-        def fake(pieces: list[Any], asked: list[list[list[int]]]) -> list[list[list[float]]]:
-            self._maybe_poisoned([requests[p.i] for p in pieces])
-            return [[[-(_h(",".join(map(str, p.ids[:p.start + j])), t) % 1000) / 250 - 0.01
-                      for t in want] for j, want in enumerate(ws)] for p, ws in zip(pieces, asked, strict=True)]
+        def fake(batch: list[Request]) -> list[list[list[float]]]:
+            self._maybe_poisoned(batch)
+            return [[[-(_h(",".join(map(str, [*r.prompt_ids, *c[:j]])), t) % 1000) / 250 - 0.01
+                      for j, t in enumerate(c)] for c in r.continuations or ()] for r in batch]
 
         return score_requests(requests, self.max_context_len, 8, fake)
 

@@ -29,8 +29,9 @@ QUESTIONS = ROOT / "examples" / "questions.jsonl"
 # -- scoring ------------------------------------------------------------------------------------------------------
 def test_scoring_equals_transformers_log_softmax(tiny):
     """Each continuation token's log-probability after the chat-templated prompt equals transformers' fp32
-    log-softmax over the same tokens: one-token labels (read at the prompt's last position in one forward),
-    multi-token labels and a continuation, batched together with prompts of different lengths."""
+    log-softmax over the same tokens: one-token labels (read at the prompt's last position), multi-token labels and
+    a continuation, batched together with prompts of different lengths; a prompt met again comes from the prefix
+    cache with the same numbers."""
     import torch
     import transformers
 
@@ -58,12 +59,17 @@ def test_scoring_equals_transformers_log_softmax(tiny):
             want = [lp[start - 1 + j, t].item() for j, t in enumerate(cont)]
             assert len(lps) == len(cont)
             assert max(abs(a - b) for a, b in zip(lps, want, strict=True)) < 1e-4, (r.row_id, lps, want)
+    assert eng.prefix is not None
+    computed = eng.prefix.computed
+    again = eng.score(reqs)  # every prompt now served from the prefix cache: the same numbers, bit for bit
+    assert eng.prefix.computed == computed
+    assert [r.continuation_logprobs for r in again] == [r.continuation_logprobs for r in got]
 
 
 def test_scoring_refuses_what_does_not_fit(tiny):
     eng = reference_engine(tiny, draft=False, dtype="float32")
     room = int(eng.target.max_position)
-    long = Request("x", 0, [5] * (room - 1), SamplingParams(), ((7, 8),))
+    long = Request("x", 0, [5] * room, SamplingParams(), ((7, 8),))  # room + 1 tokens fed
     empty = Request("y", 0, [5, 6], SamplingParams(), ((),))
     a, b = eng.score([long, empty])
     assert "over the model's context" in a.error and "no tokens" in b.error
