@@ -250,3 +250,34 @@ def test_an_engine_death_while_scoring_isolates_the_row_it_repeats_on(tmp_path):
     assert [r["row_id"] for r in bad] == ["q-02#1"] and "died twice" in bad[0]["error"]
     group = [r for r in read_output(out / "best") if r["root_id"] == "q-02"]
     assert len(group) == 3 and sum(r["dropped_by"] is None for r in group) == 1
+
+
+def test_the_scores_are_fields_where_and_the_next_stage_read(tmp_path):
+    """A scoring stage's `where` reads its own fields (``probs.Yes``), and a continuation score's fields reach the
+    next stage's template; rows the `where` drops never reach the select step."""
+    out = tmp_path / "best"
+    job = Path(_job(tmp_path, out))
+    text = job.read_text().replace('score = {labels = ["Yes", "No"]}', 'score = {labels = ["Yes", "No"]}\n'
+                                   'where = "probs.Yes > 0.5"')
+    job.write_text(text)
+    assert run_cli(["generate", "--config", str(job)]) == 0
+    score = read_output(out / "score")
+    assert {r["row_id"] for r in score if r["kept"]} == \
+        {r["row_id"] for r in score if json.loads(r["output"])["probs"]["Yes"] > 0.5}
+    assert 0 < sum(r["kept"] for r in score) < len(score)
+    assert {r["row_id"].rsplit("#", 1)[0] for r in read_output(out / "best")} == \
+        {r["row_id"] for r in score if r["kept"]}
+    cont = tmp_path / "cont"
+    job2 = Path(_job(tmp_path, cont))
+    job2.write_text(job2.read_text().replace('score = {labels = ["Yes", "No"]}',
+                                             'score = {continuation = " {{ question }}"}').replace(
+        'select = {group = "root_id", by = "score", keep = 1, order = "desc"}',
+        'select = {keep = "all above", threshold = -2.0}'))
+    assert run_cli(["generate", "--config", str(job2)]) == 0
+    selected = []
+    for r in read_output(cont / "best"):
+        got = json.loads(r["output"])
+        assert got["score"] == got["logprob_mean"] and got["tokens"] == len(" " + json.loads(r["context"])["question"])
+        selected.append(not (r["dropped_by"] or "").startswith("select"))
+        assert selected[-1] == (got["score"] > -2.0), r
+    assert 0 < sum(selected) < len(selected)
