@@ -59,13 +59,7 @@ def prefill(target: Target, rows: list[Row], cfg: StreamConfig, pace: Pace | Non
     dev = target.device
     prompts = [r.prompt for r in rows]
     cap = capacity(rows, extra_slots(cfg))
-    credit = [0] * len(rows)
-    if cfg.prefix is not None:
-        for wave in shared_prefixes(prompts, cfg.prefix):
-            *_, served = yield from fill(target, [list(p) for p in wave], cfg, max(len(p) for p in wave), pace)
-            for p, got in zip(wave, served):
-                leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
-                credit[leader] += len(p) - got
+    credit = yield from shared_waves(target, prompts, cfg, pace)
     cache, last, taps, served = yield from fill(target, prompts, cfg, cap, pace)
     for r, got, c in zip(rows, served, credit):
         r.cached = max(0, got - c)
@@ -82,6 +76,21 @@ def prefill(target: Target, rows: list[Row], cfg: StreamConfig, pace: Pace | Non
                 cfg.draft.extend_context(dcache, taps, lens)
         hist = History.empty(len(rows), cfg.block_size - 1, cfg.accept_prior)
     return RunningBatch(rows, cache, dcache, hist)
+
+
+def shared_waves(target: Target, prompts: list[list[int]], cfg: StreamConfig, pace: Pace
+                 ) -> Generator[None, None, list[int]]:
+    """With a prefix cache, the prefixes ``prompts`` share and the tree lacks prefilled into it first, once each
+    (``prefix.shared_prefixes``), so the ``fill`` of the prompts after copies them. Returns (a generator's value)
+    each prompt's credit: the shared tokens it was first to need, computed by a wave on its behalf."""
+    credit = [0] * len(prompts)
+    if cfg.prefix is not None:
+        for wave in shared_prefixes(prompts, cfg.prefix):
+            *_, served = yield from fill(target, [list(p) for p in wave], cfg, max(len(p) for p in wave), pace)
+            for p, got in zip(wave, served):
+                leader = next(i for i, q in enumerate(prompts) if tuple(q[: len(p)]) == p)
+                credit[leader] += len(p) - got
+    return credit
 
 
 def fill(target: Target, prompts: list[list[int]], cfg: StreamConfig, capacity: int, pace: Pace

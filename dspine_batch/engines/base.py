@@ -108,6 +108,9 @@ class Request:
     sample_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    # a scoring request (``stages.score``): no decoding, the log-probability of each of these token sequences
+    # after the prompt, returned in ``Result.continuation_logprobs`` by the engine's ``score`` (``Scorer``)
+    continuations: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +142,9 @@ class Result:
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs; see TokenLogprob
     latency_s: float = 0.0
     error: str | None = None
+    # a scoring request's answer: per continuation, the log-probability of each of its tokens (fp32 log-softmax
+    # of the model's logits, teacher-forced after the prompt and the continuation's tokens before it)
+    continuation_logprobs: list[list[float]] | None = None
     # set by the pipeline from ``text`` (``--reasoning-parser`` / ``--tool-call-parser``), never by engines
     reasoning_content: str | None = None
     tool_calls: str | None = None  # JSON list in OpenAI's shape
@@ -185,6 +191,19 @@ class Engine(Protocol):
     def run(self, requests: Iterable[Request], max_in_flight: int) -> Iterator[Result]: ...
 
     def close(self) -> None: ...
+
+
+class Scorer(Protocol):
+    """An engine that can score (``Request.continuations``): one prefill per request, no decoding. The pipeline
+    refuses a scoring stage on an engine without ``score``, in one line, before any row runs."""
+
+    def score(self, requests: list[Request]) -> list[Result]:
+        """One ``Result`` per request, in order, with ``continuation_logprobs`` set (or ``error``: that row's)."""
+        ...
+
+
+def can_score(engine: Any) -> bool:
+    return callable(getattr(engine, "score", None))
 
 
 def derive_seed(run_seed: int, row_id: str, sample_index: int) -> int:

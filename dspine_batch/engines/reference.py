@@ -307,6 +307,24 @@ class ReferenceEngine:
         except RuntimeError as e:
             raise FatalError(f"reference engine failed: {e}") from e
 
+    def score(self, requests: list[Request]) -> list[Result]:
+        """Scoring requests (``base.Scorer``): ``dspine.decoding.score`` on ``batch_size`` rows at a time, their
+        prompts prefilled as the decoding loop does (the prefix cache and chunked prefill included); no decoding."""
+        from dspine.cpu.threads import Governor
+        from dspine.decoding.score import continuation_logprobs
+        from dspine_batch.engines.scoring import score_requests
+
+        gov = getattr(self, "_score_governor", None)
+        if gov is None:  # one for the engine's life: it decides from two samples in a row, across calls
+            gov = self._score_governor = Governor()
+
+        def run(batch: list[Request]) -> list[list[list[float]]]:
+            return continuation_logprobs(self.target, [r.prompt_ids for r in batch],
+                                         [r.continuations or () for r in batch], self.prefix, self.prefill_chunk,
+                                         gov)
+
+        return score_requests(requests, int(self.target.max_position), self.batch_size, run)
+
     def _constraint(self, structure: Any) -> Any:
         """The compiled grammar of a request's ``Structure`` (each distinct one compiled once per engine), or
         None. An invalid one raises ValueError (the row's error; the pipeline checks them before the model

@@ -183,6 +183,19 @@ class ScriptedEngine:
             produced += 1
             self._maybe_crash(produced)
 
+    def score(self, requests: list[Request]) -> list[Result]:
+        """Scoring requests (``base.Scorer``) with made-up log-probabilities: a pure function of the prompt, the
+        continuation's tokens before and the token (no proper distribution is needed by any test; equal inputs give
+        equal numbers, across processes). ``poison`` dies on its row as ``run`` does."""
+        from dspine_batch.engines.scoring import score_requests
+
+        def fake(batch: list[Request]) -> list[list[list[float]]]:
+            self._maybe_poisoned(batch)
+            return [[[-(_h(",".join(map(str, [*r.prompt_ids, *c[:j]])), t) % 1000) / 250 - 0.01
+                      for j, t in enumerate(c)] for c in r.continuations or ()] for r in batch]
+
+        return score_requests(requests, self.max_context_len, 8, fake)
+
     def _maybe_poisoned(self, in_flight: list[Request]) -> None:
         if self.poison and any(r.row_id == self.poison for r in in_flight):
             raise EngineDied(f"scripted engine crashed on row {self.poison}")

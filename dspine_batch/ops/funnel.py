@@ -1,7 +1,8 @@
 """A staged job's funnel (``dspine_batch.stages``): per stage, the rows it received (``in``: the input's rows, or
 the kept rows of the stage before it), made from list items (``exploded``, a stage with ``explode``), answered, kept
 for the next stage, and the rows not kept counted by why (``DROPS``: its ``where`` false, a field it reads missing, an
-output cut by length before it held that field, a duplicate, an error; they add up to the rows not kept), with its
+output cut by length before it held that field, a duplicate,
+not selected (a select step), an error; they add up to the rows not kept), with its
 tokens, throughput and tokens per verify step (``tau``, overall and by proposal source), read from the committed
 parts (each stage's ``report.summarize``). ``report OUTDIR`` prints it for a staged OUTDIR, then the final stage's
 own report."""
@@ -19,7 +20,8 @@ from dspine_batch.outdir.manifest import stage_names
 from dspine_batch.outdir.output import arrow_path, committed_parts, open_output
 from dspine_batch.storage.urls import is_url
 
-DROPS = ("where false", "no field", "cut by length", "duplicate", "error")  # why a row was not kept, by column
+# why a row was not kept, by column ("not selected": a select step ranked it out of its group, ``stages.select``)
+DROPS = ("where false", "no field", "cut by length", "duplicate", "not selected", "error")
 
 
 def drop_reason(dropped_by: str | None, status: str, finish_reason: str | None, where: str | None) -> str | None:
@@ -32,6 +34,8 @@ def drop_reason(dropped_by: str | None, status: str, finish_reason: str | None, 
         return None
     if dropped_by.startswith("dedup"):
         return "duplicate"
+    if dropped_by.startswith("select:"):
+        return "not selected"
     if dropped_by == f"where {where}" or (where is None and ": " not in dropped_by):
         return "where false"
     if "cut by length" in dropped_by or finish_reason == "length":
@@ -80,7 +84,7 @@ def funnel(outdir: str) -> list[dict[str, Any]] | None:
 
 
 HEADS = {"where false": "where-false", "no field": "no-field", "cut by length": "cut-length", "duplicate": "duplicate",
-         "error": "error"}  # DROPS as one-word column heads
+         "not selected": "unselected", "error": "error"}  # DROPS as one-word column heads
 
 
 def format_funnel(rows: list[dict[str, Any]]) -> str:
@@ -91,7 +95,8 @@ def format_funnel(rows: list[dict[str, Any]]) -> str:
            f"{'tokens':>9} {'tok/s':>7} {'tau':>6}  tau by source"
     lines = ["stages (rows; `in`: what the stage received, `exploded`: rows made from their list items; kept rows go "
              "on to the next stage, the last stage's are the dataset; the rest by why: `where` false, a field it reads "
-             "missing or mistyped, the output cut by length before it held that field, a duplicate, an error):", head]
+             "missing or mistyped, the output cut by length before it held that field, a duplicate, not selected, an "
+             "error):", head]
     for r in rows:
         speed = f"{r['tokens_per_s']:>7.1f}" if r["tokens_per_s"] is not None else f"{'-':>7}"
         tau = f"{r['tau']:>6.2f}" if r["tau"] is not None else f"{'-':>6}"

@@ -279,10 +279,11 @@ def _engine_key(cfg: GenerateConfig) -> tuple[Any, ...]:
 
 
 def _segments(stages: list[Stage]) -> list[list[Stage]]:
-    """Runs of consecutive stages on the same engine (engine, model, draft, engine arguments): one engine each."""
+    """Runs of consecutive stages on the same engine (engine, model, draft, engine arguments): one engine each. A
+    select step runs no model: it joins the segment before it."""
     out: list[list[Stage]] = []
     for st in stages:
-        if out and _engine_key(out[-1][-1].job.cfg) == _engine_key(st.job.cfg):
+        if out and (st.spec.select is not None or _engine_key(out[-1][-1].job.cfg) == _engine_key(st.job.cfg)):
             out[-1].append(st)
         else:
             out.append([st])
@@ -306,7 +307,8 @@ def _finish(run: Run) -> int:
         tau = f", tau {committed.tau:.2f}" if committed.tau is not None else ""
         if st.lineage:
             j = st.judge
-            extra = "".join([f", {j.filtered:,} filtered" if j and st.spec.where else "",
+            extra = "".join([f", {j.unselected:,} not selected" if j and st.spec.select else "",
+                             f", {j.filtered:,} filtered" if j and st.spec.where else "",
                              f", {j.duplicates:,} duplicates" if j and st.spec.dedup else ""])
             log(f"stage {st.name}: {rows:,} rows ({committed.rows:,} this run), {errors:,} with errors{extra} this "
                 f"run{tau} -> {st.job.outdir}")

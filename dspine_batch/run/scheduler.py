@@ -3,7 +3,9 @@
 The engine pulls requests lazily from ``feed``; at most ``max_in_flight`` are open at once, so memory is
 bounded by in-flight work, never by input size. Samples of a row are gathered until the row is complete
 (a row commits whole). Rows that need no engine work (input errors) bypass the engine; if many pile up, the
-current ``engine.run`` is drained and restarted so they can flow out without unbounded buffering.
+current ``engine.run`` is drained and restarted so they can flow out without unbounded buffering. Scoring rows
+(``stages.score``) take the same way out: gathered, scored together by ``engine.score`` (one prefill each, no
+decoding), then yielded as bypassed rows are.
 Setting ``stop.requested`` stops admission: in-flight requests finish, then the schedule ends. An engine death
 (``EngineDied``) leaves with the ids of the rows in flight (``in_flight``): ``deaths.py`` tells a crash that
 repeats on them from a transient one. ``inflight`` (``watchdog.InFlight``) holds the rows in the engine, so the
@@ -22,6 +24,8 @@ from dspine_batch.requests.mapping import WorkItem
 from dspine_batch.run.watchdog import InFlight
 
 MAX_BYPASS = 4096
+SCORE_BATCH = 16  # scoring rows scored together (``engines.scoring`` batches their sequences)
+SCORE_BACKLOG = 64  # scored rows waiting to flow out before the engine's stream is drained for them
 
 
 class StopFlag(Protocol):
@@ -33,10 +37,18 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
              inflight: InFlight | None = None) -> Iterator[tuple[WorkItem, list[Result] | None]]:
     """Yield ``(item, results)`` for every admitted row as it completes; ``results`` is None for error rows."""
     source = iter(items)
-    bypass: deque[WorkItem] = deque()
+    bypass: deque[tuple[WorkItem, list[Result] | None]] = deque()
     inflight = inflight if inflight is not None else InFlight()
     pending = inflight.pending  # row_id -> [item, results, remaining]
     state = {"exhausted": False}
+    scoring: list[WorkItem] = []
+
+    def score() -> None:
+        """The scoring rows gathered so far, scored at once (no decoding: they bypass the engine's stream)."""
+        if scoring:
+            results = iter(engine.score([r for it in scoring for r in it.requests]))  # type: ignore[attr-defined]
+            bypass.extend((it, [next(results) for _ in it.requests]) for it in scoring)
+            scoring.clear()
 
     def feed() -> Iterator[Request]:
         while not stop.requested and len(bypass) < MAX_BYPASS:
@@ -44,10 +56,19 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
                 item = next(source)
             except StopIteration:
                 state["exhausted"] = True
+                score()
                 return
             if not item.requests:
-                bypass.append(item)
+                bypass.append((item, None))
                 continue
+            if item.requests[0].continuations is not None:  # a scoring row (``stages.score``)
+                scoring.append(item)
+                if len(scoring) >= SCORE_BATCH:
+                    score()
+                    if len(bypass) >= SCORE_BACKLOG:
+                        return
+                continue
+            score()
             pending[item.row_id] = [item, [None] * len(item.requests), len(item.requests)]
             for req in item.requests:
                 inflight.admit(req)
@@ -72,14 +93,15 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
                 if bypass:
                     stop.in_engine = False
                     while bypass:
-                        yield bypass.popleft(), None
+                        yield bypass.popleft()
                     stop.in_engine = True
+            score()  # an engine that ended its stream without pulling to the end
         except EngineDied as e:  # the rows it died with: a rerun runs them alone first (``deaths``)
-            e.in_flight = list(pending)
+            e.in_flight = list(pending) + [it.row_id for it in scoring]  # scoring rows it died scoring too
             raise
         finally:
             stop.in_engine = False
         while bypass:
-            yield bypass.popleft(), None
+            yield bypass.popleft()
         if state["exhausted"] or stop.requested:
             return

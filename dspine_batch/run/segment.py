@@ -27,9 +27,19 @@ from dspine_batch.run.heap import setup_frozen
 from dspine_batch.run.progress import Progress
 from dspine_batch.run.scheduler import schedule
 from dspine_batch.run.selector import RowSelector, seek_starts
-from dspine_batch.run.stage import Run, Stage, committed_parents_of, offer, open_stage, parents_of, stage_log
+from dspine_batch.run.stage import (
+    Run,
+    Stage,
+    committed_parents_of,
+    offer,
+    open_stage,
+    parents_of,
+    select_rows,
+    stage_log,
+)
 from dspine_batch.run.state import first_token_s
 from dspine_batch.run.watchdog import InFlight, Watchdog
+from dspine_batch.stages.score import fill
 
 
 # -- the loop ---------------------------------------------------------------------------------------------------
@@ -97,6 +107,8 @@ class Segment:
         else:
             st = self.seg[0]
         assert st.answers is not None and st.sink is not None
+        if st.spec.score is not None:
+            fill(st.spec.score, results)  # the scores as the row's output (a JSON object)
         st.answers.answer(item, results)
         if st.judge is not None:
             item = st.judge.decide(item, results, st.sink.keep_names)
@@ -112,6 +124,21 @@ class Segment:
             self.run_.progress.tick()
         if st.sink.due():
             st.sink.commit()
+
+    def select_groups(self) -> bool:
+        """The first select step of the segment not decided yet in this start: its groups decided and its rows
+        committed (their children then ready); False when none is left. Called when nothing else is left to run:
+        every stage before it is finished in this shard, so its groups are whole (``stages.select``)."""
+        st = next((s for s in self.seg if s.spec.select is not None and not s.selected), None)
+        if st is None:
+            return False
+        assert st.sink is not None and st.done is not None
+        st.selected = True
+        for item, results in select_rows(st, self.run_.stages[st.spec.index - 1]):
+            self.take(_tagged(st.spec.index, item) if self.tagged else item, results)
+            st.done.keys.add(item.row_hash)
+        st.sink.commit()
+        return True
 
     def stream(self, items: Iterator[WorkItem], max_in_flight: int) -> None:
         assert self.decisions is not None
@@ -163,7 +190,7 @@ class Segment:
                     if shutdown.requested or shutdown.expired:
                         break
                     self.commit_all()  # the parents' children become ready
-                    if feed.idle:
+                    if feed.idle and not self.select_groups():
                         break
         except Interrupted:
             interrupted = True

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dspine_batch.config import GenerateConfig
-from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams
+from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams, can_score
 from dspine_batch.engines.decisions import DecisionLog
 from dspine_batch.errors import (
     UsageError,
@@ -51,7 +51,10 @@ from dspine_batch.stages.rows import (
     carried,
     children,
     committed_parents,
+    parent_fields,
 )
+from dspine_batch.stages.score import Continuations
+from dspine_batch.stages.select import decide, group_of
 from dspine_batch.stages.spec import StageSpec
 
 
@@ -89,6 +92,8 @@ class Stage:
     discarded: int = 0  # uncommitted uploads the recovery removed at this start
     retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
+    scorer: Continuations | None = None  # a scoring stage's continuations (``stages.score``)
+    selected: bool = False  # a select step: its groups decided in this start (``select_rows``)
 
     @property
     def lineage(self) -> bool:
@@ -202,6 +207,10 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
                                                 tuple(cfg.stop)))
     features = frozenset(getattr(engine, "features", ()))
     label = f"stage {st.name!r}: " if st.lineage else ""
+    if st.spec.score is not None:
+        if not can_score(engine):
+            raise UsageError(f"{label}score: the {engine.name} engine cannot score yet (use the reference engine)")
+        st.scorer = Continuations(st.spec.score, tokenizer)
     for feature in defaults.params.features():
         if feature not in features:
             what = "structure" if feature in STRUCTURE_KINDS else feature
@@ -276,12 +285,41 @@ def committed_parents_of(st: Stage) -> Iterator[Parent]:
 def offer(child: Stage, parent: Stage, parents: Iterator[Parent]) -> None:
     """Make ``child``'s rows from ``parents`` (skipping those already committed) and queue them."""
     assert child.done is not None and child.mapper is not None and child.file is not None
+    if child.spec.select is not None:  # its rows are made when its groups are decided (``select_rows``)
+        return
     for p in parents:
         for cid, row in children(p, parent.name, child.spec):
             h = key_hash(cid)
             if h in child.done.keys:
                 continue
             child.done.keys.add(h)  # queued: never made twice in this run (a part's rows are offered once)
-            child.ready.append(child.mapper.build(cid, child.file, child.made, row, None, h))
+            item = child.mapper.build(cid, child.file, child.made, row, None, h)
+            if child.scorer is not None and isinstance(row, dict):
+                item = child.scorer.attach(item, row, child.file.name)
+            child.ready.append(item)
             child.made += 1
 
+
+def select_rows(st: Stage, parent: Stage) -> Iterator[tuple[WorkItem, list[Result]]]:
+    """A select step's rows, its groups decided (``stages.select``): every kept row its parent stage committed in
+    this shard, read twice from the committed parts — once for each row's group and value (all a decision needs:
+    memory per row is its id and verdict, not its context), once to make the rows not committed yet, each with its
+    parent's output as its own. The decisions go to the stage's judge. Called once every stage before it is
+    finished in this shard, so every group is whole, and a group half committed by an earlier start is decided
+    again from the same rows, the same way."""
+    assert st.spec.select is not None and st.judge is not None and st.sink is not None and st.done is not None
+    spec, groups = st.spec.select, {}
+    for p in committed_parents_of(parent):
+        cid = p.base
+        group = group_of(spec, p.root_id, {**p.lineage, parent.name: cid})
+        groups.setdefault(group, []).append((cid, parent_fields(p, parent.name).get(spec.by)))
+    for rows in groups.values():
+        st.judge.selected.update(decide(spec, rows))
+    del groups
+    for p in committed_parents_of(parent):
+        for cid, row in children(p, parent.name, st.spec):
+            h = key_hash(cid)
+            if h in st.done.keys or not isinstance(row, dict):
+                continue
+            keep = tuple(row.get(n) for n in st.sink.keep_names)
+            yield WorkItem(cid, [], keep, None, h), [Result(cid, 0, [], p.output, "stop")]

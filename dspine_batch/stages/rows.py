@@ -238,6 +238,8 @@ class Judge:
     duplicates: int = 0
     index: NearIndex | None = None  # minhash: every kept row's signature by band
     pending: dict[str, np.ndarray] = field(default_factory=dict)  # minhash: the signatures of rows not settled yet
+    selected: dict[str, str | None] = field(default_factory=dict)  # a select step's: row id -> why not selected
+    unselected: int = 0
 
     def __post_init__(self) -> None:
         if self.spec.dedup == "minhash":
@@ -258,7 +260,10 @@ class Judge:
                 else None
             fields = parent_fields(Parent(item.row_id, 0, 1, r.text, kind, values["root_id"] or item.row_id, {},
                                           ctx), self.spec.name)
-            if self.spec.where is not None:
+            if self.spec.select is not None and self.selected.get(item.row_id):  # ``select``: decided by group
+                kept, why = False, self.selected[item.row_id]
+                self.unselected += 1
+            if kept and self.spec.where is not None:
                 kept, why = self.spec.where.test(fields)
                 if not kept and r.finish_reason == "length" and for_want_of_text(why, self.spec.where.text):
                     why = cut_by_length(self.spec.where.text)  # no field, or half a value: the output was cut

@@ -11,6 +11,8 @@
     dedup = "exact"                          # drop rows whose `dedup-on` field (default: output) was seen before
                                              # ("minhash": near duplicates, `dedup-threshold` 0.8, `dedup-ngram` 3)
     model = "path/to/judge-model"            # optional: this stage on another model (and `draft`)
+    score = {labels = ["Yes", "No"]}         # a scoring stage: probabilities, no decoding (``stages.score``)
+    select = {group = "root_id", by = "score", keep = 1}   # a select step, no template (``stages.select``)
 
 Every stage after the first reads the committed, kept rows of the stage before it. A stage's settings are the
 job's, overridden by its own. Consecutive stages on the same model share one engine, loaded once, with no barrier
@@ -28,6 +30,8 @@ from dspine_batch.errors import UsageError
 from dspine_batch.outdir.manifest import STAGE_NAME
 from dspine_batch.requests.templates import PromptTemplates, job_templates
 from dspine_batch.stages.near import need_datasketch
+from dspine_batch.stages.score import ScoreSpec, parse_score
+from dspine_batch.stages.select import SelectSpec, parse_select
 from dspine_batch.stages.where import Predicate, parse_where
 
 # the request settings a stage may set (GenerateConfig names): what a row's answer depends on
@@ -37,7 +41,7 @@ STAGE_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "st
                   "tool_choice", "chat_template_kwargs", "reasoning_parser", "tool_call_parser", "system_prompt",
                   "chat_template")
 _OWN = ("name", "template", "explode", "where", "dedup", "dedup_on", "dedup_threshold", "dedup_ngram", "model",
-        "draft")
+        "draft", "score", "select")
 DEDUP = ("exact", "minhash")
 
 
@@ -56,6 +60,8 @@ class StageSpec:
     dedup_threshold: float = 0.8  # minhash: the Jaccard similarity of word n-grams that makes a duplicate
     dedup_ngram: int = 3
     lineage: bool = True  # a stage of [[stages]] (OUTDIR/<name>/, lineage columns); False: a job of one stage
+    score: ScoreSpec | None = None  # a scoring stage: probabilities instead of generated text
+    select: SelectSpec | None = None  # a select step: no model, the best rows of each group of the stage before
 
     def identity(self) -> dict[str, Any]:
         """What of the stage, beyond its generate settings, decides its rows (part of its fingerprint)."""
@@ -63,6 +69,10 @@ class StageSpec:
                "where": self.where.text if self.where else None, "dedup": self.dedup, "dedup_on": self.dedup_on}
         if self.dedup == "minhash":
             out |= {"dedup_threshold": self.dedup_threshold, "dedup_ngram": self.dedup_ngram}
+        if self.score is not None:  # only when set: the fingerprints of other stages stay as they were
+            out["score"] = self.score.identity()
+        if self.select is not None:
+            out["select"] = self.select.identity()
         return out
 
 
@@ -101,9 +111,12 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
     if draft is None:  # the job's draft pairs with the job's model; another model's stage brings its own or none
         draft = job.draft if model == job.model else ("embedded" if model == "embedded" else "none")
     settings = {k: _setting(k, v) for k, v in t.items() if k in STAGE_SETTINGS} | {"model": model, "draft": draft}
+    score, select = _score_select(label, i, t, before)
+    if score is not None or select is not None:
+        settings["num_samples"] = 1  # one row in, one row out: the job's --num-samples is the sampling stage's
     template = t.get("template")
     user, system = (template.get("user"), template.get("system")) if isinstance(template, dict) else (template, None)
-    if user is None and i > 0:
+    if user is None and i > 0 and select is None:
         raise UsageError(f"{label}: needs a `template` (its prompt is built from the rows of stage "
                          f"{before[-1].name!r})")
     try:
@@ -140,7 +153,33 @@ def _stage(i: int, t: dict[str, Any], job: GenerateConfig, outdir: str, before: 
         raise UsageError(f"{label}: `dedup-ngram` must be a whole number of words from 1 to 32")
     if dedup == "minhash":
         need_datasketch()
-    return StageSpec(name, i, cfg, templates, explode, where, dedup, dedup_on, float(threshold), ngram)
+    return StageSpec(name, i, cfg, templates, explode, where, dedup, dedup_on, float(threshold), ngram,
+                     score=score, select=select)
+
+
+_STRUCTURED = ("json_schema", "response_format", "regex", "choice", "grammar", "tools")
+
+
+def _score_select(label: str, i: int, t: dict[str, Any],
+                  before: list[StageSpec]) -> tuple[ScoreSpec | None, SelectSpec | None]:
+    """A stage's ``score`` / ``select``, checked against the rest of its table."""
+    score = parse_score(t["score"], label) if t.get("score") is not None else None
+    select = parse_select(t["select"], label, [s.name for s in before]) if t.get("select") is not None else None
+    if score is None and select is None:
+        return None, None
+    what = "score" if score is not None else "select"
+    if score is not None and select is not None:
+        raise UsageError(f"{label}: `score` and `select` go in two stages (score, then select the best)")
+    if i == 0:
+        raise UsageError(f"{label}: `{what}` reads the rows of the stage before it: not on the first stage")
+    if t.get("num_samples", 1) != 1:
+        raise UsageError(f"{label}: `{what}` makes one row per row of the stage before: drop num-samples here")
+    if select is not None and (t.get("template") is not None or t.get("explode") is not None):
+        raise UsageError(f"{label}: a select step runs no model: no `template` or `explode` (its rows are the rows "
+                         "of the stage before it)")
+    if score is not None and (used := [k for k in _STRUCTURED if t.get(k) is not None]):
+        raise UsageError(f"{label}: {used[0].replace('_', '-')} means nothing on a scoring stage (it decodes nothing)")
+    return score, select
 
 
 def _setting(key: str, value: Any) -> Any:

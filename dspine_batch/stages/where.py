@@ -23,8 +23,8 @@ it and kept the walker, for now, because
   a runtime dependency of one stage option;
 - what a SQL engine would add is vectorised speed on millions of rows, while a stage's rows are each one model
   answer (a few per second to a few thousand), so the walker costs nothing measurable beside generation.
-Best-of-n's per-group ranking (a window function over a stage's committed rows) is where SQL fits: a pass over
-committed parts, not a per-row test, and the place to add DuckDB when that feature comes.
+Best-of-n's per-group ranking (``select``) came without it too: a group is the n rows of one root, ranked by a sort
+of n numbers once the group is complete (``stages.select``).
 """
 
 from __future__ import annotations

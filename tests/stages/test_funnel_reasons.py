@@ -74,6 +74,7 @@ def test_drop_reasons():
     assert drop_reason(None, "ok", "stop", where) is None
     assert drop_reason("error", "error", "error", where) == "error"
     assert drop_reason("dedup exact on score", "ok", "stop", where) == "duplicate"
+    assert drop_reason("select: rank 2 of 4", "ok", "stop", where) == "not selected"
     assert drop_reason("where score >= 4", "ok", "stop", where) == "where false"
     assert drop_reason("where score >= 4: no field 'score'", "ok", "stop", where) == "no field"
     assert drop_reason("where score >= 4: TypeError: '>=' not supported", "ok", "stop", where) == "no field"

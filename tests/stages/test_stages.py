@@ -248,8 +248,8 @@ def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
     assert run_cli(["report", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.splitlines()[1].split() == ["stage", "in", "exploded", "rows", "ok", "kept", "where-false", "no-field",
-                                            "cut-length", "duplicate", "error", "tokens", "tok/s", "tau", "tau", "by",
-                                            "source"]
+                                            "cut-length", "duplicate", "unselected", "error", "tokens", "tok/s", "tau",
+                                            "tau", "by", "source"]
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:5]}
     assert list(rows) == ["questions", "answers", "judge"] and rows["questions"][:3] == ["6", "0", "6"]
     made = sum(len(json.loads(r["output"])["questions"]) for r in read_output(out / "questions"))
@@ -257,7 +257,7 @@ def test_the_recipe_runs_and_reports_its_funnel(tmp_path, capsys):
     assert rows["answers"][0] == rows["questions"][4] and rows["judge"][0] == rows["answers"][4]  # in = kept before
     assert int(rows["judge"][8]) == sum(r["dropped_by"] == "dedup exact on output" for r in read_output(out / "judge"))
     for name, r in rows.items():  # the rows not kept, by why, add up
-        assert sum(int(x.replace(",", "")) for x in r[5:10]) == int(r[2]) - int(r[4]), name
+        assert sum(int(x.replace(",", "")) for x in r[5:11]) == int(r[2]) - int(r[4]), name
     capsys.readouterr()
     assert run_cli(["report", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
