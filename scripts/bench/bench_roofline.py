@@ -160,10 +160,11 @@ def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, integer: bool) -> di
 # ---- steps and the engine ----------------------------------------------------------------------------------------
 
 
-def variant_switch(target, amx: bool | None, fused: bool):
+def variant_switch(target, amx: bool | None, fused: bool, stacked: bool = True):
     """A function that puts the process in a variant before each of its calls: the bf16 family on AMX tiles or not
-    (``kernels.set_bf16_amx``, process-wide; None: leave it) and the target's layers fused into one call each or run op
-    by op (``llama.Block.plan_fused``)."""
+    (``kernels.set_bf16_amx``, process-wide; None: leave it), the target's layers fused into one call each or run op
+    by op (``llama.Block.plan_fused``) and, fused, all in one call a forward or one call a layer (``stacked``:
+    ``DenseTarget.stacked``)."""
     from dspine.cpu import kernels
 
     layers = list(getattr(target, "layers", []))
@@ -175,6 +176,8 @@ def variant_switch(target, amx: bool | None, fused: bool):
         for layer, plan in zip(layers, plans):
             if hasattr(layer, "fused"):
                 layer.fused = plan if fused else None
+        if hasattr(target, "stacked"):
+            target.stacked = stacked
 
     return switch
 
@@ -268,7 +271,8 @@ def main() -> None:
     ap.add_argument("--engine-repeats", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--compare", action="store_true", help="also time the first setting as it ran before issue 53: "
-                    "the bf16 family on AVX512-BF16 (not AMX) and the layers op by op, and on AMX op by op")
+                    "the bf16 family on AVX512-BF16 (not AMX) and the layers op by op, and on AMX op by op; and "
+                    "the first setting with one fused call a layer instead of one for all layers (per-layer)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: ``configure_torch``'s choice); on a "
                     "shared machine 1 thread measures what 2 cannot (a descheduled thread stalls every barrier)")
     ap.add_argument("--json", help="also write the report here")
@@ -308,10 +312,11 @@ def main() -> None:
     setting_of = {name: name for name in targets}
     if args.compare:
         s0 = args.settings[0]
-        for label, on_amx in ((f"{s0} avx512-bf16 per-op", False), (f"{s0} amx per-op", True)):
+        for label, on_amx, fused in ((f"{s0} per-layer", amx, True), (f"{s0} avx512-bf16 per-op", False, False),
+                                     (f"{s0} amx per-op", True, False)):
             if on_amx and not amx:
                 continue
-            variants[label] = (targets[s0], variant_switch(targets[s0], on_amx, False))
+            variants[label] = (targets[s0], variant_switch(targets[s0], on_amx, fused, stacked=False))
             setting_of[label] = s0
     steps = time_steps(variants, args.rows, args.verify, args.ctx, args.reps)
     for _, switch in list(variants.values())[: len(targets)]:

@@ -65,3 +65,57 @@ def test_a_fused_layer_needs_our_kernels(llama_dir):
     """Off the kernels (torch's linears) nothing is planned: the layer has no packed weights to hand over."""
     t = load_target(llama_dir, kernels=False)
     assert all(getattr(layer, "fused", None) is None for layer in t.layers)
+
+
+def _run_tapped(target, mode: str, plans: list) -> list[torch.Tensor]:
+    """``_run``'s forwards with taps (the draft's features), the layers run as one stack call (``mode`` "stack"), one
+    fused call each ("layers") or op by op ("per-op")."""
+    target.stacked = mode == "stack"
+    for layer, plan in zip(target.layers, plans):
+        layer.fused = None if mode == "per-op" else plan
+    g = torch.Generator().manual_seed(5)
+    taps = (2, 0, 3)
+    cache = target.new_cache(3, 32)
+    outs = [target.forward(torch.randint(1, target.vocab_size, (3, 11), generator=g), cache,
+                           n_valid=torch.tensor([11, 4, 7]), taps=taps),
+            target.forward(torch.randint(1, target.vocab_size, (3, 1), generator=g), cache, taps=taps),
+            target.forward(torch.randint(1, target.vocab_size, (3, 3), generator=g), cache,
+                           n_valid=torch.tensor([3, 0, 2]), speculative=True, taps=taps)]
+    target.stacked = True
+    return [t for o in outs for t in (o.hidden, o.taps)] + [t for layer in cache.layers for t in (layer.k, layer.v)]
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_the_layers_in_one_stack_call_are_the_layers_one_by_one_bit_for_bit(case, amx, monkeypatch):
+    """``DenseTarget.forward`` runs a fully fused target's layers in one ``dense_stack`` call (no ``Block.forward`` in
+    between), taps included, with the bits of one ``dense_layer`` call per layer and of the layers op by op; with AMX
+    tiles and without (``DSPINE_AMX=0``'s path), where the CPU has them."""
+    from dspine.models import llama
+
+    name, target = case
+    on = kernels.bf16_isa().endswith("+amx")
+    if not amx and not (on and "bf16" in name):
+        pytest.skip("no AMX path to leave here (no AMX, or fp32): the amx case covers it")
+    plans = [layer.fused for layer in target.layers]
+    if "bf16" in name:
+        kernels.set_bf16_amx(amx)
+    try:
+        layers, per_op = _run_tapped(target, "layers", plans), _run_tapped(target, "per-op", plans)
+        calls = []
+        block_forward = llama.Block.forward
+
+        def counted(self, *a, **k):
+            calls.append(1)
+            return block_forward(self, *a, **k)
+
+        monkeypatch.setattr(llama.Block, "forward", counted)
+        stacked = _run_tapped(target, "stack", plans)
+    finally:
+        if "bf16" in name:
+            kernels.set_bf16_amx(on)
+        for layer, plan in zip(target.layers, plans):
+            layer.fused = plan
+    stack_runs = CASES[name] == len(target.layers) and name != "smollm3"  # smollm3: a NoPE layer, the loop
+    assert (not calls) == stack_runs, (name, len(calls))
+    for i, (a, b, c) in enumerate(zip(stacked, layers, per_op)):
+        assert torch.equal(a, b) and torch.equal(a, c), (name, i)

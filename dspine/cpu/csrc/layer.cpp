@@ -7,7 +7,7 @@
 // splits, slicing cos/sin, the op calls themselves), a few microseconds each, 30 layers a step -- milliseconds against
 // a step of a few. Here the layer is one call from Python; inside it the same kernels run in the same order on the
 // same tensors (through the dispatcher, as the Python layer calls them), so every bit is the unfused layer's
-// (tests/models/test_fused_layer.py).
+// (tests/models/test_fused_layer.py). dense_stack runs all the layers of a forward so in one call.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -28,32 +28,25 @@ const c10::OperatorHandle& op(const std::string& name) {
   return it->second;
 }
 
-// One of our linears: y = op(x, packed, n) (+ bias). parts > 0: the integer family's op (its `parts` argument).
+// One of our linears: y = op(x, packed, n) (+ bias). parts > 0: the integer family's op (its `parts` argument). The
+// operator is looked up once per call of dense_layer / dense_stack, not once per product.
 struct Lin {
   at::Tensor packed, bias;
   int64_t n = 0, parts = 0;
-  std::string name;
+  const c10::OperatorHandle* handle = nullptr;
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = parts > 0 ? op(name).typed<LinearParts>().call(x, packed, n, parts)
-                             : op(name).typed<Linear>().call(x, packed, n);
+    at::Tensor y = parts > 0 ? handle->typed<LinearParts>().call(x, packed, n, parts)
+                             : handle->typed<Linear>().call(x, packed, n);
     return bias.numel() > 0 ? y + bias : y;
   }
 };
 
-// x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
-// -> the layer's output, shaped as x. Weights: ln1, ln2 (norm weights), then per linear (qkv, o, gate_up, down) its
-// packed tensor and bias (an empty tensor: none). `names`: the four linears' op names; ints: the four out sizes, the
-// four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
-// dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
-// keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
-// b * T + t of the valid tokens) or an empty tensor.
-at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<std::string>& names,
-                       const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
-                       const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
-                       const at::Tensor& qpos, const at::Tensor& index) {
-  TORCH_CHECK(w.size() == 10 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+// One layer from its slice of the arguments: w[0..10), names[0..4), ints[0..14), floats[0..3).
+at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* names, const int64_t* ints,
+                 const double* floats, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
+                 const at::Tensor& vc, const at::Tensor& pos, const at::Tensor& qpos, const at::Tensor& index) {
   Lin lin[4];
-  for (int i = 0; i < 4; ++i) lin[i] = Lin{w[2 + 2 * i], w[3 + 2 * i], ints[i], ints[4 + i], names[i]};
+  for (int i = 0; i < 4; ++i) lin[i] = Lin{w[2 + 2 * i], w[3 + 2 * i], ints[i], ints[4 + i], &op(names[i])};
   const int64_t Hq = ints[8], Hkv = ints[9], D = ints[10], window = ints[11];
   const bool gelu = ints[12] != 0, bf16_attention = ints[13] != 0;
   const double eps = floats[0], offset = floats[1], scale = floats[2];
@@ -84,11 +77,59 @@ at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, co
   return (h + lin[3](gelu ? gelu_op.call(gu) : silu.call(gu))).view(x.sizes());
 }
 
+// x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
+// -> the layer's output, shaped as x. Weights: ln1, ln2 (norm weights), then per linear (qkv, o, gate_up, down) its
+// packed tensor and bias (an empty tensor: none). `names`: the four linears' op names; ints: the four out sizes, the
+// four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
+// dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
+// keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
+// b * T + t of the valid tokens) or an empty tensor.
+at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<std::string>& names,
+                       const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                       const at::Tensor& qpos, const at::Tensor& index) {
+  TORCH_CHECK(w.size() == 10 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+  return layer(x, w.data(), names.data(), ints.data(), floats.data(), cos, sin, kc, vc, pos, qpos, index);
+}
+
+// L such layers in a row, layer i from the i-th slice of w (10 each), names (4), ints (14), floats (3), with its own
+// cos[i] / sin[i] and caches kc[i] / vc[i]: the last layer's output, then the outputs of the layers listed in `taps`
+// (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost ~30 us of interpreter and
+// argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced) -- about a
+// millisecond of a step of ~12; here it is one conversion a step. Same function, same order: the same bits.
+std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                                    const std::vector<std::string>& names, const std::vector<int64_t>& ints,
+                                    const std::vector<double>& floats, const std::vector<at::Tensor>& cos,
+                                    const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& kc,
+                                    const std::vector<at::Tensor>& vc, const at::Tensor& pos, const at::Tensor& qpos,
+                                    const at::Tensor& index, const std::vector<int64_t>& taps) {
+  const size_t L = kc.size();
+  TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 10 * L && names.size() == 4 * L &&
+                  ints.size() == 14 * L && floats.size() == 3 * L,
+              "dense_stack: arguments");
+  std::vector<at::Tensor> out(1);
+  at::Tensor h = x;
+  size_t next_tap = 0;
+  for (size_t i = 0; i < L; ++i) {
+    h = layer(h, &w[10 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
+              index);
+    for (; next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i); ++next_tap) out.push_back(h);
+  }
+  TORCH_CHECK(next_tap == taps.size(), "dense_stack: taps must be ascending layer indices");
+  out[0] = h;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("dense_layer(Tensor x, Tensor[] w, str[] names, int[] ints, float[] floats, Tensor cos, Tensor sin, "
         "Tensor(a!) kc, Tensor(b!) vc, Tensor pos, Tensor qpos, Tensor index) -> Tensor");
+  m.def("dense_stack(Tensor x, Tensor[] w, str[] names, int[] ints, float[] floats, Tensor[] cos, Tensor[] sin, "
+        "Tensor(a!)[] kc, Tensor(b!)[] vc, Tensor pos, Tensor qpos, Tensor index, int[] taps) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) { m.impl("dense_layer", &dense_layer); }
+TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
+  m.impl("dense_layer", &dense_layer);
+  m.impl("dense_stack", &dense_stack);
+}
