@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from dspine_batch.config import GenerateConfig
@@ -51,6 +52,8 @@ from dspine_batch.stages.rows import (
     carried,
     children,
     committed_parents,
+    key64s,
+    pair_hashes,
     parent_fields,
 )
 from dspine_batch.stages.score import Continuations
@@ -233,8 +236,12 @@ def open_stage(run: Run, st: Stage, engine: Engine, parent: Stage | None) -> Non
     sink.stage = st
     st.sink = sink
     if st.lineage:
-        own = committed_kept(st) if st.spec.dedup is not None else set()
-        st.judge = Judge(st.spec, {key for _, key in own} if st.spec.dedup == "exact" else set(), own, shard=job.tag)
+        st.judge = Judge(st.spec, shard=job.tag)
+        if st.spec.dedup is not None:
+            rows, keys = committed_kept(st)
+            st.judge.own.add_many(pair_hashes(rows, keys))
+            if st.spec.dedup == "exact":
+                st.judge.seen.add_many(key64s(keys))
         if st.spec.dedup == "minhash":  # the signatures of every shard's kept rows (its own committed: from the log)
             st.judge.log = KeyLog(job.output, NEAR_SPACE)
         elif st.spec.dedup is not None and job.shard[1] > 1:  # other shards keep rows this one cannot see
@@ -249,15 +256,18 @@ def part_paths_of(st: Stage) -> list[str]:
     return [p.path for p in committed_parts(st.job.outdir) if p.shard == st.job.tag]
 
 
-def committed_kept(st: Stage) -> set[tuple[int, str]]:
-    """(row-id hash, dedup key) of a stage's committed kept rows in this shard: what a resume starts dedup from."""
-    kept: set[tuple[int, str]] = set()
+def committed_kept(st: Stage) -> tuple[np.ndarray, list[str]]:
+    """Row-id hashes and dedup keys of a stage's committed kept rows in this shard: what a resume starts dedup
+    from."""
+    ids: list[str] = []
+    keys: list[str] = []
     for path in part_paths_of(st):
         t = pq.read_table(**arrow_path(path), columns=["row_id", "kept", "dedup_key"])
-        rows = [(r, key) for r, k, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")),
-                                               strict=True) if k and key]
-        kept.update(zip(key_hashes(r for r, _ in rows).tolist(), (key for _, key in rows), strict=True))
-    return kept
+        for r, k, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")), strict=True):
+            if k and key:
+                ids.append(r)
+                keys.append(key)
+    return key_hashes(ids), keys
 
 
 def parents_of(st: Stage, owners: list[WorkItem], results: list[Result]) -> Iterator[Parent]:

@@ -351,15 +351,22 @@ def _settled(judge, texts: list[str]) -> list[bool]:
 
 
 def _log_judge(tmp_path, shard: str, dedup: str = "exact", own=()):
+    """A judge over the key log in ``tmp_path``; ``own``: (row id, key) of the rows its shard has committed kept."""
     from types import SimpleNamespace
+
+    import numpy as np
 
     from dspine_batch.outdir.output import open_output
     from dspine_batch.stages.keylog import CLAIM_SPACES, KeyLog
-    from dspine_batch.stages.rows import Judge
+    from dspine_batch.stages.rows import Judge, key64s, pair_hashes
 
     spec = SimpleNamespace(dedup=dedup, dedup_on="text", dedup_threshold=0.7, dedup_ngram=3)
-    out = open_output(str(tmp_path))
-    return Judge(spec, {k for _, k in own}, set(own), KeyLog(out, CLAIM_SPACES[dedup == "minhash"]), shard)
+    judge = Judge(spec, log=KeyLog(open_output(str(tmp_path)), CLAIM_SPACES[dedup == "minhash"]), shard=shard)
+    if own:
+        rows, keys = np.array([key_hash(r) for r, _ in own], np.uint64), [k for _, k in own]
+        judge.own.add_many(pair_hashes(rows, keys))
+        judge.seen.add_many(key64s(keys))
+    return judge
 
 
 def test_an_entry_left_by_a_crash_holds_for_other_shards_only(tmp_path):
@@ -376,7 +383,7 @@ def test_an_entry_left_by_a_crash_holds_for_other_shards_only(tmp_path):
     assert _settled(other, ["k2", "k3"]) == [False, True]  # a's k2 holds; k3 is b's now
     ghost = _log_judge(tmp_path, a)
     assert _settled(ghost, ["k4", "k5"]) == [True, True]  # this attempt of shard a dies before committing
-    again = _log_judge(tmp_path, a, own={(key_hash("r0-k1"), dedup_key("k1")), (key_hash("r1-k2"), dedup_key("k2"))})
+    again = _log_judge(tmp_path, a, own=[("r0-k1", dedup_key("k1")), ("r1-k2", dedup_key("k2"))])
     assert _settled(again, ["k4", "k1", "k3"]) == [True, False, False]  # its ghost's k4 is free, k1 its own
     assert _settled(_log_judge(tmp_path, b), ["k4", "k5"]) == [False, False]  # b takes a's ghost entry as held
 
