@@ -464,10 +464,11 @@ def iter_inputs(files: list[InputFile], columns: list[str] | None, limit: int | 
             return
 
 
-def _seek_text(f: io.BufferedIOBase, inp: InputFile, start: Start | None) -> int:
-    """Position the decompressed stream ``f`` at ``start``'s line; returns the index of the line it is at (0 when
-    it cannot: then everything is read, as before watermarks). The byte before the offset must be a newline: a
-    wrong offset is never trusted (the input's fingerprint already refuses a changed file)."""
+def _seek_text(f: io.BufferedIOBase, start: Start | None) -> int:
+    """Position the decompressed stream ``f`` at ``start``'s line; returns the index of the line it is at: 0 with
+    no start (or none worth seeking to), -1 when the offset does not check out (``f`` is then closed, and the
+    caller reads from the top, as before watermarks). The byte before the offset must be a newline: a wrong offset
+    is never trusted (the input's fingerprint already refuses a changed file)."""
     if start is None or start.index <= 0 or start.offset <= 0:
         return 0
     try:
@@ -497,7 +498,7 @@ def _iter_jsonl(inp: InputFile, batch_rows: int, needles: re.Pattern[bytes] | No
     index = -1
     try:
         f = _open_text_stream(inp.path)
-        first = _seek_text(f, inp, start)
+        first = _seek_text(f, start)
         if first < 0:  # the offset did not check out: read from the top
             f, first = _open_text_stream(inp.path), 0
         pos = start.offset if first else 0

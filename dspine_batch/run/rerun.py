@@ -21,7 +21,7 @@ import numpy as np
 
 from dspine_batch.config import IDENTITY_FIELDS, GenerateConfig
 from dspine_batch.errors import FingerprintMismatch
-from dspine_batch.inputs.sources import InputFile, Start, iter_inputs
+from dspine_batch.inputs.sources import InputFile, iter_inputs
 from dspine_batch.outdir.keyset import KeySet
 from dspine_batch.outdir.manifest import diff
 from dspine_batch.outdir.schema import SCHEMA_VERSION
@@ -30,6 +30,7 @@ from dspine_batch.requests.fields import RowRequest
 from dspine_batch.requests.fields import identity as request_identity
 from dspine_batch.requests.mapping import Columns, RowIds
 from dspine_batch.run.fingerprint import describe_inputs
+from dspine_batch.run.selector import seek_starts
 from dspine_batch.storage.urls import redacted
 
 REQUEST = ("engine", "model", "draft", "engine_args")  # the engine as asked for, before it resolves anything
@@ -104,8 +105,7 @@ def count_missing(cfg: GenerateConfig, files: list[InputFile], columns: Columns,
     (the done-set's) less those read again count the rows below them."""
     ids = RowIds(columns.id)
     marks = marks or {}
-    starts = {f.name: Start(m.index, m.offset) for f in files if (m := marks.get(f.name))} \
-        if cfg.limit is None else None
+    starts = seek_starts(marks, files, cfg.limit)
     index, count = shard
     read = [columns.id] if columns.id else columns.read_columns()[:1]
     rows = missing = found = 0

@@ -240,13 +240,17 @@ class PartSink:
 def part_spans(items: list[WorkItem]) -> dict[str, list[Span]] | None:
     """Where a part's rows sit in the inputs (``outdir.watermark``), by file; None unless every row has a span (a
     part's spans must cover all its rows, or a resume would drop rows it never reads again)."""
-    by_file: dict[str, list[Span]] = {}
+    by_file: dict[str, list[list[int]]] = {}
     for item in items:
         if item.span is None:
             return None
         name, lo, hi, off = item.span
-        by_file.setdefault(name, []).append((lo, hi, off))
-    return by_file or None
+        got = by_file.setdefault(name, [])
+        if got and got[-1][1] == lo:  # the row after the last one (most are): one interval grows, no new one
+            got[-1][1], got[-1][2] = hi, off
+        else:
+            got.append([lo, hi, off])
+    return {name: [(a, b, c) for a, b, c in v] for name, v in by_file.items()} or None
 
 
 def _structure_columns(owners: list[WorkItem]) -> dict[str, list[Any]]:

@@ -334,3 +334,17 @@ def test_jsonl_start_at_a_byte_offset_gives_the_same_rows(tmp_path, suffix):
         assert index >= full[k - 1][0] + 1
     # an offset that does not sit after a newline is not trusted: everything is read, as without a start
     assert _from(files, {name: Start(full[5][0] + 1, full[5][2] - 3)}) == full
+
+
+def test_arrow_and_hf_datasets_start_by_index(tmp_path):
+    from dspine_batch.inputs.sources import Start
+
+    datasets = pytest.importorskip("datasets")
+    rows = prompts(30)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    repo = tmp_path / "repo" / "data"
+    repo.mkdir(parents=True)
+    _parquet(repo / "train-00000-of-00001.parquet", rows)
+    for files in (resolve_inputs([str(tmp_path / "ds")]), resolve_inputs([str(tmp_path / "repo")], split="train")):
+        got = _from(files, {files[0].name: Start(17)})
+        assert [(i, r) for i, r, _ in got] == list(enumerate(rows))[17:]

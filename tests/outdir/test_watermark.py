@@ -206,3 +206,28 @@ def test_a_state_trailing_the_parts_reads_only_the_parts_after_it(tmp_path, monk
     want = json.loads((ref / "_dspine" / "state-00000-of-00001.json").read_text())["totals"]
     assert {k: final[k] for k in ("rows", "outputs", "completion_tokens")} == \
         {k: want[k] for k in ("rows", "outputs", "completion_tokens")}
+
+
+def test_retry_errors_over_watermarked_parts_generates_each_failed_row_once(tmp_path, capsys):
+    """--retry-errors rewrites the parts that held failed rows (their new records carry no spans: holes), so the
+    retried rows are generated again, once, and the rest stay as they were."""
+    src = tmp_path / "in.jsonl"
+    lines = [json.dumps({"prompt": _text(i)}).encode() for i in range(40)]
+    broken = {5: b"{broken", 30: b'{"prompt": oops'}
+    src.write_bytes(b"".join(broken.get(i, x) + b"\n" for i, x in enumerate(lines)))
+    out = tmp_path / "out"
+    args = ["generate", str(src), "-o", str(out), *ARGS, "--commit-rows", "4"]
+    assert run_cli(args) == 0
+    assert all(record_spans(rec) for rec in _records(out))
+    before = read_output(out)
+    failed = {"in.jsonl:5", "in.jsonl:30"}
+    assert {r["row_id"] for r in before if r["status"] == "error"} == failed
+    src.write_bytes(b"".join(x + b"\n" for x in lines))  # the user fixes the two lines
+    assert run_cli([*args, "--retry-errors"]) == 0
+    after = read_output(out)
+    keys = [(r["row_id"], r["sample_index"]) for r in after]
+    assert len(keys) == len(set(keys)) == 80 and all(r["status"] == "ok" for r in after)
+    assert [r for r in after if r["row_id"] not in failed] == [r for r in before if r["row_id"] not in failed]
+    capsys.readouterr()
+    assert run_cli(args) == 0
+    assert "nothing left to do: all 40 input rows are committed" in capsys.readouterr().err
