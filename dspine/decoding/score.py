@@ -33,6 +33,8 @@ def continuation_logprobs(target: Target, prompts: list[list[int]], continuation
     (``dspine.cpu.threads``) is ticked before every forward, as the decoding loop ticks it every round: on a
     crowded machine a forward on all threads collapses at its barriers (keep one across calls: it decides from
     two samples in a row)."""
+    if governor is not None:  # the count in use now: a decode stream's own governor may have set another since
+        governor.threads = torch.get_num_threads()
     cfg = StreamConfig(draft=None, block_size=0, dynamic_threshold=None, verify="fixed", cost=None,
                        nominal_rows=len(prompts), taps=(), prefix=prefix, chunk=chunk)
     capacity = max(len(p) + max(len(c) for c in cs) for p, cs in zip(prompts, continuations, strict=True))

@@ -42,6 +42,16 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
     pending = inflight.pending  # row_id -> [item, results, remaining]
     state = {"exhausted": False}
     scoring: list[WorkItem] = []
+    ahead: deque[WorkItem] = deque()  # a row pulled to decide how to run it, not admitted yet
+
+    def pull() -> WorkItem | None:
+        if ahead:
+            return ahead.popleft()
+        try:
+            return next(source)
+        except StopIteration:
+            state["exhausted"] = True
+            return None
 
     def score() -> None:
         """The scoring rows gathered so far, scored at once (no decoding: they bypass the engine's stream)."""
@@ -50,23 +60,39 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
             bypass.extend((it, [next(results) for _ in it.requests]) for it in scoring)
             scoring.clear()
 
+    def take(item: WorkItem) -> bool:
+        """A row that needs no decoding bypassed or gathered for scoring (True), else False."""
+        if not item.requests:
+            bypass.append((item, None))
+        elif item.requests[0].continuations is not None:  # a scoring row (``stages.score``)
+            scoring.append(item)
+            if len(scoring) >= SCORE_BATCH:
+                score()
+        else:
+            return False
+        return True
+
+    def without_engine() -> None:
+        """Rows that need no decoding, while they are all there is, run without starting the engine's stream (a
+        stream can cost a start-up: the reference engine's cost model is calibrated when none is cached)."""
+        while not stop.requested and len(bypass) < SCORE_BACKLOG:
+            item = pull()
+            if item is None:
+                break
+            if not take(item):
+                ahead.append(item)
+                break
+        score()
+
     def feed() -> Iterator[Request]:
-        while not stop.requested and len(bypass) < MAX_BYPASS:
-            try:
-                item = next(source)
-            except StopIteration:
-                state["exhausted"] = True
+        while (ahead or not stop.requested) and len(bypass) < MAX_BYPASS:
+            item = pull()
+            if item is None:
                 score()
                 return
-            if not item.requests:
-                bypass.append((item, None))
-                continue
-            if item.requests[0].continuations is not None:  # a scoring row (``stages.score``)
-                scoring.append(item)
-                if len(scoring) >= SCORE_BATCH:
-                    score()
-                    if len(bypass) >= SCORE_BACKLOG:
-                        return
+            if take(item):
+                if item.requests and len(bypass) >= SCORE_BACKLOG:  # scored rows waiting: let them out
+                    return
                 continue
             score()
             pending[item.row_id] = [item, [None] * len(item.requests), len(item.requests)]
@@ -77,25 +103,27 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
     while True:
         stop.in_engine = True  # off only while our consumer (sink, progress) runs, i.e. around each yield
         try:
-            for res in engine.run(feed(), max_in_flight):
-                entry = inflight.finish(res)
-                if entry is not None:
-                    entry[1][res.sample_index] = res
-                    entry[2] -= 1
-                late = inflight.expire()
-                if (entry is not None and entry[2] == 0) or late:
-                    if entry is not None and entry[2] == 0:
-                        del pending[res.row_id]
-                        late.insert(0, (entry[0], entry[1]))
-                    stop.in_engine = False
-                    yield from late
-                    stop.in_engine = True
-                if bypass:
-                    stop.in_engine = False
-                    while bypass:
-                        yield bypass.popleft()
-                    stop.in_engine = True
-            score()  # an engine that ended its stream without pulling to the end
+            without_engine()
+            if ahead:  # a row to decode: the engine's stream, until the rows run out or pile up beside it
+                for res in engine.run(feed(), max_in_flight):
+                    entry = inflight.finish(res)
+                    if entry is not None:
+                        entry[1][res.sample_index] = res
+                        entry[2] -= 1
+                    late = inflight.expire()
+                    if (entry is not None and entry[2] == 0) or late:
+                        if entry is not None and entry[2] == 0:
+                            del pending[res.row_id]
+                            late.insert(0, (entry[0], entry[1]))
+                        stop.in_engine = False
+                        yield from late
+                        stop.in_engine = True
+                    if bypass:
+                        stop.in_engine = False
+                        while bypass:
+                            yield bypass.popleft()
+                        stop.in_engine = True
+                score()  # an engine that ended its stream without pulling to the end
         except EngineDied as e:  # the rows it died with: a rerun runs them alone first (``deaths``)
             e.in_flight = list(pending) + [it.row_id for it in scoring]  # scoring rows it died scoring too
             raise
@@ -103,5 +131,5 @@ def schedule(items: Iterable[WorkItem], engine: Engine, max_in_flight: int, stop
             stop.in_engine = False
         while bypass:
             yield bypass.popleft()
-        if state["exhausted"] or stop.requested:
+        if state["exhausted"] and not ahead or stop.requested:
             return

@@ -129,11 +129,11 @@ class Segment:
         """The first select step of the segment not decided yet in this start: its groups decided and its rows
         committed (their children then ready); False when none is left. Called when nothing else is left to run:
         every stage before it is finished in this shard, so its groups are whole (``stages.select``)."""
-        st = next((s for s in self.seg if s.spec.select is not None and not s.selected), None)
+        st = next((s for s in self.seg if s.spec.select is not None and not s.select_done), None)
         if st is None:
             return False
         assert st.sink is not None and st.done is not None
-        st.selected = True
+        st.select_done = True
         for item, results in select_rows(st, self.run_.stages[st.spec.index - 1]):
             self.take(_tagged(st.spec.index, item) if self.tagged else item, results)
             st.done.keys.add(item.row_hash)

@@ -96,7 +96,7 @@ class Stage:
     retried: int = 0  # committed rows --retry-errors took out at this start (to be generated again)
     on_part: Callable[[list[WorkItem], list[Result]], None] | None = None  # a committed part: its rows' children
     scorer: Continuations | None = None  # a scoring stage's continuations (``stages.score``)
-    selected: bool = False  # a select step: its groups decided in this start (``select_rows``)
+    select_done: bool = False  # a select step: its groups decided in this start (``select_rows``)
 
     @property
     def lineage(self) -> bool:

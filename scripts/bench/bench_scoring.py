@@ -1,6 +1,10 @@
 """Scoring without decoding (issue 55) against generating a one-token verdict, on the same rows and engine.
 
   python scripts/bench/bench_scoring.py [--rows 48] [--repeats 3] [--json out.json]
+  python scripts/bench/bench_scoring.py recipe [--limit 6] [--json out.json]
+      jobs/recipes/best-of-n.toml on the embedded default, split by stage: a job of its first stage alone (the
+      samples), then the whole recipe on the same OUTDIR (the samples resumed as committed: its time is the scoring
+      and the select step), each a fresh process; wall seconds and the model load each logged.
 
 The rows are the best-of-n recipe's scoring prompts (jobs/recipes/best-of-n.toml: a question, an answer, "Reply Yes
 or No.") over examples/questions.jsonl with made-up answers of 20-60 words, on the embedded default (SmolLM2 + the
@@ -45,7 +49,43 @@ def prompts(engine, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+def recipe(limit: int) -> dict:
+    """The best-of-n recipe's time by stage (module docstring)."""
+    import re
+    import subprocess
+    import tempfile
+
+    text = (ROOT / "jobs" / "recipes" / "best-of-n.toml").read_text()
+    first = text[: text.index("[[stages]]", text.index("[[stages]]") + 1)]  # the job and its first stage only
+    out: dict = {"cpu": cpu_line(), "load_before": load_line(), "limit": limit}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, body in (("samples", first), ("score_and_select", text)):
+            job = Path(tmp) / f"{name}.toml"
+            job.write_text(body)
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-m", "dspine_batch.cli", "generate", str(ROOT / "examples" /
+                                "questions.jsonl"), "--config", str(job), "-o", f"{tmp}/out", "--limit", str(limit),
+                                "--progress", "none"], capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - t0
+            assert p.returncode == 0, p.stderr[-2000:]
+            load = re.search(r"model loaded in ([\d.]+)s", p.stderr)
+            out[name] = {"wall_s": round(wall, 1), "model_load_s": float(load.group(1)) if load else None,
+                         "lines": [ln for ln in p.stderr.splitlines() if "stage " in ln and "rows" in ln]}
+    out["load_after"] = load_line()
+    return out
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["recipe"]:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("mode")
+        ap.add_argument("--limit", type=int, default=6)
+        ap.add_argument("--json")
+        args = ap.parse_args()
+        report = recipe(args.limit)
+        print(json.dumps(report, indent=2))
+        write_json(args.json, report)
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)

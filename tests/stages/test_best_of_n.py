@@ -281,3 +281,27 @@ def test_the_scores_are_fields_where_and_the_next_stage_read(tmp_path):
         selected.append(not (r["dropped_by"] or "").startswith("select"))
         assert selected[-1] == (got["score"] > -2.0), r
     assert 0 < sum(selected) < len(selected)
+
+
+def test_scoring_alone_never_starts_the_engines_stream(tmp_path):
+    """Rows that need no decoding (scoring, the select step) while they are all there is do not start the engine's
+    stream: on the reference engine a stream's start can calibrate its cost model (seconds on a busy machine,
+    every run while none is cached) — the scoring half of the recipe paid 23 s of it for 5 s of scoring."""
+    from helpers import scripted_engine
+
+    out = tmp_path / "best"
+    job = Path(_job(tmp_path, out))
+    text = job.read_text()
+    first = tmp_path / "first.toml"
+    first.write_text(text[: text.index("[[stages]]", text.index("[[stages]]") + 1)])
+    assert run_cli(["generate", "--config", str(first)]) == 0
+    streams = []
+
+    def counting(*a):
+        eng = scripted_engine(*a)
+        run = eng.run
+        eng.run = lambda reqs, n: (streams.append(1), run(reqs, n))[1]
+        return eng
+
+    assert run_cli(["generate", "--config", str(job)], loader=counting) == 0
+    assert streams == [] and len(read_output(out / "score")) == 24 and len(read_output(out / "best")) == 24
