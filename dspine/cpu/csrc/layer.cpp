@@ -94,9 +94,9 @@ at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, co
 
 // L such layers in a row, layer i from the i-th slice of w (10 each), names (4), ints (14), floats (3), with its own
 // cos[i] / sin[i] and caches kc[i] / vc[i]: the last layer's output, then the outputs of the layers listed in `taps`
-// (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost ~30 us of interpreter and
-// argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced) -- about a
-// millisecond of a step of ~12; here it is one conversion a step. Same function, same order: the same bits.
+// (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost 10-35 us of interpreter
+// and argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced), 0.3-1 ms of
+// a step of ~12; here it is one conversion a step. Same function, same order: the same bits.
 std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                     const std::vector<std::string>& names, const std::vector<int64_t>& ints,
                                     const std::vector<double>& floats, const std::vector<at::Tensor>& cos,
