@@ -52,8 +52,10 @@ class _Local:
         return read_output(Path(self.out) / "notes")
 
     def names(self, space: str) -> list[str]:
+        """The space's names, less the disk store's own temp files (``.<name>.<pid>.<token>.tmp``: a create-only
+        write killed -9 before its link leaves one; no reader lists it as an entry)."""
         d = Path(self.out) / "notes" / "_dspine" / space
-        return [p.name for p in d.glob("*")] if d.exists() else []
+        return [p.name for p in d.glob("*") if not p.name.endswith(".tmp")] if d.exists() else []
 
     def parts(self) -> int:
         return len(list((Path(self.out) / "notes").glob("*.parquet")))
