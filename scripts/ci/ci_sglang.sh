@@ -31,7 +31,7 @@ PYTEST=("$DSPINE_SGLANG_VENV/bin/python" -m pytest -m sglang -p no:cacheprovider
 set +e
 timeout -k 30 "$limit" "${PYTEST[@]}" "$@" \
   tests/sglang_plugin/test_sglang_plugin.py tests/sglang_plugin/test_sglang_e2e.py \
-  tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py
+  tests/sglang_plugin/test_sglang_requests.py tests/cli/test_sglang_cli.py tests/engines/test_sglang_engine.py
 rc=$?
 if [ "$rc" = 0 ]; then
   echo "[ci_sglang] the request contract again: plain scheduler loop, eager selector"

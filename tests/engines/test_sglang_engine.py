@@ -646,3 +646,61 @@ def test_unhonoured_seeds_are_said_once_and_recorded(tiny_pair, capsys):
     loaded = _load(model, draft, {}, {})
     assert loaded.identity()["seeds"] == "not honoured"
     loaded.close()
+
+
+# -- scoring on the real SGLang (CPU test path) ------------------------------------------------------------------
+# float32 on both sides; SGLang's prefill and HF's forward are two implementations of the same model (other kernels,
+# other GEMM shapes): the log-softmax of a position agrees to rounding (measured: bit for bit plain, 1e-6 under DSPINE).
+SCORE_TOL = 1e-4
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "dspine"])
+def test_sglang_scores_are_hf_transformers_log_softmax(tmp_path, draft):
+    pytest.importorskip("sglang", reason="needs the sglang extra (scripts/setup_sglang_venv.sh)")
+    import torch
+    from helpers import chat_pair
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "draft").mkdir()
+    model, draft_dir = chat_pair(tmp_path / "model", tmp_path / "draft")
+    engine = se.SGLangEngine.load(model, draft_dir if draft else "none", {})  # under DSPINE too
+    try:
+        tok = engine.tokenizer
+        prompts = [tok.render_chat([{"role": "user", "content": t}]) for t in ("is it red?", "say a long thing")]
+        labels = ((11,), (42,), (200,), (7, 99, 3))  # several one-token labels and a multi-token one
+        reqs = [Request("labels", 0, prompts[0], SamplingParams(), continuations=labels),
+                Request("cont", 0, prompts[1], SamplingParams(), continuations=((5, 17, 250, 31, 8, 64),)),
+                Request("empty", 0, prompts[1], SamplingParams(), continuations=((),))]
+        got = engine.score(reqs)
+    finally:
+        engine.close()
+    assert got[2].error is not None and got[2].continuation_logprobs is None  # refused, as on the reference engine
+    assert len({lp[0] for lp in got[0].continuation_logprobs}) == len(labels)  # each label its own number
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for req, res in zip(reqs[:2], got[:2], strict=True):
+        assert res.error is None, res.error
+        assert len(res.continuation_logprobs) == len(req.continuations)
+        for cont, lps in zip(req.continuations, res.continuation_logprobs, strict=True):
+            ids = torch.tensor([list(req.prompt_ids) + list(cont)])
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+            n = len(req.prompt_ids)
+            want = [float(logp[n - 1 + j, t]) for j, t in enumerate(cont)]
+            assert len(lps) == len(cont)
+            worst = max(abs(a - b) for a, b in zip(lps, want, strict=True))
+            print(f"scores {req.row_id} {cont}: {lps} max |sglang - hf| = {worst:.2e}")
+            assert worst < SCORE_TOL, (lps, want)
+
+
+def test_continuation_logprobs_are_the_tail_of_sglangs_input_logprobs():
+    from dspine_batch.engines.sglang.logprobs import continuation
+
+    meta = {"input_token_logprobs": [[None, 4, None], [-1.5, 7, None], [-0.25, 9, None]]}
+    assert continuation({"meta_info": meta}, (7, 9)) == [-1.5, -0.25]
+    assert continuation({"meta_info": meta}, (9,)) == [-0.25]
+    with pytest.raises(ValueError, match="not the continuation"):  # SGLang's positions are not ours: never a guess
+        continuation({"meta_info": meta}, (9, 7))
+    with pytest.raises(ValueError, match="not the continuation"):
+        continuation({"meta_info": meta}, (4, 7, 9))  # the first position has no logprob

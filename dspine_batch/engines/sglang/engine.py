@@ -7,6 +7,8 @@
 * **Requests** go through ``async_generate`` (one ``input_ids`` request each) on the engine's own event loop,
   driven from ``run``'s thread (SGLang installs its signal handlers there); at most ``max_in_flight`` are open
   and the request iterator is pulled lazily, so stopping admission loses no finished work.
+* **Scoring** (``base.Scorer``): one ``async_generate`` per (request, continuation) with ``input_ids`` = prompt +
+  continuation, no decoding, and SGLang's own input logprobs from the prompt's last token on (``score``).
 * **Stats**: per-request ``meta_info`` -> our columns via ``stats`` (all SGLang name vintages), the by-source
   columns from the DSPINE worker's counts; ``explain()`` says per source what ran and why not
   (``engines.explain``).
@@ -249,6 +251,40 @@ class SGLangEngine:
         finally:
             if pending:
                 self._abandon(pending)
+
+    def score(self, requests: list[Request]) -> list[Result]:
+        """Scoring requests (``base.Scorer``) through ``scoring.score_requests``: each continuation is the tail of one
+        request's ``input_ids``, SGLang's input logprobs (the raw logits' log-softmax, ``dspine.sglang.sampling``)
+        read from ``logprob_start_len`` = the prompt's last position on; the prompt prefix is shared through SGLang's
+        radix cache. A batch's requests are all open at once."""
+        from dspine_batch.engines.scoring import score_requests
+
+        if self._engine is None:
+            raise EngineDied("the SGLang engine is closed")
+        self._check_alive()
+        # no token is decoded on the plain engine; a speculative one decodes one (its prefill-only path is plain's)
+        new = 1 if self._identity.get("server_args", {}).get("speculative_algorithm") else 0
+
+        async def one(prompt: list[int], cont: tuple[int, ...]) -> list[float]:
+            out = await self._engine.async_generate(
+                input_ids=list(prompt) + list(cont), sampling_params={"max_new_tokens": new, "temperature": 0.0},
+                return_logprob=True, logprob_start_len=len(prompt) - 1, rid=f"score#{uuid.uuid4().hex[:12]}")
+            return sglang_logprobs.continuation(out[0] if isinstance(out, list) else out, cont)
+
+        def run(batch: list[Request]) -> list[list[list[float]]]:
+            async def all_of() -> list[list[float]]:
+                return await asyncio.gather(*(one(r.prompt_ids, c) for r in batch for c in r.continuations or ()))
+
+            flat = iter(self._loop.run_until_complete(all_of()))
+            self._check_alive()
+            return [[next(flat) for _ in r.continuations or ()] for r in batch]
+
+        return score_requests(requests, self._max_context or sys.maxsize, self._batch_size(), run)
+
+    def _batch_size(self) -> int:
+        """Scoring requests open at once: SGLang's own running-request cap when set, else 64."""
+        cap = self._identity.get("server_args", {}).get("max_running_requests")
+        return int(cap) if isinstance(cap, int) and cap > 0 else 64
 
     def explain(self) -> dict[str, dict[str, Any]]:
         """Per source: rounds, tokens proposed/accepted, whether it ran and why not (``engines.explain``)."""

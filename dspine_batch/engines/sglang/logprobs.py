@@ -30,3 +30,16 @@ def logprobs(meta: Mapping[str, Any], n_tokens: int) -> list[TokenLogprob]:
         lp, tid = entry[0], entry[1]
         out.append((int(tid), float(lp), tuple((int(t[1]), float(t[0])) for t in (top or ()))))
     return out
+
+
+def continuation(out: Mapping[str, Any], cont: tuple[int, ...]) -> list[float]:
+    """The log-probability of each token of ``cont``, the tail of a scoring request's ``input_ids``: the last
+    ``len(cont)`` of SGLang's ``input_token_logprobs`` (``[logprob, token_id, text]`` per input position from
+    ``logprob_start_len`` on; a position without one, the sequence's first, is None). ValueError when they are not
+    ``cont``'s tokens."""
+    meta = out.get("meta_info") or {}
+    entries = list(meta.get("input_token_logprobs") or ())[-len(cont):]
+    got = [None if e is None else int(e[1]) for e in entries]
+    if got != list(cont) or any(e[0] is None for e in entries):
+        raise ValueError(f"SGLang's input logprobs are for tokens {got}, not the continuation {list(cont)}")
+    return [float(e[0]) for e in entries]
