@@ -665,13 +665,15 @@ def test_sglang_scores_are_hf_transformers_log_softmax(tmp_path, draft):
     (tmp_path / "model").mkdir()
     (tmp_path / "draft").mkdir()
     model, draft_dir = chat_pair(tmp_path / "model", tmp_path / "draft")
+    last = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 1
     engine = se.SGLangEngine.load(model, draft_dir if draft else "none", {})  # under DSPINE too
     try:
         tok = engine.tokenizer
         prompts = [tok.render_chat([{"role": "user", "content": t}]) for t in ("is it red?", "say a long thing")]
         labels = ((11,), (42,), (200,), (7, 99, 3))  # several one-token labels and a multi-token one
         reqs = [Request("labels", 0, prompts[0], SamplingParams(), continuations=labels),
-                Request("cont", 0, prompts[1], SamplingParams(), continuations=((5, 17, 250, 31, 8, 64),)),
+                # the vocabulary's last id too (SGLang reports it as 0: sglang.logprobs.continuation)
+                Request("cont", 0, prompts[1], SamplingParams(), continuations=((5, 17, 250, last, 8, 64),)),
                 Request("empty", 0, prompts[1], SamplingParams(), continuations=((),))]
         got = engine.score(reqs)
     finally:
@@ -700,6 +702,8 @@ def test_continuation_logprobs_are_the_tail_of_sglangs_input_logprobs():
     meta = {"input_token_logprobs": [[None, 4, None], [-1.5, 7, None], [-0.25, 9, None]]}
     assert continuation({"meta_info": meta}, (7, 9)) == [-1.5, -0.25]
     assert continuation({"meta_info": meta}, (9,)) == [-0.25]
+    clipped = {"input_token_logprobs": [[None, 4, None], [-1.5, 7, None], [-3.0, 0, None]]}  # SGLang's last id
+    assert continuation({"meta_info": clipped}, (7, 299)) == [-1.5, -3.0]
     with pytest.raises(ValueError, match="not the continuation"):  # SGLang's positions are not ours: never a guess
         continuation({"meta_info": meta}, (9, 7))
     with pytest.raises(ValueError, match="not the continuation"):

@@ -36,10 +36,12 @@ def continuation(out: Mapping[str, Any], cont: tuple[int, ...]) -> list[float]:
     """The log-probability of each token of ``cont``, the tail of a scoring request's ``input_ids``: the last
     ``len(cont)`` of SGLang's ``input_token_logprobs`` (``[logprob, token_id, text]`` per input position from
     ``logprob_start_len`` on; a position without one, the sequence's first, is None). ValueError when they are not
-    ``cont``'s tokens."""
+    ``cont``'s tokens. SGLang 0.5.23 reports the id of the vocabulary's last token (and any above: its image hashes)
+    as 0 (``logprob_result_processor``), its log-probability still that of the token fed: a 0 matches any id."""
     meta = out.get("meta_info") or {}
     entries = list(meta.get("input_token_logprobs") or ())[-len(cont):]
     got = [None if e is None else int(e[1]) for e in entries]
-    if got != list(cont) or any(e[0] is None for e in entries):
+    if len(got) != len(cont) or any(g not in (t, 0) for g, t in zip(got, cont, strict=True)) \
+            or any(e[0] is None for e in entries):
         raise ValueError(f"SGLang's input logprobs are for tokens {got}, not the continuation {list(cont)}")
     return [float(e[0]) for e in entries]
