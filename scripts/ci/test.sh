@@ -33,9 +33,9 @@ export DSPINE_REQUIRE_AZURITE=${DSPINE_REQUIRE_AZURITE:-1}
 # and the metrics tests without Prometheus and its Pushgateway (scripts/ci/install_prometheus.sh)
 export DSPINE_REQUIRE_PROMETHEUS=${DSPINE_REQUIRE_PROMETHEUS:-1}
 # pytest exits 5 when it collects nothing: that is a failure for the default suite too
-# a hang ends as a failure with the stacks (faulthandler after 5 min in one test; the whole suite after 45 min,
+# a hang ends as a failure with the stacks (faulthandler after 5 min in one test; the whole suite after 55 min,
 # about twice what it takes on a quiet 2-core machine), not as CI's own time-out with nothing to read
-run timeout -k 30 "${DSPINE_SUITE_LIMIT:-2700}" "$PY" -m pytest -q -m "not slow and not sglang and not slurm" \
+run timeout -k 30 "${DSPINE_SUITE_LIMIT:-3300}" "$PY" -m pytest -q -m "not slow and not sglang and not slurm" \
   -p no:cacheprovider -o faulthandler_timeout=300
 [[ $skip == *" sglang "* ]] || run bash scripts/ci/ci_sglang.sh -q
 [[ $skip == *" slurm "* ]] || { [ -f scripts/ci/ci_slurm.sh ] && run bash scripts/ci/ci_slurm.sh; }
