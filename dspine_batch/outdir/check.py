@@ -44,6 +44,7 @@ class PartCheck:
     problem: str | None = None  # "missing", "truncated (...)", "unreadable (...)", "altered (...)"; None: good
     info: dict[str, Any] | None = None  # rows, error_rows, outputs of a good part
     verified: bool = False  # checked against a record (False: an old part, trusted by its row count)
+    summable: bool = False  # published, with a record whose size it has: its crc32 can be checked (``checksum_parts``)
 
     @property
     def name(self) -> str:
@@ -102,18 +103,13 @@ def check_parts(out: Outdir, tag: str | None = None, checksum: bool | None = Non
                 check.problem = f"truncated ({size:,} of {want:,} bytes)"
             elif size > want:
                 check.problem = f"altered ({size:,} bytes, {want:,} committed)"
-            elif checksum:
-                hashed.append(check)
+            else:
+                check.summable = True
+                if checksum:
+                    hashed.append(check)
         if check.problem is None and check.info is None:
             need_footer.append(check)
-    if hashed:
-        with ThreadPoolExecutor(min(4, len(hashed))) as pool:
-            for check, crc in zip(hashed, pool.map(lambda c: _crc(out, c.name), hashed), strict=True):
-                want = int(records[check.name][CHECKSUM])  # type: ignore[index]
-                if isinstance(crc, BaseException):
-                    check.problem = f"unreadable ({short(crc)})"
-                elif crc != want:
-                    check.problem = f"altered ({CHECKSUM} {crc:08x}, {want:08x} committed)"
+    checksum_parts(out, hashed, records)
     for check in need_footer:
         if check.problem is not None:
             continue
@@ -128,6 +124,20 @@ def check_parts(out: Outdir, tag: str | None = None, checksum: bool | None = Non
         else:
             check.info = info
     return checks
+
+
+def checksum_parts(out: Outdir, checks: list[PartCheck], records: dict[str, Any]) -> None:
+    """The crc32 of each of these parts' bytes (``summable`` ones) against its record's; a mismatch or a read that
+    fails sets the check's ``problem``. Four threads: zlib releases the GIL, so they scale with the disk."""
+    if not checks:
+        return
+    with ThreadPoolExecutor(min(4, len(checks))) as pool:
+        for check, crc in zip(checks, pool.map(lambda c: _crc(out, c.name), checks), strict=True):
+            want = int(records[check.name][CHECKSUM])
+            if isinstance(crc, BaseException):
+                check.problem = f"unreadable ({short(crc)})"
+            elif crc != want:
+                check.problem = f"altered ({CHECKSUM} {crc:08x}, {want:08x} committed)"
 
 
 def _crc(out: Outdir, name: str) -> int | BaseException:

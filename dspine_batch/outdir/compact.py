@@ -27,7 +27,7 @@ from dspine_batch.outdir.check import footer_info
 from dspine_batch.outdir.commit import Committer, commit_part
 from dspine_batch.outdir.core import Outdir
 from dspine_batch.outdir.layout import PART_RE, STATE, part_name, record_rel
-from dspine_batch.outdir.records import part_meta, record_keys
+from dspine_batch.outdir.records import part_meta
 
 JOURNAL = f"{STATE}/compact.json"
 
@@ -99,9 +99,10 @@ def _merge(out: Outdir, committer: Committer, group: list[str], records: dict[st
     # the merged record's keys only from lists that check out: a doubtful one must not be blessed by a new record
     # (then none, and a resume reads the merged part's row ids)
     parts_keys = []
+    listed = out.keys_of([p for p in group if records.get(p) is not None])
     for p, m in zip(group, metas, strict=True):
         rec = records.get(p)
-        keys = record_keys(rec) if rec is not None else None
+        keys = listed.get(p)
         parts_keys.append(keys if keys is not None else legacy.load_keys(out, p, m.get("rows"), rec))
     keys = None if any(k is None for k in parts_keys) else np.concatenate(parts_keys)
     token = uuid.uuid4().hex[:16]

@@ -7,8 +7,8 @@
 The few places where a local disk and a store differ are properties of the store, not branches of the protocol:
 ``inline`` (a disk commits on the pipeline's thread: a rename is cheap and a full disk must stop the commit that
 met it; a store's requests run on the committer's threads), ``verify_on_start`` (a start reads a local part's
-bytes for their crc32: cheap; on a store that is a GET of every part, left to ``finalize`` and ``status
---verify``), and the store's own ``renames``/``local_path``.
+bytes for their crc32: cheap up to ``done.crc_budget``, past it only the parts above the watermarks; on a store that
+is a GET of every part, left to ``finalize`` and ``status --verify``), and the store's own ``renames``/``local_path``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dspine_batch.outdir.layout import KEYS, PART_RE, record_part, record_rel
-from dspine_batch.outdir.records import parse_record
+from dspine_batch.outdir.records import parse_record, record_keys
 from dspine_batch.storage.fs import retry_deadline
 from dspine_batch.storage.objects import ObjectStore, check_outdir_url
+
+# records fetched at a time: a start holds one batch's bytes, never every record's (~1 GB of them at 100M rows)
+RECORD_BATCH = 256
 
 
 class Outdir:
@@ -61,8 +65,11 @@ class Outdir:
 
     def records(self, tag: str | None = None) -> dict[str, dict[str, Any] | None]:
         """Every commit record (of one shard), by part name, None for one that does not read as a record: fetched
-        concurrently on a store (one GET each), once per start (a start sweeps, checks and loads the same records;
-        only this worker adds or moves them meanwhile, and it forgets them when it does)."""
+        concurrently on a store (one GET each, ``RECORD_BATCH`` at a time), once per start (a start sweeps, checks
+        and loads the same records; only this worker adds or moves them meanwhile, and it forgets them when it
+        does). Each is held **without its key list** (``keys_b64``: ~11 bytes a row, the bulk of a record; its
+        ``keys_crc32`` stays): a start over 100M committed rows would otherwise hold ~1 GB of lists it mostly does
+        not need (parts below the watermarks). ``keys_of`` reads the lists of the parts that need them."""
         if tag not in self._records:
             names = []
             for n in self.store.list(KEYS):
@@ -70,12 +77,37 @@ class Outdir:
                 m = PART_RE.match(part) if part else None
                 if m and (tag is None or m.group(1) == tag):
                     names.append(m.group(0))
-            paths = [self.store.path(record_rel(n)) for n in names]
-            got = self.store.cat_many(paths)
-            # each record's bytes dropped as it is parsed: a resume over 10M rows holds ~100 MB of them, once not twice
-            self._records[tag] = dict(sorted((n, parse_record(got.pop(p, None))) for n, p in zip(names, paths,
-                                                                                                  strict=True)))
+            lean: dict[str, dict[str, Any] | None] = {}
+            for i in range(0, len(names), RECORD_BATCH):
+                for n, rec in self._fetch(names[i:i + RECORD_BATCH]):
+                    if rec is not None:
+                        rec.pop("keys_b64", None)
+                    lean[n] = rec
+            self._records[tag] = dict(sorted(lean.items()))
         return dict(self._records[tag])
+
+    def keys_of(self, names: list[str]) -> dict[str, np.ndarray | None]:
+        """The row-key lists of these parts' records (``records.record_keys``: checked against the record's row
+        count and crc32), read again because ``records`` holds records without them; None for a part whose list
+        is missing or doubtful, or whose record is no longer the one this start checked (its token changed)."""
+        known: dict[str, dict[str, Any] | None] = {}
+        for recs in self._records.values():
+            known.update(recs)
+        got: dict[str, np.ndarray | None] = {}
+        for i in range(0, len(names), RECORD_BATCH):
+            for n, rec in self._fetch(names[i:i + RECORD_BATCH]):
+                seen = known.get(n)
+                same = rec is not None and (seen is None or seen.get("token") == rec.get("token"))
+                got[n] = record_keys(rec) if same else None  # type: ignore[arg-type]
+        return got
+
+    def _fetch(self, names: list[str]) -> Iterator[tuple[str, dict[str, Any] | None]]:
+        """(name, parsed record) for each part name, one batch fetched concurrently; each record's bytes dropped
+        as it is parsed."""
+        paths = [self.store.path(record_rel(n)) for n in names]
+        got = self.store.cat_many(paths)
+        for n, p in zip(names, paths, strict=True):
+            yield n, parse_record(got.pop(p, None))
 
     def forget_records(self) -> None:
         """The records this start read are stale (it committed, moved or swapped some): read them again next time."""
