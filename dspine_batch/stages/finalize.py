@@ -8,6 +8,7 @@ stage's own ``explode`` as its manifest recorded it: each present exactly once, 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,10 +26,10 @@ def expected_children(parent_dir: str):
     parent = open_output(parent_dir).read_manifest() or {}
     samples = int((parent.get("config") or {}).get("num_samples", 1))
 
-    def expected(manifest: dict) -> pa.Array:
+    def expected(manifest: dict) -> Iterator[pa.Array]:
         explode = (manifest["fingerprint_fields"].get("stage") or {}).get("explode")
         parents = committed_parents([p.path for p in committed_parts(parent_dir)], samples)
-        return pa.array([cid for p in parents for cid in child_ids(p, explode)], pa.string())
+        yield pa.array([cid for p in parents for cid in child_ids(p, explode)], pa.string())
 
     return expected
 
