@@ -78,7 +78,9 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
            *(["--commit-seconds", str(commit_seconds)] if commit_seconds else [])]
     t0 = time.perf_counter()
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    # stderr to a file, not a pipe: a run of hours logs more than a pipe holds, and nothing reads it meanwhile
+    log = tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen(cmd, env=env, stderr=log, text=True)
     samples, first_new_part, peak = [], None, None
     while p.poll() is None:
         r = status_mb(p.pid)
@@ -93,10 +95,11 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
                     break
         time.sleep(0.02 if watch_parts is not None else 0.5)
     wall = time.perf_counter() - t0
-    err = p.communicate()[1] if stop_at_part else p.stderr.read()
-    if stop_at_part:
-        p.wait()
-    elif p.returncode != 0:
+    p.wait()
+    log.seek(0)
+    err = log.read()
+    log.close()
+    if not stop_at_part and p.returncode != 0:
         raise SystemExit(f"dspine-batch failed ({p.returncode}):\n{err}")
     m = re.search(r"already committed in \d+ parts(?:, checked)? \(([\d.]+)s\)", err)
     committed = re.search(r"resuming: ([\d,]+) rows already committed", err)
@@ -109,10 +112,14 @@ def run(args: list[str], out: Path, watch_parts: int | None = None, commit_rows:
 
 def committed_outdir(tmp: Path, rows: int) -> tuple[Path, Path, int]:
     """An input of ``rows`` + 100k rows and an OUTDIR of one shard with exactly ``rows`` of them committed (all
-    committed, then the last 100k-row part and its record dropped); returns (input, OUTDIR, parts left)."""
+    committed, then the last 100k-row part and its record dropped); returns (input, OUTDIR, parts left). One built
+    before in the same ``--tmp`` (``--keep``) is used again: 100M rows take most of an hour to commit."""
     src = tmp / f"scale-{rows}.parquet"
-    make_input(src, rows + 100_000)
+    ready = tmp / f"scale-{rows}.ready"
     out = tmp / f"scale-{rows}-out"
+    if ready.exists():
+        return src, out, int(ready.read_text())
+    make_input(src, rows + 100_000)
     run([str(src)], out, commit_seconds=86400)  # parts of exactly 100k rows
     last = sorted(n for n in os.listdir(out) if n.endswith(".parquet"))[-1]
     os.unlink(out / last)
@@ -133,6 +140,7 @@ def committed_outdir(tmp: Path, rows: int) -> tuple[Path, Path, int]:
     state.update(rows_done=kept.rows, error_rows=kept.error_rows, totals=kept.totals(), next_seq=len(parts),
                  state="interrupted")
     state_path.write_text(json.dumps(state))
+    ready.write_text(str(len(parts)))
     return src, out, len(parts)
 
 
@@ -140,8 +148,10 @@ def _files(out: Path) -> set[Path]:
     return {p for p in out.rglob("*") if p.is_file()}
 
 
-def resume_scale(tmp: Path, sizes: list[int], repeats: int) -> list[dict]:
-    """Resume by the full done-set and by the watermarks, alternating, on the same committed OUTDIR."""
+def resume_scale(tmp: Path, sizes: list[int], repeats: int, paths: list[str] | None = None,
+                 keep: bool = False) -> list[dict]:
+    """Resume by the full done-set and by the watermarks, alternating, on the same committed OUTDIR (``paths``:
+    only those; ``keep``: the committed OUTDIR and its input stay for the next run)."""
     rows_out = []
     for n in sizes:
         t = time.perf_counter()
@@ -150,7 +160,11 @@ def resume_scale(tmp: Path, sizes: list[int], repeats: int) -> list[dict]:
         keep = _files(out)
         state = {p: p.read_bytes() for p in keep if "/state-" in str(p)}
         got: dict[str, list[dict]] = {"full done-set": [], "watermarks": []}
-        order = [("full done-set", "0"), ("watermarks", "1")]
+        order = [(label, flag) for label, flag in (("full done-set", "0"), ("watermarks", "1"))
+                 if paths is None or label.split()[0] in paths]
+        if repeats == 0:
+            print(f"scale {n:,}: built; kept in {out}", file=sys.stderr)
+            continue
         for rep in range(repeats):
             for label, flag in (order if rep % 2 == 0 else order[::-1]):
                 load = os.getloadavg()[0]
@@ -166,8 +180,10 @@ def resume_scale(tmp: Path, sizes: list[int], repeats: int) -> list[dict]:
                                    "load_1min": round(load, 2)})
                 print(f"scale {n:,} {label}: {got[label][-1]}", file=sys.stderr)
         rows_out.append({"committed_rows": n, "parts": parts, **got})
-        shutil.rmtree(out, ignore_errors=True)
-        src.unlink()
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+            src.unlink()
+            (tmp / f"scale-{n}.ready").unlink()
     return rows_out
 
 
@@ -179,13 +195,19 @@ def main() -> None:
     ap.add_argument("--resume-scale", default="", help="committed rows to resume over, comma-separated (issue 56)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each resume path in --resume-scale")
     ap.add_argument("--only-scale", action="store_true", help="only --resume-scale (skip throughput and resume)")
+    ap.add_argument("--scale-paths", default="full,watermarks",
+                    help="resume paths in --resume-scale, comma-separated: full (the done-set before watermarks), "
+                         "watermarks")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep --resume-scale's committed OUTDIRs in --tmp, used again (--repeats 0: build only)")
     a = ap.parse_args()
     tmp = Path(a.tmp or tempfile.mkdtemp(prefix="bench_pipeline_"))
     tmp.mkdir(parents=True, exist_ok=True)
     results: dict = {"rows": a.rows, "resume_rows": a.resume_rows, "cpus": os.cpu_count()}
     try:
         if a.resume_scale:
-            results["resume_scale"] = resume_scale(tmp, [int(x) for x in a.resume_scale.split(",")], a.repeats)
+            results["resume_scale"] = resume_scale(tmp, [int(x) for x in a.resume_scale.split(",")], a.repeats,
+                                                   a.scale_paths.split(","), a.keep)
         if a.only_scale:
             print(json.dumps(results, indent=2))
             return
