@@ -21,6 +21,10 @@ Usage:
     python scripts/bench/bench_pipeline.py                      # full run (~5 min on 2 cores)
     python scripts/bench/bench_pipeline.py --rows 1000000       # quicker
     python scripts/bench/bench_pipeline.py --only-scale --resume-scale 1000000,10000000 --repeats 2
+    # 100M rows: build the OUTDIR once (~75 min on 2 loaded cores), then resume over it as often as wanted
+    python scripts/bench/bench_pipeline.py --only-scale --resume-scale 100000000 --tmp /work/scale --keep --repeats 0
+    python scripts/bench/bench_pipeline.py --only-scale --resume-scale 100000000 --tmp /work/scale --keep \
+        --scale-paths watermarks --repeats 2
 """
 
 from __future__ import annotations
