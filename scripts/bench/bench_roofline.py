@@ -5,14 +5,16 @@ compute, and how far our step and our engine are from that.
 1. The machine, measured here: read bandwidth (an fp32 tensor summed by torch with this run's threads, at the size
    of the weights a step streams and at 1 GiB) and GEMM rates by row count (torch's bf16 linear, which oneDNN runs on
    AMX tiles where the CPU has them and on AVX-512 otherwise; torch's int8 x int8 -> int32 ``_int_mm`` where it
-   runs: VNNI / AMX-int8).
+   runs: VNNI / AMX-int8; torch's fp32 linear).
 2. The target (``--model``, the embedded SmolLM2-135M by default) in each ``--settings`` precision: the bytes a
    one-token step reads (every weight as our kernels store it, plus the KV cache it attends over) and the
    multiply-adds a token costs (the linears, the head, attention over ``--ctx`` keys).
 3. The roof of a forward of ``rows`` x ``tokens``: the larger of bytes / bandwidth and rows x tokens x MACs / the
-   best GEMM rate measured (bf16, or int8 for the integer settings). Then the one-token step and the 2/4-token
-   verifies (``bench_step.make_step``: ~``--ctx`` tokens of context, the head included) at ``--rows``, timed with the
-   settings alternating rep by rep, as ms and as a multiple of that roof.
+   best GEMM rate measured among the arithmetics that compute the setting's products exactly (``arithmetic``:
+   fp32 for the fp32 settings; bf16 or fp32 for bf16 ones, since bf16 operands are exact in fp32 and a CPU without
+   bf16 instructions emulates them slower than fp32; int8, bf16 or fp32 for the integer ones). Then the one-token
+   step and the 2/4-token verifies (``bench_step.make_step``: ~``--ctx`` tokens of context, the head included) at
+   ``--rows``, timed with the settings alternating rep by rep, as ms and as a multiple of that roof.
 4. The reference engine's plain decoding (``bench_peers.run_ours``: ``--n`` chat prompts, greedy, ``--new-tokens``
    each, ``batch_size`` = rows, every request queued) at ``--engine-rows``, as tok/s against the roof's tok/s
    (rows / the one-token roof) and against the bare step's (rows / the measured step).
@@ -41,6 +43,14 @@ from bench_step import SETTINGS, make_step  # noqa: E402
 from machine import cpu_line, load_line, write_json  # noqa: E402
 
 INTEGER = ("q8", "q16", "int8", "int4")  # settings whose linears multiply on integer dot products (or claim to)
+FP32 = ("fp32", "fp32_torch", "fp32_fused")  # settings whose linears multiply in fp32
+
+
+def arithmetic(setting: str) -> tuple[str, ...]:
+    """The GEMM kinds whose rate may bound a setting's multiply-adds: those that compute its products exactly."""
+    if setting in FP32:
+        return ("fp32",)
+    return ("int8", "bf16", "fp32") if setting in INTEGER else ("bf16", "fp32")
 
 
 def best_time(fn, reps: int) -> float:
@@ -74,6 +84,9 @@ def gemm_rate(kind: str, m: int, k: int, n: int, reps: int) -> float | None:
         if kind == "bf16":
             x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
             fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
+        elif kind == "fp32":
+            x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+            fn = lambda: torch.nn.functional.linear(x, w)  # noqa: E731
         else:  # int8 x int8 -> int32 (oneDNN: AMX-int8 / VNNI where the CPU has them)
             x = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
             w = torch.randint(-127, 128, (k, n), dtype=torch.int8, generator=g)
@@ -90,7 +103,8 @@ def machine(weight_bytes: int, reps: int, shape: tuple[int, int], rows: list[int
     the best of ``reps``."""
     k, n = shape
     bw = {f"{weight_bytes / 1e6:.0f}MB": read_bandwidth(weight_bytes, reps), "1GiB": read_bandwidth(1 << 30, reps)}
-    gemm = {kind: {m: gemm_rate(kind, m, k, n, reps) for m in sorted({*rows, 256, 1024})} for kind in ("bf16", "int8")}
+    gemm = {kind: {m: gemm_rate(kind, m, k, n, reps) for m in sorted({*rows, 256, 1024})}
+            for kind in ("bf16", "int8", "fp32")}
     return {"read_GBps": {k: round(v, 1) for k, v in bw.items()}, "bandwidth_GBps": round(max(bw.values()), 1),
             "gemm_GMACps": {kind: {m: None if r is None else round(r, 1) for m, r in rates.items()}
                             for kind, rates in gemm.items()},
@@ -147,11 +161,11 @@ def torch_dtype_size(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, integer: bool) -> dict:
+def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, setting: str) -> dict:
     """The roof of a forward of rows x tokens: max(bytes / bandwidth, MACs / peak), and which one binds."""
     moved = cost["weights_bytes"] + rows * cost["kv_bytes_per_row"]
     t_bytes = moved / (mach["bandwidth_GBps"] * 1e9)
-    peak = mach["peak_GMACps"].get("int8" if integer else "bf16") or mach["peak_GMACps"]["bf16"]
+    peak = max(mach["peak_GMACps"].get(kind) or 0.0 for kind in arithmetic(setting))
     t_macs = rows * tokens * cost["macs_per_token"] / (peak * 1e9)
     return {"ms": 1e3 * max(t_bytes, t_macs), "bytes_ms": 1e3 * t_bytes, "macs_ms": 1e3 * t_macs,
             "bound": "bytes" if t_bytes >= t_macs else "MACs"}
@@ -323,7 +337,7 @@ def main() -> None:
         switch()  # the defaults again (AMX where it runs, layers fused) for the engine runs
     table = []
     for (name, b, t), res in steps.items():
-        roof = roof_ms(costs[setting_of[name]], mach, b, t, setting_of[name] in INTEGER)
+        roof = roof_ms(costs[setting_of[name]], mach, b, t, setting_of[name])
         table.append({"setting": name, "rows": b, "tokens": t, "ms": round(res["ms"], 2),
                       "min_ms": round(res["min_ms"], 2), "roof_ms": round(roof["ms"], 2),
                       "x_roof": round(res["ms"] / roof["ms"], 2), "x_roof_min": round(res["min_ms"] / roof["ms"], 2),
@@ -339,7 +353,7 @@ def main() -> None:
                 continue
             s, c = key
             cost = costs.get(s) or target_cost(load_target(path, **SETTINGS[s]), args.ctx)
-            roof = roof_ms(cost, mach, c, 1, s in INTEGER)
+            roof = roof_ms(cost, mach, c, 1, s)
             bare = steps.get((s, c, 1))
             engine[f"{s}@{c}"] = {"tok_s": round(v, 1), "roof_tok_s": round(1e3 * c / roof["ms"], 1),
                                   "x_roof": round(v / (1e3 * c / roof["ms"]), 2),

@@ -43,7 +43,14 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 // Weight formats. A tile is NB output rows; it is a sequence of blocks of BK input columns, each stored in
 // BYTES bytes; w(block, s, j) is the float vector of columns [s*VL, (s+1)*VL) of the block for output j.
+// BY_COLUMN: a tile runs a block column by column (all of a column's steps, then the next column) instead of step by
+// step: each accumulator still takes its steps in order (the same bits), and a Q4_1 column's steps s and s + S/2 read
+// the same bytes (low and high nibbles), which the compiler then zero-extends once. On AVX2 (Zen 3, one core) this
+// made the decoder's 1-row Q4_1 linears ~1.55x faster (BENCHMARKS.md, issue 53); Q8_0 (a step is one widening load,
+// memory bound at 1 row) and the fp32 formats gained nothing, and the AVX-512 build keeps the step order (not
+// measured there).
 struct F32 {  // per block: float[NB][VL]
+  static constexpr bool BY_COLUMN = false;
   static constexpr int BK = VL;
   static constexpr int S = 1;
   static constexpr int BYTES = NB * VL * 4;
@@ -53,6 +60,7 @@ struct F32 {  // per block: float[NB][VL]
 };
 
 struct BF16 {  // per block: uint16 (bfloat16 bits)[NB][VL]
+  static constexpr bool BY_COLUMN = false;
   static constexpr int BK = VL;
   static constexpr int S = 1;
   static constexpr int BYTES = NB * VL * 2;
@@ -62,6 +70,7 @@ struct BF16 {  // per block: uint16 (bfloat16 bits)[NB][VL]
 };
 
 struct Q4_1 {  // per block: uint8 q[NB][16] (GGUF order: byte l = q_l | q_{l+16} << 4), float d[NB], float m[NB]
+  static constexpr bool BY_COLUMN = VL == 8;
   static constexpr int BK = QK;
   static constexpr int S = QK / VL;
   static constexpr int BYTES = NB * 16 + NB * 8;
@@ -73,6 +82,7 @@ struct Q4_1 {  // per block: uint8 q[NB][16] (GGUF order: byte l = q_l | q_{l+16
 };
 
 struct Q8_0 {  // per block: int8 q[NB][32], float d[NB]
+  static constexpr bool BY_COLUMN = false;
   static constexpr int BK = QK;
   static constexpr int S = QK / VL;
   static constexpr int BYTES = NB * 32 + NB * 4;
@@ -83,10 +93,12 @@ struct Q8_0 {  // per block: int8 q[NB][32], float d[NB]
 };
 
 // out[m0 + i, n + j] for i < MB, j < NB (j clipped to N): one tile; pf = a later tile's weights to prefetch
-// meanwhile (only on the first pass over a tile's rows).
-template <class W, int MB>
+// meanwhile (only on the first pass over a tile's rows). SAVE: also store each weight vector as it is expanded
+// into ``save`` in the F32 layout ([Kp / VL][NB][VL] floats: the values W::w gives), so later row tiles read
+// it from L1.
+template <class W, int MB, bool SAVE = false>
 inline void tile(const float* __restrict x, int64_t Kp, const uint8_t* __restrict p, float* __restrict out,
-                 int64_t N, int64_t n, int64_t m0, const uint8_t* pf) {
+                 int64_t N, int64_t n, int64_t m0, const uint8_t* pf, float* __restrict save = nullptr) {
   vec acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
@@ -95,8 +107,25 @@ inline void tile(const float* __restrict x, int64_t Kp, const uint8_t* __restric
     const uint8_t* blk = p + b * W::BYTES;
     if (pf != nullptr)
       for (int o = 0; o < W::BYTES; o += 64) prefetch(pf + b * W::BYTES + o);
+    if constexpr (W::BY_COLUMN) {
+      for (int j = 0; j < NB; ++j)
+        for (int s = 0; s < W::S; ++s) {
+          const vec w = W::w(blk, s, j);
+          if constexpr (SAVE) std::memcpy(save + ((b * W::S + s) * NB + j) * VL, &w, sizeof(vec));
+          const float* xk = x + b * W::BK + s * VL;
+          for (int i = 0; i < MB; ++i) acc[i][j] = vfma(vload(xk + (m0 + i) * Kp), w, acc[i][j]);
+        }
+      continue;
+    }
     for (int s = 0; s < W::S; ++s) {
       const vec w0 = W::w(blk, s, 0), w1 = W::w(blk, s, 1), w2 = W::w(blk, s, 2), w3 = W::w(blk, s, 3);
+      if constexpr (SAVE) {
+        float* dst = save + (b * W::S + s) * NB * VL;
+        std::memcpy(dst, &w0, sizeof(vec));
+        std::memcpy(dst + VL, &w1, sizeof(vec));
+        std::memcpy(dst + 2 * VL, &w2, sizeof(vec));
+        std::memcpy(dst + 3 * VL, &w3, sizeof(vec));
+      }
       const float* xk = x + b * W::BK + s * VL;
       for (int i = 0; i < MB; ++i) {
         const vec xv = vload(xk + (m0 + i) * Kp);
@@ -146,17 +175,6 @@ inline void rows_tile(const float* x, int64_t Kp, const uint8_t* p, float* out, 
   }
 }
 
-// One tile of format W expanded to the F32 layout ([Kp / VL][NB][VL] floats): the same values W::w gives.
-template <class W>
-inline void expand_tile(const uint8_t* p, int64_t Kp, float* dst) {
-  for (int64_t b = 0; b < Kp / W::BK; ++b)
-    for (int s = 0; s < W::S; ++s)
-      for (int j = 0; j < NB; ++j) {
-        const vec v = W::w(p + b * W::BYTES, s, j);
-        std::memcpy(dst + ((b * W::S + s) * NB + j) * VL, &v, sizeof(v));
-      }
-}
-
 // x [M, K] float -> [M, N], with the weights packed in format W (K padded to W::BK, N to NB).
 template <class W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
@@ -183,13 +201,18 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
     const uint8_t* p = pp + t * tile_bytes;
     // More rows than one register tile: a compact tile is expanded once into fp32 (an L1-sized scratch) and
     // every row tile reads that, instead of expanding the blocks again for each (same values, same order).
-    if (!std::is_same_v<W, F32> && c1 - c0 > MB_MAX) {
+    // The first MB_MAX rows are computed from the blocks while they are expanded (the tile stores each weight
+    // vector it makes), so the expansion overlaps their multiply-adds instead of running alone first (issue 53).
+    // Row tiles over fp32 weights are MB_F32 high (vec.h), those over the blocks MB_MAX: neither changes an
+    // element's order, so the bits are the same.
+    if constexpr (std::is_same_v<W, F32>) {
+      rows_tile<F32, MB_F32>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+    } else if (c1 - c0 > MB_MAX) {
       scratch.resize(NB * Kp);
-      if (pf != nullptr)
-        for (int64_t o = 0; o < tile_bytes; o += 64) prefetch(pf + o);
-      expand_tile<W>(p, Kp, scratch.data());
-      rows_tile<F32, MB_MAX>(xp, Kp, reinterpret_cast<const uint8_t*>(scratch.data()), op, N, t * NB, c0, c1,
-                             nullptr);
+      float* sp = scratch.data();
+      tile<W, MB_MAX, true>(xp, Kp, p, op, N, t * NB, c0, pf, sp);
+      const uint8_t* expanded = reinterpret_cast<const uint8_t*>(sp);
+      rows_tile<F32, MB_F32>(xp, Kp, expanded, op, N, t * NB, c0 + MB_MAX, c1, nullptr);
     } else {
       rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
     }
