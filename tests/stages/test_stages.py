@@ -190,7 +190,9 @@ def test_kill9_in_every_stage_resumes_each_exactly_once(tmp_path):
         for name in ("questions", "answers", "judge"):
             if (out / name).exists() and list_parts(str(out / name)):
                 seen_stage.add(name)
-        if p.returncode == 0 or kills >= 8:
+        # (8 kills are not enough while none has let a part through: on a quiet machine every one of them once
+        # fell before the first commit, the window being drawn from one reference run's timing)
+        if p.returncode == 0 or (kills >= 8 and "judge" in seen_stage):
             break
     assert kills >= 3 and "judge" in seen_stage, (kills, seen_stage)
     assert run_cli(["generate", "--config", job]) == 0
