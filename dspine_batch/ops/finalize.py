@@ -65,7 +65,7 @@ def finalize(outdir: str, compact: bool, target_rows: int, on_damaged: str = "re
         if compact:
             merged = out.compact(target_rows)
             log(f"compacted {merged} parts into {len(out.part_urls())}")
-        outputs = None if compact else sum(int((c.info or {}).get("outputs", 0)) for c in good)
+        outputs = sum(int((c.info or {}).get("outputs", 0)) for c in good)  # compaction merges, never drops, rows
         problems = audit_coverage(outdir, manifest, expected, outputs)
         never, unfinished = shard_report(out, manifest)
         if problems:

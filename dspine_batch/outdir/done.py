@@ -83,14 +83,12 @@ def load_done(out: Outdir, tag: str, id_column: bool = True, on_damaged: str = "
     if out.verify_on_start:  # a local disk: every part's crc32, or past the budget those above the watermarks
         summed: set[str] = set()
         sizes = {n: int(rec["bytes"]) for n, rec in records.items() if rec is not None}
-        total = sum(sizes.get(c.name, 0) for c in good if c.summable)
-        if total <= crc_budget():
-            below = set()
-        elif below:
+        every = sum(sizes.get(c.name, 0) for c in good if c.summable) <= crc_budget()
+        if not every and below:
             left = sum(sizes.get(n, 0) for n in below)
             report(f"{out.display}: {len(below):,} parts below the inputs' watermarks ({left / 1e9:.1f} GB, over "
                    f"{ENV_CRC}={crc_budget():,}): their sizes checked, their crc32 left to finalize")
-        while due := [c for c in good if c.summable and c.name not in below and c.name not in summed]:
+        while due := [c for c in good if c.summable and (every or c.name not in below) and c.name not in summed]:
             checksum_parts(out, due, records)
             summed.update(c.name for c in due)
             for check in [c for c in due if c.problem is not None]:
