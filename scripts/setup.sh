@@ -114,14 +114,29 @@ if [ -z "$missing" ]; then
 else
   needed=$(grep -v '^self$' <<<"$missing" || true)
   say "installing $target editable from $(pwd): $(wc -w <<<"$needed") of its requirements missing${needed:+ ($(paste -sd' ' <<<"$needed"))} and what they need ..."
+  # s3fs and boto3 together (the [test] extra): s3fs's aiobotocore allows a narrow range of botocore, and each boto3
+  # release requires the botocore of its own day, so pip walked back through boto3's releases one download at a
+  # time to the one that fits (~80 of them, ~4 minutes). s3fs first settles botocore; boto3 is then capped at that
+  # version (boto3 and botocore release under the same numbers), which pip takes at once.
+  constraints=()
+  if grep -qx s3fs <<<"$needed" && grep -qx boto3 <<<"$needed"; then
+    pip_install "$(reqs s3fs)"
+    if botocore=$(installed botocore); then
+      constraint_file=$(mktemp)
+      trap 'rm -f "$constraint_file"' EXIT
+      echo "boto3<=$botocore" >"$constraint_file"
+      constraints=(-c "$constraint_file")
+      say "  boto3 capped at $botocore (the botocore that s3fs's aiobotocore allows)"
+    fi
+  fi
   case "$(installed torch)" in
     *+cpu*)  # xgrammar requires triton, GPU kernels a CPU-only torch never runs (~1 GB installed): left out
       pip_install --no-deps "$(reqs xgrammar)"
       mapfile -t deps < <(reqs cpu)
-      pip_install "${deps[@]}"
+      pip_install "${constraints[@]}" "${deps[@]}"
       pip_install --no-deps -e .
       say "  (triton left out: xgrammar requires it for its CUDA kernels, which a CPU-only torch never runs)" ;;
-    *) pip_install -e ".${EXTRAS:+[$EXTRAS]}" ;;
+    *) pip_install "${constraints[@]}" -e ".${EXTRAS:+[$EXTRAS]}" ;;
   esac
   say "installed $target"
 fi

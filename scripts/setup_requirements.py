@@ -1,10 +1,10 @@
 """What scripts/setup.sh installs, read from pyproject.toml and this interpreter's installed distributions.
 
-    python scripts/setup_requirements.py missing|xgrammar|cpu EXTRAS   (EXTRAS: comma-separated, may be empty)
+    python scripts/setup_requirements.py missing|cpu|NAME EXTRAS   (EXTRAS: comma-separated, may be empty)
 
 - ``missing``: ``self`` when this checkout is not installed editable from here, then the name of each requirement
   not met, a line each; nothing when everything is in place (so a second set-up takes seconds).
-- ``xgrammar``: xgrammar's requirement as the project states it.
+- ``NAME`` (e.g. ``xgrammar``, ``s3fs``): that requirement as the project states it (nothing where it has none).
 - ``cpu``: every requirement but xgrammar, then xgrammar's own requirements but triton, a line each: what a CPU-only
   torch needs (triton is xgrammar's CUDA path, ~1 GB installed, which a CPU-only torch never runs). Run after
   xgrammar is installed without its dependencies, since its requirements are read from its installed metadata.
@@ -73,12 +73,10 @@ def main(mode: str, extras: str) -> None:
     reqs = requirements([e for e in extras.split(",") if e])
     if mode == "missing":
         lines = missing(reqs)
-    elif mode == "xgrammar":
-        lines = [str(r) for r in reqs if r.name == "xgrammar"]
     elif mode == "cpu":
         lines = cpu_only(reqs)
     else:
-        sys.exit(f"setup_requirements.py: unknown mode {mode!r} (missing, xgrammar or cpu)")
+        lines = [str(r) for r in reqs if r.name == mode]
     print("\n".join(lines))
 
 

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from machine import cpu_line, load_line  # noqa: E402
 
-SHAPES = {"gate_up": (3072, 576, "q4_1"), "down": (576, 1536, "q4_1"), "head": (49152, 576, "q8_0")}
+SHAPES = {"qkv": (960, 576, "q4_1"), "o": (576, 576, "q4_1"), "gate_up": (3072, 576, "q4_1"),
+          "down": (576, 1536, "q4_1"), "head": (49152, 576, "q8_0")}
 
 
 def grid(n: int, k: int, kind: str, seed: int = 1):
