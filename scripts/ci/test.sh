@@ -32,11 +32,13 @@ run() {
 export DSPINE_REQUIRE_AZURITE=${DSPINE_REQUIRE_AZURITE:-1}
 # and the metrics tests without Prometheus and its Pushgateway (scripts/ci/install_prometheus.sh)
 export DSPINE_REQUIRE_PROMETHEUS=${DSPINE_REQUIRE_PROMETHEUS:-1}
+# --durations: the 30 slowest tests listed at the end, so a run shows where the suite's time goes (it should stay
+# well under 30 minutes on a 2-core machine)
 # pytest exits 5 when it collects nothing: that is a failure for the default suite too
 # a hang ends as a failure with the stacks (faulthandler after 5 min in one test; the whole suite after 55 min,
 # about twice what it takes on a quiet 2-core machine), not as CI's own time-out with nothing to read
 run timeout -k 30 "${DSPINE_SUITE_LIMIT:-3300}" "$PY" -m pytest -q -m "not slow and not sglang and not slurm" \
-  -p no:cacheprovider -o faulthandler_timeout=300
+  -p no:cacheprovider -o faulthandler_timeout=300 --durations=30
 [[ $skip == *" sglang "* ]] || run bash scripts/ci/ci_sglang.sh -q
 [[ $skip == *" slurm "* ]] || { [ -f scripts/ci/ci_slurm.sh ] && run bash scripts/ci/ci_slurm.sh; }
 exit $fail

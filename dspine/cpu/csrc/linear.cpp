@@ -47,8 +47,8 @@ inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // step: each accumulator still takes its steps in order (the same bits), and a Q4_1 column's steps s and s + S/2 read
 // the same bytes (low and high nibbles), which the compiler then zero-extends once. On AVX2 (Zen 3, one core) this
 // made the decoder's 1-row Q4_1 linears ~1.55x faster (BENCHMARKS.md, issue 53); Q8_0 (a step is one widening load,
-// memory bound at 1 row) and the fp32 formats gained nothing, and the AVX-512 build keeps the step order (not
-// measured there).
+// memory bound at 1 row) and the fp32 formats gained nothing. On AVX-512 the order alone changed nothing measurable;
+// it is what lets a column's two steps share their table and widened bytes (Q4_1::w).
 struct F32 {  // per block: float[NB][VL]
   static constexpr bool BY_COLUMN = false;
   static constexpr int BK = VL;
@@ -70,14 +70,26 @@ struct BF16 {  // per block: uint16 (bfloat16 bits)[NB][VL]
 };
 
 struct Q4_1 {  // per block: uint8 q[NB][16] (GGUF order: byte l = q_l | q_{l+16} << 4), float d[NB], float m[NB]
-  static constexpr bool BY_COLUMN = VL == 8;
+  static constexpr bool BY_COLUMN = true;
   static constexpr int BK = QK;
   static constexpr int S = QK / VL;
   static constexpr int BYTES = NB * 16 + NB * 8;
   static inline vec w(const uint8_t* blk, int s, int j) {
     const float* dm = reinterpret_cast<const float*>(blk + NB * 16);
+#if defined(__AVX512F__)
+    // A block's 16 possible weights d * q + m (q = 0..15), made by the same fused multiply-add, and each weight
+    // picked from them by its nibble (vpermps reads an index's low 4 bits, so a low nibble needs no mask): per 16
+    // weights a widening load, a shift for the high nibbles and a permute, where the expansion below takes a mask or
+    // shift, a conversion and a multiply-add. The table and the widened bytes are the same for a column's two steps,
+    // which BY_COLUMN puts side by side for the compiler to make once. The same values: the same bits.
+    const vec table = vfma(vset(dm[j]), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           vset(dm[NB + j]));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + j * 16)));
+    return _mm512_permutexvar_ps(s >= S / 2 ? _mm512_srli_epi32(b, 4) : b, table);
+#else
     const vec q = nibbles(blk + j * 16 + (s % (S / 2)) * VL, s >= S / 2);
     return vfma(vset(dm[j]), q, vset(dm[NB + j]));
+#endif
   }
 };
 
