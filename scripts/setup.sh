@@ -119,8 +119,8 @@ else
   # time to the one that fits (~80 of them, ~4 minutes). s3fs first settles botocore; boto3 is then capped at that
   # version (boto3 and botocore release under the same numbers), which pip takes at once.
   constraints=()
-  if grep -qx s3fs <<<"$needed" && grep -qx boto3 <<<"$needed"; then
-    pip_install "$(reqs s3fs)"
+  if grep -qx boto3 <<<"$needed" && s3fs_req=$(reqs s3fs) && [ -n "$s3fs_req" ]; then
+    pip_install "$s3fs_req"  # nothing to do where it is already in place
     if botocore=$(installed botocore); then
       constraint_file=$(mktemp)
       trap 'rm -f "$constraint_file"' EXIT
