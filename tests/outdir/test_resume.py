@@ -36,8 +36,13 @@ def _torture(tmp_path, kills_wanted: int, rows: int, seed: int) -> None:
     ref, out = tmp_path / "ref", tmp_path / "out"
     args = ["generate", str(src), *GEN, "--max-in-flight", "8", "--commit-rows", "7", "--commit-seconds", "0.05",
             "--engine-arg", "latency=0.06", "--max-error-rate", "1"]
+    t0 = time.monotonic()
     assert run_cli([*args, "-o", str(ref)]) == 0
-    kills, mid_run, _ = kill9_resumes([*args, "-o", str(out)], out, random.Random(seed), kills_wanted + 15, 0.3, 0.5,
+    # a start lives up to its first commit + ``late`` seconds: at most the job's length / kills_wanted, so a machine
+    # that runs the job fast still gets its kills before the job ends (one with the 0.5 s of slower machines
+    # finished the 300 rows after 13 kills)
+    late = min(0.5, (time.monotonic() - t0) / kills_wanted)
+    kills, mid_run, _ = kill9_resumes([*args, "-o", str(out)], out, random.Random(seed), kills_wanted + 15, 0.3, late,
                                       enough=kills_wanted)
     assert kills >= kills_wanted * 0.8 and mid_run >= 5, (kills, mid_run)  # also after commits
     assert not [n for n in os.listdir(out) if n.endswith(".inprogress")]
