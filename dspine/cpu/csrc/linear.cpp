@@ -74,22 +74,9 @@ struct Q4_1 {  // per block: uint8 q[NB][16] (GGUF order: byte l = q_l | q_{l+16
   static constexpr int BK = QK;
   static constexpr int S = QK / VL;
   static constexpr int BYTES = NB * 16 + NB * 8;
-  static inline vec w(const uint8_t* blk, int s, int j) {
+  static inline vec w(const uint8_t* blk, int s, int j) {  // vec.h: per ISA (a table and a permute on AVX-512)
     const float* dm = reinterpret_cast<const float*>(blk + NB * 16);
-#if defined(__AVX512F__)
-    // A block's 16 possible weights d * q + m (q = 0..15), made by the same fused multiply-add, and each weight
-    // picked from them by its nibble (vpermps reads an index's low 4 bits, so a low nibble needs no mask): per 16
-    // weights a widening load, a shift for the high nibbles and a permute, where the expansion below takes a mask or
-    // shift, a conversion and a multiply-add. The table and the widened bytes are the same for a column's two steps,
-    // which BY_COLUMN puts side by side for the compiler to make once. The same values: the same bits.
-    const vec table = vfma(vset(dm[j]), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           vset(dm[NB + j]));
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + j * 16)));
-    return _mm512_permutexvar_ps(s >= S / 2 ? _mm512_srli_epi32(b, 4) : b, table);
-#else
-    const vec q = nibbles(blk + j * 16 + (s % (S / 2)) * VL, s >= S / 2);
-    return vfma(vset(dm[j]), q, vset(dm[NB + j]));
-#endif
+    return q4_1_weights(blk + j * 16 + (s % (S / 2)) * VL, s >= S / 2, dm[j], dm[NB + j]);
   }
 };
 
@@ -107,63 +94,68 @@ struct Q8_0 {  // per block: int8 q[NB][32], float d[NB]
 // out[m0 + i, n + j] for i < MB, j < NB (j clipped to N): one tile; pf = a later tile's weights to prefetch
 // meanwhile (only on the first pass over a tile's rows). SAVE: also store each weight vector as it is expanded
 // into ``save`` in the F32 layout ([Kp / VL][NB][VL] floats: the values W::w gives), so later row tiles read
-// it from L1.
-template <class W, int MB, bool SAVE = false>
+// it from L1. JG (BY_COLUMN formats only): the columns a pass takes; the tile runs over its blocks NB / JG times, so
+// MB x JG accumulators are live instead of MB x NB (8 rows x 2 columns fit the registers; 8 x 4 would not).
+template <class W, int MB, bool SAVE = false, int JG = NB>
 inline void tile(const float* __restrict x, int64_t Kp, const uint8_t* __restrict p, float* __restrict out,
                  int64_t N, int64_t n, int64_t m0, const uint8_t* pf, float* __restrict save = nullptr) {
-  vec acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = vzero();
+  static_assert(NB % JG == 0 && (JG == NB || W::BY_COLUMN), "column groups are for the column-by-column formats");
   const int64_t blocks = Kp / W::BK;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = p + b * W::BYTES;
-    if (pf != nullptr)
-      for (int o = 0; o < W::BYTES; o += 64) prefetch(pf + b * W::BYTES + o);
-    if constexpr (W::BY_COLUMN) {
-      for (int j = 0; j < NB; ++j)
-        for (int s = 0; s < W::S; ++s) {
-          const vec w = W::w(blk, s, j);
-          if constexpr (SAVE) std::memcpy(save + ((b * W::S + s) * NB + j) * VL, &w, sizeof(vec));
-          const float* xk = x + b * W::BK + s * VL;
-          for (int i = 0; i < MB; ++i) acc[i][j] = vfma(vload(xk + (m0 + i) * Kp), w, acc[i][j]);
-        }
-      continue;
-    }
-    for (int s = 0; s < W::S; ++s) {
-      const vec w0 = W::w(blk, s, 0), w1 = W::w(blk, s, 1), w2 = W::w(blk, s, 2), w3 = W::w(blk, s, 3);
-      if constexpr (SAVE) {
-        float* dst = save + (b * W::S + s) * NB * VL;
-        std::memcpy(dst, &w0, sizeof(vec));
-        std::memcpy(dst + VL, &w1, sizeof(vec));
-        std::memcpy(dst + 2 * VL, &w2, sizeof(vec));
-        std::memcpy(dst + 3 * VL, &w3, sizeof(vec));
-      }
-      const float* xk = x + b * W::BK + s * VL;
-      for (int i = 0; i < MB; ++i) {
-        const vec xv = vload(xk + (m0 + i) * Kp);
-        acc[i][0] = vfma(xv, w0, acc[i][0]);
-        acc[i][1] = vfma(xv, w1, acc[i][1]);
-        acc[i][2] = vfma(xv, w2, acc[i][2]);
-        acc[i][3] = vfma(xv, w3, acc[i][3]);
-      }
-    }
-  }
   const int jn = N - n < NB ? static_cast<int>(N - n) : NB;
-  int i = 0;
+  for (int g = 0; g < NB; g += JG) {
+    vec acc[MB][JG];
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < JG; ++j) acc[i][j] = vzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = p + b * W::BYTES;
+      if (pf != nullptr && g == 0)
+        for (int o = 0; o < W::BYTES; o += 64) prefetch(pf + b * W::BYTES + o);
+      if constexpr (W::BY_COLUMN) {
+        for (int j = 0; j < JG; ++j)
+          for (int s = 0; s < W::S; ++s) {
+            const vec w = W::w(blk, s, g + j);
+            if constexpr (SAVE) std::memcpy(save + ((b * W::S + s) * NB + g + j) * VL, &w, sizeof(vec));
+            const float* xk = x + b * W::BK + s * VL;
+            for (int i = 0; i < MB; ++i) acc[i][j] = vfma(vload(xk + (m0 + i) * Kp), w, acc[i][j]);
+          }
+      } else {
+        for (int s = 0; s < W::S; ++s) {
+          const vec w0 = W::w(blk, s, 0), w1 = W::w(blk, s, 1), w2 = W::w(blk, s, 2), w3 = W::w(blk, s, 3);
+          if constexpr (SAVE) {
+            float* dst = save + (b * W::S + s) * NB * VL;
+            std::memcpy(dst, &w0, sizeof(vec));
+            std::memcpy(dst + VL, &w1, sizeof(vec));
+            std::memcpy(dst + 2 * VL, &w2, sizeof(vec));
+            std::memcpy(dst + 3 * VL, &w3, sizeof(vec));
+          }
+          const float* xk = x + b * W::BK + s * VL;
+          for (int i = 0; i < MB; ++i) {
+            const vec xv = vload(xk + (m0 + i) * Kp);
+            acc[i][0] = vfma(xv, w0, acc[i][0]);
+            acc[i][1] = vfma(xv, w1, acc[i][1]);
+            acc[i][2] = vfma(xv, w2, acc[i][2]);
+            acc[i][3] = vfma(xv, w3, acc[i][3]);
+          }
+        }
+      }
+    }
+    int i = 0;
 #ifdef DSPINE_HAS_VSUM16
-  // 4 rows x 4 columns reduced together (vsum16 makes vsum's additions, so the bits do not depend on whether a
-  // row took this or the single reductions below): element 4i + j of the result is acc[i][j]
-  static_assert(NB == 4, "vsum16 reduces 4 x 4 accumulators");
-  for (; jn == NB && i + 4 <= MB; i += 4) {
-    const vec s = vsum16(&acc[i][0]);
-    _mm_storeu_ps(out + (m0 + i) * N + n, _mm512_extractf32x4_ps(s, 0));
-    _mm_storeu_ps(out + (m0 + i + 1) * N + n, _mm512_extractf32x4_ps(s, 1));
-    _mm_storeu_ps(out + (m0 + i + 2) * N + n, _mm512_extractf32x4_ps(s, 2));
-    _mm_storeu_ps(out + (m0 + i + 3) * N + n, _mm512_extractf32x4_ps(s, 3));
-  }
+    // 4 rows x 4 columns reduced together (vsum16 makes vsum's additions, so the bits do not depend on whether a
+    // row took this or the single reductions below): element 4i + j of the result is acc[i][j]
+    static_assert(NB == 4, "vsum16 reduces 4 x 4 accumulators");
+    if constexpr (JG == NB)
+      for (; jn == NB && i + 4 <= MB; i += 4) {
+        const vec s = vsum16(&acc[i][0]);
+        _mm_storeu_ps(out + (m0 + i) * N + n, _mm512_extractf32x4_ps(s, 0));
+        _mm_storeu_ps(out + (m0 + i + 1) * N + n, _mm512_extractf32x4_ps(s, 1));
+        _mm_storeu_ps(out + (m0 + i + 2) * N + n, _mm512_extractf32x4_ps(s, 2));
+        _mm_storeu_ps(out + (m0 + i + 3) * N + n, _mm512_extractf32x4_ps(s, 3));
+      }
 #endif
-  for (; i < MB; ++i)
-    for (int j = 0; j < jn; ++j) out[(m0 + i) * N + n + j] = vsum(acc[i][j]);
+    for (; i < MB; ++i)
+      for (int j = 0; j < JG && g + j < jn; ++j) out[(m0 + i) * N + n + g + j] = vsum(acc[i][j]);
+  }
 }
 
 template <class W, int MB>
@@ -219,6 +211,14 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
     // element's order, so the bits are the same.
     if constexpr (std::is_same_v<W, F32>) {
       rows_tile<F32, MB_F32>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+    } else if (W::BY_COLUMN && MB_MAX < 7 && c1 - c0 >= 7 && c1 - c0 <= 8) {
+      // 7 or 8 rows of a column-by-column format (Q4_1 on AVX-512): one tile from the blocks, two columns a pass,
+      // instead of MB_MAX rows storing the expanded weights and the rest reading them back: 1.05x / 1.12x the
+      // whole 7- / 8-row step (BENCHMARKS.md, issue 53). From 9 rows on the expansion shared through L1 wins.
+      if constexpr (W::BY_COLUMN) {
+        if (c1 - c0 == 8) tile<W, 8, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
+        else tile<W, 7, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
+      }
     } else if (c1 - c0 > MB_MAX) {
       scratch.resize(NB * Kp);
       float* sp = scratch.data();

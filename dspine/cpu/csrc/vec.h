@@ -1,7 +1,7 @@
 // The vector type our CPU kernels are written in, for the ISA the build was compiled for (dspine/cpu/kernels.py
 // passes -mavx512* / -mavx2 -mfma / nothing, never -march=native): AVX-512F (16 lanes), AVX2+FMA (8 lanes) or
 // portable C++ vectors (8 lanes). Each provides load, fused multiply-add, a fixed-order horizontal sum,
-// prefetch and the int8/uint8/bfloat16 -> float conversions the compact weight formats need.
+// prefetch and the int8/bfloat16 -> float conversions and the Q4_1 expansion the compact weight formats need.
 #pragma once
 
 #include <algorithm>
@@ -48,11 +48,16 @@ inline vec vsum16(const vec* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(r0, r1, 0x88), _mm512_shuffle_ps(r0, r1, 0xDD));
 }
 #define DSPINE_HAS_VSUM16 1
-// 16 bytes -> their low nibbles (hi = false) or high nibbles (hi = true) as floats
-inline vec nibbles(const uint8_t* q, bool hi) {
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  v = hi ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
-  return _mm512_cvtepi32_ps(v);
+// GGUF Q4_1 weights d * q + m for the low (hi = false) or high (hi = true) nibbles of the 16 bytes at q. The block's 16
+// possible weights (q = 0..15) are made by the same fused multiply-add as the other ISAs' expansion, and each weight is
+// picked from them by its nibble (vpermps reads an index's low 4 bits, so a low nibble needs no mask): per 16 weights a
+// widening load, a shift for the high nibbles and a permute, where a conversion takes a mask or shift, a conversion
+// and a multiply-add. linear.cpp runs a column's low and high steps side by side (Q4_1::BY_COLUMN), so the compiler
+// makes the table and the widened bytes once for both. The same values: the same bits.
+inline vec q4_1_weights(const uint8_t* q, bool hi, float d, float m) {
+  const vec table = vfma(vset(d), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), vset(m));
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm512_permutexvar_ps(hi ? _mm512_srli_epi32(b, 4) : b, table);
 }
 // 16 signed bytes -> floats
 inline vec sbytes(const int8_t* q) {
@@ -93,6 +98,8 @@ inline vec nibbles(const uint8_t* q, bool hi) {
   v = hi ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
   return _mm256_cvtepi32_ps(v);
 }
+// GGUF Q4_1 weights d * q + m for the low (hi = false) or high nibbles of the 8 bytes at q (exact: d * q is exact in fp32)
+inline vec q4_1_weights(const uint8_t* q, bool hi, float d, float m) { return vfma(vset(d), nibbles(q, hi), vset(m)); }
 // 8 signed bytes -> floats
 inline vec sbytes(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
@@ -130,6 +137,7 @@ inline vec nibbles(const uint8_t* q, bool hi) {
   for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(hi ? q[i] >> 4 : q[i] & 15);
   return v;
 }
+inline vec q4_1_weights(const uint8_t* q, bool hi, float d, float m) { return vfma(vset(d), nibbles(q, hi), vset(m)); }
 inline vec sbytes(const int8_t* q) {
   vec v;
   for (int i = 0; i < VL; ++i) v[i] = static_cast<float>(q[i]);
