@@ -326,7 +326,8 @@ def main() -> None:
     setting_of = {name: name for name in targets}
     if args.compare:
         s0 = args.settings[0]
-        for label, on_amx, fused in ((f"{s0} per-layer", amx, True), (f"{s0} avx512-bf16 per-op", False, False),
+        per_op = f"{s0} avx512-bf16 per-op" if amx else f"{s0} per-op"  # (AMX or not: only the bf16 family differs)
+        for label, on_amx, fused in ((f"{s0} per-layer", amx, True), (per_op, False, False),
                                      (f"{s0} amx per-op", True, False)):
             if on_amx and not amx:
                 continue

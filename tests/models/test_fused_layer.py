@@ -1,7 +1,8 @@
 """A dense pre-norm layer in one native call (``llama.Block.plan_fused``, ``csrc/layer.cpp``): the same kernels in the
 same order as the layer run op by op, so every hidden state and every cache entry is bit-identical, for ragged
-prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy; the blocks it cannot run
-(QK norms, post / sandwich norms, residual scales) stay op by op."""
+prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy, Qwen3's per-head QK norms
+included; the blocks it cannot run (QK norms over the whole projection, post / sandwich norms, residual scales) stay op
+by op."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from dspine.cpu import kernels
 pytestmark = pytest.mark.skipif(kernels.disabled() or kernels.load() is None, reason="no CPU kernels here")
 
 # family -> how many of its 4 layers run fused (smollm3's NoPE layer is planned but runs op by op: no rotary tables)
-CASES = {"llama": 4, "llama-bf16": 4, "qwen2": 4, "mistral": 4, "smollm3": 4, "phi3": 4, "gemma3": 0, "olmo2": 0,
-         "granite": 0}
+CASES = {"llama": 4, "llama-bf16": 4, "qwen3": 4, "qwen3-bf16": 4, "qwen2": 4, "mistral": 4, "smollm3": 4, "phi3": 4,
+         "gemma3": 0, "olmo2": 0, "granite": 0}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -26,8 +27,8 @@ def case(request, tmp_path_factory):
     if dtype == "bf16" and not kernels.bf16dp_ok():
         pytest.skip("no AVX512-BF16 here")
     where = tmp_path_factory.mktemp(request.param)
-    if family == "llama":
-        path = save_tiny_hf(where, "llama", layers=4, gguf=True)
+    if family in ("llama", "qwen3"):
+        path = save_tiny_hf(where, family, layers=4, gguf=True)
     else:
         path = save_tiny_family(where, family)
     return request.param, load_target(path, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)

@@ -1,6 +1,6 @@
-// A whole pre-norm decoder layer (Llama and the families that are its block without per-head QK norms) in one call:
-// norm -> q/k/v projection -> RoPE + KV-cache store -> attention over the cache -> output projection + residual ->
-// norm -> gate/up projection -> activation-gate -> down projection + residual.
+// A whole pre-norm decoder layer (Llama and the families that are its block, Qwen3's per-head QK norms included) in one
+// call: norm -> q/k/v projection -> [q / k norm per head] -> RoPE + KV-cache store -> attention over the cache -> output
+// projection + residual -> norm -> gate/up projection -> activation-gate -> down projection + residual.
 //
 // Why (issue 53): once the linears run near the memory roof (AMX tiles, the GGUF blocks expanded once a step), what is
 // left of a decode step of a small model is the interpreter: ~20 torch-level calls a layer (module calls, views,
@@ -41,7 +41,7 @@ struct Lin {
   }
 };
 
-// One layer from its slice of the arguments: w[0..10), names[0..4), ints[0..14), floats[0..3).
+// One layer from its slice of the arguments: w[0..12), names[0..4), ints[0..14), floats[0..3).
 at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* names, const int64_t* ints,
                  const double* floats, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                  const at::Tensor& vc, const at::Tensor& pos, const at::Tensor& qpos, const at::Tensor& index) {
@@ -67,8 +67,12 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   at::Tensor qkv = lin[0](norm.call(x2, w[0], eps, offset));
   if (packed) qkv = at::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, index, qkv);
   auto parts = qkv.split_with_sizes({Hq * D, Hkv * D, Hkv * D}, 1);
-  at::Tensor q = parts[0].reshape({B, T, Hq, D}).contiguous();
-  at::Tensor k = parts[1].view({B, T, Hkv, D}), v = parts[2].view({B, T, Hkv, D});
+  at::Tensor q = parts[0].view({B, T, Hq, D}), k = parts[1].view({B, T, Hkv, D}), v = parts[2].view({B, T, Hkv, D});
+  if (w[10].numel() > 0) {  // Qwen3: RMSNorm over each head's q and k (the layer's eps and offset)
+    q = norm.call(q, w[10], eps, offset);
+    k = norm.call(k, w[11], eps, offset);
+  }
+  q = q.contiguous();
   q = rope.call(q, k, v, cos, sin, kc, vc, pos);
   at::Tensor o = (bf16_attention ? attend_bf16 : attend).call(q, kc, vc, qpos, window, scale);
   if (packed) o = o.reshape({B * T, -1}).index_select(0, index);
@@ -79,7 +83,7 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
 
 // x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
 // -> the layer's output, shaped as x. Weights: ln1, ln2 (norm weights), then per linear (qkv, o, gate_up, down) its
-// packed tensor and bias (an empty tensor: none). `names`: the four linears' op names; ints: the four out sizes, the
+// packed tensor and bias (an empty tensor: none), then the per-head q and k norm weights (empty tensors: none). `names`: the four linears' op names; ints: the four out sizes, the
 // four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
 // dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
 // keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
@@ -88,11 +92,11 @@ at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, co
                        const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                        const at::Tensor& qpos, const at::Tensor& index) {
-  TORCH_CHECK(w.size() == 10 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+  TORCH_CHECK(w.size() == 12 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
   return layer(x, w.data(), names.data(), ints.data(), floats.data(), cos, sin, kc, vc, pos, qpos, index);
 }
 
-// L such layers in a row, layer i from the i-th slice of w (10 each), names (4), ints (14), floats (3), with its own
+// L such layers in a row, layer i from the i-th slice of w (12 each), names (4), ints (14), floats (3), with its own
 // cos[i] / sin[i] and caches kc[i] / vc[i]: the last layer's output, then the outputs of the layers listed in `taps`
 // (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost 10-35 us of interpreter
 // and argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced), 0.3-1 ms of
@@ -104,14 +108,14 @@ std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::T
                                     const std::vector<at::Tensor>& vc, const at::Tensor& pos, const at::Tensor& qpos,
                                     const at::Tensor& index, const std::vector<int64_t>& taps) {
   const size_t L = kc.size();
-  TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 10 * L && names.size() == 4 * L &&
+  TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 12 * L && names.size() == 4 * L &&
                   ints.size() == 14 * L && floats.size() == 3 * L,
               "dense_stack: arguments");
   std::vector<at::Tensor> out(1);
   at::Tensor h = x;
   size_t next_tap = 0;
   for (size_t i = 0; i < L; ++i) {
-    h = layer(h, &w[10 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
+    h = layer(h, &w[12 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
               index);
     for (; next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i); ++next_tap) out.push_back(h);
   }
