@@ -120,18 +120,21 @@ class Block(nn.Module):
 
     def plan_fused(self) -> bool:
         """Inference only, after ``Target.use_kernels``: run this layer as one call of ``csrc/layer.cpp`` (the same
-        kernels in the same order: the same bits) where it is the plain pre-norm block on our kernels (QK norms only
-        per head, as Qwen3's; no residual scale; SiLU or tanh-GELU gate); True when it will. ``self.fused = None`` turns
-        it off again."""
+        kernels in the same order: the same bits) where it is the pre-norm block on our kernels, Gemma 3's sandwich of
+        norms included (QK norms only per head, as Qwen3's and Gemma 3's; no residual scale; SiLU or tanh-GELU gate);
+        True when it will. ``self.fused = None`` turns it off again."""
         from dspine.cpu.kernels import FusedRMSNorm, PackedLinear
 
         a, m = self.self_attn, self.mlp
         lins = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up", None), m.down_proj]
-        norms = [self.input_layernorm, self.post_attention_layernorm]
+        sandwich = self.layout == "sandwich"
+        # the attention's and the MLP's pre-norms; a sandwich's post-norms; per-head QK norms
+        norms = [self.input_layernorm, self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm]
+        post = [self.post_attention_layernorm, self.post_feedforward_layernorm] if sandwich else []
         qk = [a.q_norm, a.k_norm] if a.qk_norm_over == "head" else []
-        if (self.layout != "pre" or self.residual_scale != 1.0 or a.qk_norm_over not in ("", "head")
-                or not (a.fast and m.fast) or not all(isinstance(n, FusedRMSNorm) for n in norms + qk)
-                or len({(n.eps, n.offset) for n in norms + qk}) != 1
+        if (self.layout not in ("pre", "sandwich") or self.residual_scale != 1.0 or a.qk_norm_over not in ("", "head")
+                or not (a.fast and m.fast) or not all(isinstance(n, FusedRMSNorm) for n in norms + post + qk)
+                or len({(n.eps, n.offset) for n in norms + post + qk}) != 1
                 or not all(isinstance(x, PackedLinear) for x in lins)):
             self.fused = None
             return False
@@ -141,6 +144,7 @@ class Block(nn.Module):
         for x in lins:
             weights += [x.packed, none if x.bias is None else x.bias]
         weights += [n.weight for n in qk] or [none, none]
+        weights += [n.weight for n in post] or [none, none]
         ints = [x.out_features for x in lins] + [p for _, p in specs] + [a.n_heads, a.n_kv, a.head_dim]
         self.fused = (weights, [n for n, _ in specs], ints, int(m.act != "silu"),
                       [norms[0].eps, norms[0].offset, float(a.scale)])

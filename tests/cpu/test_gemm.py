@@ -232,7 +232,7 @@ def _attention_mismatches(seed: int = 0) -> list[str]:
     replaced, bit for bit, and each query computed alone against the same query inside a many-query call."""
     bad = []
     for B, T, Hq, Hkv, D, window in [(2, 37, 9, 3, 64, 0), (1, 5, 4, 4, 32, 0), (2, 9, 8, 2, 128, 6),
-                                     (1, 4, 6, 2, 48, 0), (3, 1, 9, 3, 64, 0)]:
+                                     (1, 4, 6, 2, 48, 0), (3, 1, 9, 3, 64, 0), (1, 6, 4, 1, 256, 0)]:
         g = torch.Generator().manual_seed(seed + D + T)
         cap = 64
         kc, vc = torch.randn(B, Hkv, cap, D, generator=g), torch.randn(B, Hkv, cap, D, generator=g)

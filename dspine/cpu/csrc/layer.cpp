@@ -1,6 +1,7 @@
-// A whole pre-norm decoder layer (Llama and the families that are its block, Qwen3's per-head QK norms included) in one
-// call: norm -> q/k/v projection -> [q / k norm per head] -> RoPE + KV-cache store -> attention over the cache -> output
-// projection + residual -> norm -> gate/up projection -> activation-gate -> down projection + residual.
+// A whole pre-norm decoder layer (Llama and the families that are its block: Qwen3's per-head QK norms and Gemma 3's
+// sandwich norms included) in one call: norm -> q/k/v projection -> [q / k norm per head] -> RoPE + KV-cache store ->
+// attention over the cache -> output projection [-> norm] + residual -> norm -> gate/up projection -> activation-gate
+// -> down projection [-> norm] + residual.
 //
 // Why (issue 53): once the linears run near the memory roof (AMX tiles, the GGUF blocks expanded once a step), what is
 // left of a decode step of a small model is the interpreter: ~20 torch-level calls a layer (module calls, views,
@@ -41,7 +42,7 @@ struct Lin {
   }
 };
 
-// One layer from its slice of the arguments: w[0..12), names[0..4), ints[0..14), floats[0..3).
+// One layer from its slice of the arguments: w[0..14), names[0..4), ints[0..14), floats[0..3).
 at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* names, const int64_t* ints,
                  const double* floats, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                  const at::Tensor& vc, const at::Tensor& pos, const at::Tensor& qpos, const at::Tensor& index) {
@@ -76,14 +77,19 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   q = rope.call(q, k, v, cos, sin, kc, vc, pos);
   at::Tensor o = (bf16_attention ? attend_bf16 : attend).call(q, kc, vc, qpos, window, scale);
   if (packed) o = o.reshape({B * T, -1}).index_select(0, index);
-  at::Tensor h = x2 + lin[1](o.reshape({-1, Hq * D}));
+  at::Tensor a = lin[1](o.reshape({-1, Hq * D}));
+  if (w[12].numel() > 0) a = norm.call(a, w[12], eps, offset);  // Gemma 3: the attention's post-norm
+  at::Tensor h = x2 + a;
   at::Tensor gu = lin[2](norm.call(h, w[1], eps, offset));
-  return (h + lin[3](gelu ? gelu_op.call(gu) : silu.call(gu))).view(x.sizes());
+  at::Tensor m = lin[3](gelu ? gelu_op.call(gu) : silu.call(gu));
+  if (w[13].numel() > 0) m = norm.call(m, w[13], eps, offset);  // and the MLP's
+  return (h + m).view(x.sizes());
 }
 
 // x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
-// -> the layer's output, shaped as x. Weights: ln1, ln2 (norm weights), then per linear (qkv, o, gate_up, down) its
-// packed tensor and bias (an empty tensor: none), then the per-head q and k norm weights (empty tensors: none). `names`: the four linears' op names; ints: the four out sizes, the
+// -> the layer's output, shaped as x. Weights: ln1, ln2 (the attention's and the MLP's pre-norm weights), then per
+// linear (qkv, o, gate_up, down) its packed tensor and bias (an empty tensor: none), then the per-head q and k norm
+// weights and the attention's and the MLP's post-norm weights (empty tensors: none). `names`: the four linears' op names; ints: the four out sizes, the
 // four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
 // dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
 // keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
@@ -92,11 +98,11 @@ at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, co
                        const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                        const at::Tensor& qpos, const at::Tensor& index) {
-  TORCH_CHECK(w.size() == 12 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+  TORCH_CHECK(w.size() == 14 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
   return layer(x, w.data(), names.data(), ints.data(), floats.data(), cos, sin, kc, vc, pos, qpos, index);
 }
 
-// L such layers in a row, layer i from the i-th slice of w (12 each), names (4), ints (14), floats (3), with its own
+// L such layers in a row, layer i from the i-th slice of w (14 each), names (4), ints (14), floats (3), with its own
 // cos[i] / sin[i] and caches kc[i] / vc[i]: the last layer's output, then the outputs of the layers listed in `taps`
 // (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost 10-35 us of interpreter
 // and argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced), 0.3-1 ms of
@@ -108,14 +114,14 @@ std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::T
                                     const std::vector<at::Tensor>& vc, const at::Tensor& pos, const at::Tensor& qpos,
                                     const at::Tensor& index, const std::vector<int64_t>& taps) {
   const size_t L = kc.size();
-  TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 12 * L && names.size() == 4 * L &&
+  TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 14 * L && names.size() == 4 * L &&
                   ints.size() == 14 * L && floats.size() == 3 * L,
               "dense_stack: arguments");
   std::vector<at::Tensor> out(1);
   at::Tensor h = x;
   size_t next_tap = 0;
   for (size_t i = 0; i < L; ++i) {
-    h = layer(h, &w[12 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
+    h = layer(h, &w[14 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
               index);
     for (; next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i); ++next_tap) out.push_back(h);
   }

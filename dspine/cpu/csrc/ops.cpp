@@ -298,7 +298,7 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
     }
   }
   // query heads whose outputs are held in registers at once (RMAX x DV accumulators)
-  constexpr int RMAX = DV >= 8 ? 2 : 4;
+  constexpr int RMAX = DV >= 16 ? 1 : DV >= 8 ? 2 : 4;
   for (int64_t r0 = 0; r0 < rep; r0 += RMAX) {
     const int64_t rn = std::min<int64_t>(RMAX, rep - r0);
     float inv[RMAX];
@@ -309,7 +309,7 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
     const float* p = w.data() + r0 * n;
     switch (rn) {
       case 1: weighted_values<DV, 1>(p, n, inv, V, lo, o + r0); break;
-      case 2: weighted_values<DV, 2>(p, n, inv, V, lo, o + r0); break;
+      case 2: if constexpr (RMAX >= 2) weighted_values<DV, 2>(p, n, inv, V, lo, o + r0); break;
       case 3: if constexpr (RMAX >= 3) weighted_values<DV, 3>(p, n, inv, V, lo, o + r0); break;
       default: if constexpr (RMAX >= 4) weighted_values<DV, 4>(p, n, inv, V, lo, o + r0); break;
     }
@@ -330,7 +330,8 @@ at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at
     switch (D / dspine::VL) {
       case 2: attend_group<2>(qv, o, rep, K, V, lo, n, sc, w); break;
       case 4: attend_group<4>(qv, o, rep, K, V, lo, n, sc, w); break;
-      default: attend_group<8>(qv, o, rep, K, V, lo, n, sc, w); break;
+      case 8: attend_group<8>(qv, o, rep, K, V, lo, n, sc, w); break;
+      default: attend_group<16>(qv, o, rep, K, V, lo, n, sc, w); break;
     }
   });
   return out;
@@ -346,7 +347,7 @@ at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   check_caches(kc, vc);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache: float32 queries");
   const int64_t D = q.size(3);
-  if (D % VL != 0 || (D / VL != 2 && D / VL != 4 && D / VL != 8))
+  if (D % VL != 0 || (D / VL != 2 && D / VL != 4 && D / VL != 8 && D / VL != 16))
     return attend_cache_ref(q, kc, vc, pos, window, scale);
   if (kc.scalar_type() == at::kBFloat16) return attend_cache_impl<uint16_t>(q, kc, vc, pos, window, scale);
   return attend_cache_impl<float>(q, kc, vc, pos, window, scale);
