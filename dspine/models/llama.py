@@ -120,34 +120,35 @@ class Block(nn.Module):
 
     def plan_fused(self) -> bool:
         """Inference only, after ``Target.use_kernels``: run this layer as one call of ``csrc/layer.cpp`` (the same
-        kernels in the same order: the same bits) where it is the pre-norm block on our kernels, Gemma 3's sandwich of
-        norms included (QK norms only per head, as Qwen3's and Gemma 3's; no residual scale; SiLU or tanh-GELU gate);
-        True when it will. ``self.fused = None`` turns it off again."""
+        kernels in the same order: the same bits) where its linears and norms are ours and its gate SiLU or tanh-GELU:
+        pre, sandwich or post norms, QK norms per head or over the projection, a residual scale (every family of this
+        module); True when it will. ``self.fused = None`` turns it off again."""
         from dspine.cpu.kernels import FusedRMSNorm, PackedLinear
 
         a, m = self.self_attn, self.mlp
         lins = [getattr(a, "qkv_proj", None), a.o_proj, getattr(m, "gate_up", None), m.down_proj]
-        sandwich = self.layout == "sandwich"
-        # the attention's and the MLP's pre-norms; a sandwich's post-norms; per-head QK norms
-        norms = [self.input_layernorm, self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm]
-        post = [self.post_attention_layernorm, self.post_feedforward_layernorm] if sandwich else []
-        qk = [a.q_norm, a.k_norm] if a.qk_norm_over == "head" else []
-        if (self.layout not in ("pre", "sandwich") or self.residual_scale != 1.0 or a.qk_norm_over not in ("", "head")
-                or not (a.fast and m.fast) or not all(isinstance(n, FusedRMSNorm) for n in norms + post + qk)
-                or len({(n.eps, n.offset) for n in norms + post + qk}) != 1
+        # the attention's and the MLP's pre-norms (None: none), the post-norms, the QK norms
+        pre = [self.input_layernorm, self.post_attention_layernorm if self.layout == "pre"
+               else self.pre_feedforward_layernorm]
+        post = [] if self.layout == "pre" else [self.post_attention_layernorm, self.post_feedforward_layernorm]
+        qk = [a.q_norm, a.k_norm] if a.qk_norm_over else []
+        norms = [n for n in pre if n is not None] + post + qk
+        if (self.layout not in ("pre", "sandwich", "post") or a.qk_norm_over not in ("", "head", "proj")
+                or not (a.fast and m.fast) or not all(isinstance(n, FusedRMSNorm) for n in norms)
+                or len({(n.eps, n.offset) for n in norms}) != 1
                 or not all(isinstance(x, PackedLinear) for x in lins)):
             self.fused = None
             return False
         none = torch.empty(0)
         specs = [x.op_spec() for x in lins]
-        weights = [norms[0].weight, norms[1].weight]
+        weights = [none if n is None else n.weight for n in pre]
         for x in lins:
             weights += [x.packed, none if x.bias is None else x.bias]
         weights += [n.weight for n in qk] or [none, none]
         weights += [n.weight for n in post] or [none, none]
         ints = [x.out_features for x in lins] + [p for _, p in specs] + [a.n_heads, a.n_kv, a.head_dim]
         self.fused = (weights, [n for n, _ in specs], ints, int(m.act != "silu"),
-                      [norms[0].eps, norms[0].offset, float(a.scale)])
+                      [norms[0].eps, norms[0].offset, float(a.scale), float(self.residual_scale)])
         return True
 
     fused: tuple | None = None

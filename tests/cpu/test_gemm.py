@@ -14,9 +14,10 @@ from dspine.cpu import kernels
 
 pytestmark = pytest.mark.skipif(not _usable(), reason="CPU kernels switched off or no C++ compiler")
 
-ROWS = (1, 3, 5, 8, 96, 97, 200, 1390)  # 1: a decode tile (compact blocks expanded in registers); 3, 5, 8: the first
-# row tile from the blocks, storing what it expands, and fp32 row tiles (3 x 4 on AVX2: a 1-row, a 3-row, two 3-row
-# ones) over that; 96/97: the row-chunk boundary; more: the same once per chunk
+ROWS = (1, 3, 5, 7, 8, 96, 97, 200, 1390)  # 1: a decode tile (compact blocks expanded in registers); 3, 5, 8: the
+# first row tile from the blocks, storing what it expands, and fp32 row tiles (3 x 4 on AVX2: a 1-row, a 3-row, two
+# 3-row ones) over that; 7, 8 of Q4_1 on AVX-512: one tile of all the rows from the blocks, two columns a pass; 96/97:
+# the row-chunk boundary; more: the same once per chunk
 MODEL_SHAPES = ((576, 1536), (1536, 576))  # SmolLM2-135M's gate/up and down projections (K, N)
 HEAD = (576, 49152)
 MAKERS = {"f32": lambda n, k, s: torch.randn(n, k, generator=torch.Generator().manual_seed(s)),

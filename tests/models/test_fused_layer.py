@@ -1,8 +1,8 @@
 """A dense pre-norm layer in one native call (``llama.Block.plan_fused``, ``csrc/layer.cpp``): the same kernels in the
 same order as the layer run op by op, so every hidden state and every cache entry is bit-identical, for ragged
-prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy, Qwen3's per-head QK norms
-and Gemma 3's sandwich norms included; the blocks it cannot run (QK norms over the whole projection, post-norms only,
-residual scales) stay op by op."""
+prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy, for every family of the
+dense block (Qwen3's per-head QK norms, Gemma 3's sandwich norms, OLMo 2's post-norms and QK norms over the projections,
+Granite's residual scale)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(kernels.disabled() or kernels.load() is None, re
 
 # family -> how many of its 4 layers run fused (smollm3's NoPE layer is planned but runs op by op: no rotary tables)
 CASES = {"llama": 4, "llama-bf16": 4, "qwen3": 4, "qwen3-bf16": 4, "qwen2": 4, "mistral": 4, "smollm3": 4, "phi3": 4,
-         "gemma3": 4, "olmo2": 0, "granite": 0}
+         "gemma3": 4, "olmo2": 4, "granite": 4}
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -1,7 +1,8 @@
-// A whole pre-norm decoder layer (Llama and the families that are its block: Qwen3's per-head QK norms and Gemma 3's
-// sandwich norms included) in one call: norm -> q/k/v projection -> [q / k norm per head] -> RoPE + KV-cache store ->
-// attention over the cache -> output projection [-> norm] + residual -> norm -> gate/up projection -> activation-gate
-// -> down projection [-> norm] + residual.
+// A whole decoder layer of the dense families (Llama's block and its variants: Qwen3's per-head QK norms, Gemma 3's
+// sandwich norms, OLMo 2's post-norms and QK norms over the projections, Granite's residual scale) in one call:
+// [norm] -> q/k/v projection -> [q / k norms] -> RoPE + KV-cache store -> attention over the cache -> output projection
+// [-> norm] (x scale) + residual -> [norm] -> gate/up projection -> activation-gate -> down projection [-> norm]
+// (x scale) + residual.
 //
 // Why (issue 53): once the linears run near the memory roof (AMX tiles, the GGUF blocks expanded once a step), what is
 // left of a decode step of a small model is the interpreter: ~20 torch-level calls a layer (module calls, views,
@@ -42,7 +43,7 @@ struct Lin {
   }
 };
 
-// One layer from its slice of the arguments: w[0..14), names[0..4), ints[0..14), floats[0..3).
+// One layer from its slice of the arguments: w[0..14), names[0..4), ints[0..14), floats[0..4).
 at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* names, const int64_t* ints,
                  const double* floats, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kc,
                  const at::Tensor& vc, const at::Tensor& pos, const at::Tensor& qpos, const at::Tensor& index) {
@@ -50,7 +51,7 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   for (int i = 0; i < 4; ++i) lin[i] = Lin{w[2 + 2 * i], w[3 + 2 * i], ints[i], ints[4 + i], &op(names[i])};
   const int64_t Hq = ints[8], Hkv = ints[9], D = ints[10], window = ints[11];
   const bool gelu = ints[12] != 0, bf16_attention = ints[13] != 0;
-  const double eps = floats[0], offset = floats[1], scale = floats[2];
+  const double eps = floats[0], offset = floats[1], scale = floats[2], residual_scale = floats[3];
   const int64_t B = pos.size(0), T = pos.size(1);
   static const auto norm = op("dspine_cpu::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double,
                                                                        double)>();
@@ -65,11 +66,22 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   const bool packed = index.numel() > 0;
   const at::Tensor x2 = x.reshape({-1, x.size(-1)});
 
-  at::Tensor qkv = lin[0](norm.call(x2, w[0], eps, offset));
+  // an empty norm weight: no such norm (OLMo 2 has no pre-norms); the residual scale multiplies as the Python layer
+  auto maybe_norm = [&](const at::Tensor& t, const at::Tensor& weight) {
+    return weight.numel() > 0 ? norm.call(t, weight, eps, offset) : t;
+  };
+  auto scaled = [&](const at::Tensor& t) { return residual_scale == 1.0 ? t : t * residual_scale; };
+  at::Tensor qkv = lin[0](maybe_norm(x2, w[0]));
   if (packed) qkv = at::zeros({B * T, qkv.size(1)}, qkv.options()).index_copy_(0, index, qkv);
   auto parts = qkv.split_with_sizes({Hq * D, Hkv * D, Hkv * D}, 1);
-  at::Tensor q = parts[0].view({B, T, Hq, D}), k = parts[1].view({B, T, Hkv, D}), v = parts[2].view({B, T, Hkv, D});
-  if (w[10].numel() > 0) {  // Qwen3: RMSNorm over each head's q and k (the layer's eps and offset)
+  // QK norms: per head (Qwen3, Gemma 3: a weight of head_dim) or over each whole projection (OLMo 2). Each row is
+  // normed alone, so norming the spread rows of a packed forward (zeros at its padded slots stay zeros) gives the
+  // valid rows' bits the Python layer gives them normed before the spread.
+  const bool per_head = w[10].numel() == D;
+  at::Tensor q = (per_head ? parts[0] : maybe_norm(parts[0], w[10])).view({B, T, Hq, D});
+  at::Tensor k = (per_head ? parts[1] : maybe_norm(parts[1], w[11])).view({B, T, Hkv, D});
+  at::Tensor v = parts[2].view({B, T, Hkv, D});
+  if (per_head) {
     q = norm.call(q, w[10], eps, offset);
     k = norm.call(k, w[11], eps, offset);
   }
@@ -77,32 +89,29 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   q = rope.call(q, k, v, cos, sin, kc, vc, pos);
   at::Tensor o = (bf16_attention ? attend_bf16 : attend).call(q, kc, vc, qpos, window, scale);
   if (packed) o = o.reshape({B * T, -1}).index_select(0, index);
-  at::Tensor a = lin[1](o.reshape({-1, Hq * D}));
-  if (w[12].numel() > 0) a = norm.call(a, w[12], eps, offset);  // Gemma 3: the attention's post-norm
-  at::Tensor h = x2 + a;
-  at::Tensor gu = lin[2](norm.call(h, w[1], eps, offset));
-  at::Tensor m = lin[3](gelu ? gelu_op.call(gu) : silu.call(gu));
-  if (w[13].numel() > 0) m = norm.call(m, w[13], eps, offset);  // and the MLP's
-  return (h + m).view(x.sizes());
+  const at::Tensor h = x2 + scaled(maybe_norm(lin[1](o.reshape({-1, Hq * D})), w[12]));  // [post-norm]
+  const at::Tensor gu = lin[2](maybe_norm(h, w[1]));
+  return (h + scaled(maybe_norm(lin[3](gelu ? gelu_op.call(gu) : silu.call(gu)), w[13]))).view(x.sizes());
 }
 
 // x [..., H] (fp32, the layer's input tokens: [B, T, H], or [N, H], the valid ones of a packed forward, with `index`)
 // -> the layer's output, shaped as x. Weights: ln1, ln2 (the attention's and the MLP's pre-norm weights), then per
-// linear (qkv, o, gate_up, down) its packed tensor and bias (an empty tensor: none), then the per-head q and k norm
-// weights and the attention's and the MLP's post-norm weights (empty tensors: none). `names`: the four linears' op names; ints: the four out sizes, the
-// four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU gate, 1: tanh-GELU gate), bf16 attention (1: the bf16
-// dot-product kernel). floats: eps, norm offset, attention scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where
-// keys are stored / the positions queries attend from, -1 at a packed forward's padded slots), index [N] (flat
-// b * T + t of the valid tokens) or an empty tensor.
+// linear (qkv, o, gate_up, down) its packed tensor and bias, then the q and k norm weights (head_dim long: per head;
+// else over the projection) and the attention's and the MLP's post-norm weights; an empty tensor: none. `names`: the
+// four linears' op names; ints: the four out sizes, the four `parts`, n_heads, n_kv, head_dim, window, gelu (0: SiLU
+// gate, 1: tanh-GELU gate), bf16 attention (1: the bf16 dot-product kernel). floats: eps, norm offset, attention
+// scale, residual scale. cos/sin [B, T, rotary], pos / qpos [B, T] (where keys are stored / the positions queries
+// attend from, -1 at a packed forward's padded slots), index [N] (flat b * T + t of the valid tokens) or an empty
+// tensor.
 at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<std::string>& names,
                        const std::vector<int64_t>& ints, const std::vector<double>& floats, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                        const at::Tensor& qpos, const at::Tensor& index) {
-  TORCH_CHECK(w.size() == 14 && names.size() == 4 && ints.size() == 14 && floats.size() == 3, "dense_layer: arguments");
+  TORCH_CHECK(w.size() == 14 && names.size() == 4 && ints.size() == 14 && floats.size() == 4, "dense_layer: arguments");
   return layer(x, w.data(), names.data(), ints.data(), floats.data(), cos, sin, kc, vc, pos, qpos, index);
 }
 
-// L such layers in a row, layer i from the i-th slice of w (14 each), names (4), ints (14), floats (3), with its own
+// L such layers in a row, layer i from the i-th slice of w (14 each), names (4), ints (14), floats (4), with its own
 // cos[i] / sin[i] and caches kc[i] / vc[i]: the last layer's output, then the outputs of the layers listed in `taps`
 // (ascending), as the Python loop over dense_layer gives them. Why (issue 53): that loop cost 10-35 us of interpreter
 // and argument conversion a layer (module call, the plan's lists rebuilt and converted, cos/sin sliced), 0.3-1 ms of
@@ -115,13 +124,13 @@ std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::T
                                     const at::Tensor& index, const std::vector<int64_t>& taps) {
   const size_t L = kc.size();
   TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 14 * L && names.size() == 4 * L &&
-                  ints.size() == 14 * L && floats.size() == 3 * L,
+                  ints.size() == 14 * L && floats.size() == 4 * L,
               "dense_stack: arguments");
   std::vector<at::Tensor> out(1);
   at::Tensor h = x;
   size_t next_tap = 0;
   for (size_t i = 0; i < L; ++i) {
-    h = layer(h, &w[14 * i], &names[4 * i], &ints[14 * i], &floats[3 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
+    h = layer(h, &w[14 * i], &names[4 * i], &ints[14 * i], &floats[4 * i], cos[i], sin[i], kc[i], vc[i], pos, qpos,
               index);
     for (; next_tap < taps.size() && taps[next_tap] == static_cast<int64_t>(i); ++next_tap) out.push_back(h);
   }

@@ -98,7 +98,7 @@ inline vec nibbles(const uint8_t* q, bool hi) {
   v = hi ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
   return _mm256_cvtepi32_ps(v);
 }
-// GGUF Q4_1 weights d * q + m for the low (hi = false) or high nibbles of the 8 bytes at q (exact: d * q is exact in fp32)
+// GGUF Q4_1 weights d * q + m for the low (hi = false) or high nibbles of the 8 bytes at q (d * q is exact in fp32)
 inline vec q4_1_weights(const uint8_t* q, bool hi, float d, float m) { return vfma(vset(d), nibbles(q, hi), vset(m)); }
 // 8 signed bytes -> floats
 inline vec sbytes(const int8_t* q) {
