@@ -77,15 +77,13 @@ at::Tensor layer(const at::Tensor& x, const at::Tensor* w, const std::string* na
   // QK norms: per head (Qwen3, Gemma 3: a weight of head_dim) or over each whole projection (OLMo 2). Each row is
   // normed alone, so norming the spread rows of a packed forward (zeros at its padded slots stay zeros) gives the
   // valid rows' bits the Python layer gives them normed before the spread.
-  const bool per_head = w[10].numel() == D;
-  at::Tensor q = (per_head ? parts[0] : maybe_norm(parts[0], w[10])).view({B, T, Hq, D});
-  at::Tensor k = (per_head ? parts[1] : maybe_norm(parts[1], w[11])).view({B, T, Hkv, D});
+  auto qk_normed = [&](const at::Tensor& part, const at::Tensor& weight, int64_t heads) {
+    if (weight.numel() == D) return norm.call(part.view({B, T, heads, D}), weight, eps, offset);
+    return maybe_norm(part, weight).view({B, T, heads, D});
+  };
+  at::Tensor q = qk_normed(parts[0], w[10], Hq).contiguous();
+  at::Tensor k = qk_normed(parts[1], w[11], Hkv);
   at::Tensor v = parts[2].view({B, T, Hkv, D});
-  if (per_head) {
-    q = norm.call(q, w[10], eps, offset);
-    k = norm.call(k, w[11], eps, offset);
-  }
-  q = q.contiguous();
   q = rope.call(q, k, v, cos, sin, kc, vc, pos);
   at::Tensor o = (bf16_attention ? attend_bf16 : attend).call(q, kc, vc, qpos, window, scale);
   if (packed) o = o.reshape({B * T, -1}).index_select(0, index);

@@ -200,6 +200,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   // (sched.h), in one parallel region (one region per chunk, 15 barriers for 1,390 rows, ran 4x slower than
   // torch's GEMM beside one busy process). The schedule never touches the per-element order: the same bits.
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
+  constexpr bool PAIRS = W::BY_COLUMN && PAIR_TILES;  // one tile for 7-8 rows, two columns a pass (vec.h)
   auto item = [&](int64_t c, int64_t t, std::vector<float>& scratch, const uint8_t* pf) {
     const int64_t c0 = c * M_CHUNK, c1 = std::min(M, c0 + M_CHUNK);
     const uint8_t* p = pp + t * tile_bytes;
@@ -211,11 +212,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
     // element's order, so the bits are the same.
     if constexpr (std::is_same_v<W, F32>) {
       rows_tile<F32, MB_F32>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
-    } else if (W::BY_COLUMN && MB_PAIR == 8 && c1 - c0 >= 7 && c1 - c0 <= 8) {
+    } else if (PAIRS && c1 - c0 >= 7 && c1 - c0 <= 8) {
       // 7 or 8 rows of a column-by-column format (Q4_1) on AVX-512: one tile from the blocks, two columns a pass,
       // instead of MB_MAX rows storing the expanded weights and the rest reading them back: 1.05x / 1.12x the
       // whole 7- / 8-row step (BENCHMARKS.md, issue 53). From 9 rows on the expansion shared through L1 wins.
-      if constexpr (W::BY_COLUMN && MB_PAIR >= 8) {
+      if constexpr (PAIRS) {
         if (c1 - c0 == 8) tile<W, 8, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
         else tile<W, 7, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
       }

@@ -17,9 +17,9 @@ namespace dspine {
 constexpr int VL = 16;
 constexpr int MB_MAX = 6;  // row tile: 24 accumulators + 4 weight vectors + 1 input vector of 32 registers
 constexpr int MB_F32 = MB_MAX;  // row tile over fp32 weights (linear.cpp): the same
-// the most rows of a column-pair tile (linear.cpp, the column-by-column formats: 7-8 rows in one tile, 8 x 2
-// accumulators, a table, the widened bytes, a weight and an input vector of 32 registers)
-constexpr int MB_PAIR = 8;
+// column-pair tiles (linear.cpp, the column-by-column formats: 7-8 rows in one tile, 8 x 2 accumulators, a table, the
+// widened bytes, a weight and an input vector of 32 registers)
+constexpr bool PAIR_TILES = true;
 typedef __m512 vec;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset(float a) { return _mm512_set1_ps(a); }
@@ -83,7 +83,7 @@ constexpr int MB_MAX = 2;  // 8 accumulators + 4 weight vectors + 1 input vector
 // against Zen 3's 2 pipes x 4 cycles of latency (~24 GMAC/s a core at 2.45 GHz); 3 x 4 runs at ~37 (the peak is
 // 39). The compact formats' own tile (blocks expanded in registers) stays at MB_MAX rows: it needs the registers.
 constexpr int MB_F32 = 3;
-constexpr int MB_PAIR = 0;  // no column-pair tiles (16 registers; not measured)
+constexpr bool PAIR_TILES = false;  // 16 registers: 8 x 2 accumulators would spill
 typedef __m256 vec;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vset(float a) { return _mm256_set1_ps(a); }
@@ -120,7 +120,7 @@ namespace dspine {
 constexpr int VL = 8;
 constexpr int MB_MAX = 2;
 constexpr int MB_F32 = MB_MAX;
-constexpr int MB_PAIR = 0;
+constexpr bool PAIR_TILES = false;
 typedef float vec __attribute__((vector_size(VL * sizeof(float))));
 inline vec vzero() { return vec{}; }
 inline vec vset(float a) { return vec{} + a; }
