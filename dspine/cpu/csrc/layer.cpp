@@ -12,6 +12,7 @@
 // (tests/models/test_fused_layer.py). dense_stack runs all the layers of a forward so in one call.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <string>
@@ -41,6 +42,15 @@ struct Lin {
                              : handle->typed<Linear>().call(x, packed, n);
     return bias.numel() > 0 ? y + bias : y;
   }
+};
+
+// Held while a layer runs: the calls inside skip the autograd dispatch keys. Our ops have no autograd kernel, so each
+// call went through torch's boxed "autograd not implemented" fallback (its arguments boxed onto a stack and unboxed
+// again) and every aten op through its autograd wrapper: ~15 calls a layer, 450 a step. The fused layer is
+// inference-only (the op-by-op layer is what trains), so below autograd is where its calls belong. Same kernels,
+// same bits.
+struct BelowAutograd {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autograd_dispatch_keyset_with_ADInplaceOrView};
 };
 
 // One layer from its slice of the arguments: w[0..14), names[0..4), ints[0..14), floats[0..4).
@@ -106,6 +116,7 @@ at::Tensor dense_layer(const at::Tensor& x, const std::vector<at::Tensor>& w, co
                        const at::Tensor& sin, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
                        const at::Tensor& qpos, const at::Tensor& index) {
   TORCH_CHECK(w.size() == 14 && names.size() == 4 && ints.size() == 14 && floats.size() == 4, "dense_layer: arguments");
+  const BelowAutograd below;
   return layer(x, w.data(), names.data(), ints.data(), floats.data(), cos, sin, kc, vc, pos, qpos, index);
 }
 
@@ -124,6 +135,7 @@ std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::T
   TORCH_CHECK(vc.size() == L && cos.size() == L && sin.size() == L && w.size() == 14 * L && names.size() == 4 * L &&
                   ints.size() == 14 * L && floats.size() == 4 * L,
               "dense_stack: arguments");
+  const BelowAutograd below;
   std::vector<at::Tensor> out(1);
   at::Tensor h = x;
   size_t next_tap = 0;
