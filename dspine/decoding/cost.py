@@ -193,16 +193,22 @@ def cache_dir() -> Path:
     return cache_root() / "cost"
 
 
-def _code_version() -> str:
-    """A digest of the modules a forward's time depends on, so a change to the step invalidates old timings."""
-    here = Path(__file__).resolve().parents[1]  # dspine/
+CODE_MODULES = ("models/layers.py", "models/llama.py", "models/families.py", "models/qwen3_5.py", "models/gemma4.py",
+                "models/cache.py", "models/target.py", "draft/model.py", "draft/proposal.py", "cpu/kernels.py")
+
+
+def _code_version(here: Path | None = None) -> str:
+    """A digest of the modules a forward's time depends on and of every kernel source (``cpu/csrc/``: the fused
+    layer, the vector helpers and the schedulers as much as the linears), so a change to the step invalidates old
+    timings. A list of kernel files went stale once: ``layer.cpp`` made the step 1.2x faster and the old
+    calibration still priced it (issue 53)."""
+    here = here or Path(__file__).resolve().parents[1]  # dspine/
     digest = hashlib.sha256()
-    for name in ("models/layers.py", "models/llama.py", "models/families.py", "models/qwen3_5.py", "models/cache.py",
-                 "draft/model.py",
-                 "draft/proposal.py", "cpu/kernels.py", "cpu/csrc/linear.cpp", "cpu/csrc/gemm_bf16.cpp",
-                 "cpu/csrc/ops.cpp", "models/target.py"):
+    csrc = here / "cpu" / "csrc"
+    kernel_sources = sorted(p.relative_to(here).as_posix() for p in csrc.iterdir()) if csrc.is_dir() else []
+    for name in (*CODE_MODULES, *kernel_sources):
         try:
-            digest.update((here / name).read_bytes())
+            digest.update(name.encode() + b"\0" + (here / name).read_bytes())
         except OSError:
             pass
     return digest.hexdigest()[:12]
