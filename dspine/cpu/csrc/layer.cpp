@@ -46,9 +46,9 @@ struct Lin {
 
 // Held while a layer runs: the calls inside skip the autograd dispatch keys. Our ops have no autograd kernel, so each
 // call went through torch's boxed "autograd not implemented" fallback (its arguments boxed onto a stack and unboxed
-// again) and every aten op through its autograd wrapper: ~15 calls a layer, 450 a step. The fused layer is
-// inference-only (the op-by-op layer is what trains), so below autograd is where its calls belong. Same kernels,
-// same bits.
+// again) and every aten op through its autograd wrapper: ~15 calls a layer, 450 a step, ~1 ms of a 1-row step of ~7
+// (BENCHMARKS.md, issue 53). Our kernels are inference-only (``Target.use_kernels``), so below autograd is where the
+// layer's calls belong; the call into dense_layer / dense_stack itself still meets autograd. Same kernels, same bits.
 struct BelowAutograd {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autograd_dispatch_keyset_with_ADInplaceOrView};
 };
