@@ -110,13 +110,19 @@ def cflags(isa: str) -> list[str]:
     return ["-O3", "-fopenmp", *ISA_CFLAGS[isa]]
 
 
-def build_key(isa: str) -> dict[str, str]:
-    """Everything a build's machine code depends on: the sources' content (never their paths, so two checkouts
-    or virtualenvs share one build), the instruction set, the compiler flags, torch and Python."""
+def sources_digest() -> str:
+    """The content of every kernel source and header (never their paths, so two checkouts or virtualenvs agree): what
+    a build is named by, and what the cost model's calibrations are keyed by (``dspine/decoding/cost.py``)."""
     digest = hashlib.sha256()
     for p in SOURCES + HEADERS:
         digest.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return {"isa": isa, "sources": digest.hexdigest()[:16], "cflags": " ".join(cflags(isa)), "torch": torch.__version__,
+    return digest.hexdigest()[:16]
+
+
+def build_key(isa: str) -> dict[str, str]:
+    """Everything a build's machine code depends on: the sources' content (``sources_digest``), the instruction set,
+    the compiler flags, torch and Python."""
+    return {"isa": isa, "sources": sources_digest(), "cflags": " ".join(cflags(isa)), "torch": torch.__version__,
             "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dspine.cpu.disk_cache import atomic_write, cache_root
+from dspine.cpu.kernels import sources_digest
 
 CALIBRATION_CONTEXT = 32  # context tokens per row during calibration (short: attention is not what we rank)
 MAX_CALIBRATION_ROWS = 32  # beyond this the cost is extrapolated linearly in rows
@@ -198,19 +199,18 @@ CODE_MODULES = ("models/layers.py", "models/llama.py", "models/families.py", "mo
 
 
 def _code_version(here: Path | None = None) -> str:
-    """A digest of the modules a forward's time depends on and of every kernel source (``cpu/csrc/``: the fused
-    layer, the vector helpers and the schedulers as much as the linears), so a change to the step invalidates old
-    timings. A list of kernel files went stale once: a ``layer.cpp`` change made the 1-row step 1.16x faster and the
-    old calibration still priced it (issue 53)."""
+    """A digest of the modules a forward's time depends on and of every kernel source (``kernels.sources_digest``:
+    the fused layer, the vector helpers and the schedulers as much as the linears), so a change to the step
+    invalidates old timings. A list of three kernel files here went stale once: a ``layer.cpp`` change made the 1-row
+    step 1.16x faster and the old calibration still priced it (issue 53)."""
     here = here or Path(__file__).resolve().parents[1]  # dspine/
     digest = hashlib.sha256()
-    csrc = here / "cpu" / "csrc"
-    kernel_sources = sorted(p.relative_to(here).as_posix() for p in csrc.iterdir()) if csrc.is_dir() else []
-    for name in (*CODE_MODULES, *kernel_sources):
+    for name in CODE_MODULES:
         try:
             digest.update(name.encode() + b"\0" + (here / name).read_bytes())
         except OSError:
             pass
+    digest.update(b"kernels\0" + sources_digest().encode())
     return digest.hexdigest()[:12]
 
 

@@ -140,27 +140,36 @@ def test_a_killed_calibration_writer_leaves_a_usable_cache(tmp_path):
     assert run("cached") == first  # read, not recalibrated
 
 
-def test_every_kernel_source_and_step_module_is_in_the_code_version(tmp_path):
+def test_every_kernel_source_and_step_module_is_in_the_code_version(tmp_path, monkeypatch):
     """A cached calibration is keyed by the code a forward runs: editing any kernel source (the fused layer, the vector
-    helpers, not only the linears) or a step module must change the key; an unrelated file must not."""
+    helpers, not only the linears) or a step module must change the key; an unrelated file must not. The kernel sources
+    are the ones the build is named by (``kernels.SOURCES`` / ``HEADERS``), which must be every file in ``csrc/``."""
+    from dspine.cpu import kernels
+
+    assert {p.name for p in kernels.SOURCES + kernels.HEADERS} == {p.name for p in kernels.CSRC.iterdir()}
     root = tmp_path / "dspine"
-    (root / "cpu" / "csrc").mkdir(parents=True)
+    csrc = root / "cpu" / "csrc"
+    csrc.mkdir(parents=True)
     for name in ("layer.cpp", "linear.cpp", "vec.h"):
-        (root / "cpu" / "csrc" / name).write_text(f"// {name}\n")
+        (csrc / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(kernels, "SOURCES", [csrc / "layer.cpp", csrc / "linear.cpp"])
+    monkeypatch.setattr(kernels, "HEADERS", [csrc / "vec.h"])
     for name in cost_mod.CODE_MODULES:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(f"# {name}\n")
     (root / "unrelated.py").write_text("# docs\n")
     before = cost_mod._code_version(root)
     changed = []
-    for path in [root / "cpu" / "csrc" / "layer.cpp", root / "cpu" / "csrc" / "vec.h", root / "models" / "llama.py"]:
+    for path in [csrc / "layer.cpp", csrc / "vec.h", root / "models" / "llama.py"]:
         text = path.read_text()
         path.write_text(text + "// faster\n")
         changed.append(cost_mod._code_version(root))
         path.write_text(text)
     assert all(v != before for v in changed) and len(set(changed)) == 3
-    (root / "cpu" / "csrc" / "attend_items.h").write_text("// a new kernel header\n")
+    (csrc / "attend_items.h").write_text("// a new kernel header\n")
+    monkeypatch.setattr(kernels, "HEADERS", [csrc / "vec.h", csrc / "attend_items.h"])
     assert cost_mod._code_version(root) != before
-    (root / "cpu" / "csrc" / "attend_items.h").unlink()
+    (csrc / "attend_items.h").unlink()
+    monkeypatch.setattr(kernels, "HEADERS", [csrc / "vec.h"])
     (root / "unrelated.py").write_text("# docs, edited\n")
     assert cost_mod._code_version(root) == before
