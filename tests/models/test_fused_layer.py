@@ -1,4 +1,4 @@
-"""A dense pre-norm layer in one native call (``llama.Block.plan_fused``, ``csrc/layer.cpp``): the same kernels in the
+"""A dense layer in one native call (``llama.Block.plan_fused``, ``csrc/layer.cpp``): the same kernels in the
 same order as the layer run op by op, so every hidden state and every cache entry is bit-identical, for ragged
 prefills, decode steps and packed speculative verifies, in fp32 and under the bf16 policy, for every family of the
 dense block (Qwen3's per-head QK norms, Gemma 3's sandwich norms, OLMo 2's post-norms and QK norms over the projections,
