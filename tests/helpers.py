@@ -44,12 +44,12 @@ from typing import Any
 
 import pyarrow.dataset as ds
 import torch
+from scripted_cli import scripted_engine  # the subprocess entry point's loader (lean: no torch)
 
 from dspine.models.cache import KVCache, ModelCache
 from dspine_batch.cli import main
 from dspine_batch.engines.base import Request, SamplingParams
 from dspine_batch.engines.registry import engines_replaced
-from dspine_batch.engines.scripted import ScriptedEngine
 from dspine_batch.outdir.keyset import fallback_id_hashes, key_hash
 
 # -- dspine_batch -------------------------------------------------------------------------------------------------
@@ -82,11 +82,6 @@ def map_rows(mapper: Any, files: list, columns: Any) -> list:
         out += [mapper.build(i, b.file, idx, r, p) for i, idx, r, p in zip(ids, b.indices, b.rows, problems,
                                                                             strict=True)]
     return out
-
-
-def scripted_engine(model: str, draft: str, engine_args: dict[str, str]) -> ScriptedEngine:
-    """Engine loader: the deterministic scripted engine, whatever model was asked for."""
-    return ScriptedEngine.from_args(engine_args)
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None, loader: Callable = scripted_engine) -> int:

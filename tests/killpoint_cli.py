@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from helpers import scripted_engine  # noqa: E402
+from scripted_cli import scripted_engine  # noqa: E402  (not tests/helpers.py: a child imports no torch)
 
 from dspine_batch.cli import main  # noqa: E402
 from dspine_batch.engines.registry import engines_replaced  # noqa: E402

@@ -55,6 +55,27 @@ def test_fp32_family_rows_are_bit_identical_whatever_the_row_count(fmt, k, n):
             assert torch.equal(lin(x[:m]), ref(x[:m])), m
 
 
+@pytest.mark.parametrize("fmt", list(MAKERS))
+def test_decode_linears_bits_do_not_depend_on_the_threads(fmt):
+    """A decode-shaped linear's tiles are split in one contiguous share per thread, so the thread count moves every
+    tile to another thread (and another prefetch neighbour): which thread computes a tile never changes its bits.
+    The 1-, 7- and 8-row tiles are the decode step's (7-8: the column-pair tile)."""
+    k, n = MODEL_SHAPES[0]
+    lin = kernels.PackedLinear(MAKERS[fmt](n, k, 5))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = {m: lin(x[:m]) for m in (1, 7, 8)}
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            for _ in range(5):
+                for m, y in want.items():
+                    assert torch.equal(lin(x[:m]), y), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "f32"])
 def test_fp32_family_head_rows_are_bit_identical(fmt):
     k, n = HEAD
