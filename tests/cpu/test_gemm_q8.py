@@ -85,10 +85,45 @@ def test_q8_formats_take_only_exact_blocks_and_keep_nan_in_its_row(policy):
     assert got[4].isnan().all() and torch.equal(torch.cat([got[:4], got[5:]]), torch.cat([clean[:4], clean[5:]]))
 
 
+def _largest_q4_1_sums(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_1 weight whose blocks are all nibble 15 but one (its minimum), and input rows whose int8 parts reach
+    |q| = 127 and |q2| = 127 with one sign a row: the largest integer sums a block can make (AVX2 sums a block's
+    products in int16 pairs: 8 x 2 x 15 x 127 = 30,480 at most, Avx2::PAIRS16)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.full((n, k // 32, 32), 15.0)
+    q[..., 0] = 0
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half().float()
+    m = (torch.rand(n, k // 32, generator=g) * 0.05).half().float()
+    w = (d[..., None] * q + m[..., None]).reshape(n, k)
+    t = torch.full((k // 32, 32), 126.4961)  # q = 126, q2 = round(0.4961 * 256) = 127
+    t[:, 0] = 127.0  # the block's max: q = 127 exactly
+    row = (t / 127.0).reshape(k)
+    x = torch.stack([row, -row, row * 3.5, (t.round() / 127.0).reshape(k)])
+    return w, x
+
+
+@pytest.mark.parametrize("fmt", [kernels.Q8DP_Q4_1, kernels.Q16DP_Q4_1])
+def test_the_largest_sums_a_q4_1_block_can_make_are_exact(fmt):
+    """No integer sum wraps: a wrapped int16 sum would be off by 65,536 units of a block's scale, far outside the
+    reference's fp32 rounding."""
+    _, _, parts = Q8[fmt]
+    w, x = _largest_q4_1_sums(40, 576)
+    lin = kernels.PackedLinear(w, formats=(fmt,))
+    assert lin.format == fmt
+    # the int16 pair sums this input makes, per row and block, as the kernel forms them: near 2^15
+    t = x.reshape(4, -1, 32) * (127.0 / x.reshape(4, -1, 32).abs().amax(-1, keepdim=True))
+    q = torch.round(t)
+    q2 = torch.round((t - q) * 256).clamp(-127, 127)
+    assert (q.abs().sum(-1) * 15 - 15 * 127).max() >= 29_000 and (q2.abs().sum(-1) * 15).max() >= 29_000
+    got = lin(x)
+    want = quantised_reference(x, w, parts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 CHECK_DOT = """
 import json, torch
 import sys; sys.path[:0] = ["tests/cpu", "tests"]
-from test_gemm_q8 import Q8, _inputs
+from test_gemm_q8 import Q8, _inputs, _largest_q4_1_sums, _q4_1_grid
 from dspine.cpu import kernels
 isa = kernels.load()
 out = {"isa": isa, "dot": torch.ops.dspine_cpu.q8_dot(), "sums": []}
@@ -96,6 +131,9 @@ for fmt, (make, _, _) in Q8.items():
     lin = kernels.PackedLinear(make(200, 576, 11), formats=(fmt,))
     y = lin(_inputs(97, 576, 7)).double()
     out["sums"].append([float(y.sum()), float((y * torch.arange(y.numel()).view_as(y)).sum()), y.abs().max().item()])
+    if make is _q4_1_grid:  # and the largest sums a block can make (int16 pairs on AVX2)
+        w, x = _largest_q4_1_sums(40, 576)
+        out["sums"].append(kernels.PackedLinear(w, formats=(fmt,))(x).double().flatten().tolist())
 print(json.dumps(out))
 """
 

@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sched.h"
@@ -245,7 +246,9 @@ struct Portable {  // plain loops over the same integers: the generic build (any
 
 #if defined(__AVX2__)
 struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (see the header)
-  static constexpr int L = 8, RMAX = 2;
+  // RMAX: rows a tile (each a float and two integer accumulators); 4 against 2, with PAIRS16, on Zen 3 (one tile's
+  // weights serve twice the rows): the Q4_1 linears 1.1-1.2x (q8) and 1.1-1.4x (q16) at 3-64 rows; 3 and 6 were slower
+  static constexpr int L = 8, RMAX = 4;
   static constexpr bool Q8_OFFSET = false;  // dot_q8 forms sum(q * x) itself (|q| x sign(x, q))
   typedef __m256 F;
   typedef __m256i I;
@@ -272,6 +275,17 @@ struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (s
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)),
                                                    _mm256_set1_epi16(1)));
   }
+  // A Q4_1 block's products in int16 pairs (vpmaddubsw), widened to int32 once a block (vpmaddwd) instead of once a
+  // step: every pair is a nibble (<= 15) times two |q_x| <= 127, so the 8 steps of a block, or 4 of each of two
+  // parts, sum to at most 8 x 2 x 15 x 127 = 30,480 < 2^15 in int16 exactly, and the int32 sums are the same integers
+  // (the same bits): a step is a broadcast, vpmaddubsw and an int16 add instead of also a vpmaddwd and an int32 add
+  // (BENCHMARKS.md, issue 53). Q8_0's pairs reach 2 x 128 x 127 = 32,512: one step each, as dot_q8 does.
+  static constexpr bool PAIRS16 = true;
+  static I dot_u16(I acc16, I w, int32_t x4) {
+    return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
+  }
+  static I widen(I acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I dot_q8(I acc, I w, int32_t x4) {
     const I xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs),
@@ -324,9 +338,18 @@ struct Vnni512 {  // vpdpbusd: four u8 x s8 products per int32 lane in one instr
 
 // ---- the tile: rows [m0, m0 + R) of one panel, every block, in the order of the header --------------------------
 
+// Whether the policy sums a Q4_1 block's products in int16 pairs (Avx2::PAIRS16): dot then adds a step's pairs and
+// the tile widens them to int32 at the block's end.
+template <class P, class = void>
+struct Pairs16 : std::false_type {};
+template <class P>
+struct Pairs16<P, std::void_t<decltype(P::PAIRS16)>> : std::bool_constant<P::PAIRS16> {};
+
 template <class P, bool Q4>
 inline typename P::I dot(typename P::I acc, const typename P::I& w, int32_t x4) {
-  if constexpr (Q4)
+  if constexpr (Q4 && Pairs16<P>::value)
+    return P::dot_u16(acc, w, x4);
+  else if constexpr (Q4)
     return P::dot_u(acc, w, x4);
   else
     return P::dot_q8(acc, w, x4);
@@ -375,7 +398,11 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
       if constexpr (Q4) mn = P::halves(blk + 32 + h * P::L * 2);
       for (int i = 0; i < R; ++i) {
         const int64_t rb = (m0 + i) * a.KB + b;
-        typename P::I sum = P::add(PARTS == 1 ? lo[i] : P::shl8(lo[i]), hi[i]);
+        typename P::I sum;
+        if constexpr (Q4 && Pairs16<P>::value)  // int16 pairs -> int32 (PARTS 1: lo + hi is one block's 8 steps)
+          sum = PARTS == 1 ? P::widen(P::add16(lo[i], hi[i])) : P::add(P::shl8(P::widen(lo[i])), P::widen(hi[i]));
+        else
+          sum = P::add(PARTS == 1 ? lo[i] : P::shl8(lo[i]), hi[i]);
         if constexpr (!Q4 && P::Q8_OFFSET) sum = P::sub(sum, P::iset(a.c[rb]));
         acc[i] = P::fma(P::cvt(sum), P::mul(d, P::fset(a.d[rb])), acc[i]);
         if constexpr (Q4) acc[i] = P::fma(mn, P::fset(a.s[rb]), acc[i]);
