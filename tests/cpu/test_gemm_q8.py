@@ -26,13 +26,20 @@ def quantised_reference(x: torch.Tensor, w: torch.Tensor, parts: int) -> torch.T
     parts: q2 = 256 (t - q) rounded, x = max|x| / 127 (q + q2 / 256)), times w, in float64: the kernel's products are
     exact, so it differs from this by its fp32 sums only."""
     m, k = x.shape
+    q, q2, amax = _quantised(x)
+    if parts == 2:
+        q = q.double() + q2.double() / 256
+    return ((q.double() * (amax / 127.0).double()).reshape(m, k) @ w.double().T).float()
+
+
+def _quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x's rows per block of 32 as the kernel quantises them: q, q2 [m, k / 32, 32] and max|x| [m, k / 32, 1]."""
+    m, k = x.shape
     blocks = x.reshape(m, k // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     t = blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(t)
-    if parts == 2:
-        q = q.double() + torch.round((t - q) * 256).clamp(-127, 127).double() / 256
-    return ((q.double() * (amax / 127.0).double()).reshape(m, k) @ w.double().T).float()
+    return q, torch.round((t - q) * 256).clamp(-127, 127), amax
 
 
 def _inputs(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -111,9 +118,7 @@ def test_the_largest_sums_a_q4_1_block_can_make_are_exact(fmt):
     lin = kernels.PackedLinear(w, formats=(fmt,))
     assert lin.format == fmt
     # the int16 pair sums this input makes, per row and block, as the kernel forms them: near 2^15
-    t = x.reshape(4, -1, 32) * (127.0 / x.reshape(4, -1, 32).abs().amax(-1, keepdim=True))
-    q = torch.round(t)
-    q2 = torch.round((t - q) * 256).clamp(-127, 127)
+    q, q2, _ = _quantised(x)
     assert (q.abs().sum(-1) * 15 - 15 * 127).max() >= 29_000 and (q2.abs().sum(-1) * 15).max() >= 29_000
     got = lin(x)
     want = quantised_reference(x, w, parts)

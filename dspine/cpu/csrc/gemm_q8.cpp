@@ -34,7 +34,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "sched.h"
@@ -147,6 +146,7 @@ inline int32_t load4(const int8_t* p) {
 struct Portable {  // plain loops over the same integers: the generic build (any CPU)
   static constexpr int L = 8, RMAX = 2;
   static constexpr bool Q8_OFFSET = false;
+  static constexpr bool PAIRS16 = false;  // dot_u sums in int32
   struct F {
     float v[L];
   };
@@ -271,16 +271,12 @@ struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (s
   static I q8(const uint8_t* p) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
   }
-  static I dot_u(I acc, I w, int32_t x4) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)),
-                                                   _mm256_set1_epi16(1)));
-  }
   // A Q4_1 block's products in int16 pairs (vpmaddubsw), widened to int32 once a block (vpmaddwd) instead of once a
   // step: every pair is a nibble (<= 15) times two |q_x| <= 127, so the 8 steps of a block, or 4 of each of two
   // parts, sum to at most 8 x 2 x 15 x 127 = 30,480 < 2^15 in int16 exactly, and the int32 sums are the same integers
   // (the same bits): a step is a broadcast, vpmaddubsw and an int16 add instead of also a vpmaddwd and an int32 add
   // (BENCHMARKS.md, issue 53). Q8_0's pairs reach 2 x 128 x 127 = 32,512: one step each, as dot_q8 does.
-  static constexpr bool PAIRS16 = true;
+  static constexpr bool PAIRS16 = true;  // Q4_1 takes dot_u16 (no dot_u)
   static I dot_u16(I acc16, I w, int32_t x4) {
     return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)));
   }
@@ -288,8 +284,7 @@ struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (s
   static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
   static I dot_q8(I acc, I w, int32_t x4) {
     const I xs = _mm256_sign_epi8(_mm256_set1_epi32(x4), w);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs),
-                                                   _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, widen(_mm256_maddubs_epi16(_mm256_abs_epi8(w), xs)));
   }
   static void store(float* p, F v, int64_t n) {
     if (n >= L) {
@@ -309,6 +304,7 @@ struct Avx2 {  // vpmaddubsw + vpmaddwd: no int16 saturation for our operands (s
 struct Vnni512 {  // vpdpbusd: four u8 x s8 products per int32 lane in one instruction
   static constexpr int L = 16, RMAX = 8;
   static constexpr bool Q8_OFFSET = true;  // dot_q8 sums (q + 128) * x: the caller subtracts 128 * sum(x)
+  static constexpr bool PAIRS16 = false;   // vpdpbusd sums in int32
   typedef __m512 F;
   typedef __m512i I;
   static F fzero() { return _mm512_setzero_ps(); }
@@ -338,16 +334,9 @@ struct Vnni512 {  // vpdpbusd: four u8 x s8 products per int32 lane in one instr
 
 // ---- the tile: rows [m0, m0 + R) of one panel, every block, in the order of the header --------------------------
 
-// Whether the policy sums a Q4_1 block's products in int16 pairs (Avx2::PAIRS16): dot then adds a step's pairs and
-// the tile widens them to int32 at the block's end.
-template <class P, class = void>
-struct Pairs16 : std::false_type {};
-template <class P>
-struct Pairs16<P, std::void_t<decltype(P::PAIRS16)>> : std::bool_constant<P::PAIRS16> {};
-
 template <class P, bool Q4>
 inline typename P::I dot(typename P::I acc, const typename P::I& w, int32_t x4) {
-  if constexpr (Q4 && Pairs16<P>::value)
+  if constexpr (Q4 && P::PAIRS16)  // a step's int16 pairs; the tile widens them at the block's end (Avx2::PAIRS16)
     return P::dot_u16(acc, w, x4);
   else if constexpr (Q4)
     return P::dot_u(acc, w, x4);
@@ -399,7 +388,7 @@ inline void tile(const Act& a, int64_t m0, const uint8_t* __restrict panel, floa
       for (int i = 0; i < R; ++i) {
         const int64_t rb = (m0 + i) * a.KB + b;
         typename P::I sum;
-        if constexpr (Q4 && Pairs16<P>::value)  // int16 pairs -> int32 (PARTS 1: lo + hi is one block's 8 steps)
+        if constexpr (Q4 && P::PAIRS16)  // int16 pairs -> int32 (PARTS 1: lo + hi is one block's 8 steps)
           sum = PARTS == 1 ? P::widen(P::add16(lo[i], hi[i])) : P::add(P::shl8(P::widen(lo[i])), P::widen(hi[i]));
         else
           sum = P::add(PARTS == 1 ? lo[i] : P::shl8(lo[i]), hi[i]);
