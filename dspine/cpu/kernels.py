@@ -48,7 +48,7 @@ ENV = "DSPINE_KERNELS"  # "0"/"off"/"torch": never build or use them; "avx2"/"ge
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.cpp", "gemm_bf16.cpp", "gemm_q8.cpp", "attention_bf16.cpp", "ops.cpp",
                                     "layer.cpp")]
-HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h", "amx_bf16.h")]
+HEADERS = [CSRC / name for name in ("vec.h", "sched.h", "attend_items.h", "amx_bf16.h", "team.h")]
 AMX_ENV = "DSPINE_AMX"  # "0"/"off": the bf16 family on AVX512-BF16 even where the CPU has AMX tiles
 QK = 32  # GGUF block length
 FORMATS = ("q4_1", "q8_0", "bf16", "f32")  # tried in this order: the first that holds the weight exactly
@@ -285,6 +285,15 @@ def set_bf16_amx(want: bool) -> bool:
     its kernel name when it is built (``bf16_isa``): tests switch it only around targets they build themselves."""
     _state["amx"] = bool(torch.ops.dspine_cpu.bf16_amx(bool(want)))
     return _state["amx"]  # type: ignore[return-value]
+
+
+def set_team_stack(want: bool) -> bool:
+    """Run a covered forward's layers in one parallel region over buffers allocated once (``csrc/layer.cpp``'s team
+    stack, the default) or as the loop of fused layer calls (``False``: for the tests' and benchmarks' comparisons).
+    Same bits either way. Returns the setting."""
+    if load() is None:
+        return False
+    return bool(torch.ops.dspine_cpu.team_stack(bool(want)))
 
 
 def bf16_isa() -> str:
@@ -594,6 +603,16 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     elementwise GELU computes a tensor's tail (and each thread's) on a scalar path that rounds differently, so a
     token's bits would follow its place in the batch; here each position of a row takes one path."""
     return torch.ops.dspine_cpu.gelu_tanh_mul(gate_up)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the same indices: a row's first NaN, else the first of its maxima), through
+    ``csrc/ops.cpp``'s vector passes for 2-D fp32 CPU logits where the kernels are loaded: 6-8x torch's reduction,
+    which took ~1 % of a greedy decode step at 8-32 rows (BENCHMARKS.md, issue 53). Anything else goes to torch."""
+    if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.shape[1] > 0
+            and load() is not None):
+        return torch.ops.dspine_cpu.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 # -- packed weights cached on disk --------------------------------------------------------------------------

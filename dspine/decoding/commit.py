@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dspine.cpu.kernels import argmax
 from dspine.decoding.acceptance import SUFFIX_DECAY, JobAcceptance
 from dspine.decoding.processors import Logprobs, grammar_masks, process
 from dspine.decoding.rows import Row, seeds_positions
@@ -33,7 +34,7 @@ def sample_first(target: Target, hidden: torch.Tensor, rows: list[Row]) -> list[
     if all(r.sp.greedy for r in rows):
         # the token sample_from draws from target_probs' one-hot at the argmax, without building the one-hot, its
         # cumulative sum and the uniforms ([rows, V] each: ~1 ms a step at 32 rows)
-        toks = logits.argmax(-1).tolist()
+        toks = argmax(logits).tolist()
     else:
         p = target_probs(logits[:, None], [r.sp for r in rows])[:, 0]
         seeds, pos = seeds_positions(rows)
@@ -68,7 +69,7 @@ def verify_slots(target: Target, hidden: torch.Tensor, rows: list[Row], props: t
         lp = Logprobs.of(logits, states, b_idx, j_idx)
         logits = process(logits, states, b_idx, j_idx, props.cpu(), masks)
     top = torch.zeros(B, W1, dtype=torch.long, device=dev)
-    top[b_t.to(dev), j_t.to(dev)] = logits.argmax(-1)
+    top[b_t.to(dev), j_t.to(dev)] = argmax(logits)
     verdict = accept_greedy(top, props, ell)
     greedy = torch.tensor([r.sp.greedy for r in rows], dtype=torch.bool)
     sampled = ~greedy & live

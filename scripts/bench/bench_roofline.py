@@ -174,11 +174,12 @@ def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, setting: str) -> dic
 # ---- steps and the engine ----------------------------------------------------------------------------------------
 
 
-def variant_switch(target, amx: bool | None, fused: bool, stacked: bool = True):
+def variant_switch(target, amx: bool | None, fused: bool, stacked: bool = True, team: bool = True):
     """A function that puts the process in a variant before each of its calls: the bf16 family on AMX tiles or not
     (``kernels.set_bf16_amx``, process-wide; None: leave it), the target's layers fused into one call each or run op
     by op (``llama.Block.plan_fused``) and, fused, all in one call a forward or one call a layer (``stacked``:
-    ``DenseTarget.stacked``)."""
+    ``DenseTarget.stacked``); stacked, the forwards the team stack covers in one parallel region or as the loop of
+    fused layers (``team``: ``kernels.set_team_stack``, process-wide)."""
     from dspine.cpu import kernels
 
     layers = list(getattr(target, "layers", []))
@@ -192,6 +193,7 @@ def variant_switch(target, amx: bool | None, fused: bool, stacked: bool = True):
                 layer.fused = plan if fused else None
         if hasattr(target, "stacked"):
             target.stacked = stacked
+        kernels.set_team_stack(team)
 
     return switch
 
@@ -286,7 +288,8 @@ def main() -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--compare", action="store_true", help="also time the first setting as it ran before issue 53: "
                     "the bf16 family on AVX512-BF16 (not AMX) and the layers op by op, and on AMX op by op; and "
-                    "the first setting with one fused call a layer instead of one for all layers (per-layer)")
+                    "the first setting with one fused call a layer instead of one for all layers (per-layer), and "
+                    "with the fused layers' loop instead of the team stack (loop)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: ``configure_torch``'s choice); on a "
                     "shared machine 1 thread measures what 2 cannot (a descheduled thread stalls every barrier)")
     ap.add_argument("--json", help="also write the report here")
@@ -327,6 +330,8 @@ def main() -> None:
     if args.compare:
         s0 = args.settings[0]
         per_op = f"{s0} avx512-bf16 per-op" if amx else f"{s0} per-op"  # (AMX or not: only the bf16 family differs)
+        variants[f"{s0} loop"] = (targets[s0], variant_switch(targets[s0], amx, True, team=False))
+        setting_of[f"{s0} loop"] = s0
         for label, on_amx, fused in ((f"{s0} per-layer", amx, True), (per_op, False, False),
                                      (f"{s0} amx per-op", True, False)):
             if on_amx and not amx:

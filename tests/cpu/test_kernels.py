@@ -110,6 +110,33 @@ def test_silu_mul():
     torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("V", [1, 7, 8, 9, 17, 1000, 49152])
+def test_argmax_is_torchs_argmax(V):
+    """The greedy rows' argmax gives torch's indices on what can make them differ: ties (the first maximum), -0.0
+    beside 0.0, rows of -inf only, +inf, NaN anywhere (the first NaN), the vector body and the scalar tail."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V, generator=g)
+    ties = x.clone()
+    ties[:, ::3] = ties.max()
+    zeros = torch.zeros(6, V)
+    zeros[:, V // 3] = -0.0
+    zeros[1:, -1] = 0.0
+    nans = x.clone()
+    nans[0, V // 2] = float("nan")
+    nans[2, -1] = float("nan")
+    nans[3, :] = float("nan")
+    infs = x.clone()
+    infs[:, -1] = float("inf")
+    infs[1:, 0] = float("inf")
+    cases = [x, ties, zeros, nans, infs, torch.full((6, V), float("-inf")), x.round(), x[::2], x[:, : (V + 1) // 2]]
+    for case in cases:
+        got = kernels.argmax(case)
+        assert got.dtype == torch.long and torch.equal(got, case.argmax(-1)), case
+    assert torch.equal(kernels.argmax(x.T.contiguous().T), x.argmax(-1))  # a strided input
+    assert torch.equal(kernels.argmax(x[None]), x[None].argmax(-1))  # 3-D: torch's own
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_target_with_kernels_matches_torch_and_is_batch_invariant(family, llama_dir, qwen3_dir):
     path = llama_dir if family == "llama" else qwen3_dir

@@ -120,3 +120,50 @@ def test_the_layers_in_one_stack_call_are_the_layers_one_by_one_bit_for_bit(case
     assert (not calls) == stack_runs, (name, len(calls))
     for i, (a, b, c) in enumerate(zip(stacked, layers, per_op)):
         assert torch.equal(a, b) and torch.equal(a, c), (name, i)
+
+
+def test_the_team_stack_is_the_loop_of_fused_layers_bit_for_bit(case):
+    """``csrc/layer.cpp``'s team stack (the whole stack in one parallel region over buffers allocated once) gives the
+    bits of the loop of fused layer calls: decode steps, a finished row's, packed speculative verifies and prefills,
+    taps and caches; and it is what runs for the plain pre-norm block on the fp32 family (the llama case's every
+    forward here: at most ``max_rows`` tokens)."""
+    name, target = case
+    plans = [layer.fused for layer in target.layers]
+    before = torch.ops.dspine_cpu.team_stack_runs()
+    assert kernels.set_team_stack(True)
+    try:
+        team = _run_tapped(target, "stack", plans)
+        runs = torch.ops.dspine_cpu.team_stack_runs() - before
+        kernels.set_team_stack(False)
+        loop = _run_tapped(target, "stack", plans)
+        assert torch.ops.dspine_cpu.team_stack_runs() - before == runs
+    finally:
+        kernels.set_team_stack(True)
+    if name in ("llama", "mistral"):  # Q4_1 / fp32 weights, the plain block: all three forwards
+        assert runs == 3, (name, runs)
+    elif name in ("qwen3", "qwen2", "gemma3", "olmo2", "granite", "smollm3") or "bf16" in name:
+        assert runs == 0, (name, runs)  # QK norms, biases, sandwich / post norms, a residual scale, NoPE, bf16
+    for i, (a, b) in enumerate(zip(team, loop)):
+        assert torch.equal(a, b), (name, i)
+
+
+@pytest.mark.parametrize("quant", ["q8", "q16"])
+def test_the_team_stack_runs_the_integer_family_bit_for_bit(quant, tmp_path):
+    """The opt-in integer policies (``csrc/gemm_q8.cpp``'s linears, one or two int8 parts, bf16 caches) in the team
+    stack: the loop's bits, and it runs for every forward of ``_run_tapped``."""
+    path = save_tiny_hf(tmp_path, "llama", layers=4, gguf=True)
+    target = load_target(path, dtype=torch.bfloat16, quant=quant)
+    assert target.layers[0].fused is not None and "dp" in target.layers[0].fused[1][0]
+    plans = [layer.fused for layer in target.layers]
+    before = torch.ops.dspine_cpu.team_stack_runs()
+    try:
+        team = _run_tapped(target, "stack", plans)
+        runs = torch.ops.dspine_cpu.team_stack_runs() - before
+        kernels.set_team_stack(False)
+        loop = _run_tapped(target, "stack", plans)
+    finally:
+        kernels.set_team_stack(True)
+    # where AVX512-BF16 runs the bf16 caches' attention (its own dot products) the layers take the loop
+    assert runs == (0 if kernels.bf16_attention(target.layers[0].self_attn.head_dim) else 3)
+    for i, (a, b) in enumerate(zip(team, loop)):
+        assert torch.equal(a, b), (quant, i)

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "sched.h"
+#include "team.h"
 #include "vec.h"
 
 namespace {
@@ -116,20 +117,33 @@ inline void quantize_block(const float* x, int8_t* q, int8_t* q2, float* d, floa
   *c = 128 * sum;
 }
 
-// x [M, K] -> the activations in buf (M * K quants (twice with two parts), then M * KB scales, sums, corrections).
-Act quantize_rows(const float* x, int64_t M, int64_t K, int parts, std::vector<uint8_t>& buf) {
+// The activations of M rows in buf: M * K quants (twice with two parts), then M * KB scales, sums, corrections.
+inline size_t act_bytes(int64_t M, int64_t K, int parts) { return parts * M * K + M * (K / QK) * 12; }
+Act act_in(uint8_t* buf, int64_t M, int64_t K, int parts) {
   const int64_t KB = K / QK;
-  buf.resize(parts * M * K + M * KB * 12);
-  int8_t* q = reinterpret_cast<int8_t*>(buf.data());
-  int8_t* q2 = parts == 2 ? q + M * K : nullptr;
-  float* d = reinterpret_cast<float*>(buf.data() + parts * M * K);
+  int8_t* q = reinterpret_cast<int8_t*>(buf);
+  float* d = reinterpret_cast<float*>(buf + parts * M * K);
   float* s = d + M * KB;
-  int32_t* c = reinterpret_cast<int32_t*>(s + M * KB);
-  at::parallel_for(0, M * KB, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      quantize_block(x + i * QK, q + i * QK, q2 ? q2 + i * QK : nullptr, d + i, s + i, c + i);
-  });
-  return {q, q2, d, s, c, K, KB};
+  return {q, parts == 2 ? q + M * K : nullptr, d, s, reinterpret_cast<int32_t*>(s + M * KB), K, KB};
+}
+
+// blocks [i0, i1) of x [M, K] (block i: row i / KB) into a's buffers
+void quantize_blocks(const float* x, const Act& a, int64_t i0, int64_t i1) {
+  int8_t* q = const_cast<int8_t*>(a.q);
+  int8_t* q2 = const_cast<int8_t*>(a.q2);
+  float* d = const_cast<float*>(a.d);
+  float* s = const_cast<float*>(a.s);
+  int32_t* c = const_cast<int32_t*>(a.c);
+  for (int64_t i = i0; i < i1; ++i)
+    quantize_block(x + i * QK, q + i * QK, q2 ? q2 + i * QK : nullptr, d + i, s + i, c + i);
+}
+
+// x [M, K] -> the activations in buf.
+Act quantize_rows(const float* x, int64_t M, int64_t K, int parts, std::vector<uint8_t>& buf) {
+  buf.resize(act_bytes(M, K, parts));
+  const Act a = act_in(buf.data(), M, K, parts);
+  at::parallel_for(0, M * a.KB, 256, [&](int64_t i0, int64_t i1) { quantize_blocks(x, a, i0, i1); });
+  return a;
 }
 
 inline int32_t load4(const int8_t* p) {
@@ -493,6 +507,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
   return out;
 }
 
+// panels [t0, t1) of a decode-shaped call (the static split's work of one thread), on this build's dot product
+template <bool Q4>
+void panels(const Act& a, int parts, int64_t M, const uint8_t* pp, float* op, int64_t N, int64_t t0, int64_t t1) {
+  const int64_t panel_bytes = a.KB * (Q4 ? Q4_BYTES : Q8_BYTES);
+  auto go = [&](auto policy, auto two) {
+    using P = decltype(policy);
+    for (int64_t t = t0; t < t1; ++t) rows<P, Q4, decltype(two)::value>(a, 0, M, pp + t * panel_bytes, op, N, t * NP);
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+#if defined(__AVX512F__)
+  static const bool vnni = q8_dot() == "vnni512";
+  if (vnni) parts == 2 ? go(Vnni512{}, Two{}) : go(Vnni512{}, One{});
+  else parts == 2 ? go(Avx2{}, Two{}) : go(Avx2{}, One{});
+#elif defined(__AVX2__)
+  parts == 2 ? go(Avx2{}, Two{}) : go(Avx2{}, One{});
+#else
+  parts == 2 ? go(Portable{}, Two{}) : go(Portable{}, One{});
+#endif
+}
+
 at::Tensor linear_q8dp_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t parts) {
   return linear<true>(x, packed, n, parts);
 }
@@ -547,6 +582,25 @@ at::Tensor pack(const at::Tensor& q, const at::Tensor& d, const at::Tensor* m) {
 at::Tensor pack_q8dp_q4_1(const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) { return pack<true>(q, d, &m); }
 at::Tensor pack_q8dp_q8_0(const at::Tensor& q, const at::Tensor& d) { return pack<false>(q, d, nullptr); }
 }  // namespace
+
+namespace dspine::team {
+int64_t q8_panels(int64_t N) { return round_up(N, NP) / NP; }
+size_t q8_act_bytes(int64_t M, int64_t K, int parts) { return act_bytes(M, K, parts); }
+bool q8_packed_matches(bool q4, const at::Tensor& packed, int64_t N, int64_t K) {
+  return K % QK == 0 && packed.is_contiguous() &&
+         packed.nbytes() == static_cast<size_t>(q8_panels(N) * (K / QK) * (q4 ? Q4_BYTES : Q8_BYTES));
+}
+void q8_quantize_rows(const float* x, int64_t M, int64_t K, int parts, uint8_t* buf, int64_t r0, int64_t r1) {
+  const Act a = act_in(buf, M, K, parts);
+  quantize_blocks(x, a, r0 * a.KB, r1 * a.KB);
+}
+void q8_panels_of(bool q4, int parts, uint8_t* buf, int64_t M, int64_t K, const uint8_t* packed, float* out,
+                  int64_t N, int64_t t0, int64_t t1) {
+  const Act a = act_in(buf, M, K, parts);
+  if (q4) panels<true>(a, parts, M, packed, out, N, t0, t1);
+  else panels<false>(a, parts, M, packed, out, N, t0, t1);
+}
+}  // namespace dspine::team
 
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("pack_q8dp_q4_1(Tensor q, Tensor d, Tensor m) -> Tensor");

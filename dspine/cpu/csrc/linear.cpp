@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "sched.h"
+#include "team.h"
 #include "vec.h"
 
 namespace {
@@ -179,6 +180,51 @@ inline void rows_tile(const float* x, int64_t Kp, const uint8_t* p, float* out, 
   }
 }
 
+// Rows [c0, c1) (at most M_CHUNK) of tile t: out[c0..c1, t*NB .. t*NB+NB) from x [M, Kp] and the tile's weights p;
+// pf: a later tile's weights to prefetch meanwhile. scratch: the calling thread's L1-sized buffer.
+template <class W>
+void tile_item(const float* xp, int64_t Kp, const uint8_t* p, float* op, int64_t N, int64_t t, int64_t c0,
+               int64_t c1, std::vector<float>& scratch, const uint8_t* pf) {
+  constexpr bool PAIRS = W::BY_COLUMN && PAIR_TILES;  // one tile for 7-8 rows, two columns a pass (vec.h)
+  // More rows than one register tile: a compact tile is expanded once into fp32 (an L1-sized scratch) and
+  // every row tile reads that, instead of expanding the blocks again for each (same values, same order).
+  // The first MB_MAX rows are computed from the blocks while they are expanded (the tile stores each weight
+  // vector it makes), so the expansion overlaps their multiply-adds instead of running alone first (issue 53).
+  // Row tiles over fp32 weights are MB_F32 high (vec.h), those over the blocks MB_MAX: neither changes an
+  // element's order, so the bits are the same.
+  if constexpr (std::is_same_v<W, F32>) {
+    rows_tile<F32, MB_F32>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+  } else if (PAIRS && c1 - c0 >= 7 && c1 - c0 <= 8) {
+    // 7 or 8 rows of a column-by-column format (Q4_1) on AVX-512: one tile from the blocks, two columns a pass,
+    // instead of MB_MAX rows storing the expanded weights and the rest reading them back: 1.05x / 1.12x the
+    // whole 7- / 8-row step (BENCHMARKS.md, issue 53). From 9 rows on the expansion shared through L1 wins.
+    if constexpr (PAIRS) {
+      if (c1 - c0 == 8) tile<W, 8, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
+      else tile<W, 7, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
+    }
+  } else if (c1 - c0 > MB_MAX) {
+    scratch.resize(NB * Kp);
+    float* sp = scratch.data();
+    tile<W, MB_MAX, true>(xp, Kp, p, op, N, t * NB, c0, pf, sp);
+    const uint8_t* expanded = reinterpret_cast<const uint8_t*>(sp);
+    rows_tile<F32, MB_F32>(xp, Kp, expanded, op, N, t * NB, c0 + MB_MAX, c1, nullptr);
+  } else {
+    rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
+  }
+}
+
+// Tiles [t0, t1) of a forward of at most M_CHUNK rows (a decode step or a verify): one stream front to back, each
+// tile prefetching the one PREFETCH_TILES ahead within the range.
+template <class W>
+void decode_tiles(const float* xp, int64_t M, int64_t Kp, const uint8_t* pp, float* op, int64_t N, int64_t t0,
+                  int64_t t1) {
+  const int64_t tile_bytes = Kp / W::BK * W::BYTES;
+  std::vector<float> scratch;
+  for (int64_t t = t0; t < t1; ++t)
+    tile_item<W>(xp, Kp, pp + t * tile_bytes, op, N, t, 0, M,
+                 scratch, t + PREFETCH_TILES < t1 ? pp + (t + PREFETCH_TILES) * tile_bytes : nullptr);
+}
+
 // x [M, K] float -> [M, N], with the weights packed in format W (K padded to W::BK, N to NB).
 template <class W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
@@ -200,48 +246,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   // (sched.h), in one parallel region (one region per chunk, 15 barriers for 1,390 rows, ran 4x slower than
   // torch's GEMM beside one busy process). The schedule never touches the per-element order: the same bits.
   const int64_t chunks = (M + M_CHUNK - 1) / M_CHUNK;
-  constexpr bool PAIRS = W::BY_COLUMN && PAIR_TILES;  // one tile for 7-8 rows, two columns a pass (vec.h)
-  auto item = [&](int64_t c, int64_t t, std::vector<float>& scratch, const uint8_t* pf) {
-    const int64_t c0 = c * M_CHUNK, c1 = std::min(M, c0 + M_CHUNK);
-    const uint8_t* p = pp + t * tile_bytes;
-    // More rows than one register tile: a compact tile is expanded once into fp32 (an L1-sized scratch) and
-    // every row tile reads that, instead of expanding the blocks again for each (same values, same order).
-    // The first MB_MAX rows are computed from the blocks while they are expanded (the tile stores each weight
-    // vector it makes), so the expansion overlaps their multiply-adds instead of running alone first (issue 53).
-    // Row tiles over fp32 weights are MB_F32 high (vec.h), those over the blocks MB_MAX: neither changes an
-    // element's order, so the bits are the same.
-    if constexpr (std::is_same_v<W, F32>) {
-      rows_tile<F32, MB_F32>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
-    } else if (PAIRS && c1 - c0 >= 7 && c1 - c0 <= 8) {
-      // 7 or 8 rows of a column-by-column format (Q4_1) on AVX-512: one tile from the blocks, two columns a pass,
-      // instead of MB_MAX rows storing the expanded weights and the rest reading them back: 1.05x / 1.12x the
-      // whole 7- / 8-row step (BENCHMARKS.md, issue 53). From 9 rows on the expansion shared through L1 wins.
-      if constexpr (PAIRS) {
-        if (c1 - c0 == 8) tile<W, 8, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
-        else tile<W, 7, false, 2>(xp, Kp, p, op, N, t * NB, c0, pf);
-      }
-    } else if (c1 - c0 > MB_MAX) {
-      scratch.resize(NB * Kp);
-      float* sp = scratch.data();
-      tile<W, MB_MAX, true>(xp, Kp, p, op, N, t * NB, c0, pf, sp);
-      const uint8_t* expanded = reinterpret_cast<const uint8_t*>(sp);
-      rows_tile<F32, MB_F32>(xp, Kp, expanded, op, N, t * NB, c0 + MB_MAX, c1, nullptr);
-    } else {
-      rows_tile<W, MB_MAX>(xp, Kp, p, op, N, t * NB, c0, c1, pf);
-    }
-  };
   if (chunks == 1) {
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scratch;
-      for (int64_t t = t0; t < t1; ++t)
-        item(0, t, scratch, t + PREFETCH_TILES < t1 ? pp + (t + PREFETCH_TILES) * tile_bytes : nullptr);
-    });
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { decode_tiles<W>(xp, M, Kp, pp, op, N, t0, t1); });
   } else {
     parallel_pull(chunks * tiles, [&](auto& pull) {
       std::vector<float> scratch;
       for (int64_t i; (i = pull()) < chunks * tiles;) {
-        const int64_t t = i % tiles;
-        item(i / tiles, t, scratch, t + PREFETCH_TILES < tiles ? pp + (t + PREFETCH_TILES) * tile_bytes : nullptr);
+        const int64_t c = i / tiles, t = i % tiles;
+        tile_item<W>(xp, Kp, pp + t * tile_bytes, op, N, t, c * M_CHUNK, std::min(M, (c + 1) * M_CHUNK), scratch,
+                     t + PREFETCH_TILES < tiles ? pp + (t + PREFETCH_TILES) * tile_bytes : nullptr);
       }
     });
   }
@@ -321,6 +334,28 @@ at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& packed, int64_t n)
 
 std::string isa() { return DSPINE_ISA; }
 }  // namespace
+
+namespace dspine::team {
+int64_t block(Format f) { return f == Format::Q4_1 || f == Format::Q8_0 ? QK : VL; }
+int64_t tiles(int64_t N) { return round_up(N, NB) / NB; }
+int64_t max_rows() { return M_CHUNK; }
+bool packed_matches(Format f, const at::Tensor& packed, int64_t N, int64_t K) {
+  const int64_t bytes = f == Format::F32 ? F32::BYTES : f == Format::BF16 ? BF16::BYTES
+                        : f == Format::Q4_1 ? Q4_1::BYTES : Q8_0::BYTES;
+  return K % block(f) == 0 && packed.is_contiguous() &&
+         packed.nbytes() == static_cast<size_t>(tiles(N) * (K / block(f)) * bytes);
+}
+void linear_tiles(Format f, const float* x, int64_t M, int64_t K, const uint8_t* packed, float* out, int64_t N,
+                  int64_t t0, int64_t t1) {
+  switch (f) {
+    case Format::F32: decode_tiles<F32>(x, M, K, packed, out, N, t0, t1); break;
+    case Format::BF16: decode_tiles<BF16>(x, M, K, packed, out, N, t0, t1); break;
+    case Format::Q4_1: decode_tiles<Q4_1>(x, M, K, packed, out, N, t0, t1); break;
+    case Format::Q8_0: decode_tiles<Q8_0>(x, M, K, packed, out, N, t0, t1); break;
+    default: break;  // the integer family: gemm_q8.cpp's q8_panels_of
+  }
+}
+}  // namespace dspine::team
 
 TORCH_LIBRARY(dspine_cpu, m) {
   m.def("pack_linear(Tensor w) -> Tensor");

@@ -26,9 +26,23 @@
 
 #include "attend_items.h"
 #include "sched.h"
+#include "team.h"
 #include "vec.h"
 
 namespace {
+
+void norm_rows(const float* xp, const float* wp, int64_t D, float e, float off, float* op, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* a = xp + r * D;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < D; ++i) ss += a[i] * a[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + e);
+    float* o = op + r * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * (off + wp[i]);
+  }
+}
 
 // x [..., D] -> x * rsqrt(mean(x^2) + eps) * (offset + w)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
@@ -42,18 +56,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float off = static_cast<float>(offset), e = static_cast<float>(eps);
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = xp + r * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += a[i] * a[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + e);
-      float* o = op + r * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * (off + wp[i]);
-    }
-  });
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) { norm_rows(xp, wp, D, e, off, op, r0, r1); });
   return out;
 }
 
@@ -82,6 +85,23 @@ inline void store_row(uint16_t* dst, const float* src, int64_t D) {
   for (int64_t i = 0; i < D; ++i) dst[i] = bf16_rne(src[i]);
 }
 
+// Token m = b * T + t at position p: its Hq query heads at q (rotated in place), its Hkv key and value heads at k / v
+// (the key rotated) stored into the caches; tmp: D floats.
+template <class T>
+inline void rope_store_token(float* q, const float* k, const float* v, const float* c, const float* s, int64_t b,
+                             int64_t p, T* kcp, T* vcp, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t d,
+                             float* tmp) {
+  for (int64_t h = 0; h < Hq; ++h) rotate(q + h * D, c, s, d);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    T* kd = kcp + ((b * Hkv + h) * cap + p) * D;
+    T* vd = vcp + ((b * Hkv + h) * cap + p) * D;
+    std::copy(k + h * D, k + (h + 1) * D, tmp);
+    rotate(tmp, c, s, d);  // in fp32 whatever the cache's type: the rounding happens once, at the store
+    store_row(kd, tmp, D);
+    store_row(vd, v + h * D, D);
+  }
+}
+
 template <class T>
 void rope_store_impl(float* qp, const float* kp, const float* vp, const float* cp, const float* sp,
                      const int64_t* pp_, T* kcp, T* vcp, int64_t B, int64_t T_, int64_t Hq, int64_t Hkv, int64_t D,
@@ -89,21 +109,10 @@ void rope_store_impl(float* qp, const float* kp, const float* vp, const float* c
   std::vector<float> tmp(D);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T_; ++t) {
-      const int64_t p = pp_[b * T_ + t];
+      const int64_t m = b * T_ + t, p = pp_[m];
       TORCH_CHECK(p >= 0 && p < cap, "rope_store: position outside the cache");
-      const float* c = cp + (b * T_ + t) * d;
-      const float* s = sp + (b * T_ + t) * d;
-      for (int64_t h = 0; h < Hq; ++h) rotate(qp + ((b * T_ + t) * Hq + h) * D, c, s, d);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        T* kd = kcp + ((b * Hkv + h) * cap + p) * D;
-        T* vd = vcp + ((b * Hkv + h) * cap + p) * D;
-        const float* ks = kp + ((b * T_ + t) * Hkv + h) * D;
-        const float* vs = vp + ((b * T_ + t) * Hkv + h) * D;
-        std::copy(ks, ks + D, tmp.data());
-        rotate(tmp.data(), c, s, d);  // in fp32 whatever the cache's type: the rounding happens once, at the store
-        store_row(kd, tmp.data(), D);
-        store_row(vd, vs, D);
-      }
+      rope_store_token(qp + m * Hq * D, kp + m * Hkv * D, vp + m * Hkv * D, cp + m * d, sp + m * d, b, p, kcp, vcp, Hq,
+                       Hkv, D, cap, d, tmp.data());
     }
 }
 
@@ -316,16 +325,13 @@ void attend_group(const float* const* qv, float* const* o, int64_t rep, const T*
   }
 }
 
+// One query's heads over their keys (for_each_query's query): attend_group at the head size's vector count.
 template <class T>
-at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
-                             int64_t window, double scale) {
-  auto qc = q.contiguous();
-  auto pp = pos.to(at::kLong).contiguous();
-  const int64_t D = qc.size(3);
-  auto out = at::empty({qc.size(0), qc.size(1), qc.size(2) * D}, qc.options());
-  const float sc = static_cast<float>(scale);
-  dspine::for_each_query<T>(qc, kc, vc, pp, window, out, [&](const float* const* qv, float* const* o, int64_t rep,
-                                                             const T* K, const T* V, int64_t lo, int64_t n) {
+struct Attend {
+  int64_t D;
+  float sc;
+  void operator()(const float* const* qv, float* const* o, int64_t rep, const T* K, const T* V, int64_t lo,
+                  int64_t n) const {
     thread_local std::vector<float> w;
     switch (D / dspine::VL) {
       case 2: attend_group<2>(qv, o, rep, K, V, lo, n, sc, w); break;
@@ -333,7 +339,17 @@ at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at
       case 8: attend_group<8>(qv, o, rep, K, V, lo, n, sc, w); break;
       default: attend_group<16>(qv, o, rep, K, V, lo, n, sc, w); break;
     }
-  });
+  }
+};
+
+template <class T>
+at::Tensor attend_cache_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pos,
+                             int64_t window, double scale) {
+  auto qc = q.contiguous();
+  auto pp = pos.to(at::kLong).contiguous();
+  const int64_t D = qc.size(3);
+  auto out = at::empty({qc.size(0), qc.size(1), qc.size(2) * D}, qc.options());
+  dspine::for_each_query<T>(qc, kc, vc, pp, window, out, Attend<T>{D, static_cast<float>(scale)});
   return out;
 }
 
@@ -377,6 +393,21 @@ struct GeluTanh {
 // scalar tail per row), so a token's bits do not depend on its batch: torch's elementwise loop computes a tensor's
 // last elements, and each thread's, on a scalar path whose tanh rounds differently.
 template <class Act>
+void act_rows(const float* gp, int64_t I, float* op, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* a = gp + r * 2 * I;
+    const float* u = a + I;
+    float* o = op + r * I;
+    int64_t i = 0;
+    for (; i + dspine::VL <= I; i += dspine::VL) {
+      const dspine::vec res = Act::v(dspine::vload(a + i)) * dspine::vload(u + i);
+      std::memcpy(o + i, &res, sizeof(res));
+    }
+    for (; i < I; ++i) o[i] = Act::s(a[i]) * u[i];
+  }
+}
+
+template <class Act>
 at::Tensor act_mul(const at::Tensor& gu) {
   auto g = gu.contiguous();
   const int64_t I2 = g.size(-1), I = I2 / 2, R = g.numel() / std::max<int64_t>(I2, 1);
@@ -385,26 +416,122 @@ at::Tensor act_mul(const at::Tensor& gu) {
   auto out = at::empty(sizes, g.options());
   const float* gp = g.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = gp + r * I2;
-      const float* u = a + I;
-      float* o = op + r * I;
-      int64_t i = 0;
-      for (; i + dspine::VL <= I; i += dspine::VL) {
-        const dspine::vec res = Act::v(dspine::vload(a + i)) * dspine::vload(u + i);
-        std::memcpy(o + i, &res, sizeof(res));
-      }
-      for (; i < I; ++i) o[i] = Act::s(a[i]) * u[i];
-    }
-  });
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) { act_rows<Act>(gp, I, op, r0, r1); });
   return out;
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) { return act_mul<Silu>(gu); }
 at::Tensor gelu_tanh_mul(const at::Tensor& gu) { return act_mul<GeluTanh>(gu); }
 
+// x [R, V] fp32 -> [R] int64, torch.argmax(x, -1)'s answer: the first NaN of a row that has one, else the first of
+// its maxima (-0.0 and 0.0 equal). Why ours (issue 53): greedy rows take the argmax of every slot's logits, and
+// torch's reduction runs at ~1.9 G floats/s on two AVX2 cores (0.21 ms a step at 8 rows x 49,152, 0.84 ms at 32:
+// ~1 % of the step); two vector passes over a row (its maximum, then where it first occurs) take a sixth to an
+// eighth of that (BENCHMARKS.md, issue 53, ninth session).
+int64_t argmax_row(const float* a, int64_t V) {
+  int64_t i = 0;
+  bool nan = false;
+#if defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 8 <= V; i += 8) {
+    const __m256 v = _mm256_loadu_ps(a + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(v, m);  // the second operand where either is NaN: NaNs never enter m
+  }
+  nan = _mm256_movemask_ps(unordered) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = lanes[0];
+  for (int l = 1; l < 8; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+#else
+  float mx = -std::numeric_limits<float>::infinity();
+#endif
+  for (; i < V; ++i) {
+    nan = nan || std::isnan(a[i]);
+    mx = a[i] > mx ? a[i] : mx;
+  }
+  if (nan) {
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(a[j])) return j;
+  }
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(mx);
+  for (; j + 8 <= V; j += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j), target, _CMP_EQ_OQ));
+    if (hit != 0) return j + __builtin_ctz(static_cast<unsigned>(hit));
+  }
+#endif
+  for (; j < V; ++j)
+    if (a[j] == mx) return j;
+  return 0;  // a row of -inf only: its first
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "argmax_rows: a 2-D float32 input "
+              "with at least one column");
+  const auto xc = x.contiguous();
+  const int64_t R = xc.size(0), V = xc.size(1);
+  auto out = at::empty({R}, xc.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
 }  // namespace
+
+namespace dspine::team {
+void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, float offset, float* out, int64_t r0,
+                   int64_t r1) {
+  norm_rows(x, w, D, eps, offset, out, r0, r1);
+}
+void silu_rows(const float* gu, int64_t I, float* out, int64_t r0, int64_t r1) { act_rows<Silu>(gu, I, out, r0, r1); }
+template <class T>
+void rope_rows(float* qkv, const float* cos, const float* sin, const int64_t* pos, T* kc, T* vc, int64_t T_,
+               int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t d, int64_t m0, int64_t m1) {
+  const int64_t stride = (Hq + 2 * Hkv) * D;
+  std::vector<float> tmp(D);
+  for (int64_t m = m0; m < m1; ++m) {
+    float* q = qkv + m * stride;
+    rope_store_token(q, q + Hq * D, q + (Hq + Hkv) * D, cos + m * d, sin + m * d, m / T_, pos[m], kc, vc, Hq, Hkv,
+                     D, cap, d, tmp.data());
+  }
+}
+void rope_store_rows(float* qkv, const float* cos, const float* sin, const int64_t* pos, float* kc, float* vc,
+                     int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t d, int64_t m0, int64_t m1) {
+  rope_rows(qkv, cos, sin, pos, kc, vc, T, Hq, Hkv, D, cap, d, m0, m1);
+}
+void rope_store_rows(float* qkv, const float* cos, const float* sin, const int64_t* pos, uint16_t* kc, uint16_t* vc,
+                     int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t d, int64_t m0, int64_t m1) {
+  rope_rows(qkv, cos, sin, pos, kc, vc, T, Hq, Hkv, D, cap, d, m0, m1);
+}
+bool attention_supported(int64_t D) {
+  return D % dspine::VL == 0 && (D / dspine::VL == 2 || D / dspine::VL == 4 || D / dspine::VL == 8 ||
+                                 D / dspine::VL == 16);
+}
+template <class C>
+void attend_items(const float* qkv, const C* kc, const C* vc, const int64_t* pos, int64_t B, int64_t T, int64_t Hq,
+                  int64_t Hkv, int64_t D, int64_t cap, int64_t window, float scale, float* out,
+                  std::atomic<int64_t>& next) {
+  auto pull = [&next]() { return next.fetch_add(1, std::memory_order_relaxed); };
+  dspine::run_query_items<C>(qkv, (Hq + 2 * Hkv) * D, kc, vc, pos, B, T, Hq, Hkv, D, cap, window, out, pull,
+                             Attend<C>{D, scale});
+}
+void attend_rows(const float* qkv, const float* kc, const float* vc, const int64_t* pos, int64_t B, int64_t T,
+                 int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t window, float scale, float* out,
+                 std::atomic<int64_t>& next) {
+  attend_items(qkv, kc, vc, pos, B, T, Hq, Hkv, D, cap, window, scale, out, next);
+}
+void attend_rows(const float* qkv, const uint16_t* kc, const uint16_t* vc, const int64_t* pos, int64_t B, int64_t T,
+                 int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t window, float scale, float* out,
+                 std::atomic<int64_t>& next) {
+  attend_items(qkv, kc, vc, pos, B, T, Hq, Hkv, D, cap, window, scale, out, next);
+}
+}  // namespace dspine::team
 
 TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
@@ -414,6 +541,7 @@ TORCH_LIBRARY_FRAGMENT(dspine_cpu, m) {
   m.def("attend_cache_ref(Tensor q, Tensor kc, Tensor vc, Tensor pos, int window, float scale) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gu) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
@@ -423,4 +551,5 @@ TORCH_LIBRARY_IMPL(dspine_cpu, CPU, m) {
   m.impl("attend_cache_ref", &attend_cache_ref);
   m.impl("silu_mul", &silu_mul);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
