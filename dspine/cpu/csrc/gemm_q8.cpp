@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "sched.h"
@@ -478,6 +479,22 @@ std::string q8_dot() {
 #endif
 }
 
+// f(P{}, std::integral_constant<int, PARTS>{}) with this build's dot product policy P (q8_dot) and the call's parts
+template <class F>
+void with_policy(int64_t parts, const F& f) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+#if defined(__AVX512F__)
+  static const bool vnni = q8_dot() == "vnni512";
+  if (vnni) parts == 2 ? f(Vnni512{}, Two{}) : f(Vnni512{}, One{});
+  else parts == 2 ? f(Avx2{}, Two{}) : f(Avx2{}, One{});
+#elif defined(__AVX2__)
+  parts == 2 ? f(Avx2{}, Two{}) : f(Avx2{}, One{});
+#else
+  parts == 2 ? f(Portable{}, Two{}) : f(Portable{}, One{});
+#endif
+}
+
 template <bool Q4>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t parts) {
   TORCH_CHECK(parts == 1 || parts == 2, "linear_q8dp: parts is 1 (int8 activations) or 2 (two int8 parts)");
@@ -493,17 +510,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
   const Act a = quantize_rows(xc.data_ptr<float>(), M, K, parts, buf);
   const uint8_t* pp = static_cast<const uint8_t*>(packed.data_ptr());
   float* op = out.data_ptr<float>();
-#if defined(__AVX512F__)
-  static const bool vnni = q8_dot() == "vnni512";
-  if (vnni)
-    parts == 2 ? run<Vnni512, Q4, 2>(a, M, pp, op, N) : run<Vnni512, Q4, 1>(a, M, pp, op, N);
-  else
-    parts == 2 ? run<Avx2, Q4, 2>(a, M, pp, op, N) : run<Avx2, Q4, 1>(a, M, pp, op, N);
-#elif defined(__AVX2__)
-  parts == 2 ? run<Avx2, Q4, 2>(a, M, pp, op, N) : run<Avx2, Q4, 1>(a, M, pp, op, N);
-#else
-  parts == 2 ? run<Portable, Q4, 2>(a, M, pp, op, N) : run<Portable, Q4, 1>(a, M, pp, op, N);
-#endif
+  with_policy(parts, [&](auto policy, auto n_parts) { run<decltype(policy), Q4, n_parts.value>(a, M, pp, op, N); });
   return out;
 }
 
@@ -511,21 +518,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int6
 template <bool Q4>
 void panels(const Act& a, int parts, int64_t M, const uint8_t* pp, float* op, int64_t N, int64_t t0, int64_t t1) {
   const int64_t panel_bytes = a.KB * (Q4 ? Q4_BYTES : Q8_BYTES);
-  auto go = [&](auto policy, auto two) {
-    using P = decltype(policy);
-    for (int64_t t = t0; t < t1; ++t) rows<P, Q4, decltype(two)::value>(a, 0, M, pp + t * panel_bytes, op, N, t * NP);
-  };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-#if defined(__AVX512F__)
-  static const bool vnni = q8_dot() == "vnni512";
-  if (vnni) parts == 2 ? go(Vnni512{}, Two{}) : go(Vnni512{}, One{});
-  else parts == 2 ? go(Avx2{}, Two{}) : go(Avx2{}, One{});
-#elif defined(__AVX2__)
-  parts == 2 ? go(Avx2{}, Two{}) : go(Avx2{}, One{});
-#else
-  parts == 2 ? go(Portable{}, Two{}) : go(Portable{}, One{});
-#endif
+  with_policy(parts, [&](auto policy, auto n_parts) {
+    for (int64_t t = t0; t < t1; ++t)
+      rows<decltype(policy), Q4, n_parts.value>(a, 0, M, pp + t * panel_bytes, op, N, t * NP);
+  });
 }
 
 at::Tensor linear_q8dp_q4_1(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t parts) {

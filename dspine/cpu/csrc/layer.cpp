@@ -152,7 +152,7 @@ struct TeamLayer {
   Format fmt[4];
   int parts[4];  // the integer family's activation parts (1 or 2)
   const uint8_t* w[4];
-  int64_t n[4];
+  int64_t n[4], k[4];  // each linear's outputs and inputs
   float eps, offset, scale;
   int64_t window, cap, d;
   void *kc, *vc;  // float, or bfloat16 bits (bf16_cache)
@@ -179,8 +179,11 @@ std::vector<TeamLayer> team_plan(const at::Tensor& x, const std::vector<at::Tens
                                  const std::vector<double>& floats, const std::vector<at::Tensor>& cos,
                                  const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& kc,
                                  const std::vector<at::Tensor>& vc, const at::Tensor& pos, const at::Tensor& qpos,
-                                 const at::Tensor& index) {
+                                 const at::Tensor& index, const std::vector<int64_t>& taps) {
   std::vector<TeamLayer> plan;
+  const int64_t layers = static_cast<int64_t>(kc.size());
+  for (size_t t = 0; t < taps.size(); ++t)  // distinct taps in order: each layer's output copied once
+    if (taps[t] < 0 || taps[t] >= layers || (t > 0 && taps[t] <= taps[t - 1])) return plan;
   auto is_long = [](const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous(); };
   if (!team_enabled || !is_f32(x) || x.dim() < 2 || pos.dim() != 2 || !is_long(pos) || !is_long(qpos) ||
       qpos.sizes() != pos.sizes())
@@ -211,11 +214,15 @@ std::vector<TeamLayer> team_plan(const at::Tensor& x, const std::vector<at::Tens
     for (int j = 10; j < 14; ++j)
       if (lw[j].numel() > 0) return {};  // QK norms, post-norms
     const int64_t Hq = li[8], Hkv = li[9], D = li[10];
+    if (Hq != ints[8] || Hkv != ints[9] || D != ints[10]) return {};  // one buffer layout for every layer's attention
     if (lw[0].numel() != H || lw[1].numel() != H || !is_f32(lw[0]) || !is_f32(lw[1]) || li[12] != 0 || li[13] != 0 ||
         lf[3] != 1.0 || Hkv <= 0 || Hq % Hkv != 0 || !dspine::team::attention_supported(D))
       return {};
     const int64_t K[4] = {H, Hq * D, H, li[2] / 2};
-    for (int j = 0; j < 4; ++j) L.n[j] = li[j];
+    for (int j = 0; j < 4; ++j) {
+      L.n[j] = li[j];
+      L.k[j] = K[j];
+    }
     if (L.n[0] != (Hq + 2 * Hkv) * D || L.n[1] != H || L.n[2] % 2 != 0 || L.n[3] != H) return {};
     for (int j = 0; j < 4; ++j) {
       const at::Tensor& packed_w = lw[2 + 2 * j];
@@ -283,18 +290,16 @@ std::vector<at::Tensor> team_stack(const std::vector<TeamLayer>& plan, const at:
   for (int64_t j = 0; j < (packed ? N : 0); ++j) row_of[ip[j]] = j;
   std::vector<at::Tensor> out(1);
   std::vector<float*> tap_at(plan.size(), nullptr);
-  for (int64_t t : taps) {  // distinct, ascending (dense_stack checked)
+  for (int64_t t : taps) {  // distinct, ascending (team_plan checked)
     out.push_back(at::empty(x.sizes(), f32));
     tap_at[t] = out.back().data_ptr<float>();
   }
   size_t qbytes = 0;  // the integer family's quantized input rows (one linear's at a time)
-  for (const auto& L : plan) {
-    const int64_t K[4] = {H, Hq * D, H, L.n[2] / 2};
+  for (const auto& L : plan)
     for (int j = 0; j < 4; ++j)
-      if (tm::integer(L.fmt[j])) qbytes = std::max(qbytes, tm::q8_act_bytes(N, K[j], L.parts[j]));
-  }
-  std::vector<uint8_t> qbuf(qbytes);
-  uint8_t* qb = qbuf.data();
+      if (tm::integer(L.fmt[j])) qbytes = std::max(qbytes, tm::q8_act_bytes(N, L.k[j], L.parts[j]));
+  const auto qbuf = std::make_unique_for_overwrite<uint8_t[]>(qbytes);  // written before it is read
+  uint8_t* qb = qbuf.get();
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[plan.size()]);
   for (size_t i = 0; i < plan.size(); ++i) next[i].store(0);
   float *cp = cur.data_ptr<float>(), *hp = h.data_ptr<float>(), *xp = xn.data_ptr<float>();
@@ -311,9 +316,9 @@ std::vector<at::Tensor> team_stack(const std::vector<TeamLayer>& plan, const at:
     share(N, tid, n, &r0, &r1);  // this thread's rows, the same in every row-wise piece
     share(M, tid, n, &s0, &s1);  // and slots (RoPE and the cache store, a packed forward's spread)
     // linear j of layer L on its input rows (the integer family: on those rows quantized into qb, see quantize)
-    auto tiles = [&](const TeamLayer& L, int j, const float* in, int64_t K, float* o) {
+    auto tiles = [&](const TeamLayer& L, int j, const float* in, float* o) {
       int64_t t0, t1;
-      const int64_t outs = L.n[j];
+      const int64_t outs = L.n[j], K = L.k[j];
       if (tm::integer(L.fmt[j])) {
         share(tm::q8_panels(outs), tid, n, &t0, &t1);
         if (t0 < t1) tm::q8_panels_of(L.fmt[j] == Format::Q8DP_Q4_1, L.parts[j], qb, N, K, L.w[j], o, outs, t0, t1);
@@ -323,16 +328,16 @@ std::vector<at::Tensor> team_stack(const std::vector<TeamLayer>& plan, const at:
       }
     };
     // this thread's rows of linear j's input, quantized for the integer family (nothing for the fp32 family)
-    auto quantize = [&](const TeamLayer& L, int j, const float* in, int64_t K) {
-      if (tm::integer(L.fmt[j])) tm::q8_quantize_rows(in, N, K, L.parts[j], qb, r0, r1);
+    auto quantize = [&](const TeamLayer& L, int j, const float* in) {
+      if (tm::integer(L.fmt[j])) tm::q8_quantize_rows(in, N, L.k[j], L.parts[j], qb, r0, r1);
     };
     for (size_t i = 0; i < plan.size(); ++i) {
       const TeamLayer& L = plan[i];
       const int64_t I = L.n[2] / 2, Q = L.n[0], HD = Hq * D;
       tm::rms_norm_rows(cp, L.ln1, H, L.eps, L.offset, xp, r0, r1);
-      quantize(L, 0, xp, H);
+      quantize(L, 0, xp);
 #pragma omp barrier
-      tiles(L, 0, xp, H, qp);
+      tiles(L, 0, xp, qp);
 #pragma omp barrier
       if (packed) {  // zeros at the padded slots, as index_copy_ into zeros leaves them
         for (int64_t m = s0; m < s1; ++m) {
@@ -357,23 +362,23 @@ std::vector<at::Tensor> team_stack(const std::vector<TeamLayer>& plan, const at:
       if (packed || tm::integer(L.fmt[1])) {  // the attention's rows back in packed order, quantized
         if (packed)
           for (int64_t j = r0; j < r1; ++j) std::copy(as + ip[j] * HD, as + (ip[j] + 1) * HD, ap + j * HD);
-        quantize(L, 1, ap, HD);
+        quantize(L, 1, ap);
 #pragma omp barrier
       }
-      tiles(L, 1, ap, HD, op);
+      tiles(L, 1, ap, op);
 #pragma omp barrier
       for (int64_t r = r0; r < r1; ++r) {  // h = x + o (torch's fp32 add: the same rounding), then the MLP's norm
         for (int64_t c = 0; c < H; ++c) hp[r * H + c] = cp[r * H + c] + op[r * H + c];
         tm::rms_norm_rows(hp, L.ln2, H, L.eps, L.offset, xp, r, r + 1);
       }
-      quantize(L, 2, xp, H);
+      quantize(L, 2, xp);
 #pragma omp barrier
-      tiles(L, 2, xp, H, gp);
+      tiles(L, 2, xp, gp);
 #pragma omp barrier
       tm::silu_rows(gp, I, tp, r0, r1);
-      quantize(L, 3, tp, I);
+      quantize(L, 3, tp);
 #pragma omp barrier
-      tiles(L, 3, tp, I, dp);
+      tiles(L, 3, tp, dp);
 #pragma omp barrier
       for (int64_t r = r0; r < r1; ++r) {  // the layer's output; the next layer's norm reads only these rows
         for (int64_t c = 0; c < H; ++c) cp[r * H + c] = hp[r * H + c] + dp[r * H + c];
@@ -402,17 +407,8 @@ std::vector<at::Tensor> dense_stack(const at::Tensor& x, const std::vector<at::T
               "dense_stack: arguments");
   const BelowAutograd below;
   if (L > 0) {
-    const std::vector<TeamLayer> plan = team_plan(x, w, names, ints, floats, cos, sin, kc, vc, pos, qpos, index);
-    bool ascending = true;  // distinct taps in order (each layer's output copied once)
-    for (size_t t = 0; t < taps.size(); ++t)
-      ascending = ascending && taps[t] >= 0 && taps[t] < static_cast<int64_t>(L) && (t == 0 || taps[t] > taps[t - 1]);
-    if (plan.size() == L && ascending) {
-      bool same_heads = true;  // one buffer layout for every layer's attention
-      for (size_t i = 1; i < L; ++i)
-        same_heads = same_heads && ints[14 * i + 8] == ints[8] && ints[14 * i + 9] == ints[9] &&
-                     ints[14 * i + 10] == ints[10];
-      if (same_heads) return team_stack(plan, x, pos, qpos, index, ints[8], ints[9], ints[10], taps);
-    }
+    const std::vector<TeamLayer> plan = team_plan(x, w, names, ints, floats, cos, sin, kc, vc, pos, qpos, index, taps);
+    if (plan.size() == L) return team_stack(plan, x, pos, qpos, index, ints[8], ints[9], ints[10], taps);
   }
   std::vector<at::Tensor> out(1);
   at::Tensor h = x;

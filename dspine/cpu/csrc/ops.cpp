@@ -363,8 +363,7 @@ at::Tensor attend_cache(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   check_caches(kc, vc);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "attend_cache: float32 queries");
   const int64_t D = q.size(3);
-  if (D % VL != 0 || (D / VL != 2 && D / VL != 4 && D / VL != 8 && D / VL != 16))
-    return attend_cache_ref(q, kc, vc, pos, window, scale);
+  if (!dspine::team::attention_supported(D)) return attend_cache_ref(q, kc, vc, pos, window, scale);
   if (kc.scalar_type() == at::kBFloat16) return attend_cache_impl<uint16_t>(q, kc, vc, pos, window, scale);
   return attend_cache_impl<float>(q, kc, vc, pos, window, scale);
 }
@@ -509,7 +508,7 @@ void rope_store_rows(float* qkv, const float* cos, const float* sin, const int64
                      int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t cap, int64_t d, int64_t m0, int64_t m1) {
   rope_rows(qkv, cos, sin, pos, kc, vc, T, Hq, Hkv, D, cap, d, m0, m1);
 }
-bool attention_supported(int64_t D) {
+bool attention_supported(int64_t D) {  // Attend's head sizes (attend_cache: the reference loop for others)
   return D % dspine::VL == 0 && (D / dspine::VL == 2 || D / dspine::VL == 4 || D / dspine::VL == 8 ||
                                  D / dspine::VL == 16);
 }
