@@ -37,6 +37,16 @@ def _crash_trace():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_verdicts(tmp_path_factory):
+    """The session's children on the scripted engine share xgrammar's verdicts on the structures they meet
+    (``tests/scripted_cli.py``'s ``remember_verdicts``): a staged job's child then starts in ~1.2 s, not ~4 s,
+    and the one-path matrix starts hundreds of them."""
+    os.environ["DSPINE_TEST_VERDICTS"] = str(tmp_path_factory.mktemp("verdicts"))
+    yield
+    os.environ.pop("DSPINE_TEST_VERDICTS", None)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scripted_cli import scripted_engine  # noqa: E402  (not tests/helpers.py: a child imports no torch)
+from scripted_cli import remember_verdicts, scripted_engine  # noqa: E402  (not tests/helpers.py: a child imports no torch)
 
 from dspine_batch.cli import main  # noqa: E402
 from dspine_batch.engines.registry import engines_replaced  # noqa: E402
@@ -44,5 +44,6 @@ def _arm(spec: str) -> None:
 if __name__ == "__main__":
     if os.environ.get("DSPINE_TEST_KILL_AT"):
         _arm(os.environ["DSPINE_TEST_KILL_AT"])
+    remember_verdicts()
     with engines_replaced(scripted_engine):
         main()
