@@ -65,7 +65,8 @@ class S3Primitives(RemotePrimitives):
         for attempt in range(RETRIES):
             if not todo:
                 break
-            got = retrying(lambda t=todo: self.fs.cat(t, on_error="return"), self.display)
+            # max_concurrency=1: one GET an object, as ``get`` (s3fs asks each object's size first otherwise)
+            got = retrying(lambda t=todo: self.fs.cat(t, on_error="return", max_concurrency=1), self.display)
             failed = []
             for p in todo:
                 v = got.get(p) if isinstance(got, dict) else None

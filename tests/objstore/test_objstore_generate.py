@@ -162,3 +162,32 @@ def test_default_part_size_is_the_outdirs_own(tmp_path, s3, bucket):
     assert len(s3.glob(f"{bucket}/one/*.parquet")) == 1
     assert run_cli(["generate", str(src), *fast, "--commit-rows", "1000", "-o", f"s3://{bucket}/three"]) == 0
     assert len(s3.glob(f"{bucket}/three/*.parquet")) == 3
+
+
+def test_small_objects_are_read_with_one_get_each(s3env, s3_endpoint, bucket, monkeypatch):
+    """A commit record, the manifest or a batch of records is one GET an object, no HEAD before it (s3fs asks an
+    object's size first unless told not to): a resume or a finalize reads every record, and on a real store each
+    request is tens of milliseconds."""
+    from dspine_batch.storage import fs
+    from dspine_batch.storage.objects import ObjectStore
+
+    seen: list[bytes] = []
+
+    def hook(chunk: bytes) -> bool:
+        seen.append(chunk.split(b" ", 1)[0])
+        return False
+
+    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        fs.set_options({})
+        store = ObjectStore(f"s3://{bucket}/out")
+        for i in range(3):
+            store.put(f"_dspine/keys/r{i}.json", b"{}")
+        seen.clear()
+        got = store.cat_many([store.path(f"_dspine/keys/r{i}.json") for i in range(3)] + [store.path("missing")])
+        assert got == {**{store.path(f"_dspine/keys/r{i}.json"): b"{}" for i in range(3)}, store.path("missing"): None}
+        assert store.get("_dspine/keys/r0.json") == b"{}"
+        assert sorted(seen) == [b"GET"] * 5, seen
+    finally:
+        proxy.close()
