@@ -10,14 +10,17 @@ compute, and how far our step and our engine are from that.
    one-token step reads (every weight as our kernels store it, plus the KV cache it attends over) and the
    multiply-adds a token costs (the linears, the head, attention over ``--ctx`` keys).
 3. The roof of a forward of ``rows`` x ``tokens``: the larger of bytes / bandwidth and rows x tokens x MACs / the
-   best GEMM rate measured among the arithmetics that compute the setting's products exactly (``arithmetic``:
+   best GEMM rate measured (torch's, or our own prefill's in the first engine setting: 4.) among the arithmetics that
+   compute the setting's products exactly (``arithmetic``:
    fp32 for the fp32 settings; bf16 or fp32 for bf16 ones, since bf16 operands are exact in fp32 and a CPU without
    bf16 instructions emulates them slower than fp32; int8, bf16 or fp32 for the integer ones). Then the one-token
    step and the 2/4-token verifies (``bench_step.make_step``: ~``--ctx`` tokens of context, the head included) at
    ``--rows``, timed with the settings alternating rep by rep, as ms and as a multiple of that roof.
 4. The reference engine's plain decoding (``bench_peers.run_ours``: ``--n`` chat prompts, greedy, ``--new-tokens``
    each, ``batch_size`` = rows, every request queued) at ``--engine-rows``, as tok/s against the roof's tok/s
-   (rows / the one-token roof) and against the bare step's (rows / the measured step).
+   (rows / the one-token roof) and against the bare step's (rows / the measured step); and the same prompts read in
+   one packed forward (the prefill the engine's run also does, which the roof's tok/s does not count), in GMAC/s
+   against the measured peak.
 
     python scripts/bench/bench_roofline.py
     python scripts/bench/bench_roofline.py --settings bf16 q8 --rows 1 8 32 64 --engine-rows 8 32 64 --json r.json
@@ -142,6 +145,7 @@ def target_cost(target, ctx: int) -> dict:
         cost = linear_cost(module)
         if cost is not None:
             weights, macs = weights + cost[0], macs + cost[1]
+    decoder_macs = macs
     head = getattr(target, "infer_head", None)
     cost = linear_cost(head) if head is not None else (target.head_weight.nbytes, target.head_weight.numel())
     weights, macs = weights + cost[0], macs + cost[1]
@@ -151,6 +155,7 @@ def target_cost(target, ctx: int) -> dict:
     kv_per_row = target.num_layers * 2 * a.n_kv * a.head_dim * ctx * kv_elem
     attn_macs = target.num_layers * 2 * a.n_heads * a.head_dim * ctx
     return {"weights_bytes": weights + norms, "kv_bytes_per_row": kv_per_row, "linear_macs_per_token": macs,
+            "decoder_macs_per_token": decoder_macs,
             "attention_macs_per_token": attn_macs, "macs_per_token": macs + attn_macs,
             "bf16_bytes": 2 * macs + norms}  # every linear weight (the head's included) in bf16
 
@@ -165,7 +170,8 @@ def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, setting: str) -> dic
     """The roof of a forward of rows x tokens: max(bytes / bandwidth, MACs / peak), and which one binds."""
     moved = cost["weights_bytes"] + rows * cost["kv_bytes_per_row"]
     t_bytes = moved / (mach["bandwidth_GBps"] * 1e9)
-    peak = max(mach["peak_GMACps"].get(kind) or 0.0 for kind in arithmetic(setting))
+    peak = max([mach["peak_GMACps"].get(kind) or 0.0 for kind in arithmetic(setting)]
+               + [mach.get("prefill_GMACps", {}).get(setting) or 0.0])
     t_macs = rows * tokens * cost["macs_per_token"] / (peak * 1e9)
     return {"ms": 1e3 * max(t_bytes, t_macs), "bytes_ms": 1e3 * t_bytes, "macs_ms": 1e3 * t_macs,
             "bound": "bytes" if t_bytes >= t_macs else "MACs"}
@@ -229,19 +235,16 @@ def engine_tok_s(settings: list[str], rows: list[int], n: int, new: int, repeats
     """Plain decoding through the reference engine (``bench_peers.run_ours``), ``max(n, rows)`` prompts (the chat
     prompts of examples/prompts.jsonl, cycled with a numbered suffix past its end): generated tok/s, the median of
     ``repeats`` runs, settings alternating."""
-    from bench_peers import load_prompts, run_ours
+    from bench_peers import run_ours
 
     from dspine.embedded.smollm2 import embedded_target_path
     from dspine.models.tokenizer import HFTokenizer
 
     tok = HFTokenizer(Path(embedded_target_path()))
-    base = load_prompts(REPO / "examples" / "prompts.jsonl", 10**6)
     stops = set(tok.stop_token_ids([]))
     out: dict[tuple, float] = {}
     for c in rows:
-        count = max(n, c)
-        texts = [base[i % len(base)] + ("" if i < len(base) else f" (Variant {i // len(base)}.)") for i in range(count)]
-        ids = [list(tok.render_chat([{"role": "user", "content": p}])) for p in texts]
+        ids = engine_prompts(tok, max(n, c))
         runs: dict[str, list[float]] = {s: [] for s in settings}
         outputs: dict[str, list[list[int]]] = {}
         for rep in range(repeats):
@@ -259,9 +262,41 @@ def engine_tok_s(settings: list[str], rows: list[int], n: int, new: int, repeats
                          for a, b in zip(outputs[s], ref))
             out[(s, c, "agree")] = f"{same}/{len(ref)} rows identical, {prefix / max(1, sum(map(len, ref))):.2f} " \
                                    f"of tokens before the first difference"
-        print(json.dumps({"engine_rows": c, "prompts": count, **{s: round(out[(s, c)], 1) for s in settings},
+        print(json.dumps({"engine_rows": c, "prompts": len(ids), **{s: round(out[(s, c)], 1) for s in settings},
                           **{f"{s} vs {settings[0]}": out[(s, c, "agree")] for s in settings[1:]}}), flush=True)
     return out
+
+
+def engine_prompts(tok, count: int) -> list[list[int]]:
+    """The engine runs' prompts: the chat prompts of examples/prompts.jsonl, cycled with a numbered suffix past its
+    end, rendered with the chat template."""
+    from bench_peers import load_prompts
+
+    base = load_prompts(REPO / "examples" / "prompts.jsonl", 10**6)
+    texts = [base[i % len(base)] + ("" if i < len(base) else f" (Variant {i // len(base)}.)") for i in range(count)]
+    return [list(tok.render_chat([{"role": "user", "content": p}])) for p in texts]
+
+
+def prefill_rate(target, ids: list[list[int]], macs_per_token: float, reps: int = 3) -> dict:
+    """``ids`` read in one packed forward (``n_valid``: each prompt its real tokens), best of ``reps``: the prefill
+    an engine run does before its steps, as ms and GMAC/s (``macs_per_token``: the decoder's linears; the forward
+    computes no logits, and its attention over ~50 keys is left out, so the rate is if anything low)."""
+    import torch
+
+    lens = [len(r) for r in ids]
+    x = torch.zeros(len(ids), max(lens), dtype=torch.long)
+    for i, r in enumerate(ids):
+        x[i, : len(r)] = torch.tensor(r)
+    n_valid = torch.tensor(lens)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(reps):
+            cache = target.new_cache(len(ids), max(lens) + 1)
+            t = time.perf_counter()
+            target.forward(x, cache, n_valid=n_valid)
+            best = min(best, time.perf_counter() - t)
+    return {"prompts": len(ids), "tokens": sum(lens), "ms": round(1e3 * best, 1),
+            "GMACps": round(sum(lens) * macs_per_token / best / 1e9, 1)}
 
 
 def uptime() -> str:
@@ -286,6 +321,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--engine-repeats", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-prefill", action="store_true", help="do not time the engine's prompts in one packed "
+                    "forward (by default its GMAC/s is printed and the roof takes it when larger than torch's peak)")
     ap.add_argument("--compare", action="store_true", help="also time the first setting as it ran before issue 53: "
                     "the bf16 family on AVX512-BF16 (not AMX) and the layers op by op, and on AMX op by op; and "
                     "the first setting with one fused call a layer instead of one for all layers (per-layer), and "
@@ -321,6 +358,23 @@ def main() -> None:
     report |= {"machine": mach, "target": {n: {"kernel": tg.kernel, **costs[n]} for n, tg in targets.items()}}
     print(json.dumps({"machine": mach}), flush=True)
     print(json.dumps({"target": report["target"]}), flush=True)
+
+    # our own prefill of the engine's prompts is a GEMM rate measured on this machine too: on a noisy host torch's
+    # fp32 linear has read lower than it, which made every "x roof" flatter
+    prefill = {}
+    if not args.skip_prefill:
+        from dspine.models.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(Path(path))
+        s0 = (args.engine_settings or args.settings[:1])[0]
+        tg = targets.get(s0) or load_target(path, **SETTINGS[s0])
+        cost = costs.get(s0) or target_cost(tg, args.ctx)
+        ids = engine_prompts(tok, max([args.n, *args.engine_rows]))
+        prefill = prefill_rate(tg, ids, cost["decoder_macs_per_token"])  # a prefill runs no head
+        prefill |= {"setting": s0, "torch_peak_GMACps": max(mach["peak_GMACps"].get(k) or 0.0 for k in arithmetic(s0))}
+        mach["prefill_GMACps"] = {s0: prefill["GMACps"]}
+        print(json.dumps({"prefill": prefill}), flush=True)
+    report["prefill"] = prefill
 
     from dspine.cpu import kernels
 
@@ -391,6 +445,10 @@ def main() -> None:
         for k, e in engine.items():
             print(f"| {k} | {e['tok_s']} | {e['roof_tok_s']} | {e['x_roof']} | {e['bare_step_tok_s']} | "
                   f"{e['x_bare']} | {e['greedy_vs_first']} |")
+    if prefill:
+        print(f"\nthe engine's prompts in one packed forward ({prefill['setting']}): {prefill['prompts']} prompts, "
+              f"{prefill['tokens']} tokens in {prefill['ms']} ms = {prefill['GMACps']} GMAC/s (torch's GEMM peak "
+              f"this run {prefill['torch_peak_GMACps']}; the roof takes the larger)")
 
 
 if __name__ == "__main__":
