@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
 from dspine_batch.ops.funnel import drop_reason
 from dspine_batch.outdir.layout import part_name
-from dspine_batch.outdir.output import arrow_path, open_output
+from dspine_batch.outdir.output import open_output, read_part
 from dspine_batch.outdir.schema import BASE_NAMES, SOURCE_STATS
 from dspine_batch.outdir.watermark import Span
 from dspine_batch.requests.mapping import WorkItem
@@ -88,12 +87,10 @@ def committed_tallies(paths: list[str]) -> SinkStats:
     parts (killed between a commit and the state's save that follows it, or a --retry-errors that took rows out),
     so its totals are the parts' and never count a row twice or miss one."""
     total = SinkStats()
-    wanted = ["row_id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
-              "accept_length", "kept", "dropped_by", *SOURCE_STATS]
+    wanted = ("row_id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "verify_steps",
+              "accept_length", "kept", "dropped_by", *SOURCE_STATS)
     for path in paths:
-        src = arrow_path(path)
-        have = set(pq.read_schema(src["source"], filesystem=src.get("filesystem")).names)
-        t = pq.read_table(**src, columns=[c for c in wanted if c in have]).to_pydict()
+        t = read_part(path, [], wanted).to_pydict()
         seen: dict[str, bool] = {}  # row -> errored (a row's samples are in one part)
         for i, rid in enumerate(t["row_id"]):
             ok = t["status"][i] == "ok"

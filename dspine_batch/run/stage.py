@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from dspine_batch.config import GenerateConfig
 from dspine_batch.engines.base import STRUCTURE_KINDS, Engine, Result, SamplingParams, can_score
@@ -26,7 +25,7 @@ from dspine_batch.inputs.sources import InputFile
 from dspine_batch.log import log
 from dspine_batch.outdir.done import DoneSet
 from dspine_batch.outdir.keyset import key_hash, key_hashes
-from dspine_batch.outdir.output import arrow_path, committed_parts
+from dspine_batch.outdir.output import committed_parts, read_part
 from dspine_batch.outdir.schema import output_schema
 from dspine_batch.requests.answers import Answers
 from dspine_batch.requests.mapping import Columns, MapSettings, RowMapper, WorkItem
@@ -262,7 +261,7 @@ def committed_kept(st: Stage) -> tuple[np.ndarray, list[str]]:
     ids: list[str] = []
     keys: list[str] = []
     for path in part_paths_of(st):
-        t = pq.read_table(**arrow_path(path), columns=["row_id", "kept", "dedup_key"])
+        t = read_part(path, ["row_id", "kept", "dedup_key"])
         for r, k, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")), strict=True):
             if k and key:
                 ids.append(r)

@@ -11,12 +11,11 @@ import os
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dspine_batch.errors import EXIT_FATAL, EXIT_OK
 from dspine_batch.log import log
 from dspine_batch.ops.finalize import finalize
-from dspine_batch.outdir.output import SUCCESS, arrow_path, committed_parts, open_output
+from dspine_batch.outdir.output import SUCCESS, committed_parts, open_output, read_part
 from dspine_batch.stages.rows import child_ids, committed_parents
 from dspine_batch.storage.objects import ObjectStore
 
@@ -47,7 +46,7 @@ def shared_keys(stage_dir: str) -> list[tuple[str, str]]:
     first: dict[str, str] = {}
     pairs = []
     for part in committed_parts(stage_dir):
-        t = pq.read_table(**arrow_path(part.path), columns=["row_id", "kept", "dedup_key"])
+        t = read_part(part.path, ["row_id", "kept", "dedup_key"])
         for rid, kept, key in zip(*(t.column(c).to_pylist() for c in ("row_id", "kept", "dedup_key")), strict=True):
             if kept and key:
                 if key in first:

@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dspine_batch.engines.base import Result
 from dspine_batch.errors import RowError
 from dspine_batch.outdir.keyset import KeySet, key_hashes
-from dspine_batch.outdir.output import arrow_path
+from dspine_batch.outdir.output import read_part
 from dspine_batch.requests.mapping import WorkItem
 from dspine_batch.stages import near
 from dspine_batch.stages.keylog import Entry, KeyLog
@@ -134,7 +133,7 @@ def committed_parents(paths: Iterable[str], samples: int) -> Iterator[Parent]:
     """The kept rows of a stage's committed parts (``paths``, in commit order) as parents of the next stage:
     what a resume queues again and what ``finalize`` expects the next stage to hold."""
     for path in paths:
-        for r in pq.read_table(**arrow_path(path), columns=PARENT_COLUMNS).to_pylist():
+        for r in read_part(path, PARENT_COLUMNS).to_pylist():
             if r["kept"] and r["status"] == "ok" and r["output"] is not None:
                 yield Parent(r["row_id"], r["sample_index"], samples, r["output"], r["structure_kind"],
                              r["root_id"] or r["row_id"], json.loads(r["lineage"] or "{}"),

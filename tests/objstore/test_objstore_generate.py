@@ -191,3 +191,29 @@ def test_small_objects_are_read_with_one_get_each(s3env, s3_endpoint, bucket, mo
         assert sorted(seen) == [b"GET"] * 5, seen
     finally:
         proxy.close()
+
+
+def test_a_part_is_read_with_one_head(s3env, s3_endpoint, bucket, s3, monkeypatch):
+    """``read_part`` (a resume's parents, a finalize's checks, the tallies of a lagging state) asks an object's size
+    once: pyarrow handed the filesystem asked for its info and opened it twice, five HEADs a part."""
+    from dspine_batch.outdir.output import read_part
+    from dspine_batch.storage import fs
+
+    with s3.open(f"{bucket}/out/train-00000-of-00001-000001.parquet", "wb") as f:
+        pq.write_table(pa.table({"row_id": ["a", "b"], "kept": [True, False], "extra": [1, 2]}), f)
+    seen: list[bytes] = []
+
+    def hook(chunk: bytes) -> bool:
+        seen.append(chunk.split(b" ", 1)[0])
+        return False
+
+    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        fs.set_options({})
+        url = f"s3://{bucket}/out/train-00000-of-00001-000001.parquet"
+        t = read_part(url, ["row_id"], ("kept", "missing"))
+        assert t.column_names == ["row_id", "kept"] and t.column("row_id").to_pylist() == ["a", "b"]
+        assert seen.count(b"HEAD") == 1 and set(seen) == {b"HEAD", b"GET"}, seen
+    finally:
+        proxy.close()
