@@ -294,22 +294,17 @@ def read_part(path: str, columns: list[str] | None = None, optional: tuple[str, 
     bytes read ahead from there: pyarrow handed the fsspec filesystem asks for the object's info and opens it twice
     within one ``read_table``, five HEADs an object before its GETs (counted on moto), and a resume or a
     ``finalize`` reads every part of a stage."""
+    from contextlib import nullcontext
+
     import pyarrow.parquet as pq
 
-    if not is_url(path):
-        with pq.ParquetFile(path) as pf:
-            return pf.read(columns=_wanted(pf, columns, optional))
     from dspine_batch.storage.fs import open_file
 
-    with open_file(path) as f, pq.ParquetFile(f) as pf:
-        return pf.read(columns=_wanted(pf, columns, optional))
-
-
-def _wanted(pf: Any, columns: list[str] | None, optional: tuple[str, ...]) -> list[str] | None:
-    if columns is None or not optional:
-        return columns
-    have = set(pf.schema_arrow.names)
-    return [*columns, *(c for c in optional if c in have)]
+    with (open_file(path) if is_url(path) else nullcontext(path)) as src, pq.ParquetFile(src) as pf:
+        if columns is not None and optional:
+            have = set(pf.schema_arrow.names)
+            columns = [*columns, *(c for c in optional if c in have)]
+        return pf.read(columns=columns)
 
 
 def shard_states(where: str) -> list[tuple[str, dict[str, Any]]]:

@@ -166,12 +166,16 @@ def torch_dtype_size(dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
+def torch_peak(mach: dict, setting: str) -> float:
+    """The best GEMM rate torch reached here among the arithmetics that compute ``setting``'s products exactly."""
+    return max(mach["peak_GMACps"].get(kind) or 0.0 for kind in arithmetic(setting))
+
+
 def roof_ms(cost: dict, mach: dict, rows: int, tokens: int, setting: str) -> dict:
     """The roof of a forward of rows x tokens: max(bytes / bandwidth, MACs / peak), and which one binds."""
     moved = cost["weights_bytes"] + rows * cost["kv_bytes_per_row"]
     t_bytes = moved / (mach["bandwidth_GBps"] * 1e9)
-    peak = max([mach["peak_GMACps"].get(kind) or 0.0 for kind in arithmetic(setting)]
-               + [mach.get("prefill_GMACps", {}).get(setting) or 0.0])
+    peak = max(torch_peak(mach, setting), mach.get("prefill_GMACps", {}).get(setting) or 0.0)
     t_macs = rows * tokens * cost["macs_per_token"] / (peak * 1e9)
     return {"ms": 1e3 * max(t_bytes, t_macs), "bytes_ms": 1e3 * t_bytes, "macs_ms": 1e3 * t_macs,
             "bound": "bytes" if t_bytes >= t_macs else "MACs"}
@@ -371,7 +375,7 @@ def main() -> None:
         cost = costs.get(s0) or target_cost(tg, args.ctx)
         ids = engine_prompts(tok, max([args.n, *args.engine_rows]))
         prefill = prefill_rate(tg, ids, cost["decoder_macs_per_token"])  # a prefill runs no head
-        prefill |= {"setting": s0, "torch_peak_GMACps": max(mach["peak_GMACps"].get(k) or 0.0 for k in arithmetic(s0))}
+        prefill |= {"setting": s0, "torch_peak_GMACps": torch_peak(mach, s0)}
         mach["prefill_GMACps"] = {s0: prefill["GMACps"]}
         print(json.dumps({"prefill": prefill}), flush=True)
     report["prefill"] = prefill

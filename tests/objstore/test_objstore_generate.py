@@ -164,56 +164,48 @@ def test_default_part_size_is_the_outdirs_own(tmp_path, s3, bucket):
     assert len(s3.glob(f"{bucket}/three/*.parquet")) == 3
 
 
-def test_small_objects_are_read_with_one_get_each(s3env, s3_endpoint, bucket, monkeypatch):
+@pytest.fixture
+def methods_seen(s3env, s3_endpoint, monkeypatch):
+    """The method of every request this process sends to S3 from here on (through a proxy that only counts)."""
+    from dspine_batch.storage import fs
+
+    seen: list[bytes] = []
+
+    def hook(chunk: bytes) -> bool:
+        seen.append(chunk.split(b" ", 1)[0])
+        return False
+
+    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    fs.set_options({})
+    yield seen
+    proxy.close()
+
+
+def test_small_objects_are_read_with_one_get_each(bucket, methods_seen):
     """A commit record, the manifest or a batch of records is one GET an object, no HEAD before it (s3fs asks an
     object's size first unless told not to): a resume or a finalize reads every record, and on a real store each
     request is tens of milliseconds."""
-    from dspine_batch.storage import fs
     from dspine_batch.storage.objects import ObjectStore
 
-    seen: list[bytes] = []
-
-    def hook(chunk: bytes) -> bool:
-        seen.append(chunk.split(b" ", 1)[0])
-        return False
-
-    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        fs.set_options({})
-        store = ObjectStore(f"s3://{bucket}/out")
-        for i in range(3):
-            store.put(f"_dspine/keys/r{i}.json", b"{}")
-        seen.clear()
-        got = store.cat_many([store.path(f"_dspine/keys/r{i}.json") for i in range(3)] + [store.path("missing")])
-        assert got == {**{store.path(f"_dspine/keys/r{i}.json"): b"{}" for i in range(3)}, store.path("missing"): None}
-        assert store.get("_dspine/keys/r0.json") == b"{}"
-        assert sorted(seen) == [b"GET"] * 5, seen
-    finally:
-        proxy.close()
+    store = ObjectStore(f"s3://{bucket}/out")
+    for i in range(3):
+        store.put(f"_dspine/keys/r{i}.json", b"{}")
+    methods_seen.clear()
+    got = store.cat_many([store.path(f"_dspine/keys/r{i}.json") for i in range(3)] + [store.path("missing")])
+    assert got == {**{store.path(f"_dspine/keys/r{i}.json"): b"{}" for i in range(3)}, store.path("missing"): None}
+    assert store.get("_dspine/keys/r0.json") == b"{}"
+    assert sorted(methods_seen) == [b"GET"] * 5, methods_seen
 
 
-def test_a_part_is_read_with_one_head(s3env, s3_endpoint, bucket, s3, monkeypatch):
+def test_a_part_is_read_with_one_head(bucket, s3, methods_seen):
     """``read_part`` (a resume's parents, a finalize's checks, the tallies of a lagging state) asks an object's size
     once: pyarrow handed the filesystem asked for its info and opened it twice, five HEADs a part."""
     from dspine_batch.outdir.output import read_part
-    from dspine_batch.storage import fs
 
     with s3.open(f"{bucket}/out/train-00000-of-00001-000001.parquet", "wb") as f:
         pq.write_table(pa.table({"row_id": ["a", "b"], "kept": [True, False], "extra": [1, 2]}), f)
-    seen: list[bytes] = []
-
-    def hook(chunk: bytes) -> bool:
-        seen.append(chunk.split(b" ", 1)[0])
-        return False
-
-    proxy = FaultProxy(s3_endpoint, p503=0, pdrop=0, pdelay=0, pcut=0, on_request=hook)
-    try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        fs.set_options({})
-        url = f"s3://{bucket}/out/train-00000-of-00001-000001.parquet"
-        t = read_part(url, ["row_id"], ("kept", "missing"))
-        assert t.column_names == ["row_id", "kept"] and t.column("row_id").to_pylist() == ["a", "b"]
-        assert seen.count(b"HEAD") == 1 and set(seen) == {b"HEAD", b"GET"}, seen
-    finally:
-        proxy.close()
+    url = f"s3://{bucket}/out/train-00000-of-00001-000001.parquet"
+    t = read_part(url, ["row_id"], ("kept", "missing"))
+    assert t.column_names == ["row_id", "kept"] and t.column("row_id").to_pylist() == ["a", "b"]
+    assert methods_seen.count(b"HEAD") == 1 and set(methods_seen) == {b"HEAD", b"GET"}, methods_seen
